@@ -1,0 +1,37 @@
+# Two set-up-free entry points (see README): `make run` and `make test`.
+# Both build .venv on first use; torch comes from the local CPU build where no torch is present,
+# so a fresh machine never downloads a multi-GB CUDA build.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: run test bench services clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==$(TORCH_VERSION)
+	$(VPY) -m pip install -q -e '.[test,redis]'
+	touch $(STAMP)
+
+# The main job: replay the shipped trace through L1+L2+L3 on embedded defaults.
+run: $(STAMP)
+	$(VENV)/bin/hicache replay
+
+services:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server redis-tools) >/dev/null || \
+	  echo "redis-server could not be installed; redis tests will be skipped"; }
+
+# The whole test suite, slow and service-backed tests included.
+test: $(STAMP) services
+	$(VPY) -m pytest -q
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(VPY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,54 @@
+"""The storage (L3) protocol every backend implements.
+
+A page's bytes live in the host pool as one or more contiguous pieces (one for page-first
+layouts, one per layer and K/V for layer-first); a backend reads and writes those pieces in
+place (zero-copy), so a `PageBuffer` is the ordered list of pieces whose concatenation is
+the page's value. Keys are full L3 keys (namespace included), opaque to the backend.
+
+Failure contract: a backend never raises for a missing, corrupt or unreachable value; it
+reports a miss (a shorter count) and leaves an event. Only programming errors raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+PageBuffer = Sequence[memoryview]
+"""The pieces of one page in host memory, in order; each a C-contiguous byte view."""
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """An L3 store of page values keyed by chained page hashes. Methods may be awaited
+    concurrently from one event loop; a backend that blocks runs its I/O in worker threads."""
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, are present (stops at the first absent one)."""
+        ...
+
+    async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
+        """Read each key's value into its target pieces; return how many pages, from the
+        first, were read and verified. Pages past the returned count may hold garbage and
+        must not be used. Corrupt values count as misses and are deleted."""
+        ...
+
+    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
+        """Store each page's pieces under its key; return how many, from the first, are stored."""
+        ...
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove keys; absent keys are ignored."""
+        ...
+
+    async def clear(self) -> None:
+        """Remove every value under this backend's namespace."""
+        ...
+
+    def stats(self) -> Mapping[str, int | float]:
+        """Counters: at least gets, get_hits, sets, bytes_read, bytes_written, corrupt."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections and threads. Idempotent."""
+        ...
