@@ -1,0 +1,136 @@
+"""Frozen configuration of one cache instance, its validation and its rewrites.
+
+`CacheConfig` is what an engine author writes; `CacheConfig.resolve()` returns the config that
+will actually run plus the rewrites applied (each becomes a `config.rewritten` warning event),
+or raises `ConfigError` naming the field where no rewrite is sound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+IO_BACKENDS = ("kernel", "direct")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field and the accepted values."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    field: str
+    old: object
+    new: object
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    # geometry of the KV bytes: "mha:LAYERS:HEADS:HEAD_DIM:DTYPE" or "mla:LAYERS:RANK:ROPE:DTYPE"
+    kv: str = "mha:4:2:64:float16"
+    page_size: int = 64
+    device_tokens: int = 65_536
+    host_tokens: int | None = None  # default: 2 x device_tokens (the seed's hicache_ratio)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] = "page_first"
+    io_backend: Literal["kernel", "direct"] = "kernel"
+
+    eviction: str = "lru"
+    write_policy: str = "write_through_selective"
+    # exclusive L2: a victim tier that takes what L1 drops and gives up its copy on load-back
+    exclusive: bool = False
+    load_back_threshold: int = 10  # tokens; smaller L2 hits are not worth a transfer
+
+    storage: str | None = None  # None | "memory" | "file:DIR" | "redis://..." | "module:Class"
+    model_id: str = "model"
+    tenant: str = ""
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold: int = 256  # tokens; clamped up to page_size
+    prefetch_timeout_base: float = 1.0  # seconds
+    prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens
+    prefetch_rate_fraction: float = 0.8  # in-flight prefetch tokens <= this x (host - device)
+    storage_batch_pages: int = 128
+    upload_retries: int = 3
+    upload_backoff: float = 0.05  # seconds, doubled per retry
+
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    channel_capacity: int = 256  # every mailbox; credits are derived from it
+    deterministic: bool = False
+    seed: int = 0
+    transfer_bandwidth: float = 20e9  # bytes/s, virtual streams only (deterministic mode)
+
+    extra: dict[str, object] = field(default_factory=dict)  # backend options
+
+    @property
+    def host_capacity(self) -> int:
+        return self.host_tokens if self.host_tokens is not None else 2 * self.device_tokens
+
+    @property
+    def effective_prefetch_threshold(self) -> int:
+        return max(self.prefetch_threshold, self.page_size)
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """The `timeout` policy's deadline for a prefetch of `num_tokens` (whole pages)."""
+        return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
+
+    def resolve(self) -> tuple[CacheConfig, tuple[Rewrite, ...]]:
+        """Validate, then rewrite unsupported combinations. Pure; raises ConfigError."""
+        _check_choice("eviction", self.eviction, EVICTION_POLICIES)
+        _check_choice("write_policy", self.write_policy, WRITE_POLICIES)
+        _check_choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("io_backend", self.io_backend, IO_BACKENDS)
+        _check_positive("page_size", self.page_size)
+        _check_positive("device_tokens", self.device_tokens)
+        _check_positive("channel_capacity", self.channel_capacity)
+        _check_positive("storage_batch_pages", self.storage_batch_pages)
+        if self.channel_capacity < 4:
+            raise ConfigError("channel_capacity must be at least 4 (credits need room)")
+        if self.device_tokens % self.page_size:
+            raise ConfigError(
+                f"device_tokens={self.device_tokens} is not a multiple of page_size={self.page_size}"
+            )
+        host = self.host_capacity
+        if host % self.page_size:
+            raise ConfigError(f"host_tokens={host} is not a multiple of page_size={self.page_size}")
+        if host <= self.device_tokens:
+            raise ConfigError(
+                f"host_tokens={host} must be larger than device_tokens={self.device_tokens}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} is outside tp_size={self.tp_size}")
+        if self.load_back_threshold < 0 or self.prefetch_threshold < 0:
+            raise ConfigError("thresholds must be >= 0")
+        if not 0 < self.prefetch_rate_fraction <= 1:
+            raise ConfigError("prefetch_rate_fraction must be in (0, 1]")
+
+        rewrites: list[Rewrite] = []
+        cfg = self
+        if cfg.io_backend == "direct" and cfg.layout == "page_first":
+            rewrites.append(Rewrite("layout", "page_first", "page_first_direct",
+                                    "direct io copies whole per-layer page runs; page_first has none"))
+            cfg = replace(cfg, layout="page_first_direct")
+        if cfg.kv.startswith("mla") and cfg.layout == "page_head":
+            raise ConfigError("layout='page_head' splits by head and needs MHA; MLA has one latent head")
+        if cfg.exclusive and cfg.write_policy != "write_back":
+            rewrites.append(Rewrite("write_policy", cfg.write_policy, "write_back",
+                                    "an exclusive L2 only takes what L1 drops"))
+            cfg = replace(cfg, write_policy="write_back")
+        return cfg, tuple(rewrites)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
