@@ -180,6 +180,7 @@ class Backup:
     op: OpId
     device_slots: np.ndarray
     host_slots: np.ndarray
+    reply: Reply | None = None  # set: an eviction waits for this copy (answered ok: bool)
 
 
 @_msg

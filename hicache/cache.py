@@ -1,0 +1,232 @@
+"""`HiCache`: the facade a serving loop calls. An async context manager that builds the pools,
+the cores and the actors, starts the kernel, and on exit drains in-flight work and checks that
+every ledger balances.
+
+Every call is a request to the tree actor; the batched forms (`*_many`) carry a whole scheduler
+step in one message, which is what keeps the actor path cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import anyio
+import numpy as np
+
+from hicache.components.allocator.actor import AllocatorActor
+from hicache.components.allocator.core import SlotLedger
+from hicache.components.loader.actor import LoaderActor
+from hicache.components.tree.actor import TreeActor
+from hicache.components.tree.core import RadixTree
+from hicache.components.writer.actor import WriterActor
+from hicache.config import CacheConfig
+from hicache.kernels.geometry import parse_kv_spec
+from hicache.kernels.pools import DevicePool, HostPool
+from hicache.kernels.streams import make_streams
+from hicache.messages import (
+    AllocBatch, CacheBatch, CacheItem, Drain, DumpTree, Flush, GetStats, LoadBackBatch,
+    MatchBatch, MatchItem, ReleaseBatch,
+)
+from hicache.observability import EventLog
+from hicache.policies.eviction import make_strategy
+from hicache.policies.write import make_write_policy
+from hicache.results import CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome
+from hicache.runtime import Kernel
+from hicache.types import RequestId
+
+
+class LedgerImbalance(RuntimeError):
+    """After close, a ledger still holds slots: something leaked."""
+
+
+class HiCache:
+    """A hierarchical KV cache instance. Use as `async with HiCache(config) as cache:`."""
+
+    def __init__(
+        self,
+        config: CacheConfig | None = None,
+        *,
+        device_pool: DevicePool | None = None,
+        log: EventLog | None = None,
+        streams=None,
+    ) -> None:
+        self.requested_config = config or CacheConfig()
+        self.config, self.rewrites = self.requested_config.resolve()
+        self._device_pool = device_pool
+        self._log = log
+        self._streams_override = streams
+        self._kernel: Kernel | None = None
+        self._tree_inbox = None
+        self._admission: anyio.Semaphore | None = None
+        self.close_report: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> HiCache:
+        cfg = self.config
+        geometry = parse_kv_spec(cfg.kv)
+        device = self._device_pool or DevicePool.allocate(
+            geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device)
+        )
+        if device.size != cfg.device_tokens:
+            raise ValueError(
+                f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
+            )
+        host = HostPool.allocate(
+            geometry, size=cfg.host_capacity, page_size=cfg.page_size, layout=cfg.layout,
+            device_pool=device,
+        )
+        self.device_pool, self.host_pool = device, host
+        kernel = Kernel(log=self._log, deterministic=cfg.deterministic, seed=cfg.seed)
+        self._kernel = kernel
+        for rw in self.rewrites:
+            kernel.log.emit("config.rewritten", component="cache", level="warning",
+                            field=rw.field, old=rw.old, new=rw.new, reason=rw.reason)
+
+        if self._streams_override is not None:
+            streams, selection = self._streams_override, None
+        else:
+            streams, selection = make_streams(
+                device, host, io=cfg.io_backend,
+                prefer="virtual" if cfg.deterministic else "auto",
+                schedule=kernel.call_later, bandwidth=cfg.transfer_bandwidth,
+            )
+        self._streams = streams
+        if selection is not None:
+            kernel.log.emit("streams.selected", component="cache", kind=selection.kind,
+                            reason=selection.reason)
+
+        cap = cfg.channel_capacity
+        credits = max(1, cap // 8)
+        bpt = geometry.bytes_per_token
+        tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
+                         write_policy=make_write_policy(cfg.write_policy))
+        allocator = AllocatorActor(
+            device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
+            host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
+            capacity=cap,
+        )
+        tree_actor = TreeActor(
+            config=cfg, tree=tree, allocator=allocator.inbox, writer=None, loader=None,
+            bytes_per_token=bpt, capacity=cap, write_credits=credits, load_credits=credits,
+        )
+        # completions for up to 2 x credits commands (write-through and eviction backups)
+        writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
+                             capacity=4 * credits + 4)
+        loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
+                             capacity=2 * credits + 4)
+        tree_actor.connect(writer=writer.inbox, loader=loader.inbox)
+        for actor in (tree_actor, allocator, writer, loader):
+            kernel.add(actor)
+        self._tree_inbox = tree_actor.inbox
+        # frontend requests may fill the tree's inbox only up to what credits leave free
+        self._admission = anyio.Semaphore(max(1, cap - 2 * credits - 2))
+        await kernel.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        kernel = self._kernel
+        assert kernel is not None
+        try:
+            if exc_info[0] is None and kernel.failure is None:
+                report = await self._call(lambda r: Drain(reply=r))
+                self.close_report = report
+                leaked = {t: v["used"] for t, v in report.items() if v["used"]}
+                if leaked:
+                    raise LedgerImbalance(f"slots still held after close: {leaked}")
+        finally:
+            try:
+                return await kernel.__aexit__(*exc_info)
+            finally:
+                self._streams.close()
+
+    # ------------------------------------------------------------------ plumbing
+    async def _call(self, make, timeout: float | None = None):
+        assert self._kernel is not None and self._admission is not None, "use `async with`"
+        async with self._admission:
+            return await self._kernel.request(self._tree_inbox, make, timeout=timeout)
+
+    @property
+    def kernel(self) -> Kernel:
+        assert self._kernel is not None
+        return self._kernel
+
+    # ------------------------------------------------------------------ the API
+    async def match(self, rid: RequestId, tokens: Sequence[int] | np.ndarray) -> MatchOutcome:
+        """Match the longest cached page-aligned prefix and lock it for this request."""
+        (out,) = await self.match_many([(rid, tokens)])
+        return out
+
+    async def match_many(self, items: Iterable[tuple[RequestId, object]]) -> tuple[MatchOutcome, ...]:
+        batch = tuple(MatchItem(rid=rid, tokens=_tokens(t)) for rid, t in items)
+        return await self._call(lambda r: MatchBatch(items=batch, reply=r))
+
+    async def load_back(self, rid: RequestId) -> LoadBackOutcome:
+        """Bring the L2-only part of the last match into L1 (skipped below the threshold)."""
+        (out,) = await self.load_back_many([rid])
+        return out
+
+    async def load_back_many(self, rids: Iterable[RequestId]) -> tuple[LoadBackOutcome, ...]:
+        batch = tuple(rids)
+        return await self._call(lambda r: LoadBackBatch(rids=batch, reply=r))
+
+    async def allocate(self, rid: RequestId, num_tokens: int) -> np.ndarray:
+        """Device slots for new tokens, evicting L1 as needed; CapacityError if impossible."""
+        (out,) = await self.allocate_many([(rid, num_tokens)])
+        return out
+
+    async def allocate_many(self, sizes: Iterable[tuple[RequestId, int]]) -> tuple[np.ndarray, ...]:
+        batch = tuple((rid, int(n)) for rid, n in sizes)
+        return await self._call(lambda r: AllocBatch(sizes=batch, reply=r))
+
+    async def cache_finished(self, rid: RequestId, tokens, device_slots) -> CacheOutcome:
+        """Insert a finished request's KV, free duplicates, count hits, release its lock."""
+        (out,) = await self.cache_many([(rid, tokens, device_slots, True)])
+        return out
+
+    async def cache_unfinished(self, rid: RequestId, tokens, device_slots) -> CacheOutcome:
+        """Insert a chunk of a running request (no hit count); the lock moves to the new end."""
+        (out,) = await self.cache_many([(rid, tokens, device_slots, False)])
+        return out
+
+    async def cache_many(self, items) -> tuple[CacheOutcome, ...]:
+        batch = tuple(
+            CacheItem(rid=rid, tokens=_tokens(t), device_slots=np.asarray(s, dtype=np.int64),
+                      finished=bool(f))
+            for rid, t, s, f in items
+        )
+        return await self._call(lambda r: CacheBatch(items=batch, reply=r))
+
+    async def release(self, rid: RequestId) -> None:
+        """Forget a request without caching it: unlock its path, free its allocated slots."""
+        await self.release_many([rid])
+
+    async def release_many(self, rids: Iterable[RequestId]) -> None:
+        batch = tuple(rids)
+        await self._call(lambda r: ReleaseBatch(rids=batch, reply=r))
+
+    async def flush(self) -> None:
+        """Wait until every pending L1 -> L2 write has completed."""
+        await self._call(lambda r: Flush(reply=r))
+
+    async def stats(self) -> CacheStats:
+        return await self._call(lambda r: GetStats(reply=r))
+
+    async def dump(self) -> list[dict]:
+        return await self._call(lambda r: DumpTree(reply=r))
+
+
+def _tokens(tokens) -> np.ndarray | tuple:
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    seq = list(tokens)
+    if seq and isinstance(seq[0], tuple):
+        return tuple(seq)  # bigram keys
+    return np.asarray(seq, dtype=np.int64)
+
+
+def _device(spec: str) -> str:
+    if spec != "auto":
+        return spec
+    from hicache.kernels.streams import cuda_available
+
+    return "cuda" if cuda_available() else "cpu"

@@ -1,0 +1,446 @@
+"""The tree actor: the one owner of the radix tree, the per-request table and the tier policy.
+
+It turns frontend requests into core calls and the core's results into commands for the
+allocator (request/response: a leaf), the writer and loader (commands bounded by credits,
+completions back as fire-and-forget messages), and events. Nothing it owns is shared.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from typing_extensions import assert_never
+
+from hicache.components.tree.core import RadixTree
+from hicache.config import CacheConfig
+from hicache.messages import (
+    Alloc, AllocBatch, Backup, CacheBatch, ClearStorage, Drain, DumpTree, Flush, Free, GetStats,
+    LedgerStats, Load, LoadBackBatch, LoadDone, MatchBatch, PrefetchBatch, PrefetchPoll,
+    PrefetchProgress, PrefetchWait, ReleaseBatch, TimerFired, TreeInbox, UploadDone, WriteDone,
+)
+from hicache.results import (
+    CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome, TierStats,
+    UnknownRequest,
+)
+from hicache.runtime import Actor, Mailbox
+from hicache.types import NodeId, OpId, RequestId
+
+EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the tree knows of one running request. Owned by the tree actor."""
+
+    lock: NodeId | None = None  # the node whose path is locked for this request
+    last_node: NodeId | None = None  # deepest matched node (device or host)
+    prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # tree slots it reads
+    host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
+    owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
+
+
+@dataclass(slots=True)
+class WriteOp:
+    node: NodeId
+    host_slots: np.ndarray
+    evicting: bool  # a write_back backup that an eviction waits for
+
+
+@dataclass(slots=True)
+class LoadOp:
+    plan: object  # the core's LoadPlan
+    handle: object
+
+
+@dataclass(slots=True)
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    device_evictions: int = 0
+    host_evictions: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    skipped_loads: int = 0
+
+
+class TreeActor(Actor[TreeInbox]):
+    def __init__(
+        self,
+        *,
+        config: CacheConfig,
+        tree: RadixTree,
+        allocator: Mailbox,
+        writer: Mailbox | None,
+        loader: Mailbox | None,
+        bytes_per_token: int,
+        capacity: int,
+        write_credits: int,
+        load_credits: int,
+    ) -> None:
+        super().__init__("tree", capacity=capacity)
+        self._cfg = config
+        self._tree = tree
+        self._allocator = allocator
+        self._writer = writer
+        self._loader = loader
+        self._bpt = bytes_per_token
+        self._requests: dict[RequestId, RequestState] = {}
+        self._writes: dict[OpId, WriteOp] = {}
+        self._write_credits = write_credits
+        self._write_backlog: deque[NodeId] = deque()
+        self._loads: dict[OpId, LoadOp] = {}
+        self._load_credits = load_credits
+        self._flush_waiters: list = []  # answered when no write is pending
+        self._drain_waiters: list = []  # answered when nothing at all is in flight
+        self._next_op = 0
+        self.counters = Counters()
+
+    def connect(self, *, writer: Mailbox, loader: Mailbox) -> None:
+        """Set the workers' inboxes (they are built after the tree: they report to its inbox)."""
+        self._writer, self._loader = writer, loader
+
+    # ------------------------------------------------------------------ dispatch
+    async def handle(self, msg: TreeInbox) -> None:
+        match msg:
+            case MatchBatch(items=items, reply=reply):
+                reply.set(tuple(self._match(item.rid, item.tokens) for item in items))
+            case LoadBackBatch(rids=rids, reply=reply):
+                await self._answer(reply, self._load_back_batch(rids))
+            case AllocBatch(sizes=sizes, reply=reply):
+                await self._answer(reply, self._alloc_batch(sizes))
+            case CacheBatch(items=items, reply=reply):
+                await self._answer(reply, self._cache_batch(items))
+            case ReleaseBatch(rids=rids, reply=reply):
+                await self._answer(reply, self._release_batch(rids))
+            case Flush(reply=reply):
+                if self._writes_pending():
+                    self._flush_waiters.append(reply)
+                else:
+                    reply.set(None)
+            case GetStats(reply=reply):
+                await self._answer(reply, self._stats())
+            case DumpTree(reply=reply):
+                reply.set(self._tree.dump())
+            case Drain(reply=reply):
+                self._drain_waiters.append(reply)
+                await self._settle()
+            case WriteDone():
+                await self._write_done(msg)
+            case LoadDone():
+                await self._load_done(msg)
+            case PrefetchBatch() | PrefetchWait() | PrefetchPoll() | ClearStorage():
+                msg.reply.fail(NotImplementedError("storage tier is not configured"))
+            case UploadDone() | PrefetchProgress() | TimerFired():
+                pass
+            case _:
+                assert_never(msg)
+
+    @staticmethod
+    async def _answer(reply, coro) -> None:
+        """Run a request's work and answer it; a caller's mistake fails only that request."""
+        try:
+            value = await coro
+        except (ValueError, KeyError, LookupError) as exc:  # typed caller errors included
+            reply.fail(exc)
+        else:
+            reply.set(value)
+
+    def _op(self) -> OpId:
+        self._next_op += 1
+        return OpId(self._next_op)
+
+    def _now(self) -> float:
+        return self.kernel.now()
+
+    # ------------------------------------------------------------------ match
+    def _match(self, rid: RequestId, tokens) -> MatchOutcome:
+        result = self._tree.match(tokens, now=self._now())
+        state = self._requests.get(rid)
+        if state is None:
+            state = self._requests[rid] = RequestState()
+        self._relock(state, result.last_node)
+        state.last_node = result.last_node
+        state.prefix_slots = result.device_slots
+        state.host_len = result.host_len
+        self.counters.device_hit_tokens += len(result.device_slots)
+        pending = tuple(op.handle for op in self._loads.values()) if self._loads else ()
+        self.log.info(
+            "tree.match", rid=rid, tokens=len(tokens), device_hit=len(result.device_slots),
+            host_hit=result.host_len,
+        )
+        return MatchOutcome(
+            rid=rid, device_slots=result.device_slots, host_len=result.host_len, pending=pending
+        )
+
+    def _relock(self, state: RequestState, node: NodeId | None) -> None:
+        if node is not None:
+            self._tree.lock(node)
+        if state.lock is not None:
+            self._tree.unlock(state.lock)
+        state.lock = node
+
+    def _state(self, rid: RequestId, action: str) -> RequestState:
+        try:
+            return self._requests[rid]
+        except KeyError:
+            raise UnknownRequest(rid, action) from None
+
+    # ------------------------------------------------------------------ load back (L2 -> L1)
+    async def _load_back_batch(self, rids) -> tuple[LoadBackOutcome, ...]:
+        return tuple([await self._load_back(rid) for rid in rids])
+
+    async def _load_back(self, rid: RequestId) -> LoadBackOutcome:
+        state = self._state(rid, "load_back")
+        if state.host_len < max(1, self._cfg.load_back_threshold) or state.last_node is None:
+            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+        if self._load_credits == 0:
+            self.counters.skipped_loads += 1
+            self.log.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
+            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+        plan = self._tree.plan_load_back(state.last_node)
+        device_slots = await self._alloc_device(plan.num_tokens)
+        if device_slots is None:
+            self.log.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
+            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+        self._tree.commit_load_back(plan, device_slots)
+        op = self._op()
+        self._load_credits -= 1
+        handle = await self.kernel.request(
+            self._loader,
+            lambda reply: Load(op=op, host_slots=plan.host_slots, device_slots=device_slots,
+                               reply=reply),
+        )
+        self._loads[op] = LoadOp(plan=plan, handle=handle)
+        state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
+        state.host_len = 0
+        self.counters.host_hit_tokens += plan.num_tokens
+        self.counters.h2d_bytes += plan.num_tokens * self._bpt
+        self.log.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
+        return LoadBackOutcome(
+            rid=rid, device_slots=state.prefix_slots, loaded_tokens=plan.num_tokens, handle=handle
+        )
+
+    async def _load_done(self, msg: LoadDone) -> None:
+        op = self._loads.pop(msg.op)
+        self._load_credits += 1
+        if not msg.ok:
+            freed = self._tree.revert_load_back(op.plan)
+            await self._free("device", freed)
+            self.log.error("tree.load_failed", op=msg.op, error=msg.error, tokens=len(freed))
+        elif self._cfg.exclusive:
+            freed = self._tree.drop_host(op.plan)
+            await self._free("host", freed)
+        await self._settle()
+
+    # ------------------------------------------------------------------ allocation
+    async def _alloc_batch(self, sizes) -> tuple[np.ndarray, ...]:
+        out = []
+        for rid, n in sizes:
+            state = self._state(rid, "allocate")
+            if n < 0:
+                raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
+            slots = await self._alloc_device(n)
+            if slots is None:
+                ledger = await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
+                raise CapacityError("device", n, ledger["device"]["available"])
+            state.owned.append(slots)
+            out.append(slots)
+        return tuple(out)
+
+    async def _alloc(self, tier: str, n: int) -> np.ndarray | None:
+        return await self.kernel.request(
+            self._allocator, lambda reply: Alloc(tier=tier, num_tokens=n, reply=reply)
+        )
+
+    async def _free(self, tier: str, slots: np.ndarray) -> None:
+        if len(slots):
+            await self._allocator.send(Free(tier=tier, slots=slots))
+
+    async def _alloc_device(self, n: int) -> np.ndarray | None:
+        """Device slots for n tokens, evicting L1 (and under write_back, backing up first)."""
+        if n == 0:
+            return EMPTY
+        slots = await self._alloc("device", n)
+        for _ in range(3):
+            if slots is not None:
+                return slots
+            if not await self._evict_device(n):
+                break
+            slots = await self._alloc("device", n)
+        return slots
+
+    async def _evict_device(self, n: int) -> bool:
+        """Evict about n tokens from L1; returns whether anything was freed or demoted."""
+        ev = self._tree.evict_device(n, now=self._now())
+        await self._free("device", ev.freed)
+        progressed = len(ev.freed) > 0
+        if len(ev.freed):
+            self.counters.device_evictions += len(ev.freed)
+            self.log.info("tree.evict_device", tokens=len(ev.freed), demoted=len(ev.demoted),
+                          removed=len(ev.removed))
+        if ev.needs_backup:
+            backed = await self._backup_for_eviction(ev.needs_backup)
+            if backed:
+                ev2 = self._tree.evict_device(n, now=self._now())
+                await self._free("device", ev2.freed)
+                self.counters.device_evictions += len(ev2.freed)
+                progressed = progressed or len(ev2.freed) > 0
+        return progressed
+
+    async def _backup_for_eviction(self, nodes) -> int:
+        """write_back: copy nodes to L2 and wait for the copies (the eviction depends on them)."""
+        done = 0
+        for node in nodes:
+            length = self._tree.device_len(node)
+            host = await self._alloc_host(length)
+            if host is None:
+                break
+            self._tree.begin_backup(node, host)
+            ok = await self.kernel.request(
+                self._writer,
+                lambda reply: Backup(op=self._op(), device_slots=self._tree.device_slots(node),
+                                     host_slots=host, reply=reply),
+            )
+            freed = self._tree.end_backup(node, ok=ok)
+            await self._free("host", freed)
+            if ok:
+                done += 1
+                self.counters.d2h_bytes += length * self._bpt
+        return done
+
+    async def _alloc_host(self, n: int) -> np.ndarray | None:
+        slots = await self._alloc("host", n)
+        if slots is None:
+            ev = self._tree.evict_host(n)
+            if len(ev.freed):
+                self.counters.host_evictions += len(ev.freed)
+                self.log.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
+            await self._free("host", ev.freed)
+            slots = await self._alloc("host", n)
+        return slots
+
+    # ------------------------------------------------------------------ insert
+    async def _cache_batch(self, items) -> tuple[CacheOutcome, ...]:
+        return tuple([await self._cache(item) for item in items])
+
+    async def _cache(self, item) -> CacheOutcome:
+        state = self._state(item.rid, "cache")
+        tokens, slots = item.tokens, np.asarray(item.device_slots, dtype=np.int64)
+        if len(slots) != len(tokens):
+            raise ValueError(
+                f"request {item.rid!r}: {len(tokens)} tokens but {len(slots)} device slots"
+            )
+        page = self._cfg.page_size
+        aligned = len(tokens) // page * page
+        own = len(state.prefix_slots)
+        result = self._tree.insert(
+            tokens[:aligned], slots[:aligned], now=self._now(), chunked=not item.finished
+        )
+        # The request's own prefix slots are the tree's; passed slots for tokens someone else
+        # cached meanwhile are duplicates and go back to the ledger.
+        await self._free("device", slots[own:max(own, result.prefix_len)])
+        new_tokens = aligned - max(own, result.prefix_len)
+        for node in result.backup_candidates:
+            await self._schedule_backup(node)
+        if item.finished:
+            await self._free("device", slots[aligned:])
+            self._relock(state, None)
+            del self._requests[item.rid]
+            prefix = slots[:aligned]
+        else:
+            again = self._tree.match(tokens[:aligned], now=self._now())
+            self._relock(state, again.last_node)
+            state.last_node = again.last_node
+            state.prefix_slots = again.device_slots
+            state.host_len = 0
+            state.owned = [slots[aligned:]] if len(tokens) > aligned else []
+            prefix = again.device_slots
+        self.log.info(
+            "tree.insert", rid=item.rid, tokens=aligned, new=new_tokens,
+            finished=item.finished, backups=len(result.backup_candidates),
+        )
+        return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens)
+
+    async def _release_batch(self, rids) -> None:
+        for rid in rids:
+            state = self._state(rid, "release")
+            self._relock(state, None)
+            for slots in state.owned:
+                await self._free("device", slots)
+            del self._requests[rid]
+
+    # ------------------------------------------------------------------ write-through (L1 -> L2)
+    async def _schedule_backup(self, node: NodeId) -> None:
+        if self._write_credits == 0:
+            self._write_backlog.append(node)
+            return
+        if not self._tree.needs_backup(node):
+            return
+        length = self._tree.device_len(node)
+        host = await self._alloc_host(length)
+        if host is None:
+            self.log.warning("tree.backup_skipped", node=node, tokens=length, reason="host full")
+            return
+        self._tree.begin_backup(node, host)
+        op = self._op()
+        self._write_credits -= 1
+        self._writes[op] = WriteOp(node=node, host_slots=host, evicting=False)
+        await self._writer.send(
+            Backup(op=op, device_slots=self._tree.device_slots(node), host_slots=host, reply=None)
+        )
+        self.counters.d2h_bytes += length * self._bpt
+
+    async def _write_done(self, msg: WriteDone) -> None:
+        op = self._writes.pop(msg.op)
+        self._write_credits += 1
+        freed = self._tree.end_backup(op.node, ok=msg.ok)
+        await self._free("host", freed)
+        if not msg.ok:
+            self.log.error("tree.backup_failed", op=msg.op, node=op.node, error=msg.error)
+        while self._write_backlog and self._write_credits:
+            await self._schedule_backup(self._write_backlog.popleft())
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """Answer flushes once no write is pending, and drains once nothing is in flight."""
+        if not self._writes_pending():
+            for reply in self._flush_waiters:
+                reply.set(None)
+            self._flush_waiters.clear()
+        if self._drain_waiters and not self._writes_pending() and not self._loads:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            report = await self._drain()
+            for reply in waiters:
+                reply.set(report)
+
+    def _writes_pending(self) -> bool:
+        return bool(self._writes or self._write_backlog)
+
+    # ------------------------------------------------------------------ stats and close
+    async def _stats(self) -> CacheStats:
+        ledgers = await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
+        c = self.counters
+        dev, host = ledgers["device"], ledgers["host"]
+        return CacheStats(
+            device=TierStats(size=dev["size"], used=dev["used"],
+                             cached_tokens=self._tree.cached_tokens("device"),
+                             evictions=c.device_evictions, hit_tokens=c.device_hit_tokens),
+            host=TierStats(size=host["size"], used=host["used"],
+                           cached_tokens=self._tree.cached_tokens("host"),
+                           evictions=c.host_evictions, hit_tokens=c.host_hit_tokens),
+            storage_hit_tokens=c.storage_hit_tokens,
+            bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
+            inflight={"writes": len(self._writes), "loads": len(self._loads),
+                      "requests": len(self._requests)},
+        )
+
+    async def _drain(self) -> dict:
+        """Release every request and free every slot the tree holds; report the ledgers."""
+        await self._release_batch(tuple(self._requests))
+        freed = self._tree.clear()
+        await self._free("device", freed.device)
+        await self._free("host", freed.host)
+        return await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))

@@ -1,0 +1,89 @@
+"""What the facade hands back to a serving loop: small frozen values and typed errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.types import RequestId
+
+_result = dataclass(frozen=True, slots=True, kw_only=True)
+
+
+class CacheError(Exception):
+    """Base of every error the cache raises to its caller."""
+
+
+class CapacityError(CacheError):
+    """Not enough device or host slots even after evicting everything that may be evicted:
+    what is left is locked by running requests or protected by in-flight transfers."""
+
+    def __init__(self, tier: str, wanted: int, available: int) -> None:
+        super().__init__(
+            f"{tier} capacity: wanted {wanted} tokens, {available} free after eviction "
+            "(the rest is locked by running requests or in flight)"
+        )
+        self.tier, self.wanted, self.available = tier, wanted, available
+
+
+class UnknownRequest(CacheError):
+    def __init__(self, rid: RequestId, action: str) -> None:
+        super().__init__(f"request {rid!r} is unknown to the cache ({action}); match it first")
+        self.rid = rid
+
+
+@_result
+class MatchOutcome:
+    """The prefix the cache holds for a request. `device_slots` index the device pool for the
+    L1-resident prefix; `host_len` more tokens exist in L2 only (load them with load_back).
+    The matched path stays locked (never evicted) until the request is cached or released.
+    `pending` lists loads still landing on this prefix: wait on them before reading the KV."""
+
+    rid: RequestId
+    device_slots: np.ndarray
+    host_len: int
+    pending: tuple = ()
+
+    @property
+    def device_len(self) -> int:
+        return len(self.device_slots)
+
+
+@_result
+class LoadBackOutcome:
+    """The request's full cached prefix in device slots, and the handle to wait on per layer
+    before attention reads layer i (None when nothing had to be loaded)."""
+
+    rid: RequestId
+    device_slots: np.ndarray
+    loaded_tokens: int
+    handle: object | None = None
+
+
+@_result
+class CacheOutcome:
+    """After caching a request (or a chunk): the device slots now backing its prefix (the
+    tree's own slots; duplicates the caller passed were freed) and how many tokens were new."""
+
+    rid: RequestId
+    device_slots: np.ndarray
+    new_tokens: int
+
+
+@_result
+class TierStats:
+    size: int
+    used: int
+    cached_tokens: int
+    evictions: int
+    hit_tokens: int
+
+
+@_result
+class CacheStats:
+    device: TierStats
+    host: TierStats
+    storage_hit_tokens: int = 0
+    bytes: dict = field(default_factory=dict)
+    inflight: dict = field(default_factory=dict)
