@@ -1,0 +1,117 @@
+"""The prefetcher actor (L3 -> L2): owns every prefetch in flight.
+
+For a `StartPrefetch` it probes storage for the consecutive run of present pages, then reads
+them into the host slots the tree allocated, in batches of `batch_pages`, reporting to the
+tree after the probe and at the end. A `StopPrefetch` ends the op after the batch
+in flight. The I/O runs in a helper task per op so stops and new ops are never stuck behind a
+slow read; what arrived is a consecutive prefix, checked page by page by the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from typing_extensions import assert_never
+
+from hicache.backends.base import StorageBackend
+from hicache.messages import (
+    IoDone, PrefetcherInbox, PrefetchProgress, StartPrefetch, StopPrefetch,
+)
+from hicache.runtime import Actor, Mailbox
+from hicache.types import OpId
+
+
+@dataclass(slots=True)
+class _Op:
+    msg: StartPrefetch
+    hit_pages: int = -1  # unknown until probed
+    done_pages: int = 0
+    stop: bool = False
+
+
+class PrefetcherActor(Actor[PrefetcherInbox]):
+    def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
+                 batch_pages: int, capacity: int) -> None:
+        super().__init__("prefetcher", capacity=capacity)
+        self._backend = backend
+        self._ns = namespace
+        self._host = host_pool
+        self._tree = tree
+        self._batch = batch_pages
+        self._ops: dict[OpId, _Op] = {}  # owned here alone
+        self.bytes_read = 0
+
+    async def handle(self, msg: PrefetcherInbox) -> None:
+        match msg:
+            case StartPrefetch(op=op):
+                self._ops[op] = _Op(msg)
+                self._spawn(op)
+            case StopPrefetch(op=op):
+                if op in self._ops:
+                    self._ops[op].stop = True
+            case IoDone(op=op, pages=pages, error=error):
+                await self._io_done(op, pages, error)
+            case _:
+                assert_never(msg)
+
+    def _spawn(self, op: OpId) -> None:
+        self.kernel.start_soon(self._io, op, name=f"prefetch-{op}")
+
+    async def _io_done(self, op: OpId, pages: int, error: str) -> None:
+        state = self._ops[op]
+        probed = state.hit_pages < 0
+        if probed:
+            state.hit_pages = pages
+            finished = pages == 0 or state.stop
+        else:
+            batch_end = min(state.hit_pages, state.done_pages + self._batch)
+            short = state.done_pages + pages < batch_end  # a page missing or corrupt: stop there
+            state.done_pages += pages
+            self.bytes_read += pages * self._host.page_nbytes
+            finished = state.stop or short or state.done_pages >= state.hit_pages
+        if error:
+            self.log.warning("prefetcher.io_error", op=op, error=error)
+            finished = True
+        # At most two reports per op (after the probe, at the end): the tree reserves room
+        # for both, so these sends never block.
+        if probed or finished:
+            self._tree.send_nowait(PrefetchProgress(
+                op=op, hit_pages=state.hit_pages, done_pages=state.done_pages, finished=finished,
+            ))
+        if finished:
+            del self._ops[op]
+            self.log.info("prefetcher.done", op=op, pages=len(state.msg.hashes),
+                          hit=state.hit_pages, read=state.done_pages)
+        else:
+            self._spawn(op)
+
+    async def _io(self, op: OpId) -> None:
+        """One step of an op: the probe first, then one batch of reads."""
+        state = self._ops[op]
+        msg = state.msg
+        error = ""
+        try:
+            if state.hit_pages < 0:
+                keys = [self._ns.key(h) for h in msg.hashes]
+                pages = await self._probe(keys)
+            else:
+                start = state.done_pages
+                end = min(state.hit_pages, start + self._batch)
+                page = self._host.page_size
+                keys = [self._ns.key(h) for h in msg.hashes[start:end]]
+                targets = self._host.page_buffers(msg.host_slots[start * page:end * page])
+                pages = await self._backend.get_into(keys, targets)
+        except Exception as exc:  # a backend bug is a miss, never a crashed cache
+            pages, error = 0, f"{type(exc).__name__}: {exc}"
+        await self.inbox.send(IoDone(op=op, pages=pages, error=error))
+
+    async def _probe(self, keys: list[str]) -> int:
+        """Consecutive present pages, asked in batches; stops at the first hole."""
+        hit = 0
+        for start in range(0, len(keys), self._batch):
+            chunk = keys[start:start + self._batch]
+            found = await self._backend.exists(chunk)
+            hit += found
+            if found < len(chunk):
+                break
+        return hit

@@ -1,0 +1,79 @@
+"""The uploader actor (L2 -> L3): owns every upload in flight and its retries.
+
+Each completed L1 -> L2 write with storage on becomes an `Upload` (the tree keeps the host pages
+protected until `UploadDone`). The storage call runs in a helper task so the inbox keeps
+moving; a failed upload is retried with exponential backoff on the kernel's clock, and after
+the last try it is an event and a later miss, never an error for any request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from typing_extensions import assert_never
+
+from hicache.backends.base import StorageBackend
+from hicache.messages import IoDone, Upload, UploadDone, UploaderInbox
+from hicache.runtime import Actor, Mailbox
+from hicache.types import OpId
+
+
+@dataclass(slots=True)
+class _Job:
+    msg: Upload
+    attempt: int = 0
+
+
+class UploaderActor(Actor[UploaderInbox]):
+    def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
+                 retries: int, backoff: float, capacity: int) -> None:
+        super().__init__("uploader", capacity=capacity)
+        self._backend = backend
+        self._ns = namespace
+        self._host = host_pool
+        self._tree = tree
+        self._retries = retries
+        self._backoff = backoff
+        self._jobs: dict[OpId, _Job] = {}  # owned here alone
+        self.bytes_uploaded = 0
+
+    async def handle(self, msg: UploaderInbox) -> None:
+        match msg:
+            case Upload(op=op):
+                self._jobs[op] = _Job(msg)
+                self._start(op)
+            case IoDone(op=op, pages=pages, error=error):
+                job = self._jobs[op]
+                wanted = len(job.msg.hashes)
+                if pages < wanted and job.attempt < self._retries:
+                    job.attempt += 1
+                    delay = self._backoff * 2 ** (job.attempt - 1)
+                    self.log.warning("uploader.retry", op=op, attempt=job.attempt, stored=pages,
+                                     pages=wanted, delay=delay, error=error or None)
+                    self.kernel.call_later(delay, lambda op=op: self._start(op))
+                    return
+                del self._jobs[op]
+                nbytes = pages * self._host.page_nbytes
+                self.bytes_uploaded += nbytes
+                if pages < wanted:
+                    self.log.error("uploader.failed", op=op, stored=pages, pages=wanted,
+                                   error=error or None)
+                else:
+                    self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes)
+                self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))
+            case _:
+                assert_never(msg)
+
+    def _start(self, op: OpId) -> None:
+        self.kernel.start_soon(self._upload, op, name=f"upload-{op}")
+
+    async def _upload(self, op: OpId) -> None:
+        job = self._jobs[op].msg
+        keys = [self._ns.key(h) for h in job.hashes]
+        pages = self._host.page_buffers(job.host_slots)
+        error = ""
+        try:
+            stored = await self._backend.set_from(keys, pages)
+        except Exception as exc:  # a backend bug is a failed upload, never a crashed cache
+            stored, error = 0, f"{type(exc).__name__}: {exc}"
+        await self.inbox.send(IoDone(op=op, pages=stored, error=error))
