@@ -72,6 +72,24 @@ class CacheOutcome:
 
 
 @_result
+class PrefetchOutcome:
+    """Where a request's L3 prefetch stands. `state`: none (never started), skipped (an
+    admission check said no; see `reason`), running, done (what arrived is in the tree as
+    L2-only pages) or revoked (too few pages were in storage to be worth it)."""
+
+    rid: RequestId
+    state: str
+    reason: str | None = None
+    hit_tokens: int = 0
+    done_tokens: int = 0
+    wanted_tokens: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state != "running"
+
+
+@_result
 class TierStats:
     size: int
     used: int

@@ -13,16 +13,18 @@ from dataclasses import dataclass, field
 import numpy as np
 from typing_extensions import assert_never
 
+from hicache.backends.keys import chain_page_hashes
 from hicache.components.tree.core import RadixTree
 from hicache.config import CacheConfig
 from hicache.messages import (
     Alloc, AllocBatch, Backup, CacheBatch, ClearStorage, Drain, DumpTree, Flush, Free, GetStats,
     LedgerStats, Load, LoadBackBatch, LoadDone, MatchBatch, PrefetchBatch, PrefetchPoll,
-    PrefetchProgress, PrefetchWait, ReleaseBatch, TimerFired, TreeInbox, UploadDone, WriteDone,
+    PrefetchProgress, PrefetchWait, ReleaseBatch, StartPrefetch, StopPrefetch, TimerFired,
+    TreeInbox, Upload, UploadDone, WriteDone,
 )
 from hicache.results import (
-    CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome, TierStats,
-    UnknownRequest,
+    CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
+    TierStats, UnknownRequest,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import NodeId, OpId, RequestId
@@ -39,6 +41,8 @@ class RequestState:
     prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # tree slots it reads
     host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
     owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
+    tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
+    prefetch: object = None  # the last prefetch's outcome once it ended
 
 
 @dataclass(slots=True)
@@ -52,6 +56,27 @@ class WriteOp:
 class LoadOp:
     plan: object  # the core's LoadPlan
     handle: object
+
+
+@dataclass(slots=True)
+class PrefetchOp:
+    rid: RequestId
+    anchor: NodeId  # deepest matched node with a host copy; new nodes go below it
+    tokens: object  # the page-aligned tokens to fetch, after the anchor
+    hashes: tuple
+    host_slots: np.ndarray
+    deadline: float | None
+    hit_pages: int = -1  # unknown until the prefetcher's probe reports
+    done_pages: int = 0
+    stopping: bool = False
+    state: str = "running"  # running | done | revoked
+    waiters: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class UploadOp:
+    node: NodeId
+    pages: int
 
 
 @dataclass(slots=True)
@@ -93,14 +118,31 @@ class TreeActor(Actor[TreeInbox]):
         self._write_backlog: deque[NodeId] = deque()
         self._loads: dict[OpId, LoadOp] = {}
         self._load_credits = load_credits
+        self._uploader: Mailbox | None = None
+        self._prefetcher: Mailbox | None = None
+        self._namespace = None
+        self._uploads: dict[OpId, UploadOp] = {}
+        self._upload_credits = write_credits
+        self._prefetches: dict[OpId, PrefetchOp] = {}
+        self._prefetch_by_rid: dict[RequestId, OpId] = {}
+        self._prefetch_credits = load_credits
+        self._prefetch_tokens = 0  # in flight, for the rate limit
+        self._clear_storage = None  # the backend's clear, when storage is on
         self._flush_waiters: list = []  # answered when no write is pending
         self._drain_waiters: list = []  # answered when nothing at all is in flight
         self._next_op = 0
         self.counters = Counters()
 
-    def connect(self, *, writer: Mailbox, loader: Mailbox) -> None:
+    def connect(self, *, writer: Mailbox, loader: Mailbox, uploader: Mailbox | None = None,
+                prefetcher: Mailbox | None = None, namespace=None, clear_storage=None) -> None:
         """Set the workers' inboxes (they are built after the tree: they report to its inbox)."""
         self._writer, self._loader = writer, loader
+        self._uploader, self._prefetcher = uploader, prefetcher
+        self._namespace, self._clear_storage = namespace, clear_storage
+
+    @property
+    def storage_on(self) -> bool:
+        return self._prefetcher is not None
 
     # ------------------------------------------------------------------ dispatch
     async def handle(self, msg: TreeInbox) -> None:
@@ -131,10 +173,28 @@ class TreeActor(Actor[TreeInbox]):
                 await self._write_done(msg)
             case LoadDone():
                 await self._load_done(msg)
-            case PrefetchBatch() | PrefetchWait() | PrefetchPoll() | ClearStorage():
-                msg.reply.fail(NotImplementedError("storage tier is not configured"))
-            case UploadDone() | PrefetchProgress() | TimerFired():
-                pass
+            case PrefetchBatch(items=items, reply=reply):
+                await self._answer(reply, self._prefetch_batch(items))
+            case PrefetchWait(rid=rid, reply=reply):
+                self._prefetch_wait(rid, reply)
+            case PrefetchPoll(rid=rid, reply=reply):
+                reply.set(self._prefetch_outcome(rid, self._prefetch_by_rid.get(rid)))
+            case ClearStorage(reply=reply):
+                if self._clear_storage is None:
+                    reply.set(False)
+                else:
+                    await self._clear_storage()
+                    self.log.info("tree.storage_cleared")
+                    reply.set(True)
+            case UploadDone(op=op, stored_pages=stored):
+                job = self._uploads.pop(op)
+                self._upload_credits += 1
+                self._tree.release_host(job.node)
+                await self._settle()
+            case PrefetchProgress():
+                await self._prefetch_progress(msg)
+            case TimerFired(op=op):
+                await self._prefetch_timer(op)
             case _:
                 assert_never(msg)
 
@@ -165,6 +225,7 @@ class TreeActor(Actor[TreeInbox]):
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
         state.host_len = result.host_len
+        state.tokens = tokens
         self.counters.device_hit_tokens += len(result.device_slots)
         pending = tuple(op.handle for op in self._loads.values()) if self._loads else ()
         self.log.info(
@@ -174,6 +235,14 @@ class TreeActor(Actor[TreeInbox]):
         return MatchOutcome(
             rid=rid, device_slots=result.device_slots, host_len=result.host_len, pending=pending
         )
+
+    def _rematch(self, state: RequestState) -> None:
+        """Refresh a request's view after its prefix grew in the tree (a prefetch landed)."""
+        result = self._tree.match(state.tokens, now=self._now())
+        self._relock(state, result.last_node)
+        state.last_node = result.last_node
+        state.prefix_slots = result.device_slots
+        state.host_len = result.host_len
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
         if node is not None:
@@ -400,6 +469,8 @@ class TreeActor(Actor[TreeInbox]):
         await self._free("host", freed)
         if not msg.ok:
             self.log.error("tree.backup_failed", op=msg.op, node=op.node, error=msg.error)
+        elif self._uploader is not None:
+            await self._upload(op.node)
         while self._write_backlog and self._write_credits:
             await self._schedule_backup(self._write_backlog.popleft())
         await self._settle()
@@ -410,14 +481,167 @@ class TreeActor(Actor[TreeInbox]):
             for reply in self._flush_waiters:
                 reply.set(None)
             self._flush_waiters.clear()
-        if self._drain_waiters and not self._writes_pending() and not self._loads:
+        if (self._drain_waiters and not self._writes_pending() and not self._loads
+                and not self._prefetches):
             waiters, self._drain_waiters = self._drain_waiters, []
             report = await self._drain()
             for reply in waiters:
                 reply.set(report)
 
     def _writes_pending(self) -> bool:
-        return bool(self._writes or self._write_backlog)
+        return bool(self._writes or self._write_backlog or self._uploads)
+
+    # ------------------------------------------------------------------ upload (L2 -> L3)
+    async def _upload(self, node: NodeId) -> None:
+        """Send a freshly backed-up node's pages to storage; host pages stay protected."""
+        if self._namespace is not None and not self._namespace.writes:
+            return  # MLA on a rank other than 0: rank 0 writes the shared keys
+        if self._upload_credits == 0 or self._tree.state(node).name != "BOTH" and \
+                self._tree.state(node).name != "HOST_ONLY":
+            self.log.warning("tree.upload_skipped", node=node)
+            return
+        hashes = self._node_hashes(node)
+        op = self._op()
+        self._upload_credits -= 1
+        self._tree.protect_host(node)
+        self._uploads[op] = UploadOp(node=node, pages=len(hashes))
+        await self._uploader.send(Upload(op=op, hashes=tuple(hashes),
+                                         host_slots=self._tree.host_slots(node)))
+
+    def _node_hashes(self, node: NodeId) -> list:
+        """The node's chained page hashes, computed on first use from its parent's last one."""
+        hashes = self._tree.page_hashes(node)
+        if hashes is None:
+            parent = self._tree.parent(node)
+            prior = None if parent == self._tree.root else self._node_hashes(parent)[-1]
+            hashes = chain_page_hashes(self._tree.key(node), self._cfg.page_size, prior=prior)
+            self._tree.set_page_hashes(node, hashes)
+        return list(hashes)
+
+    # ------------------------------------------------------------------ prefetch (L3 -> L2)
+    async def _prefetch_batch(self, items) -> tuple[PrefetchOutcome, ...]:
+        return tuple([await self._start_prefetch(item.rid, item.tokens) for item in items])
+
+    async def _start_prefetch(self, rid: RequestId, tokens) -> PrefetchOutcome:
+        state = self._state(rid, "prefetch")
+        if not self.storage_on or rid in self._prefetch_by_rid:
+            return self._prefetch_outcome(rid, self._prefetch_by_rid.get(rid))
+        page = self._cfg.page_size
+        matched = len(state.prefix_slots) + state.host_len
+        end = len(tokens) // page * page
+        length = end - matched
+        anchor = state.last_node
+        reason = None
+        if anchor is None or not self._tree.has_host_copy(anchor):
+            reason = "anchor_without_host_copy"
+        elif length < self._cfg.effective_prefetch_threshold:
+            reason = "below_threshold"
+        elif self._prefetch_tokens + length > self._rate_limit() or self._prefetch_credits == 0:
+            reason = "rate_limited"
+        host = None if reason else await self._alloc_host(length)
+        if reason is None and host is None:
+            reason = "host_full"
+        if reason is not None:
+            self.log.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
+            return PrefetchOutcome(rid=rid, state="skipped", reason=reason)
+        prior = None if anchor == self._tree.root else self._node_hashes(anchor)[-1]
+        new_tokens = tokens[matched:end]
+        hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
+        op_id = self._op()
+        deadline = None
+        if self._cfg.prefetch_policy == "timeout":
+            deadline = self._now() + self._cfg.prefetch_timeout(length)
+            deliver = self.inbox.send_nowait  # a reserved slot per op: never blocks
+            self.kernel.call_later(self._cfg.prefetch_timeout(length),
+                                   lambda op=op_id: deliver(TimerFired(op=op)))
+        self._tree.protect_host(anchor)
+        op = PrefetchOp(rid=rid, anchor=anchor, tokens=new_tokens, hashes=hashes,
+                        host_slots=host, deadline=deadline)
+        self._prefetches[op_id] = op
+        self._prefetch_by_rid[rid] = op_id
+        self._prefetch_credits -= 1
+        self._prefetch_tokens += length
+        await self._prefetcher.send(StartPrefetch(op=op_id, hashes=hashes, host_slots=host))
+        self.log.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
+        return self._prefetch_outcome(rid, op_id)
+
+    def _rate_limit(self) -> int:
+        spare = self._cfg.host_capacity - self._cfg.device_tokens
+        return int(self._cfg.prefetch_rate_fraction * spare)
+
+    def _prefetch_outcome(self, rid: RequestId, op_id: OpId | None) -> PrefetchOutcome:
+        if op_id is None:
+            state = self._requests.get(rid)
+            if state is not None and state.prefetch is not None:
+                return state.prefetch
+            return PrefetchOutcome(rid=rid, state="none")
+        op = self._prefetches[op_id]
+        page = self._cfg.page_size
+        return PrefetchOutcome(
+            rid=rid, state=op.state, hit_tokens=max(op.hit_pages, 0) * page,
+            done_tokens=op.done_pages * page, wanted_tokens=len(op.hashes) * page,
+        )
+
+    def _prefetch_wait(self, rid: RequestId, reply) -> None:
+        op_id = self._prefetch_by_rid.get(rid)
+        if op_id is None or self._prefetches[op_id].state != "running":
+            reply.set(self._prefetch_outcome(rid, op_id))
+            return
+        op = self._prefetches[op_id]
+        op.waiters.append(reply)
+        if self._cfg.prefetch_policy == "best_effort":
+            self._stop_prefetch(op_id)  # take what has arrived; the end report answers
+
+    def _stop_prefetch(self, op_id: OpId) -> None:
+        op = self._prefetches[op_id]
+        if not op.stopping:
+            op.stopping = True
+            self._prefetcher.send_nowait(StopPrefetch(op=op_id))
+
+    async def _prefetch_timer(self, op_id: OpId) -> None:
+        op = self._prefetches.get(op_id)
+        if op is not None and op.state == "running":
+            self.log.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
+            self._stop_prefetch(op_id)
+
+    async def _prefetch_progress(self, msg: PrefetchProgress) -> None:
+        op = self._prefetches[msg.op]
+        page = self._cfg.page_size
+        op.hit_pages, op.done_pages = msg.hit_pages, msg.done_pages
+        if not msg.finished:
+            if msg.hit_pages * page < self._cfg.effective_prefetch_threshold:
+                self._stop_prefetch(msg.op)  # not worth it: revoke, the end report frees
+            return
+        revoked = msg.hit_pages * page < self._cfg.effective_prefetch_threshold
+        done = 0 if revoked else msg.done_pages
+        used_tokens = done * page
+        if done:
+            inserted = self._tree.insert_host(
+                op.anchor, op.tokens[:used_tokens], op.host_slots[:used_tokens],
+                op.hashes[:done], now=self._now(),
+            )
+            await self._free("host", inserted.duplicate_slots)
+        await self._free("host", op.host_slots[used_tokens:])
+        self._tree.release_host(op.anchor)
+        self._prefetch_tokens -= len(op.hashes) * page
+        self._prefetch_credits += 1
+        op.state = "revoked" if revoked else "done"
+        self.log.info("tree.prefetch_done", rid=op.rid, op=msg.op, state=op.state,
+                      hit=msg.hit_pages * page, read=used_tokens)
+        outcome = self._prefetch_outcome(op.rid, msg.op)
+        state = self._requests.get(op.rid)
+        if state is not None:
+            state.prefetch = outcome
+            if done:
+                self.counters.storage_hit_tokens += used_tokens
+                self._rematch(state)
+        for reply in op.waiters:
+            reply.set(outcome)
+        op.waiters.clear()
+        del self._prefetch_by_rid[op.rid]
+        del self._prefetches[msg.op]
+        await self._settle()
+
 
     # ------------------------------------------------------------------ stats and close
     async def _stats(self) -> CacheStats:
