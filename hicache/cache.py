@@ -23,14 +23,21 @@ from hicache.config import CacheConfig
 from hicache.kernels.geometry import parse_kv_spec
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import make_streams
+from hicache.backends.keys import Namespace
+from hicache.backends.registry import open_backend
+from hicache.components.prefetcher.actor import PrefetcherActor
+from hicache.components.uploader.actor import UploaderActor
 from hicache.messages import (
-    AllocBatch, CacheBatch, CacheItem, Drain, DumpTree, Flush, GetStats, LoadBackBatch,
-    MatchBatch, MatchItem, ReleaseBatch,
+    AllocBatch, CacheBatch, CacheItem, ClearStorage, Drain, DumpTree, Flush, GetStats,
+    LoadBackBatch, MatchBatch, MatchItem, PrefetchBatch, PrefetchPoll, PrefetchWait,
+    ReleaseBatch,
 )
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import make_write_policy
-from hicache.results import CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome
+from hicache.results import (
+    CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
+)
 from hicache.runtime import Kernel
 from hicache.types import RequestId
 
@@ -49,12 +56,15 @@ class HiCache:
         device_pool: DevicePool | None = None,
         log: EventLog | None = None,
         streams=None,
+        backend=None,
     ) -> None:
         self.requested_config = config or CacheConfig()
         self.config, self.rewrites = self.requested_config.resolve()
         self._device_pool = device_pool
         self._log = log
         self._streams_override = streams
+        self._backend_override = backend
+        self.backend = None
         self._kernel: Kernel | None = None
         self._tree_inbox = None
         self._admission: anyio.Semaphore | None = None
@@ -114,12 +124,38 @@ class HiCache:
                              capacity=4 * credits + 4)
         loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
                              capacity=2 * credits + 4)
-        tree_actor.connect(writer=writer.inbox, loader=loader.inbox)
-        for actor in (tree_actor, allocator, writer, loader):
+        actors = [tree_actor, allocator, writer, loader]
+        storage = {}
+        if self._backend_override is not None or cfg.storage:
+            namespace = Namespace(
+                model=cfg.model_id, kv_spec=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
+                rank=cfg.tp_rank if geometry.kind == "mha" else None,
+            )
+            emit = kernel.log.bind("storage").warning
+            backend = self._backend_override or open_backend(
+                cfg.storage, namespace=namespace, emit=lambda event, **kw: emit(event, **kw),
+                inline=cfg.deterministic, **cfg.extra,
+            )
+            self.backend = backend
+            uploader = UploaderActor(
+                backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
+                retries=cfg.upload_retries, backoff=cfg.upload_backoff, capacity=2 * credits + 4,
+            )
+            prefetcher = PrefetcherActor(
+                backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
+                batch_pages=cfg.storage_batch_pages, capacity=3 * credits + 4,
+            )
+            actors += [uploader, prefetcher]
+            storage = dict(uploader=uploader.inbox, prefetcher=prefetcher.inbox,
+                           namespace=namespace, clear_storage=backend.clear)
+        tree_actor.connect(writer=writer.inbox, loader=loader.inbox, **storage)
+        for actor in actors:
             kernel.add(actor)
         self._tree_inbox = tree_actor.inbox
-        # frontend requests may fill the tree's inbox only up to what credits leave free
-        self._admission = anyio.Semaphore(max(1, cap - 2 * credits - 2))
+        # Frontend requests may fill the tree's inbox only up to what the completions leave
+        # free: writes, loads and uploads one message each, prefetches up to three.
+        reserved = 3 * credits + 3 * credits + 4
+        self._admission = anyio.Semaphore(max(1, cap - reserved))
         await kernel.__aenter__()
         return self
 
@@ -138,6 +174,8 @@ class HiCache:
                 return await kernel.__aexit__(*exc_info)
             finally:
                 self._streams.close()
+                if self.backend is not None and self._backend_override is None:
+                    await self.backend.aclose()
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, make, timeout: float | None = None):
@@ -204,8 +242,32 @@ class HiCache:
         batch = tuple(rids)
         await self._call(lambda r: ReleaseBatch(rids=batch, reply=r))
 
+    async def prefetch(self, rid: RequestId, tokens) -> PrefetchOutcome:
+        """Start fetching, from L3 into L2, the part of `tokens` past the request's last match.
+        Admission checks may skip it (see the outcome's `reason`)."""
+        (out,) = await self.prefetch_many([(rid, tokens)])
+        return out
+
+    async def prefetch_many(self, items) -> tuple[PrefetchOutcome, ...]:
+        batch = tuple(MatchItem(rid=rid, tokens=_tokens(t)) for rid, t in items)
+        return await self._call(lambda r: PrefetchBatch(items=batch, reply=r))
+
+    async def prefetch_wait(self, rid: RequestId) -> PrefetchOutcome:
+        """Return once the request's prefetch may end under the configured policy
+        (best_effort: now, with what has arrived; wait_complete: when complete; timeout: when
+        complete or timed out). What arrived is then in the tree, and the request's next
+        load_back brings it into L1."""
+        return await self._call(lambda r: PrefetchWait(rid=rid, reply=r))
+
+    async def prefetch_poll(self, rid: RequestId) -> PrefetchOutcome:
+        return await self._call(lambda r: PrefetchPoll(rid=rid, reply=r))
+
+    async def clear_storage(self) -> bool:
+        """Remove every L3 value of this cache's namespace. False when storage is off."""
+        return await self._call(lambda r: ClearStorage(reply=r))
+
     async def flush(self) -> None:
-        """Wait until every pending L1 -> L2 write has completed."""
+        """Wait until every pending write (L1 -> L2, and on to L3) has completed."""
         await self._call(lambda r: Flush(reply=r))
 
     async def stats(self) -> CacheStats:

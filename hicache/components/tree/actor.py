@@ -168,6 +168,9 @@ class TreeActor(Actor[TreeInbox]):
                 reply.set(self._tree.dump())
             case Drain(reply=reply):
                 self._drain_waiters.append(reply)
+                for op_id, op in list(self._prefetches.items()):
+                    if op.state == "running":
+                        self._stop_prefetch(op_id)
                 await self._settle()
             case WriteDone():
                 await self._write_done(msg)
