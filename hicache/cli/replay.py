@@ -1,0 +1,212 @@
+"""`hicache replay`: a Mooncake-format trace through L1 + L2 + L3 with real bytes moved.
+
+Each request, in steps of `--batch`, is matched, prefetched from L3 (when storage is on),
+loaded back from L2, computed (no model: the KV of its new tokens is written as a pure function
+of page key, layer and position), inserted and released. Every page that reaches L1 from L2 is
+checked against what it must be (`--verify`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+from hicache.backends.keys import chain_page_hashes
+from hicache.cache import HiCache
+from hicache.cli.kvfill import count_bad_pages, fill, page_seeds
+from hicache.cli.trace import bound_hit_rate, iter_batches, read_trace
+from hicache.config import CacheConfig
+from hicache.observability import EventLog
+from hicache.runtime import run_deterministic
+from hicache.types import RequestId
+
+
+@dataclass(slots=True)
+class Tally:
+    requests: int = 0
+    input_tokens: int = 0
+    device_hit: int = 0
+    host_hit: int = 0
+    storage_hit: int = 0
+    verified_pages: int = 0
+    corrupt_pages: int = 0
+    control_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class _Timer:
+    """Accumulates the time spent inside cache calls (the control plane)."""
+
+    def __init__(self, tally: Tally) -> None:
+        self._tally = tally
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self._tally.control_s += time.perf_counter() - self._t0
+
+
+async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, verify: bool,
+                 log: EventLog | None, progress) -> tuple[Tally, dict]:
+    tally = Tally()
+    timer = _Timer(tally)
+    page = cfg.page_size
+    async with HiCache(cfg, log=log) as cache:
+        pool = cache.device_pool
+        storage_on = cache.backend is not None
+        for step in iter_batches(requests, batch):
+            toks = {RequestId(f"r{r.index}"): r.tokens(block_tokens) for r in step}
+            seeds = {rid: page_seeds(chain_page_hashes(t[: len(t) // page * page], page))
+                     for rid, t in toks.items()}
+            with timer:
+                matches = await cache.match_many(toks.items())
+            if storage_on:
+                with timer:
+                    await cache.prefetch_many(toks.items())
+                    for rid in toks:
+                        await cache.prefetch_wait(rid)
+            with timer:
+                loads = await cache.load_back_many(toks)
+            for m, lb in zip(matches, loads):
+                if lb.handle is not None:
+                    await lb.handle.wait_async(pool.layers - 1)
+                    first = len(lb.device_slots) - lb.loaded_tokens
+                    if verify:
+                        bad = count_bad_pages(pool, lb.device_slots[first:], seeds[lb.rid],
+                                              page_size=page, first=first)
+                        tally.corrupt_pages += bad
+                        tally.verified_pages += lb.loaded_tokens // page
+                tally.device_hit += m.device_len
+            with timer:
+                news = await cache.allocate_many(
+                    (lb.rid, len(toks[lb.rid]) - len(lb.device_slots)) for lb in loads
+                )
+            items = []
+            for lb, new in zip(loads, news):
+                first = len(lb.device_slots)
+                fill(pool, new, seeds[lb.rid], page_size=page, first=first)
+                items.append((lb.rid, toks[lb.rid], np.concatenate([lb.device_slots, new]), True))
+            with timer:
+                await cache.cache_many(items)
+            tally.requests += len(step)
+            tally.input_tokens += sum(len(t) for t in toks.values())
+            progress(tally.requests)
+        with timer:
+            await cache.flush()
+            stats = await cache.stats()
+        tally.host_hit = stats.host.hit_tokens
+        tally.storage_hit = stats.storage_hit_tokens
+        extra = {
+            "bytes": {**stats.bytes},
+            "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
+        }
+        if storage_on:
+            extra["backend"] = dict(cache.backend.stats())
+    return tally, extra
+
+
+def _progress_printer(total: int, enabled: bool):
+    if not enabled:
+        return lambda done: None
+    start = time.perf_counter()
+
+    def show(done: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        rate = done / max(time.perf_counter() - start, 1e-9)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                         f"requests  {rate:6.1f} req/s")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def run(args) -> int:
+    requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
+    with tempfile.TemporaryDirectory(prefix="hicache-replay-") as tmp:
+        storage = args.storage
+        if storage == "file":
+            storage = f"file:{tmp}/store"
+        cfg = CacheConfig(
+            kv=args.kv, page_size=args.page_size, device_tokens=args.device_tokens,
+            host_tokens=args.host_tokens, eviction=args.eviction, write_policy=args.write_policy,
+            exclusive=args.exclusive, storage=None if storage == "none" else storage,
+            prefetch_policy=args.prefetch_policy, deterministic=args.deterministic,
+            seed=args.seed, layout=args.layout, io_backend=args.io,
+        )
+        events_file = open(args.events, "w", encoding="utf-8") if args.events else None
+        try:
+            log = EventLog(sink=events_file) if events_file else None
+            show = _progress_printer(len(requests), sys.stderr.isatty() and not args.quiet)
+            t0 = time.perf_counter()
+
+            async def main():
+                return await replay(cfg, requests, block_tokens=args.block_tokens,
+                                    batch=args.batch, verify=args.verify, log=log, progress=show)
+
+            if args.deterministic:
+                tally, extra = run_deterministic(main, seed=args.seed)
+            else:
+                tally, extra = anyio.run(main)
+            wall = time.perf_counter() - t0
+        finally:
+            if events_file:
+                events_file.close()
+    hits = tally.device_hit + tally.host_hit
+    summary = {
+        "requests": tally.requests,
+        "input_tokens": tally.input_tokens,
+        "hit_tokens": {"device": tally.device_hit, "host": tally.host_hit - tally.storage_hit,
+                       "storage": tally.storage_hit},
+        "hit_rate": hits / tally.input_tokens if tally.input_tokens else 0.0,
+        "bound_hit_rate": bound_hit_rate(requests, block_tokens=args.block_tokens,
+                                         page_size=args.page_size),
+        "bytes": {"d2h": 0, "h2d": 0, "h2s": 0, "s2h": 0, **extra.get("bytes", {})},
+        "evictions": extra.get("evictions", {}),
+        "verified_pages": tally.verified_pages,
+        "corrupt_pages": tally.corrupt_pages,
+        "wall_s": round(wall, 3),
+        "control_us_per_request": round(tally.control_s / max(tally.requests, 1) * 1e6, 1),
+        "config": {"kv": cfg.kv, "page_size": cfg.page_size, "device_tokens": cfg.device_tokens,
+                   "host_tokens": cfg.host_capacity, "storage": args.storage,
+                   "write_policy": cfg.write_policy, "eviction": cfg.eviction,
+                   "exclusive": cfg.exclusive, "prefetch_policy": cfg.prefetch_policy},
+    }
+    if "backend" in extra:
+        summary["storage_stats"] = extra["backend"]
+    _print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return 1 if summary["corrupt_pages"] else 0
+
+
+def _print_table(s: dict) -> None:
+    tok = s["input_tokens"] or 1
+    rows = [
+        ("requests", f"{s['requests']}"),
+        ("input tokens", f"{s['input_tokens']:,}"),
+        ("hit rate", f"{s['hit_rate']:.4f}  (bound {s['bound_hit_rate']:.4f})"),
+        ("  from L1 (device)", f"{s['hit_tokens']['device'] / tok:.4f}"),
+        ("  from L2 (host)", f"{s['hit_tokens']['host'] / tok:.4f}"),
+        ("  from L3 (storage)", f"{s['hit_tokens']['storage'] / tok:.4f}"),
+        ("bytes d2h / h2d", f"{s['bytes']['d2h']:,} / {s['bytes']['h2d']:,}"),
+        ("bytes h2s / s2h", f"{s['bytes']['h2s']:,} / {s['bytes']['s2h']:,}"),
+        ("evictions device / host", f"{s['evictions'].get('device', 0):,} / "
+                                    f"{s['evictions'].get('host', 0):,} tokens"),
+        ("verified / corrupt pages", f"{s['verified_pages']:,} / {s['corrupt_pages']}"),
+        ("wall", f"{s['wall_s']:.2f} s"),
+        ("control plane", f"{s['control_us_per_request']:.0f} us/request"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
