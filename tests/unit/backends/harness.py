@@ -56,7 +56,7 @@ class FileHarness:
         from hicache.backends.file import value_path
 
         ns_digest = key.split(":")[1]
-        return value_path(self.root, ns_digest, key.rsplit(":", 1)[1])
+        return Path(value_path(self.root, ns_digest, key.rsplit(":", 1)[1]))
 
     def tamper(self, key: str, change: Callable[[bytes], bytes]) -> None:
         p = self.path(key)

@@ -26,11 +26,16 @@ def test_resolve(spec, target):
     assert resolve(spec) == target
 
 
-@pytest.mark.parametrize("spec", ["", "s3", "file:", "memory:big", "http://x", "a.b:"])
+@pytest.mark.parametrize("spec", ["", "s3", "memory:big", "http://x", "a.b:"])
 def test_unknown_spec_lists_known_forms(spec):
     with pytest.raises(ValueError) as err:
         resolve(spec)
     assert "memory" in str(err.value) and "file:" in str(err.value)
+
+
+def test_file_spec_needs_a_directory():
+    with pytest.raises(ValueError, match="needs a directory"):
+        resolve("file:")
 
 
 def test_open_memory_passes_options(ns):
