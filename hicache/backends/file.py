@@ -33,12 +33,13 @@ from typing import Any
 from hicache.backends.base import PageBuffer
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
-from hicache.backends.framing import CorruptValue, decode_header, encode_header, header_size, verify_payload
+from hicache.backends.framing import CorruptValue, checksum, decode_header, header_size, pack_header
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import EventSink, _no_events
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _LOW_WATER = 0.9
+_CHUNK = 512 * 1024  # read/write + checksum granularity: small enough to stay in cache
 _TMP = "tmp"
 _OPEN_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -282,7 +283,8 @@ def _count_existing(paths: list[str]) -> int:
 
 def _read_value(job: tuple[str, str, list[memoryview]]) -> int | None | CorruptValue | OSError:
     """Read and verify one value into its pieces: payload size, None (absent), the
-    CorruptValue (file already deleted), or the OSError."""
+    CorruptValue (file already deleted), or the OSError. The payload is read and checksummed
+    a chunk at a time, so the checksum reads bytes still in the CPU cache."""
     key, path, pieces = job
     try:
         fd = os.open(path, _OPEN_READ)
@@ -291,16 +293,25 @@ def _read_value(job: tuple[str, str, list[memoryview]]) -> int | None | CorruptV
     except OSError as exc:
         return exc
     try:
-        head = bytearray(header_size(key))
+        head = memoryview(bytearray(header_size(key)))
+        chunks = _chunks(pieces)
+        first = chunks[0] if chunks else []
         file_size = os.fstat(fd).st_size
-        got = _readv_all(fd, [memoryview(head), *pieces])
-        header = decode_header(memoryview(head)[: min(got, len(head))], key)
+        got = _readv_all(fd, [head, *first])
+        header = decode_header(head[: min(got, head.nbytes)], key)
         want = sum(p.nbytes for p in pieces)
         if file_size - header.size != header.payload_len:
             raise CorruptValue("truncated", f"{file_size - header.size} payload bytes, header says {header.payload_len}")
         if header.payload_len != want:
             raise CorruptValue("length", f"value holds {header.payload_len} bytes, page has {want}")
-        verify_payload(header, pieces)
+        crc = checksum(first)
+        for chunk in chunks[1:]:
+            got += _readv_all(fd, chunk)
+            crc = checksum(chunk, crc)
+        if got != header.size + want:
+            raise CorruptValue("truncated", f"read {got - header.size} of {want} payload bytes")
+        if crc != header.crc32:
+            raise CorruptValue("checksum", f"checksum mismatch for {key!r}")
         return want
     except CorruptValue as exc:
         _unlink_quietly(path)
@@ -313,17 +324,22 @@ def _read_value(job: tuple[str, str, list[memoryview]]) -> int | None | CorruptV
 
 def _write_value(job: tuple[str, str, str, list[memoryview], bool]) -> tuple[int, int, int] | OSError:
     """Write one value through a temporary file and rename: (file size, mtime_ns, payload)
-    or the OSError (the temporary file then removed)."""
+    or the OSError (the temporary file then removed). The payload goes first, a chunk at a
+    time right after checksumming it; the header, which needs the checksum, goes last."""
     key, path, temp, pieces, fsync = job
-    head = encode_header(key, pieces)
-    payload = sum(p.nbytes for p in pieces)
+    hsize = header_size(key)
     try:
         fd = os.open(temp, _OPEN_WRITE, 0o644)
     except OSError as exc:
         return exc
     try:
         try:
-            _writev_all(fd, [memoryview(head), *pieces])
+            os.lseek(fd, hsize, os.SEEK_SET)
+            crc, payload = 0, 0
+            for chunk in _chunks(pieces):
+                crc = checksum(chunk, crc)
+                payload += _writev_all(fd, chunk)
+            os.pwrite(fd, pack_header(key, payload, crc), 0)
             if fsync:
                 os.fsync(fd)
             st = os.fstat(fd)
@@ -340,6 +356,27 @@ def _write_value(job: tuple[str, str, str, list[memoryview], bool]) -> tuple[int
     except OSError as exc:
         _unlink_quietly(temp)
         return exc
+
+
+def _chunks(pieces: list[memoryview], size: int = _CHUNK) -> list[list[memoryview]]:
+    """The pieces regrouped (and large ones cut) into runs of at most `size` bytes, in order.
+    Views only; no copies."""
+    out: list[list[memoryview]] = []
+    run: list[memoryview] = []
+    room = size
+    for piece in pieces:
+        at = 0
+        while at < piece.nbytes:
+            take = min(room, piece.nbytes - at)
+            run.append(piece[at : at + take])
+            at += take
+            room -= take
+            if room == 0:
+                out.append(run)
+                run, room = [], size
+    if run:
+        out.append(run)
+    return out
 
 
 def _readv_all(fd: int, views: list[memoryview]) -> int:

@@ -46,3 +46,26 @@ def test_payload_faults():
     with pytest.raises(CorruptValue) as err:
         verify_payload(h, [b"pAyload"])
     assert err.value.reason == "checksum"
+
+
+def test_checksum_continues_and_matches_zlib():
+    import zlib
+
+    from hicache.backends.framing import checksum
+
+    data = bytes(range(256)) * 1000
+    assert checksum([data]) == zlib.crc32(data)
+    assert checksum([data[5000:]], checksum([data[:5000]])) == zlib.crc32(data)
+
+
+def test_chunks_regroup_without_copying():
+    from hicache.backends.file import _chunks
+
+    buf = bytearray(range(250))
+    pieces = [memoryview(buf)[0:100], memoryview(buf)[100:130], memoryview(buf)[130:250]]
+    runs = _chunks(pieces, size=64)
+    assert all(sum(v.nbytes for v in run) <= 64 for run in runs)
+    assert [sum(v.nbytes for v in run) for run in runs][:-1] == [64] * (len(runs) - 1)
+    assert b"".join(bytes(v) for run in runs for v in run) == bytes(buf)
+    runs[0][0][0] = 255  # a view into the original, not a copy
+    assert buf[0] == 255
