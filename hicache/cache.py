@@ -128,13 +128,16 @@ class HiCache:
         storage = {}
         if self._backend_override is not None or cfg.storage:
             namespace = Namespace(
-                model=cfg.model_id, kv_spec=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
+                model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
                 rank=cfg.tp_rank if geometry.kind == "mha" else None,
             )
             emit = kernel.log.bind("storage").warning
+            options = dict(cfg.extra)
+            if cfg.deterministic and cfg.storage.startswith("file:"):
+                options.setdefault("threads", 0)  # no real threads on virtual time
             backend = self._backend_override or open_backend(
                 cfg.storage, namespace=namespace, emit=lambda event, **kw: emit(event, **kw),
-                inline=cfg.deterministic, **cfg.extra,
+                **options,
             )
             self.backend = backend
             uploader = UploaderActor(
