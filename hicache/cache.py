@@ -132,13 +132,13 @@ class HiCache:
                 rank=cfg.tp_rank if geometry.kind == "mha" else None,
             )
             emit = kernel.log.bind("storage").warning
-            options = dict(cfg.extra)
-            if cfg.deterministic and cfg.storage.startswith("file:"):
-                options.setdefault("threads", 0)  # no real threads on virtual time
-            backend = self._backend_override or open_backend(
-                cfg.storage, namespace=namespace, emit=lambda event, **kw: emit(event, **kw),
-                **options,
-            )
+            backend = self._backend_override
+            if backend is None:
+                options = dict(cfg.extra)
+                if cfg.deterministic and cfg.storage.startswith("file:"):
+                    options.setdefault("threads", 0)  # no real threads on virtual time
+                backend = open_backend(cfg.storage, namespace=namespace,
+                                       emit=lambda event, **kw: emit(event, **kw), **options)
             self.backend = backend
             uploader = UploaderActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
