@@ -236,9 +236,10 @@ class MooncakeBackend:
             return split_chunks([sum(p[1]) for p in plans], [p[2] for p in plans], batch=self.spec.batch,
                                 staging=self.spec.staging // self.spec.lanes)
 
-        chunks = await self._run(op, plan)
+        # Chunks run one after another: on few cores, concurrent transfers of one batch measured
+        # slower than sequential ones, and a failed chunk makes the later ones useless.
         done = 0
-        for chunk in chunks or ():
+        for chunk in await self._run(op, plan) or ():
             ks, ps = keys[chunk.start : chunk.stop], pages[chunk.start : chunk.stop]
             result = await self._run(op, self._with_lane(lambda c, lane: chunk_fn(c, lane, self._regions, ks, ps)))
             if result is None:

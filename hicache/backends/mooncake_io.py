@@ -102,7 +102,7 @@ def put_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequenc
             dst = lane.staging[offset : offset + n]
             pos = 0
             for piece in page:
-                m = memoryview(piece).cast("B") if memoryview(piece).format != "B" else memoryview(piece)
+                m = _byte_view(piece)
                 dst[pos : pos + m.nbytes] = m
                 pos += m.nbytes
             ptrs, sizes = ([lane.staging_ptr + offset], [n]) if n else ([], [])
@@ -191,8 +191,11 @@ def _classify_failure(client: Any, key: str, expected: int, code: int) -> str | 
 def _scatter(src: memoryview, page: PageBuffer) -> None:
     pos = 0
     for piece in page:
-        m = memoryview(piece)
-        if m.format != "B" or m.ndim != 1:
-            m = m.cast("B")
+        m = _byte_view(piece)
         m[:] = src[pos : pos + m.nbytes]
         pos += m.nbytes
+
+
+def _byte_view(piece: memoryview) -> memoryview:
+    m = memoryview(piece)
+    return m if m.format == "B" and m.ndim == 1 else m.cast("B")
