@@ -174,7 +174,7 @@ class MooncakeBackend:
         they always run to the client's own timeout before the memory is handed back."""
         try:
             if abandon:
-                with anyio.move_on_after(self.spec.probe_timeout) as scope:
+                with anyio.move_on_after(self.spec.probe_timeout):
                     return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
                 self._unreachable(op, _CONNECT_FAILED, f"no answer in {self.spec.probe_timeout}s")
                 return None

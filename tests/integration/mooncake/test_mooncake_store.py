@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import zlib
 from pathlib import Path
 
 import anyio
