@@ -33,7 +33,22 @@ def _word(host: HostPool, device: DevicePool) -> torch.dtype:
     return host.word if host.word.itemsize <= device.word.itemsize else device.word
 
 
+def merge_trailing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two page views (same shape but for the page count) with trailing dims merged where both
+    are contiguous across them: fewer, longer rows make index ops and copies far cheaper."""
+    shape, sa, sb = list(a.shape), list(a.stride()), list(b.stride())
+    i = len(shape) - 2
+    while i >= 1:
+        if sa[i] == shape[i + 1] * sa[i + 1] and sb[i] == shape[i + 1] * sb[i + 1]:
+            shape[i : i + 2] = [shape[i] * shape[i + 1]]
+            sa[i : i + 2] = [sa[i + 1]]
+            sb[i : i + 2] = [sb[i + 1]]
+        i -= 1
+    return a.as_strided([a.shape[0], *shape[1:]], sa), b.as_strided([b.shape[0], *shape[1:]], sb)
+
+
 def _move(engine, io: str, plan: PagePlan, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
+    dst, src = merge_trailing(dst, src)
     if io == "kernel":
         host_idx, dev_idx = plan.index_tensors(dst.device if dst.device.type != "cpu" else src.device)
         if to_device:
