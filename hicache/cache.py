@@ -20,7 +20,7 @@ from hicache.components.tree.actor import TreeActor
 from hicache.components.tree.core import RadixTree
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig
-from hicache.kernels.geometry import parse_kv_spec
+from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import make_streams
 from hicache.backends.keys import Namespace
@@ -73,7 +73,7 @@ class HiCache:
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> HiCache:
         cfg = self.config
-        geometry = parse_kv_spec(cfg.kv)
+        geometry = parse_geometry(cfg.kv)
         device = self._device_pool or DevicePool.allocate(
             geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device)
         )
@@ -129,7 +129,7 @@ class HiCache:
         if self._backend_override is not None or cfg.storage:
             namespace = Namespace(
                 model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
-                rank=cfg.tp_rank if geometry.kind == "mha" else None,
+                rank=cfg.tp_rank, layout=cfg.layout,
             )
             emit = kernel.log.bind("storage").warning
             backend = self._backend_override

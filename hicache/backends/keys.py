@@ -128,6 +128,7 @@ class Namespace:
     page_size: int
     tenant: str = ""  # salt: tenants with different salts never share a key
     rank: int | None = None
+    layout: str = ""  # host layout: the byte order of a stored page depends on it
     digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -142,7 +143,10 @@ class Namespace:
             isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
         ):
             raise ValueError(f"rank must be None or a non-negative int, got {self.rank!r}")
-        fields = (KEY_SCHEME_VERSION, self.model, self.kv, self.page_size, self.tenant, self.key_rank)
+        if not isinstance(self.layout, str):
+            raise ValueError(f"layout must be a string, got {self.layout!r}")
+        fields = (KEY_SCHEME_VERSION, self.model, self.kv, self.page_size, self.tenant,
+                  self.key_rank, self.layout)
         # Length-prefixed fields so no two field tuples serialise alike.
         h = hashlib.sha256()
         for f in fields:
