@@ -81,10 +81,7 @@ class HiCache:
             raise ValueError(
                 f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
             )
-        host = HostPool.allocate(
-            geometry, size=cfg.host_capacity, page_size=cfg.page_size, layout=cfg.layout,
-            device_pool=device,
-        )
+        host = HostPool(device, cfg.host_capacity, cfg.layout)
         self.device_pool, self.host_pool = device, host
         kernel = Kernel(log=self._log, deterministic=cfg.deterministic, seed=cfg.seed)
         self._kernel = kernel
@@ -292,6 +289,7 @@ def _tokens(tokens) -> np.ndarray | tuple:
 def _device(spec: str) -> str:
     if spec != "auto":
         return spec
-    from hicache.kernels.streams import cuda_available
+    from hicache.kernels.streams import cuda_driver_status
 
-    return "cuda" if cuda_available() else "cpu"
+    usable, _why = cuda_driver_status()
+    return "cuda" if usable else "cpu"

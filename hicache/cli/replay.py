@@ -77,7 +77,7 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
                 loads = await cache.load_back_many(toks)
             for m, lb in zip(matches, loads):
                 if lb.handle is not None:
-                    await lb.handle.wait_async(pool.layers - 1)
+                    await lb.handle.wait_async(pool.geometry.layers - 1)
                     first = len(lb.device_slots) - lb.loaded_tokens
                     if verify:
                         bad = count_bad_pages(pool, lb.device_slots[first:], seeds[lb.rid],
