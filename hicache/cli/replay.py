@@ -109,7 +109,10 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
         }
         if storage_on:
-            extra["backend"] = dict(cache.backend.stats())
+            backend_stats = dict(cache.backend.stats())
+            extra["backend"] = backend_stats
+            extra["bytes"]["h2s"] = int(backend_stats.get("bytes_written", 0))
+            extra["bytes"]["s2h"] = int(backend_stats.get("bytes_read", 0))
     return tally, extra
 
 
