@@ -87,7 +87,8 @@ class Kernel:
         self._tg: Any = None
         self._sequencer: Sequencer | None = None
         self._sequencer_scope: anyio.CancelScope | None = None
-        self._turn: Callable[[], Awaitable[None]] | None = None
+        self._turn: Callable[..., Awaitable[None]] | None = None
+        self._aborted = False  # set once by _abort: stop without draining or on_stop
         self._live_actors = 0
         self._actors_done: anyio.Event | None = None
 
@@ -213,7 +214,8 @@ class Kernel:
             self._sequencer_scope.cancel()
 
     def _abort(self, make_error: Callable[[], BaseException]) -> None:
-        """Fail pending replies, close every inbox, cancel every task. Idempotent enough."""
+        """Fail pending replies, close every inbox, cancel every task. Idempotent."""
+        self._aborted = True
         for reply in list(self._pending):
             reply.fail(make_error())
         for actor in self._actors.values():
@@ -227,10 +229,10 @@ class Kernel:
             actor=name,
             error=type(exc).__name__,
             message=str(exc),
-            first=self.failure is None,
+            first=self.failure is None and not self._aborted,
         )
-        if self.failure is not None:
-            return
+        if self.failure is not None or self._aborted:
+            return  # a consequence of the first failure or of the abort, not a new cause
         self.failure = ActorFailed(name, exc)
         self._abort(lambda: ActorFailed(name, exc))
 
@@ -262,6 +264,8 @@ class Kernel:
                 actor._handled += 1
             if turn is not None:
                 await turn()
+            if self._aborted:
+                return  # inbox closed by an abort: no clean stop
             await actor.on_stop()
             stats = inbox.statistics()
             actor.log.info(
@@ -384,7 +388,7 @@ class Kernel:
             reply.fail(ReplyTimeout(target.name, timeout))
             self._events.warning("kernel.reply_timeout", target=target.name, timeout=timeout)
         if self._turn is not None:
-            await self._turn()
+            await self._turn(keep_result=True)
         return reply.result()
 
     # -- time and idleness ---------------------------------------------------------------------
@@ -403,20 +407,21 @@ class Kernel:
 
         Deterministic mode: exact — every task is blocked and none asks for a turn (pending
         timers and sleeps do not count). Production: best effort — every inbox empty and no
-        handler running, seen twice with a yield between.
+        handler running and no sender waiting, seen three times in a row with yields
+        between. Helper tasks are seen only through the messages they send.
         """
         if self._sequencer is not None:
             await self._sequencer.wait_idle()
             return
         quiet_looks = 0
         spins = 0
-        while quiet_looks < 2:
+        while quiet_looks < 3:
             if spins < 100:
                 await anyio.sleep(0)
             else:
                 await self.clock.sleep(0.001)  # something is slow (a thread, real I/O): stop spinning
             spins += 1
-            if all(a.inbox.empty() and not a._busy for a in self._actors.values()):
+            if all(a.inbox.settled() and not a._busy for a in self._actors.values()):
                 quiet_looks += 1
             else:
                 quiet_looks = 0

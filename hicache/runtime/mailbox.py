@@ -65,7 +65,7 @@ class Mailbox(Generic[M]):
         self._used = 0
         self._closed = False
         # Set by a deterministic kernel: awaited before a woken sender touches shared state.
-        self._turn: Callable[[], Awaitable[None]] | None = None
+        self._turn: Callable[..., Awaitable[None]] | None = None
         self._delivered = 0
         self._blocked_sends = 0
         self._high_water = 0
@@ -187,7 +187,12 @@ class Mailbox(Generic[M]):
         return self._closed
 
     def empty(self) -> bool:
+        """No message buffered."""
         return self._used == 0
+
+    def settled(self) -> bool:
+        """No message buffered and no sender waiting to add one."""
+        return self._used == 0 and not self._waiters
 
     def statistics(self) -> MailboxStatistics:
         return MailboxStatistics(

@@ -26,7 +26,7 @@ class Reply(Generic[T]):
         self,
         *,
         on_done: Callable[[Reply[T]], None] | None = None,
-        turn: Callable[[], Awaitable[None]] | None = None,
+        turn: Callable[..., Awaitable[None]] | None = None,
     ) -> None:
         self._event = anyio.Event()
         self._value: T | None = None
@@ -67,7 +67,7 @@ class Reply(Generic[T]):
         """Wait for the answer; raise the failure if it failed (e.g. `ActorFailed`)."""
         await self._event.wait()
         if self._turn is not None:
-            await self._turn()
+            await self._turn(keep_result=True)
         return self.result()
 
     def result(self) -> T:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextvars
 import random
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 
 TURN_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("hicache_turn_key", default="~main")
 """The stable name a task files its turn requests under. Set by the kernel in every task it starts."""
@@ -34,24 +36,35 @@ class Sequencer:
         self._requests: dict[str, anyio.Event] = {}
         self._idle_waiters: deque[anyio.Event] = deque()
         self._wake: anyio.Event | None = None
+        self._stopped = False
         self.turns = 0  # turns granted so far (a cheap measure of how much was sequenced)
 
-    async def turn(self) -> None:
-        """Block until the sequencer lets the calling task go on."""
-        key = TURN_KEY.get()
-        if key in self._requests:
-            raise RuntimeError(
-                f"two tasks wait for a turn under the same key {key!r}; in deterministic mode "
-                "start concurrent drivers with Kernel.start_soon so each has its own key"
-            )
-        granted = anyio.Event()
-        self._requests[key] = granted
-        self._poke()
-        try:
-            await granted.wait()
-        finally:
-            if self._requests.get(key) is granted:
-                del self._requests[key]
+    async def turn(self, *, keep_result: bool = False) -> None:
+        """Block until the sequencer lets the calling task go on.
+
+        `keep_result=True` (a task woken with a result in hand: a reply) shields the wait, so
+        the result is not lost to a cancellation that arrives meanwhile; the cancellation lands
+        at the task's next checkpoint. Otherwise a cancelled task raises here. Once the sequencer
+        has stopped (kernel teardown), turns are free: teardown is not sequenced.
+        """
+        if not self._stopped:
+            key = TURN_KEY.get()
+            if key in self._requests:
+                raise RuntimeError(
+                    f"two tasks wait for a turn under the same key {key!r}; in deterministic mode "
+                    "start concurrent drivers with Kernel.start_soon so each has its own key"
+                )
+            granted = anyio.Event()
+            self._requests[key] = granted
+            self._poke()
+            try:
+                with anyio.CancelScope(shield=keep_result):
+                    await granted.wait()
+            finally:
+                if self._requests.get(key) is granted:
+                    del self._requests[key]
+        if not keep_result:
+            await anyio.lowlevel.checkpoint_if_cancelled()
 
     async def wait_idle(self) -> None:
         """Block until every task is blocked and none asks for a turn."""
@@ -78,6 +91,16 @@ class Sequencer:
         """The sequencer task: runs until cancelled by the kernel."""
         from trio.testing import wait_all_tasks_blocked
 
+        try:
+            await self._grant_forever(wait_all_tasks_blocked)
+        finally:
+            self._stopped = True  # release everyone: teardown after a crash is not sequenced
+            for granted in self._requests.values():
+                granted.set()
+            for idle in self._idle_waiters:
+                idle.set()
+
+    async def _grant_forever(self, wait_all_tasks_blocked: Callable[[], Awaitable[None]]) -> None:
         while True:
             await wait_all_tasks_blocked()
             if self._requests:
