@@ -128,7 +128,7 @@ class Kernel:
             )
         self._actors_done = anyio.Event()
         if self.deterministic:
-            self._sequencer = Sequencer(self.seed)
+            self._sequencer = Sequencer(self.seed, self._idle)
             self._turn = self._sequencer.turn
             for actor in self._actors.values():
                 actor.inbox._turn = self._turn
@@ -141,6 +141,7 @@ class Kernel:
         if not self._actors:
             self._actors_done.set()
         for actor in self._actors.values():
+            actor._busy = True  # until it first waits on its inbox
             self._tg.start_soon(self._run_actor, actor, name=f"hicache.actor.{actor.name}")
         self._events.info(
             "kernel.started",
@@ -252,15 +253,15 @@ class Kernel:
                 await turn()
             await actor.on_start()
             while True:
+                actor._busy = False
                 try:
                     msg = await inbox.receive()
                 except anyio.EndOfStream:
                     break
+                actor._busy = True
                 if turn is not None:
                     await turn()
-                actor._busy = True
                 await actor.handle(msg)
-                actor._busy = False
                 actor._handled += 1
             if turn is not None:
                 await turn()
@@ -402,13 +403,18 @@ class Kernel:
         if self._turn is not None:
             await self._turn()
 
-    async def run_until_idle(self) -> None:
-        """Return once nothing is left to do without time passing.
+    def _idle(self) -> bool:
+        return all(a.inbox.settled() and not a._busy for a in self._actors.values())
 
-        Deterministic mode: exact — every task is blocked and none asks for a turn (pending
-        timers and sleeps do not count). Production: best effort — every inbox empty and no
-        handler running and no sender waiting, seen three times in a row with yields
-        between. Helper tasks are seen only through the messages they send.
+    async def run_until_idle(self) -> None:
+        """Return once every actor waits on an empty inbox and no sender waits to fill one.
+
+        An actor inside `handle` (sleeping, awaiting a reply) is busy, so virtual time advances
+        for it; pending `call_later` timers and helper tasks do not count (they are outside
+        input). A run that never settles (a deadlock) never returns: guard with a timeout.
+        Deterministic mode: exact (every task blocked, no turn requested, the above holds).
+        Production: best effort, the above seen three times in a row with yields between;
+        helper tasks are seen only through the messages they send.
         """
         if self._sequencer is not None:
             await self._sequencer.wait_idle()
@@ -421,7 +427,7 @@ class Kernel:
             else:
                 await self.clock.sleep(0.001)  # something is slow (a thread, real I/O): stop spinning
             spins += 1
-            if all(a.inbox.settled() and not a._busy for a in self._actors.values()):
+            if self._idle():
                 quiet_looks += 1
             else:
                 quiet_looks = 0

@@ -8,9 +8,10 @@ depends only on the keys: the smallest key (seed 0), or a pick by `random.Random
 sorted keys (any other seed: the schedule perturbation). Between two grants exactly one task does
 observable work, so the event log is a function of (program, seed) alone.
 
-When nothing asks for a turn and everything is blocked, the run is idle: one `run_until_idle`
-waiter (oldest first) is released. If there is none either, the sequencer sleeps on `_wake`, which
-lets trio's MockClock jump to the next deadline (a timer or a sleep), whose task then asks for a turn.
+When everything is blocked, nothing asks for a turn, and the kernel says it is idle (every actor
+waits on an empty inbox, no sender waits), one `run_until_idle` waiter (oldest first) is released.
+Otherwise the sequencer sleeps on `_wake`, which lets trio's MockClock jump to the next deadline
+(an actor's sleep or reply timeout, a timer), whose task then asks for a turn.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ TURN_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("hicache_turn_key
 class Sequencer:
     """Grants turns one at a time. Owned by one kernel; only meaningful on trio."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, is_idle: Callable[[], bool]) -> None:
         self.seed = seed
+        self._is_idle = is_idle
         self._rng = random.Random(seed) if seed != 0 else None
         self._requests: dict[str, anyio.Event] = {}
         self._idle_waiters: deque[anyio.Event] = deque()
@@ -106,7 +108,7 @@ class Sequencer:
             if self._requests:
                 self._requests.pop(self._choose()).set()
                 self.turns += 1
-            elif self._idle_waiters:
+            elif self._idle_waiters and self._is_idle():
                 self._idle_waiters.popleft().set()
             else:
                 self._wake = anyio.Event()
