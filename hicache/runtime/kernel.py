@@ -10,11 +10,15 @@ the group, and `__aexit__` raises that `ActorFailed`. Either way no task outlive
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 from hicache.observability.events import EventLog
 from hicache.runtime.actor import Actor
@@ -166,7 +170,7 @@ class Kernel:
         if self.failure is not None:
             reason = "failure"
         elif error is None:
-            reason = "exit"
+            reason = "stop_timeout" if self._aborted else "exit"
         else:
             reason = "cancelled" if isinstance(error, anyio.get_cancelled_exc_class()) else "error"
             self._abort(lambda: KernelClosed("the kernel stopped before this reply was set"))
@@ -380,10 +384,10 @@ class Kernel:
         reply: Reply[T] = self.reply()
         msg = make(reply)
         if timeout is None:
-            await target.send(msg)
+            await self._send_request(target, msg, reply)
             return await reply.wait()
         with self.clock.move_on_after(timeout):
-            await target.send(msg)
+            await self._send_request(target, msg, reply)
             await reply._event.wait()
         if not reply.done:
             reply.fail(ReplyTimeout(target.name, timeout))
@@ -391,6 +395,13 @@ class Kernel:
         if self._turn is not None:
             await self._turn(keep_result=True)
         return reply.result()
+
+    async def _send_request(self, target: Mailbox[M], msg: M, reply: Reply[Any]) -> None:
+        try:
+            await target.send(msg)
+        except BaseException:
+            self._reply_done(reply)  # never delivered: nobody can answer it
+            raise
 
     # -- time and idleness ---------------------------------------------------------------------
 

@@ -165,3 +165,60 @@ async def test_kernel_runs_once_and_adds_only_before_start():
     with pytest.raises(RuntimeError, match="runs once"):
         async with kernel:
             pass
+
+
+@pytest.mark.anyio
+async def test_outer_cancellation_stops_everything_and_propagates():
+    tasks_before = len(anyio.get_running_tasks())
+    log = EventLog(capture=True)
+    kernel = Kernel(log=log)
+    counter = Counter("counter")
+    kernel.add(counter)
+    with anyio.CancelScope() as outer:
+        async with kernel:
+            pending = kernel.reply()
+            outer.cancel()
+            await anyio.sleep_forever()
+    assert outer.cancelled_caught
+    assert counter.lifecycle == ["start"]  # cancelled, not a clean stop
+    with pytest.raises(KernelClosed):
+        pending.result()
+    assert log.events[-1]["event"] == "kernel.stopped" and log.events[-1]["reason"] == "cancelled"
+    assert len(anyio.get_running_tasks()) == tasks_before
+
+
+class Stubborn(Actor[Add]):
+    """Never finishes a message: a clean stop cannot drain it."""
+
+    async def handle(self, msg: Add) -> None:
+        await anyio.sleep_forever()
+
+
+def test_stop_timeout_cancels_what_will_not_stop():
+    from hicache.runtime import run_deterministic
+
+    async def main() -> tuple[list[dict], float]:
+        log = EventLog(capture=True)
+        kernel = Kernel(log=log, stop_timeout=45.0)
+        stubborn = Stubborn("stubborn", capacity=1)
+        kernel.add(stubborn)
+        async with kernel:
+            await stubborn.inbox.send(Add(amount=1))
+        return log.events, kernel.now()
+
+    events, end = run_deterministic(main)
+    assert end == 45.0
+    assert [e["event"] for e in events][-2:] == ["kernel.stop_timeout", "kernel.stopped"]
+    assert events[-1]["reason"] == "stop_timeout"
+
+
+@pytest.mark.anyio
+async def test_request_to_a_closed_mailbox_leaves_no_pending_reply():
+    kernel = Kernel()
+    counter = Counter("counter")
+    kernel.add(counter)
+    async with kernel:
+        counter.inbox.close()
+        with pytest.raises(KernelClosed):
+            await kernel.request(counter.inbox, lambda r: Total(reply=r))
+        assert kernel.pending_replies == 0
