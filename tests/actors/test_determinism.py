@@ -3,6 +3,9 @@
 import io
 from dataclasses import dataclass
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hicache.observability import EventLog
 from hicache.runtime import Actor, Kernel, Reply, run_deterministic
 
@@ -168,3 +171,12 @@ def test_control_without_the_sequencer_trio_reorders_the_log():
         return sink.getvalue()
 
     assert len({run_deterministic(main) for _ in range(4)}) > 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(min_value=1, max_value=2**63))
+def test_any_seed_replays_exactly_and_reaches_the_same_state(seed):
+    first_log, first = scenario(seed)
+    second_log, second = scenario(seed)
+    assert first_log == second_log
+    assert final_state(first) == final_state(second) == final_state(scenario(0)[1])

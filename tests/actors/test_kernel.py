@@ -222,3 +222,21 @@ async def test_request_to_a_closed_mailbox_leaves_no_pending_reply():
         with pytest.raises(KernelClosed):
             await kernel.request(counter.inbox, lambda r: Total(reply=r))
         assert kernel.pending_replies == 0
+
+
+@pytest.mark.anyio
+async def test_a_plain_thread_delivers_completions_through_threadsafe_sender():
+    import threading
+
+    import anyio.to_thread
+
+    kernel = Kernel()
+    counter = Counter("counter", capacity=8)
+    kernel.add(counter)
+    async with kernel:
+        deliver = counter.inbox.threadsafe_sender()
+        worker = threading.Thread(target=lambda: [deliver(Add(amount=i)) for i in range(1, 6)])
+        worker.start()
+        await anyio.to_thread.run_sync(worker.join)
+        await kernel.run_until_idle()
+        assert counter.seen == [1, 2, 3, 4, 5]
