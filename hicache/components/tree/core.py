@@ -280,7 +280,8 @@ class RadixTree:
         if n_tokens % self.page_size:
             raise TreeError(f"insert: key of {n_tokens} tokens is not a multiple of page_size={self.page_size}")
         slots = _frozen_slots(device_slots, "insert", n_tokens)
-        threshold = self.write_policy.backup_threshold
+        # Chunked-prefill inserts neither count hits nor propose backups (as the seed).
+        threshold = None if chunked else self.write_policy.backup_threshold
         hit = 0 if chunked else 1
         pb = codec.page_bytes
         isz = codec.itemsize
@@ -607,8 +608,9 @@ class RadixTree:
         """DEVICE_ONLY, BOTH, HOST_ONLY, or GONE for a removed id. Does not mutate."""
         x = self._nodes.get(node)
         if x is None:
-            self._node(node)  # raises for ids this tree never issued
-            return NodeState.GONE
+            if isinstance(node, (int, np.integer)) and 0 <= node < self._next_id:
+                return NodeState.GONE
+            raise TreeError(f"node {node!r} is not a node of this tree")
         if x.device is None:
             return NodeState.HOST_ONLY
         return NodeState.DEVICE_ONLY if x.host is None else NodeState.BOTH
