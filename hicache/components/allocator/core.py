@@ -26,7 +26,7 @@ class SlotLedger:
     Owner: exactly one actor (the allocator); everyone else holds the slot arrays it returned.
     """
 
-    __slots__ = ("size", "page_size", "tier", "_free_pages", "_num_free", "_held", "_page_offsets")
+    __slots__ = ("size", "page_size", "tier", "_free_pages", "_num_free", "_held", "_page_offsets", "_mark")
 
     def __init__(self, *, size: int, page_size: int, tier: str) -> None:
         if page_size < 1:
@@ -44,6 +44,7 @@ class SlotLedger:
         self._num_free = num_pages
         self._held = np.zeros(num_pages, dtype=bool)
         self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._mark = np.zeros(num_pages, dtype=np.int64)  # scratch for the duplicate check in free
 
     @property
     def available(self) -> int:
@@ -115,7 +116,11 @@ class SlotLedger:
                     f"{self.tier} ledger: slots {rows[bad_row].tolist()} are not one aligned page "
                     f"of size {ps} (misaligned)"
                 )
-        if np.unique(pages).size != pages.size:
+        # Duplicate check in O(n) without sorting: write each page's position, read it back; a page
+        # listed twice reads back the later position at the earlier one.
+        positions = np.arange(pages.size, dtype=np.int64)
+        self._mark[pages] = positions
+        if not np.array_equal(self._mark[pages], positions):
             raise LedgerError(f"{self.tier} ledger: a page is listed twice in one free call (double free)")
         held = self._held[pages]
         if not held.all():

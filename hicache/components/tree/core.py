@@ -54,6 +54,9 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 def _frozen_slots(slots: np.ndarray, what: str, expected: int) -> np.ndarray:
     """Slots as a read-only int64 array the tree may keep. A read-only int64 array (as the ledgers
     return) is kept as is; anything else is copied, since the caller may change it later."""
+    if type(slots) is np.ndarray and slots.dtype == np.int64 and not slots.flags.writeable:
+        if slots.ndim == 1 and slots.size == expected:
+            return slots
     arr = np.asarray(slots)
     if arr.ndim != 1 or arr.size != expected:
         raise TreeError(f"{what}: expected {expected} slots, got shape {arr.shape}")
@@ -99,6 +102,7 @@ class RadixTree:
         self._evictable_device = 0  # device tokens of unlocked nodes
         self._evictable_host = 0  # host-only tokens of unlocked, unprotected nodes
         self._backups: dict[int, int] = {}  # in-flight backup id (its node id) -> pieces (>= 1)
+        self._stage = bytearray()  # scratch copy of the key being walked, for memcmp against node keys
 
     # ----------------------------------------------------------------------------- bookkeeping
 
@@ -215,47 +219,75 @@ class RadixTree:
 
     # ----------------------------------------------------------------------------- match / insert
 
+    def _descend(self, start: Node, key: np.ndarray, n: int, now: float) -> tuple[list[Node], int]:
+        """Walk from ``start`` along ``key[:n]`` (n whole pages), comparing whole node keys with memcmp.
+        Splits the last node if the key ends or differs inside it; stamps ``now`` on every node passed.
+        Returns the nodes passed below ``start`` and the tokens they cover. Mutates (stamps, split)."""
+        path: list[Node] = []
+        ps = self.page_size
+        if n == 0:
+            return path, 0
+        child = start.children.get(key[:ps].tobytes())
+        if child is None:
+            return path, 0
+        codec = self._codec
+        isz = codec.itemsize
+        end = n * isz
+        if len(self._stage) < end:
+            self._stage = bytearray(max(end, 2 * len(self._stage)))
+        stage = self._stage
+        staged = 0  # bytes of the key copied into the stage so far (copied lazily, as compared)
+        pos = 0  # bytes matched
+        while True:
+            ck = child.key
+            stop = pos + len(ck)
+            if stop > staged and staged < end:
+                upto = min(stop, end)
+                count = (upto - staged) // isz
+                np.frombuffer(stage, dtype=codec.dtype, count=count, offset=staged)[:] = key[
+                    staged // isz : upto // isz
+                ]
+                staged = upto
+            if stop <= end and stage.startswith(ck, pos, end):
+                pos = stop
+                child.last_access = now
+                path.append(child)
+            else:
+                child = self._split(child, codec.common_tokens(ck, key[:n], pos // isz))
+                pos += child.num_tokens * isz
+                child.last_access = now  # the upper piece only: the rest was not matched
+                path.append(child)
+                break
+            if pos >= end:
+                break
+            t = pos // isz
+            child = child.children.get(key[t : t + ps].tobytes())
+            if child is None:
+                break
+        return path, pos // isz
+
     def match(self, key: Sequence | np.ndarray, *, now: float) -> MatchResult:
         """Longest whole-page prefix of ``key`` in the tree. Mutates: stamps ``now`` as the last access
         of every matched node and splits the last one if the match ends inside it."""
-        codec = self._codec
-        kb = codec.encode(key)
-        end = len(kb) - len(kb) % codec.page_bytes
-        pb = codec.page_bytes
-        node = self._root
-        path: list[Node] = []
-        pos = 0
-        while pos < end:
-            child = node.children.get(kb[pos : pos + pb])
-            if child is None:
-                break
-            ck = child.key
-            if end - pos >= len(ck) and kb.startswith(ck, pos):
-                pos += len(ck)
-            else:
-                same = codec.common_tokens(ck, kb[:end], pos)
-                child = self._split(child, same)
-                pos = end  # nothing matches past a split
-            child.last_access = now
-            path.append(child)
-            node = child
+        arr = self._codec.encode(key)
+        path, _ = self._descend(self._root, arr, arr.size - arr.size % self.page_size, now)
         device_parts = []
         host_len = 0
         last_device = last_host = self._root
-        for n in path:
-            if n.device is not None:
-                device_parts.append(n.device)
-                last_device = n
+        for x in path:
+            if x.device is not None:
+                device_parts.append(x.device)
+                last_device = x
             else:
-                host_len += n.num_tokens
-            if n.host is not None and n.backup is None:
-                last_host = n
+                host_len += x.num_tokens
+            if x.host is not None and x.backup is None:
+                last_host = x
         return MatchResult(
             device_slots=_concat(device_parts),
             host_len=host_len,
             last_device_node=NodeId(last_device.id),
             last_host_node=NodeId(last_host.id),
-            last_node=NodeId(node.id),
+            last_node=NodeId(path[-1].id if path else self._root.id),
         )
 
     def insert(
@@ -274,48 +306,35 @@ class RadixTree:
         DEVICE_ONLY leaf. Matched device nodes and the new leaf count a hit unless ``chunked``; every
         matched node is stamped ``now`` and raised to at least ``priority``.
         """
-        codec = self._codec
-        kb = codec.encode(key)
-        n_tokens = len(kb) // codec.itemsize
-        if n_tokens % self.page_size:
-            raise TreeError(f"insert: key of {n_tokens} tokens is not a multiple of page_size={self.page_size}")
-        slots = _frozen_slots(device_slots, "insert", n_tokens)
+        arr = self._codec.encode(key)
+        n = arr.size
+        if n % self.page_size:
+            raise TreeError(f"insert: key of {n} tokens is not a multiple of page_size={self.page_size}")
+        slots = _frozen_slots(device_slots, "insert", n)
         # Chunked-prefill inserts neither count hits nor propose backups (as the seed).
         threshold = None if chunked else self.write_policy.backup_threshold
         hit = 0 if chunked else 1
-        pb = codec.page_bytes
-        isz = codec.itemsize
-        end = len(kb)
-        node = self._root
-        pos = 0
+        path, matched = self._descend(self._root, arr, n, now)
         prefix_len = 0
-        candidates: list[int] = []
-        while pos < end:
-            child = node.children.get(kb[pos : pos + pb])
-            if child is None:
-                break
-            ck = child.key
-            if not (end - pos >= len(ck) and kb.startswith(ck, pos)):
-                child = self._split(child, codec.common_tokens(ck, kb, pos))
-            tok = pos // isz
-            if child.device is None:
+        pos = 0
+        candidates: list[NodeId] = []
+        for x in path:
+            if x.device is None:
                 # Recomputed KV for a host-only node: adopt the caller's slots (top-down, so the
                 # evicted-suffix invariant holds).
-                self._set_device(child, slots[tok : tok + child.num_tokens])
+                self._set_device(x, slots[pos : pos + x.num_tokens])
             else:
-                prefix_len = tok + child.num_tokens
-                child.hit_count += hit
-                if threshold is not None and child.host is None and child.hit_count >= threshold:
-                    candidates.append(child.id)
-            child.last_access = now
-            if priority > child.priority:
-                child.priority = priority
-            pos += child.num_tokens * isz
-            node = child
-        if pos < end:
-            tok = pos // isz
+                prefix_len = pos + x.num_tokens
+                x.hit_count += hit
+                if threshold is not None and x.host is None and x.hit_count >= threshold:
+                    candidates.append(x.id)
+            if priority > x.priority:
+                x.priority = priority
+            pos += x.num_tokens
+        node = path[-1] if path else self._root
+        if matched < n:
             leaf = self._new_node(
-                node, kb[pos:], n_tokens - tok, device=slots[tok:], host=None, now=now, priority=priority
+                node, arr[matched:].tobytes(), n - matched, device=slots[matched:], host=None, now=now, priority=priority
             )
             leaf.hit_count = hit
             self._attach(leaf)
@@ -326,7 +345,7 @@ class RadixTree:
             prefix_len=prefix_len,
             duplicate_slots=slots[:prefix_len],
             last_node=NodeId(node.id),
-            backup_candidates=tuple(NodeId(c) for c in candidates),
+            backup_candidates=tuple(candidates),  # NodeId is int at run time
         )
 
     def insert_host(
@@ -344,32 +363,20 @@ class RadixTree:
         returned as duplicates); the rest becomes one HOST_ONLY leaf with its page hashes.
         """
         start = self._node(parent, "insert_host parent")
-        codec = self._codec
-        kb = codec.encode(key_suffix)
-        n_tokens = len(kb) // codec.itemsize
+        arr = self._codec.encode(key_suffix)
+        n = arr.size
         ps = self.page_size
-        if n_tokens % ps:
-            raise TreeError(f"insert_host: suffix of {n_tokens} tokens is not a multiple of page_size={ps}")
-        slots = _frozen_slots(host_slots, "insert_host", n_tokens)
+        if n % ps:
+            raise TreeError(f"insert_host: suffix of {n} tokens is not a multiple of page_size={ps}")
+        slots = _frozen_slots(host_slots, "insert_host", n)
         hashes = tuple(page_hashes)
-        if len(hashes) != n_tokens // ps:
-            raise TreeError(f"insert_host: {len(hashes)} page hashes for {n_tokens // ps} pages")
-        pb, isz, end = codec.page_bytes, codec.itemsize, len(kb)
-        node, pos = start, 0
-        while pos < end:
-            child = node.children.get(kb[pos : pos + pb])
-            if child is None:
-                break
-            ck = child.key
-            if not (end - pos >= len(ck) and kb.startswith(ck, pos)):
-                child = self._split(child, codec.common_tokens(ck, kb, pos))
-            child.last_access = now
-            pos += child.num_tokens * isz
-            node = child
-        matched = pos // isz
-        if matched < n_tokens:
+        if len(hashes) != n // ps:
+            raise TreeError(f"insert_host: {len(hashes)} page hashes for {n // ps} pages")
+        path, matched = self._descend(start, arr, n, now)
+        node = path[-1] if path else start
+        if matched < n:
             leaf = self._new_node(
-                node, kb[pos:], n_tokens - matched, device=None, host=slots[matched:], now=now, priority=node.priority
+                node, arr[matched:].tobytes(), n - matched, device=None, host=slots[matched:], now=now, priority=node.priority
             )
             leaf.hashes = hashes[matched // ps :]
             self._attach(leaf)

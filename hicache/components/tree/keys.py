@@ -1,8 +1,9 @@
 """Key encoding: token ids to the bytes the tree compares, page by page.
 
 Token ids are 32-bit unsigned (as in the L3 page hash); a bigram key (speculative decoding) is a pair
-of them per position. A key becomes one ``bytes`` object, so whole pages and whole node keys compare
-with memcmp (``bytes.startswith``) instead of per-token Python loops.
+of them per position. A key becomes a flat numpy array with one element per token (a bigram's two
+uint32 read as one uint64); node keys are stored as ``bytes``, so whole pages and whole node keys
+compare with memcmp (``bytearray.startswith`` on a staging buffer) instead of per-token Python loops.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ class KeyCodec:
         self.page_size = page_size
         self.page_bytes = page_size * self.itemsize
 
-    def encode(self, key: Sequence | np.ndarray) -> bytes:
-        """The key's bytes (all of it; callers cut to pages). Raises TreeError on a malformed key."""
+    def encode(self, key: Sequence | np.ndarray) -> np.ndarray:
+        """The key as a contiguous 1-D array of ``dtype`` (all of it; callers cut to pages). May be a
+        view of the caller's array: read, never kept. Raises TreeError on a malformed key."""
+        if type(key) is np.ndarray and key.dtype == np.uint32 and key.ndim == 1 and not self.bigram:
+            return key if key.flags.c_contiguous else np.ascontiguousarray(key)  # the fast path
         arr = key if isinstance(key, np.ndarray) else np.asarray(key)
         if arr.size == 0:
-            return b""
+            return np.empty(0, dtype=self.dtype)
         want_ndim = 2 if self.bigram else 1
         if arr.ndim != want_ndim or (self.bigram and arr.shape[1] != 2):
             shape = "(n, 2) bigram pairs" if self.bigram else "(n,) token ids"
@@ -47,18 +51,18 @@ class KeyCodec:
             if lo < 0 or hi > _U32_MAX:
                 raise TreeError(f"token id {lo if lo < 0 else hi} is outside [0, 2**32)")
             arr = arr.astype(np.uint32)
-        return arr.tobytes()
+        arr = np.ascontiguousarray(arr)
+        return arr.view(np.uint64).reshape(-1) if self.bigram else arr
 
     def decode(self, key: bytes) -> np.ndarray:
         """Token ids of encoded bytes ((n,) or (n, 2) uint32), a read-only view."""
         arr = np.frombuffer(key, dtype=np.uint32)
         return arr.reshape(-1, 2) if self.bigram else arr
 
-    def common_tokens(self, node_key: bytes, key: bytes, offset: int) -> int:
-        """Tokens, cut to whole pages, that ``node_key`` shares with ``key`` from byte ``offset``."""
-        count = min(len(node_key), len(key) - offset) // self.itemsize
+    def common_tokens(self, node_key: bytes, key: np.ndarray, start: int) -> int:
+        """Tokens, cut to whole pages, that ``node_key`` shares with ``key[start:]``."""
+        count = min(len(node_key) // self.itemsize, key.size - start)
         a = np.frombuffer(node_key, dtype=self.dtype, count=count)
-        b = np.frombuffer(key, dtype=self.dtype, count=count, offset=offset)
-        differ = a != b
+        differ = a != key[start : start + count]
         same = int(differ.argmax()) if differ.any() else count
         return same - same % self.page_size
