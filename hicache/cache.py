@@ -34,7 +34,7 @@ from hicache.messages import (
 )
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
-from hicache.policies.write import make_write_policy
+from hicache.policies.write import write_policy
 from hicache.results import (
     CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
 )
@@ -106,7 +106,7 @@ class HiCache:
         credits = max(1, cap // 8)
         bpt = geometry.bytes_per_token
         tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
-                         write_policy=make_write_policy(cfg.write_policy))
+                         write_policy=write_policy(cfg.write_policy))
         allocator = AllocatorActor(
             device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
             host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),

@@ -299,9 +299,10 @@ class TreeActor(Actor[TreeInbox]):
         op = self._loads.pop(msg.op)
         self._load_credits += 1
         if not msg.ok:
-            freed = self._tree.revert_load_back(op.plan)
+            freed, kept = self._tree.revert_load_back(op.plan)
             await self._free("device", freed)
-            self.log.error("tree.load_failed", op=msg.op, error=msg.error, tokens=len(freed))
+            self.log.error("tree.load_failed", op=msg.op, error=msg.error, tokens=len(freed),
+                           kept_nodes=list(kept))
         elif self._cfg.exclusive:
             freed = self._tree.drop_host(op.plan)
             await self._free("host", freed)
@@ -346,8 +347,9 @@ class TreeActor(Actor[TreeInbox]):
 
     async def _evict_device(self, n: int) -> bool:
         """Evict about n tokens from L1; returns whether anything was freed or demoted."""
-        ev = self._tree.evict_device(n, now=self._now())
+        ev = self._tree.evict_device(n, now=self._now(), require_host_copy=self._cfg.exclusive)
         await self._free("device", ev.freed)
+        await self._free("host", ev.freed_host)
         progressed = len(ev.freed) > 0
         if len(ev.freed):
             self.counters.device_evictions += len(ev.freed)
@@ -356,8 +358,10 @@ class TreeActor(Actor[TreeInbox]):
         if ev.needs_backup:
             backed = await self._backup_for_eviction(ev.needs_backup)
             if backed:
-                ev2 = self._tree.evict_device(n, now=self._now())
+                ev2 = self._tree.evict_device(n, now=self._now(),
+                                              require_host_copy=self._cfg.exclusive)
                 await self._free("device", ev2.freed)
+                await self._free("host", ev2.freed_host)
                 self.counters.device_evictions += len(ev2.freed)
                 progressed = progressed or len(ev2.freed) > 0
         return progressed

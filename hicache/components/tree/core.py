@@ -23,6 +23,7 @@ from hicache.components.tree.integrity import check_tree
 from hicache.components.tree.keys import KeyCodec
 from hicache.components.tree.node import Node, NodeState
 from hicache.components.tree.results import (
+    ClearedSlots,
     DeviceEviction,
     HostEviction,
     InsertHostResult,
@@ -673,6 +674,80 @@ class RadixTree:
                 f"set_page_hashes of node {node}: {len(hashes)} hashes for {x.num_tokens // self.page_size} pages"
             )
         x.hashes = hashes
+
+    def needs_backup(self, node: NodeId) -> bool:
+        """True if the node is on the device with no host copy and no backup in flight (a
+        write-through candidate that is still worth copying). False for removed ids."""
+        x = self._nodes.get(node)
+        return x is not None and x is not self._root and x.device is not None and x.host is None
+
+    def has_host_copy(self, node: NodeId) -> bool:
+        """True for the root, and for a node whose host copy is complete (no backup in flight)."""
+        x = self._node(node)
+        return x is self._root or (x.host is not None and x.backup is None)
+
+    def cached_tokens(self, tier: str) -> int:
+        """Tokens held in "device" or "host" slots by the tree. Does not mutate."""
+        if tier not in ("device", "host"):
+            raise TreeError(f"cached_tokens: tier must be 'device' or 'host', got {tier!r}")
+        field = "device" if tier == "device" else "host"
+        return sum(getattr(x, field).size for x in self._nodes.values()
+                   if getattr(x, field) is not None)
+
+    def revert_load_back(self, plan: LoadPlan) -> tuple[np.ndarray, tuple[NodeId, ...]]:
+        """Undo a committed load that failed: the planned nodes drop their device copies again
+        (back to HOST_ONLY), deepest first, stopping at a node that meanwhile got device-resident
+        children (its copy must then be recomputed by whoever inserted below it). Returns the
+        device slots to free and the nodes left on the device. Mutates."""
+        freed: list[np.ndarray] = []
+        kept: list[NodeId] = []
+        for i in reversed(plan.nodes):
+            x = self._nodes.get(i)
+            if x is None or x.device is None or x.host is None:
+                continue
+            if x.device_children:
+                kept.append(NodeId(x.id))
+                break
+            freed.append(x.device)
+            self._set_device(x, None)
+        return _concat(freed), tuple(kept)
+
+    def drop_host(self, plan: LoadPlan) -> np.ndarray:
+        """Exclusive mode, after a load landed: the planned nodes give up their host copies
+        (they stay on the device). Nodes that are gone, host-protected, or have host-only
+        children keep theirs. Returns the host slots to free. Mutates."""
+        freed: list[np.ndarray] = []
+        for i in reversed(plan.nodes):
+            x = self._nodes.get(i)
+            if x is None or x.host is None or x.device is None or x.host_ref or x.backup:
+                continue
+            if any(c.device is None for c in x.children.values()):
+                continue
+            self._untrack(x)
+            freed.append(x.host)
+            x.host = None
+            self._track(x)
+        return _concat(freed)
+
+    def clear(self) -> ClearedSlots:
+        """Remove every node but the root; return all slots the tree held. Refuses (TreeError)
+        while any node is locked, protected or being backed up. Mutates."""
+        busy = [x.id for x in self._nodes.values()
+                if x is not self._root and (x.lock_ref or x.host_ref or x.backup is not None)]
+        if busy:
+            raise TreeError(f"clear: nodes {busy[:8]} are locked, protected or in flight")
+        device = [x.device for x in self._nodes.values() if x.device is not None]
+        host = [x.host for x in self._nodes.values() if x.host is not None]
+        for child in list(self._root.children.values()):
+            self._remove_subtree_all(child)
+        return ClearedSlots(device=_concat(device), host=_concat(host))
+
+    def _remove_subtree_all(self, x: Node) -> None:
+        for child in list(x.children.values()):
+            self._remove_subtree_all(child)
+        if x.device is not None:
+            self._set_device(x, None)
+        self._remove(x)
 
     def __len__(self) -> int:
         """Nodes, the root included."""

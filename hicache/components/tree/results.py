@@ -9,6 +9,7 @@ import numpy as np
 from hicache.types import NodeId
 
 __all__ = [
+    "ClearedSlots",
     "DeviceEviction",
     "HostEviction",
     "InsertHostResult",
@@ -95,3 +96,11 @@ class HostEviction:
     freed: np.ndarray
     """Host slots the caller now frees."""
     removed: tuple[NodeId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClearedSlots:
+    device: np.ndarray
+    """Device slots the tree held."""
+    host: np.ndarray
+    """Host slots the tree held."""
