@@ -23,6 +23,7 @@ from hicache.messages import (
     TreeInbox, Upload, UploadDone, WriteDone,
 )
 from hicache.results import (
+    CacheError,
     CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
     TierStats, UnknownRequest,
 )
@@ -41,6 +42,7 @@ class RequestState:
     prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # tree slots it reads
     host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
     owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
+    padding: np.ndarray = field(default_factory=lambda: EMPTY)  # rest of its last page, unused
     tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
     prefetch: object = None  # the last prefetch's outcome once it ended
 
@@ -206,7 +208,7 @@ class TreeActor(Actor[TreeInbox]):
         """Run a request's work and answer it; a caller's mistake fails only that request."""
         try:
             value = await coro
-        except (ValueError, KeyError, LookupError) as exc:  # typed caller errors included
+        except (CacheError, ValueError, LookupError) as exc:  # the caller's, typed
             reply.fail(exc)
         else:
             reply.set(value)
@@ -311,14 +313,24 @@ class TreeActor(Actor[TreeInbox]):
     # ------------------------------------------------------------------ allocation
     async def _alloc_batch(self, sizes) -> tuple[np.ndarray, ...]:
         out = []
+        page = self._cfg.page_size
         for rid, n in sizes:
             state = self._state(rid, "allocate")
             if n < 0:
                 raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
-            slots = await self._alloc_device(n)
-            if slots is None:
-                ledger = await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
-                raise CapacityError("device", n, ledger["device"]["available"])
+            # Fill the request's partial last page first, so every page stays one device page.
+            reuse, state.padding = state.padding[:n], state.padding[n:]
+            rest = n - len(reuse)
+            fresh = EMPTY
+            if rest:
+                fresh = await self._alloc_device(-(-rest // page) * page)
+                if fresh is None:
+                    state.padding = np.concatenate([reuse, state.padding])
+                    ledger = await self.kernel.request(self._allocator,
+                                                       lambda r: LedgerStats(reply=r))
+                    raise CapacityError("device", n, ledger["device"]["available"])
+                state.padding = fresh[rest:]
+            slots = np.concatenate([reuse, fresh[:rest]])
             state.owned.append(slots)
             out.append(slots)
         return tuple(out)
@@ -422,7 +434,7 @@ class TreeActor(Actor[TreeInbox]):
         for node in result.backup_candidates:
             await self._schedule_backup(node)
         if item.finished:
-            await self._free("device", slots[aligned:])
+            await self._free("device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self._requests[item.rid]
             prefix = slots[:aligned]
@@ -444,8 +456,7 @@ class TreeActor(Actor[TreeInbox]):
         for rid in rids:
             state = self._state(rid, "release")
             self._relock(state, None)
-            for slots in state.owned:
-                await self._free("device", slots)
+            await self._free("device", np.concatenate([*state.owned, state.padding]))
             del self._requests[rid]
 
     # ------------------------------------------------------------------ write-through (L1 -> L2)
