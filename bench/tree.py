@@ -9,7 +9,7 @@ are timed (key building, allocation and freeing are not).
 
 Prints, per page size and capacity: µs per match / insert / evict (mean, p50, p99), token hit rate
 next to the trace's infinite-capacity bound, Python memory per cached page (tracemalloc, in a second
-replay), and the reference's times divided by the core's (> 1: the core is faster).
+replay; the reference's only with --reference-memory), and the reference's times divided by the core's (> 1: the core is faster).
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--capacities", type=int, nargs="+", default=[200_000, 1_000_000])
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc replays")
+    ap.add_argument("--reference-memory", action="store_true", help="also measure the reference's memory (slow)")
     args = ap.parse_args(argv)
     trace = load_trace(args.trace, args.limit)
     print(f"trace {args.trace} ({len(trace)} requests); times in µs; ratio = reference / core")
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 pages = ledger.used // ps
                 del structure
                 mem = ""
-                if not args.no_memory:
+                if not args.no_memory and (name == "core" or args.reference_memory):
                     gc.collect()
                     tracemalloc.start()
                     base = tracemalloc.get_traced_memory()[0]

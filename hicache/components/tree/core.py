@@ -334,8 +334,12 @@ class RadixTree:
             pos += x.num_tokens
         node = path[-1] if path else self._root
         if matched < n:
+            leaf_slots = slots[matched:]
+            if matched:  # a view would keep the caller's whole array (duplicates included) alive
+                leaf_slots = leaf_slots.copy()
+                leaf_slots.flags.writeable = False
             leaf = self._new_node(
-                node, arr[matched:].tobytes(), n - matched, device=slots[matched:], host=None, now=now, priority=priority
+                node, arr[matched:].tobytes(), n - matched, device=leaf_slots, host=None, now=now, priority=priority
             )
             leaf.hit_count = hit
             self._attach(leaf)
