@@ -75,7 +75,8 @@ async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int
     page = cache.config.page_size
     pool = cache.device_pool
     toks = {RequestId(f"r{r.index}"): r.tokens(block_tokens) for r in step}
-    seeds = {rid: page_seeds(chain_page_hashes(t[: len(t) // page * page], page))
+    # one seed per whole page, plus one for a partial last page (computed, never cached)
+    seeds = {rid: np.append(page_seeds(chain_page_hashes(t[: len(t) // page * page], page)), 0)
              for rid, t in toks.items()}
     with timer:
         matches = await cache.match_many(toks.items())
@@ -118,7 +119,7 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
     timer = _Timer(tally)
     page = cfg.page_size
     async with HiCache(cfg, log=log) as cache:
-            storage_on = cache.backend is not None
+        storage_on = cache.backend is not None
         for step in _steps(requests, batch, budget=cfg.device_tokens // 2):
             try:
                 await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on)
