@@ -66,7 +66,8 @@ def _number(spec: str, name: str, raw: Any, kind: type, minimum: float) -> Any:
     try:
         value = kind(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{spec!r}: option {name}={raw!r} is not a {kind.__name__}") from None
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{spec!r}: option {name}={raw!r} is not {what}") from None
     if not value >= minimum or value == float("inf"):  # `not >=` also rejects NaN
         raise ValueError(f"{spec!r}: option {name}={raw!r} must be at least {minimum}")
     return value

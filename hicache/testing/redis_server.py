@@ -9,11 +9,13 @@ from its stdout by a drain thread, so nothing polls on a timer. A `RedisServer` 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +31,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too; so at most 55535."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 55536)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -88,7 +109,7 @@ class RedisServer:
             for raw in process.stdout:
                 line = raw.decode(errors="replace").rstrip()
                 self._log.append(line)
-                if "Ready to accept connections" in line:
+                if "ready to accept connections" in line.lower():
                     ready.set()
             ready.set()  # process ended: unblock the waiter, which checks poll()
 
@@ -150,6 +171,7 @@ class RedisClusterServers:
         self.nodes = [
             RedisServer(
                 Path(directory) / f"node{i}",
+                port=free_cluster_port(),
                 extra_args=[
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(node_timeout_ms),
@@ -178,10 +200,29 @@ class RedisClusterServers:
             )
             if done.returncode != 0 or b"All 16384 slots covered" not in done.stdout:
                 raise RuntimeError(f"cluster create failed:\n{done.stdout.decode()}{done.stderr.decode()}")
+            self._wait_until_ok(cli)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_until_ok(self, cli: str) -> None:
+        """Each master keeps its cluster state "fail" for up to 2 s after it started
+        (CLUSTER_WRITABLE_DELAY), whatever the slot map says: poll, as the server offers no
+        notification. This is setup readiness, not a timing assertion."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pending = list(self.nodes)
+        while pending:
+            node = pending[0]
+            info = subprocess.run(
+                [cli, "-p", str(node.port), "cluster", "info"], capture_output=True, timeout=10
+            ).stdout
+            if b"cluster_state:ok" in info:
+                pending.pop(0)
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"cluster node {node.port} not ok:\n{info.decode()}")
+            else:
+                time.sleep(0.05)
 
     def stop(self) -> None:
         for node in self.nodes:
