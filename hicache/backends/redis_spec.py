@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, unquote
 DEFAULT_PORT = 6379
 DEFAULT_POOL = 16
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_PIPELINE_BYTES = 1024 * 1024  # bench/storage_redis.py: best or near it for 16 KiB..4 MiB pages
+DEFAULT_PIPELINE_BYTES = 4 * 1024 * 1024  # best or near it for 16 KiB..4 MiB pages (bench/storage_redis.py)
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
