@@ -27,6 +27,7 @@ _SCHEMES: tuple[tuple[str, str], ...] = (
     ("rediss://", "hicache.backends.redis:RedisBackend"),
     ("unix://", "hicache.backends.redis:RedisBackend"),
     ("redis+cluster://", "hicache.backends.redis:RedisBackend"),
+    ("rediss+cluster://", "hicache.backends.redis:RedisBackend"),
     ("mooncake://", "hicache.backends.mooncake:MooncakeBackend"),
 )
 _IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)(\?.*)?")
@@ -40,6 +41,7 @@ KNOWN_FORMS = (
     "rediss://…",
     "unix:///PATH",
     "redis+cluster://HOST:PORT",
+    "rediss+cluster://HOST:PORT",
     "mooncake://…",
     "package.module:Class",
 )
