@@ -57,6 +57,7 @@ class HiCache:
         log: EventLog | None = None,
         streams=None,
         backend=None,
+        transfer_faults=None,
     ) -> None:
         self.requested_config = config or CacheConfig()
         self.config, self.rewrites = self.requested_config.resolve()
@@ -64,6 +65,7 @@ class HiCache:
         self._log = log
         self._streams_override = streams
         self._backend_override = backend
+        self._transfer_faults = transfer_faults
         self.backend = None
         self._kernel: Kernel | None = None
         self._tree_inbox = None
@@ -96,6 +98,7 @@ class HiCache:
                 device, host, io=cfg.io_backend,
                 prefer="virtual" if cfg.deterministic else "auto",
                 schedule=kernel.call_later, bandwidth=cfg.transfer_bandwidth,
+                fault=self._transfer_faults,
             )
         self._streams = streams
         if selection is not None:

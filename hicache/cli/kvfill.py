@@ -42,7 +42,7 @@ def fill(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: i
     if not len(slots):
         return
     bases = _token_bases(seeds, page_size, first, len(slots))
-    index = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    index = torch.from_numpy(np.array(slots, dtype=np.int64))  # a writable copy
     for layer in range(pool.geometry.layers):
         for comp in range(pool.geometry.components):
             rows = _rows(pool, layer, comp)
@@ -56,7 +56,7 @@ def count_bad_pages(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, p
     if not len(slots):
         return 0
     bases = _token_bases(seeds, page_size, first, len(slots))
-    index = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    index = torch.from_numpy(np.array(slots, dtype=np.int64))  # a writable copy
     bad_tokens = torch.zeros(len(slots), dtype=torch.bool)
     for layer in range(pool.geometry.layers):
         for comp in range(pool.geometry.components):

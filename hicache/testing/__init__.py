@@ -1,0 +1,35 @@
+"""What engine authors use to test their own scheduler with the cache embedded, on virtual time.
+
+- `virtual_config(**overrides)`: a small `CacheConfig` in deterministic mode.
+- `run_virtual(main, seed=0)`: run an async test body on virtual time (trio + MockClock); the
+  same seed replays the same interleaving, another seed explores another.
+- `ScriptedScheduler`: a step-by-step serving loop over a `HiCache`.
+- `FaultyBackend` / `BackendFaults`: storage with injected latency, outages and failures.
+- `FaultPlan` (from the data plane): transfer streams with scripted failures and delays.
+- `fill_kv` / `bad_pages`: synthetic KV that is a pure function of page, layer and position, and
+  its check, to prove that what comes back from a lower tier is what went in.
+"""
+
+from hicache.cli.kvfill import count_bad_pages as bad_pages
+from hicache.cli.kvfill import fill as fill_kv
+from hicache.cli.kvfill import page_seeds
+from hicache.kernels.faults import FaultPlan
+from hicache.runtime import run_deterministic as run_virtual
+from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
+from hicache.testing.scheduler import ScriptedScheduler, StepRecord
+
+
+def virtual_config(**overrides):
+    """A small deterministic configuration: 4 pages of 4 tokens... overridable field by field."""
+    from hicache.config import CacheConfig
+
+    base = dict(kv="mha:2:1:8:float32", page_size=4, device_tokens=64, host_tokens=256,
+                deterministic=True, channel_capacity=64)
+    base.update(overrides)
+    return CacheConfig(**base)
+
+
+__all__ = [
+    "BackendFaults", "FaultPlan", "FaultyBackend", "ScriptedScheduler", "StepRecord",
+    "bad_pages", "fill_kv", "page_seeds", "run_virtual", "virtual_config",
+]

@@ -1,0 +1,253 @@
+"""The whole cache, end to end over L1 and L2, on virtual time (deterministic mode)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache import CacheConfig, HiCache
+from hicache.backends.keys import chain_page_hashes
+from hicache.observability import EventLog
+from hicache.results import CapacityError, UnknownRequest
+from hicache.testing import (
+    FaultPlan, ScriptedScheduler, bad_pages, fill_kv, page_seeds, run_virtual, virtual_config,
+)
+
+PAGE = 4
+
+
+def seeds_for(tokens: np.ndarray) -> np.ndarray:
+    whole = len(tokens) // PAGE * PAGE
+    return np.append(page_seeds(chain_page_hashes(tokens[:whole], PAGE)), 0)
+
+
+def compute_into(cache: HiCache):
+    """The scheduler's compute step: write each new token's synthetic KV."""
+
+    def compute(rid, tokens, slots, first):
+        fill_kv(cache.device_pool, slots[first:], seeds_for(tokens), page_size=PAGE, first=first)
+
+    return compute
+
+
+def check_prefix(cache: HiCache, tokens: np.ndarray, slots: np.ndarray) -> int:
+    return bad_pages(cache.device_pool, slots, seeds_for(tokens), page_size=PAGE, first=0)
+
+
+def conversation(turn: int, base: int) -> np.ndarray:
+    """Turn t of a conversation: the previous turns' tokens plus 12 new ones."""
+    return np.arange(base, base + 12 * (turn + 1), dtype=np.int64)
+
+
+def test_multi_turn_pages_go_to_l2_and_come_back_intact():
+    log = EventLog(capture=True)
+
+    async def main():
+        cfg = virtual_config(device_tokens=48, host_tokens=256, write_policy="write_through")
+        async with HiCache(cfg, log=log) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            # Three conversations take turns; L1 holds 48 tokens, so a conversation's earlier
+            # turns are pushed to L2 by the others and must come back for its next turn.
+            script = [[(f"c{c}t{t}", conversation(t, 1000 * c))] for t in range(3) for c in range(3)]
+            records = await sched.run(script)
+            loaded = [r for r in records if r.loaded]
+            assert loaded, "no turn loaded its prefix back from L2"
+            for r in records:
+                assert r.device_hit + r.loaded + r.computed == r.tokens
+            # The last turn of each conversation reused all but its 12 new tokens.
+            last = [r for r in records if r.rid.endswith("t2")]
+            assert all(r.device_hit + r.loaded >= r.tokens - 12 - PAGE for r in last)
+            # Every page that came back holds exactly the bytes computed for it.
+            for c in range(3):
+                tokens = conversation(2, 1000 * c)
+                m = await cache.match(f"check{c}", tokens)
+                lb = await cache.load_back(f"check{c}")
+                if lb.handle is not None:
+                    await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
+                assert len(lb.device_slots) == m.device_len + lb.loaded_tokens
+                assert check_prefix(cache, tokens, lb.device_slots) == 0
+                await cache.release(f"check{c}")
+            stats = await cache.stats()
+            assert stats.host.hit_tokens > 0 and stats.device.evictions > 0
+        return cache.close_report
+
+    report = run_virtual(main)
+    assert report["device"]["used"] == 0 and report["host"]["used"] == 0
+    names = {e["event"] for e in log.events}
+    for event in ("tree.match", "tree.insert", "writer.backup_done", "tree.evict_device",
+                  "tree.load_started", "loader.load_done", "kernel.stopped"):
+        assert event in names, event
+
+
+def test_running_request_pages_are_never_evicted():
+    async def main():
+        cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_through")
+        async with HiCache(cfg) as cache:
+            held = np.arange(16, dtype=np.int64)
+            await cache.match("held", held)
+            slots = await cache.allocate("held", 16)
+            fill_kv(cache.device_pool, slots, seeds_for(held), page_size=PAGE, first=0)
+            out = await cache.cache_unfinished("held", held, slots)  # stays locked: running
+            # Others fill L1 over and over; the running request's pages must stay put.
+            for i in range(6):
+                other = np.arange(100 * (i + 1), 100 * (i + 1) + 16, dtype=np.int64)
+                await cache.match(f"o{i}", other)
+                new = await cache.allocate(f"o{i}", 16)
+                await cache.cache_finished(f"o{i}", other, new)
+            assert check_prefix(cache, held, out.device_slots) == 0
+            m = await cache.match("held", held)
+            assert np.array_equal(m.device_slots, out.device_slots)
+            # With everything left locked, an allocation fails with a typed error.
+            await cache.match("big", np.arange(5000, 5032))
+            with pytest.raises(CapacityError) as info:
+                await cache.allocate("big", 32)
+            assert info.value.tier == "device"
+            await cache.release("big")
+            await cache.cache_finished("held", held, out.device_slots)
+
+    run_virtual(main)
+
+
+@pytest.mark.parametrize(
+    "policy, backed_after_first, backed_after_second",
+    [("write_through", True, True), ("write_through_selective", False, True),
+     ("write_back", False, False)],
+)
+def test_write_policies_back_up_when_specified(policy, backed_after_first, backed_after_second):
+    async def main():
+        cfg = virtual_config(device_tokens=64, host_tokens=256, write_policy=policy)
+        async with HiCache(cfg) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            tokens = np.arange(32, dtype=np.int64)
+            await sched.run([[("a", tokens)]])
+            await cache.flush()
+            first = (await cache.stats()).host.cached_tokens
+            await sched.run([[("b", tokens)]])
+            await cache.flush()
+            second = (await cache.stats()).host.cached_tokens
+            return first, second
+
+    first, second = run_virtual(main)
+    assert (first > 0) == backed_after_first
+    assert (second > 0) == backed_after_second
+
+
+def test_write_back_eviction_waits_for_its_backup_and_keeps_the_pages():
+    async def main():
+        cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_back")
+        async with HiCache(cfg) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            first = np.arange(32, dtype=np.int64)
+            await sched.run([[("a", first)], [("b", np.arange(500, 532))]])
+            # "a" was evicted from L1 by "b": under write_back it went to L2 first.
+            m = await cache.match("again", first)
+            assert m.device_len == 0 and m.host_len == 32
+            lb = await cache.load_back("again")
+            await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
+            assert check_prefix(cache, first, lb.device_slots) == 0
+            await cache.release("again")
+
+    run_virtual(main)
+
+
+def test_exclusive_mode_gives_up_the_l2_copy_on_load_back():
+    async def main():
+        cfg = virtual_config(device_tokens=32, host_tokens=128, exclusive=True)
+        async with HiCache(cfg) as cache:
+            assert cache.config.write_policy == "write_back"
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            first = np.arange(32, dtype=np.int64)
+            await sched.run([[("a", first)], [("b", np.arange(500, 532))]])
+            before = (await cache.stats()).host.cached_tokens
+            await sched.run([[("a2", first)]])
+            after = await cache.stats()
+            assert before >= 32
+            assert after.host.hit_tokens == 32
+            # The loaded pages left L2 (what L2 holds now is "b", demoted to make room).
+            dump = await cache.dump()
+            both = [n for n in dump if n["state"] == "both"]
+            assert not both, both
+
+    run_virtual(main)
+
+
+def test_failed_load_is_retried_by_recompute_never_served():
+    faults = FaultPlan()
+
+    async def main():
+        cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_through")
+        async with HiCache(cfg, transfer_faults=faults) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            first = np.arange(32, dtype=np.int64)
+            await sched.run([[("a", first)], [("b", np.arange(500, 532))]])
+            faults.fail[("load", 0, 1)] = OSError("injected: bus error on layer 1")
+            m = await cache.match("again", first)
+            assert m.host_len == 32
+            lb = await cache.load_back("again")
+            with pytest.raises(Exception, match="load failed"):
+                await lb.handle.wait_async(1)
+            await cache.release("again")
+            # After the failure the tree no longer claims those pages are on the device.
+            m2 = await cache.match("third", first)
+            assert m2.device_len == 0 and m2.host_len == 32
+            lb2 = await cache.load_back("third")
+            await lb2.handle.wait_async(cache.device_pool.geometry.layers - 1)
+            assert check_prefix(cache, first, lb2.device_slots) == 0
+            await cache.release("third")
+
+    run_virtual(main)
+
+
+def test_bad_input_is_a_clear_error_and_changes_nothing():
+    async def main():
+        async with HiCache(virtual_config()) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            tokens = np.arange(16, dtype=np.int64)
+            await sched.run([[("a", tokens)]])
+            before = await cache.dump()
+            with pytest.raises(UnknownRequest, match="'ghost'"):
+                await cache.allocate("ghost", 4)
+            await cache.match("x", tokens)
+            with pytest.raises(ValueError, match="tokens but"):
+                await cache.cache_finished("x", tokens, np.arange(3))
+            with pytest.raises(ValueError, match="cannot allocate -1"):
+                await cache.allocate("x", -1)
+            await cache.release("x")
+            assert await cache.dump() == before
+
+    run_virtual(main)
+
+
+def test_same_seed_same_event_log_other_seed_same_state():
+    def run(seed: int):
+        log = EventLog(capture=True)
+
+        async def main():
+            cfg = virtual_config(device_tokens=112, host_tokens=512,
+                                 write_policy="write_through", seed=seed)
+            async with HiCache(cfg, log=log) as cache:
+                sched = ScriptedScheduler(cache, compute=compute_into(cache))
+                script = [[(f"c{c}t{t}", conversation(t, 1000 * c)) for c in range(3)]
+                          for t in range(3)]
+                await sched.run(script)
+                return [(r.rid, r.device_hit, r.loaded) for r in sched.records]
+
+        records = run_virtual(main, seed=seed)
+        return records, [dict(e) for e in log.events]
+
+    a, log_a = run(1)
+    b, log_b = run(1)
+    assert log_a == log_b and a == b
+    c, log_c = run(2)
+    assert c == a  # the same requests find the same prefixes
+
+
+def test_config_rejects_unsound_combinations():
+    from hicache.config import ConfigError
+
+    with pytest.raises(ConfigError, match="host_tokens"):
+        CacheConfig(device_tokens=64, host_tokens=64).resolve()
+    with pytest.raises(ConfigError, match="page_head"):
+        CacheConfig(kv="mla:2:64:16:bfloat16", layout="page_head").resolve()
+    cfg, rewrites = CacheConfig(io_backend="direct", layout="page_first").resolve()
+    assert cfg.layout == "page_first_direct" and rewrites[0].field == "layout"
