@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import anyio
 import numpy as np
 
 from hicache.components.allocator.actor import AllocatorActor
 from hicache.components.allocator.core import SlotLedger
+from hicache.components.topology import Topology
 from hicache.components.loader.actor import LoaderActor
 from hicache.components.tree.actor import TreeActor
 from hicache.components.tree.core import RadixTree
@@ -69,7 +69,6 @@ class HiCache:
         self.backend = None
         self._kernel: Kernel | None = None
         self._tree_inbox = None
-        self._admission: anyio.Semaphore | None = None
         self.close_report: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -105,25 +104,22 @@ class HiCache:
             kernel.log.emit("streams.selected", component="cache", kind=selection.kind,
                             reason=selection.reason)
 
-        cap = cfg.channel_capacity
-        credits = max(1, cap // 8)
+        topo = Topology.for_capacity(cfg.channel_capacity)
+        self.topology = topo
         bpt = geometry.bytes_per_token
         tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
                          write_policy=write_policy(cfg.write_policy))
         allocator = AllocatorActor(
             device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
             host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
-            capacity=cap,
+            capacity=topo.capacity,
         )
-        tree_actor = TreeActor(
-            config=cfg, tree=tree, allocator=allocator.inbox, writer=None, loader=None,
-            bytes_per_token=bpt, capacity=cap, write_credits=credits, load_credits=credits,
-        )
-        # completions for up to 2 x credits commands (write-through and eviction backups)
+        tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
+                               bytes_per_token=bpt, topology=topo)
         writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                             capacity=4 * credits + 4)
+                             capacity=topo.credits, reserve=topo.stream_worker_reserve)
         loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                             capacity=2 * credits + 4)
+                             capacity=topo.credits, reserve=topo.stream_worker_reserve)
         actors = [tree_actor, allocator, writer, loader]
         storage = {}
         if self._backend_override is not None or cfg.storage:
@@ -142,11 +138,13 @@ class HiCache:
             self.backend = backend
             uploader = UploaderActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-                retries=cfg.upload_retries, backoff=cfg.upload_backoff, capacity=2 * credits + 4,
+                retries=cfg.upload_retries, backoff=cfg.upload_backoff,
+                capacity=topo.credits, reserve=topo.uploader_reserve,
             )
             prefetcher = PrefetcherActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-                batch_pages=cfg.storage_batch_pages, capacity=3 * credits + 4,
+                batch_pages=cfg.storage_batch_pages,
+                capacity=topo.prefetcher_capacity, reserve=topo.prefetcher_reserve,
             )
             actors += [uploader, prefetcher]
             storage = dict(uploader=uploader.inbox, prefetcher=prefetcher.inbox,
@@ -155,10 +153,6 @@ class HiCache:
         for actor in actors:
             kernel.add(actor)
         self._tree_inbox = tree_actor.inbox
-        # Frontend requests may fill the tree's inbox only up to what the completions leave
-        # free: writes, loads and uploads one message each, prefetches up to three.
-        reserved = 3 * credits + 3 * credits + 4
-        self._admission = anyio.Semaphore(max(1, cap - reserved))
         await kernel.__aenter__()
         return self
 
@@ -182,9 +176,9 @@ class HiCache:
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, make, timeout: float | None = None):
-        assert self._kernel is not None and self._admission is not None, "use `async with`"
-        async with self._admission:
-            return await self._kernel.request(self._tree_inbox, make, timeout=timeout)
+        if self._kernel is None:
+            raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
+        return await self._kernel.request(self._tree_inbox, make, timeout=timeout)
 
     @property
     def kernel(self) -> Kernel:

@@ -17,8 +17,9 @@ from hicache.types import OpId
 
 
 class LoaderActor(Actor[LoaderInbox]):
-    def __init__(self, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int) -> None:
-        super().__init__("loader", capacity=capacity)
+    def __init__(self, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int,
+                 reserve: int) -> None:
+        super().__init__("loader", capacity=capacity, reserve=reserve)
         self._streams = streams
         self._tree = tree
         self._bytes_per_token = bytes_per_token

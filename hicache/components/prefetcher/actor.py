@@ -31,8 +31,8 @@ class _Op:
 
 class PrefetcherActor(Actor[PrefetcherInbox]):
     def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
-                 batch_pages: int, capacity: int) -> None:
-        super().__init__("prefetcher", capacity=capacity)
+                 batch_pages: int, capacity: int, reserve: int) -> None:
+        super().__init__("prefetcher", capacity=capacity, reserve=reserve)
         self._backend = backend
         self._ns = namespace
         self._host = host_pool
@@ -103,7 +103,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                 pages = await self._backend.get_into(keys, targets)
         except Exception as exc:  # a backend bug is a miss, never a crashed cache
             pages, error = 0, f"{type(exc).__name__}: {exc}"
-        await self.inbox.send(IoDone(op=op, pages=pages, error=error))
+        self.inbox.send_nowait(IoDone(op=op, pages=pages, error=error))  # reserved room
 
     async def _probe(self, keys: list[str]) -> int:
         """Consecutive present pages, asked in batches; stops at the first hole."""

@@ -101,19 +101,16 @@ class TreeActor(Actor[TreeInbox]):
         config: CacheConfig,
         tree: RadixTree,
         allocator: Mailbox,
-        writer: Mailbox | None,
-        loader: Mailbox | None,
         bytes_per_token: int,
-        capacity: int,
-        write_credits: int,
-        load_credits: int,
+        topology,
     ) -> None:
-        super().__init__("tree", capacity=capacity)
+        super().__init__("tree", capacity=topology.capacity, reserve=topology.tree_reserve)
+        write_credits = load_credits = topology.credits
         self._cfg = config
         self._tree = tree
         self._allocator = allocator
-        self._writer = writer
-        self._loader = loader
+        self._writer: Mailbox | None = None  # set by connect()
+        self._loader: Mailbox | None = None
         self._bpt = bytes_per_token
         self._requests: dict[RequestId, RequestState] = {}
         self._writes: dict[OpId, WriteOp] = {}

@@ -26,8 +26,8 @@ class _Job:
 
 class UploaderActor(Actor[UploaderInbox]):
     def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
-                 retries: int, backoff: float, capacity: int) -> None:
-        super().__init__("uploader", capacity=capacity)
+                 retries: int, backoff: float, capacity: int, reserve: int) -> None:
+        super().__init__("uploader", capacity=capacity, reserve=reserve)
         self._backend = backend
         self._ns = namespace
         self._host = host_pool
@@ -78,4 +78,4 @@ class UploaderActor(Actor[UploaderInbox]):
             stored = await self._backend.set_from(keys, pages)
         except Exception as exc:  # a backend bug is a failed upload, never a crashed cache
             stored, error = 0, f"{type(exc).__name__}: {exc}"
-        await self.inbox.send(IoDone(op=op, pages=stored, error=error))
+        self.inbox.send_nowait(IoDone(op=op, pages=stored, error=error))  # reserved room

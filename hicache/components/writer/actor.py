@@ -21,8 +21,9 @@ def describe(error: BaseException | None) -> str:
 
 
 class WriterActor(Actor[WriterInbox]):
-    def __init__(self, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int) -> None:
-        super().__init__("writer", capacity=capacity)
+    def __init__(self, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int,
+                 reserve: int) -> None:
+        super().__init__("writer", capacity=capacity, reserve=reserve)
         self._streams = streams
         self._tree = tree
         self._bytes_per_token = bytes_per_token

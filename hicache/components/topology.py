@@ -1,0 +1,60 @@
+"""Every channel of the cache and its bound, in one place.
+
+Commands flow down (frontend -> tree -> workers) with blocking sends; completions flow up with
+non-blocking sends into the receiver's *reserve*, room that ordinary traffic cannot take. A
+sender never has more commands in flight than its credits, and every receiver's reserve is at
+least the completions those credits can produce, so a completion always finds room and no
+cycle of full channels can form (docs/architecture.md has the argument).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    capacity: int  # ordinary bound of every inbox (frontend requests into the tree, commands)
+    credits: int  # commands in flight per worker kind: writes, loads, uploads, prefetches
+
+    @classmethod
+    def for_capacity(cls, capacity: int) -> Topology:
+        return cls(capacity=capacity, credits=max(1, capacity // 8))
+
+    # tree: every completion of every worker, plus a prefetch's probe report and its timer
+    @property
+    def tree_reserve(self) -> int:
+        writes = loads = uploads = self.credits
+        prefetch_reports = 2 * self.credits
+        prefetch_timers = self.credits
+        return writes + loads + uploads + prefetch_reports + prefetch_timers
+
+    # writer / loader: one stream completion per command in flight
+    @property
+    def stream_worker_reserve(self) -> int:
+        return self.credits
+
+    # uploader: one storage-call completion per upload in flight
+    @property
+    def uploader_reserve(self) -> int:
+        return self.credits
+
+    # prefetcher: commands are a start and at most one stop per op; one I/O report per op
+    @property
+    def prefetcher_capacity(self) -> int:
+        return 2 * self.credits
+
+    @property
+    def prefetcher_reserve(self) -> int:
+        return self.credits
+
+    def edges(self) -> dict[str, tuple[int, int]]:
+        """inbox -> (capacity, reserve): what the saturation test fills."""
+        return {
+            "tree": (self.capacity, self.tree_reserve),
+            "allocator": (self.capacity, 0),
+            "writer": (self.credits, self.stream_worker_reserve),
+            "loader": (self.credits, self.stream_worker_reserve),
+            "uploader": (self.credits, self.uploader_reserve),
+            "prefetcher": (self.prefetcher_capacity, self.prefetcher_reserve),
+        }
