@@ -1,6 +1,6 @@
 """`file:DIR`: the embedded default L3, one file per page value on a local or shared filesystem.
 
-Layout: `DIR/<namespace digest>/<h[0:2]>/<h[2:4]>/<h>` holds the value of page hash `h`
+Layout: `DIR/<namespace digest>/<h[0:2]>/<h[2]>/<h>` holds the value of page hash `h`
 (framing.py's header, then the payload); `DIR/<namespace digest>/tmp/` holds writes in
 progress. Guarantees:
 - Atomic: a value is written to a temporary file (optionally fsynced) and renamed into place,
@@ -22,8 +22,8 @@ Blocking calls run in worker threads under a limiter of `threads` (or inline wit
 from __future__ import annotations
 
 import heapq
+import itertools
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -47,7 +47,8 @@ _OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 def value_path(root: str | os.PathLike[str], namespace_digest: str, page_hash: str) -> str:
     """Where the value of `page_hash` lives under `root` for one namespace."""
-    return os.path.join(root, namespace_digest, page_hash[:2], page_hash[2:4], page_hash)
+    # 256 x 16 leaf directories: few enough that a young store does not create one per page.
+    return os.path.join(root, namespace_digest, page_hash[:2], page_hash[2:3], page_hash)
 
 
 class FileBackend:
@@ -77,6 +78,7 @@ class FileBackend:
         self.max_bytes = max_bytes
         self._emit = emit or _no_events
         self._runner = BlockingRunner(threads)
+        self._temp_seq = itertools.count()
         self._counters = Counters()
         self._dir = os.path.join(self.root, namespace.digest)
         self._tmp = os.path.join(self._dir, _TMP)
@@ -193,7 +195,8 @@ class FileBackend:
         return value_path(self.root, self.namespace.digest, page_hash)
 
     def _temp_path(self, key: str) -> str:
-        name = f"{key.rsplit(':', 1)[1]}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        # unique without a syscall: pid, this instance, a counter (next() is atomic under the GIL)
+        name = f"{key.rsplit(':', 1)[1]}.{os.getpid()}.{id(self):x}.{next(self._temp_seq)}.tmp"
         return os.path.join(self._tmp, name)
 
     def _error(self, op: str, key: str, exc: Exception) -> None:

@@ -9,6 +9,7 @@ checked against what it must be (`--verify`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -57,14 +58,19 @@ class _Timer:
 
 
 def _steps(requests, batch: int, *, budget: int):
-    """Scheduler steps: up to `batch` requests whose inputs together fit in `budget` tokens."""
-    step, tokens = [], 0
+    """Scheduler steps: up to `batch` requests whose inputs together fit in `budget` tokens.
+    A request that shares its first block with one already in the step starts the next step,
+    as a prefix-aware scheduler would, so it can hit what the earlier one computes."""
+    step, tokens, firsts = [], 0, set()
     for req in requests:
-        if step and (len(step) == batch or tokens + req.input_length > budget):
+        first = req.hash_ids[0] if req.hash_ids else None
+        if step and (len(step) == batch or tokens + req.input_length > budget
+                     or first in firsts):
             yield step
-            step, tokens = [], 0
+            step, tokens, firsts = [], 0, set()
         step.append(req)
         tokens += req.input_length
+        firsts.add(first)
     if step:
         yield step
 
@@ -171,9 +177,17 @@ def _progress_printer(total: int, enabled: bool):
     return show
 
 
+def _scratch_dir() -> str | None:
+    """Where the default file store goes: RAM-backed /dev/shm when writable (a file store on
+    local NVMe behaves like it; an overlay /tmp can cost milliseconds per file), else the
+    system's temporary directory."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 def run(args) -> int:
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
-    with tempfile.TemporaryDirectory(prefix="hicache-replay-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=_scratch_dir()) as tmp:
         storage = args.storage
         if storage == "file":
             storage = f"file:{tmp}/store"

@@ -34,7 +34,7 @@ async def test_layout_is_sharded_by_hash(tmp_path, ns):
     keys, _ = await fill_and_store(backend, ns, 2)
     h = ns.page_hash_of(keys[0])
     path = value_path(tmp_path, ns.digest, h)
-    assert path == os.path.join(tmp_path, ns.digest, h[:2], h[2:4], h) and os.path.isfile(path)
+    assert path == os.path.join(tmp_path, ns.digest, h[:2], h[2:3], h) and os.path.isfile(path)
     assert tmp_files(tmp_path, ns) == []
 
 
