@@ -368,9 +368,19 @@ class TreeActor(Actor[TreeInbox]):
             self.counters.device_evictions += len(ev.freed)
             self.log.info("tree.evict_device", tokens=len(ev.freed), demoted=len(ev.demoted),
                           removed=len(ev.removed))
+        freed = len(ev.freed)
         for node in ev.needs_backup:  # write_back / exclusive: copy to L2, then evict
+            if self._cfg.exclusive and not self._tree.outranks_host(node):
+                # Older than everything L2 could give up: drop it rather than displace hotter
+                # pages, so the two tiers together evict like one LRU of their total size.
+                gone = self._tree.discard_device(node)
+                await self._free("device", gone.freed)
+                await self._free("host", gone.freed_host)
+                self.counters.device_evictions += len(gone.freed)
+                freed += len(gone.freed)
+                continue
             await self._start_backup(node, evicting=True)
-        return len(ev.freed) > 0
+        return freed > 0
 
     async def _alloc_host(self, n: int) -> np.ndarray | None:
         """Host slots for n tokens, evicting L2; waits for uploads that pin the only candidates."""

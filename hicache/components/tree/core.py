@@ -553,8 +553,10 @@ class RadixTree:
                 self._set_device(x, None)
                 demoted.append(x.id)
             elif keep_unbacked:
+                # Counts toward the target: it goes once its backup lands. Counting it as 0
+                # would report every leaf of L1 and back up all of it.
                 needs_backup.append(x.id)
-                return 0, None
+                return x.num_tokens, None
             elif x.host_ref:
                 return 0, None
             else:
@@ -689,6 +691,38 @@ class RadixTree:
         """True for the root, and for a node whose host copy is complete (no backup in flight)."""
         x = self._node(node)
         return x is self._root or (x.host is not None and x.backup is None)
+
+    def outranks_host(self, node: NodeId) -> bool:
+        """Exclusive mode: whether a device leaf about to leave L1 should take an L2 place,
+        i.e. the strategy would keep it over L2's next victim (or L2 has no victim). A leaf
+        that loses to all of L2 is dropped instead of displacing something hotter. Does not
+        mutate."""
+        key = self.eviction.key
+        mine = key(self._node(node))
+        victims = [key(x) for x in self._host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
+        return not victims or mine >= min(victims)
+
+    def discard_device(self, node: NodeId) -> DeviceEviction:
+        """Drop an unlocked device leaf without a host copy (and its host-only descendants)
+        from the tree, as a non-backup L1 eviction would. Mutates."""
+        x = self._node(node)
+        if x is self._root or x.device is None or x.host is not None:
+            raise TreeError(f"discard_device of node {node}: not a device-only node")
+        if x.lock_ref or x.device_children or x.backup is not None:
+            raise TreeError(f"discard_device of node {node}: locked, in flight or not a leaf")
+        if self._protected_below(x):
+            return DeviceEviction(freed=_EMPTY, demoted=(), removed=(), needs_backup=(),
+                                  freed_host=_EMPTY)
+        freed = x.device
+        freed_host: list[np.ndarray] = []
+        removed: list[int] = []
+        self._set_device(x, None)
+        self._remove_subtree(x, freed_host, removed)
+        return DeviceEviction(freed=freed, demoted=(), removed=tuple(NodeId(i) for i in removed),
+                              needs_backup=(), freed_host=_concat(freed_host))
+
+    def _protected_below(self, x: Node) -> bool:
+        return bool(x.host_ref) or any(self._protected_below(c) for c in x.children.values())
 
     def cached_tokens(self, tier: str) -> int:
         """Tokens held in "device" or "host" slots by the tree. Does not mutate."""
