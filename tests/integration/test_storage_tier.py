@@ -139,6 +139,57 @@ def test_timeout_returns_at_base_plus_per_ki_token_times_tokens(base, per_ki, ar
     assert out.state == "done" and out.done_tokens == arrived == host_len
 
 
+def test_hung_storage_holds_no_request_past_its_deadline():
+    async def main():
+        store = await stored(TOKENS)
+        cfg = config(prefetch_policy="timeout")  # defaults: 1 s + 0.25 s per 1024 tokens
+        hung = slow_memory(cfg, store, latency=100.0)
+        async with HiCache(cfg, backend=hung) as cache:
+            await cache.match("r", TOKENS)
+            t0 = cache.kernel.now()
+            await cache.prefetch("r", TOKENS)
+            out = await cache.prefetch_wait("r")
+            waited = cache.kernel.now() - t0
+            lb = await cache.load_back("r")
+            new = await cache.allocate("r", 64)  # the request goes on: computes it all
+            await cache.cache_finished("r", TOKENS, new)
+            return out, waited, lb.loaded_tokens
+
+    out, waited, loaded = run_virtual(main)
+    assert waited == at(1.0 + 0.25 * 64 / 1024)
+    assert out.state == "done" and out.done_tokens == 0 and loaded == 0
+
+
+def test_closing_with_prefetches_in_flight_balances_the_ledgers():
+    async def main():
+        store = await stored(TOKENS)
+        async with reader(store, prefetch_policy="wait_complete") as cache:
+            await cache.match("r", TOKENS)
+            await cache.prefetch("r", TOKENS)
+            await anyio.sleep(BATCH_ENDS[1])  # mid-way
+        return cache.close_report
+
+    report = run_virtual(main)
+    assert report["host"]["used"] == 0 and report["device"]["used"] == 0
+
+
+def test_what_arrives_after_the_request_left_still_lands_in_l2():
+    async def main():
+        store = await stored(TOKENS)
+        async with reader(store, prefetch_policy="wait_complete") as cache:
+            await cache.match("gone", TOKENS)
+            await cache.prefetch("gone", TOKENS)
+            await cache.release("gone")
+            await anyio.sleep(2.0)
+            got = await fetch(cache, "next", TOKENS)
+            return got, await cache.stats()
+
+    got, stats = run_virtual(main)
+    assert got.prefetch.state == "skipped"  # nothing left to fetch: all of it is in L2
+    assert got.load.loaded_tokens == 64 and got.bad == 0
+    assert stats.storage_hit_tokens == 0  # counted for requests that got them, and none did
+
+
 def test_timeout_formula():
     cfg = CacheConfig()
     assert (cfg.prefetch_timeout_base, cfg.prefetch_timeout_per_ki_token) == (1.0, 0.25)
