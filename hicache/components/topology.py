@@ -21,11 +21,12 @@ class Topology:
     def for_capacity(cls, capacity: int) -> Topology:
         return cls(capacity=capacity, credits=max(1, capacity // 8))
 
-    # tree: every completion of every worker, plus a prefetch's probe report and its timer
+    # tree: every completion of every worker, plus a prefetch's probe and stop reports and its
+    # timer
     @property
     def tree_reserve(self) -> int:
         writes = loads = uploads = self.credits
-        prefetch_reports = 2 * self.credits
+        prefetch_reports = 3 * self.credits  # probe, stop, end
         prefetch_timers = self.credits
         return writes + loads + uploads + prefetch_reports + prefetch_timers
 

@@ -2,9 +2,12 @@
 
 For a `StartPrefetch` it probes storage for the consecutive run of present pages, then reads
 them into the host slots the tree allocated, in batches of `batch_pages`, reporting to the
-tree after the probe and at the end. A `StopPrefetch` ends the op after the batch
-in flight. The I/O runs in a helper task per op so stops and new ops are never stuck behind a
-slow read; what arrived is a consecutive prefix, checked page by page by the backend.
+tree after the probe and at the end. A `StopPrefetch` is answered at once with what has
+arrived (a report with `finished=False`: the request must not wait for slow storage), and
+ends the op after the I/O in flight, whose end report returns the rest of the slots. So an
+op sends at most three reports: probe, stop, end. The I/O runs in a helper task per op so
+stops and new ops are never stuck behind a slow read; what arrived is a consecutive prefix,
+checked page by page by the backend.
 """
 
 from __future__ import annotations
@@ -47,8 +50,13 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                 self._ops[op] = _Op(msg)
                 self._spawn(op)
             case StopPrefetch(op=op):
-                if op in self._ops:
-                    self._ops[op].stop = True
+                state = self._ops.get(op)
+                if state is not None and not state.stop:
+                    state.stop = True
+                    self._tree.send_nowait(PrefetchProgress(  # reserved room: one per op
+                        op=op, hit_pages=state.hit_pages, done_pages=state.done_pages,
+                        finished=False,
+                    ))
             case IoDone(op=op, pages=pages, error=error):
                 await self._io_done(op, pages, error)
             case _:
@@ -72,8 +80,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         if error:
             self.log.warning("prefetcher.io_error", op=op, error=error)
             finished = True
-        # At most two reports per op (after the probe, at the end): the tree reserves room
-        # for both, so these sends never block.
+        # With the stop report, at most three reports per op: the tree reserves room for
+        # all of them, so these sends never block.
         if probed or finished:
             self._tree.send_nowait(PrefetchProgress(
                 op=op, hit_pages=state.hit_pages, done_pages=state.done_pages, finished=finished,

@@ -577,7 +577,8 @@ class TreeActor(Actor[TreeInbox]):
             reason = "host_full"
         if reason is not None:
             self.log.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
-            return PrefetchOutcome(rid=rid, state="skipped", reason=reason)
+            state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
+            return state.prefetch  # what a later wait or poll reports too
         prior = None if anchor == self._tree.root else self._node_hashes(anchor)[-1]
         new_tokens = tokens[matched:end]
         hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
@@ -639,15 +640,29 @@ class TreeActor(Actor[TreeInbox]):
             self._stop_prefetch(op_id)
 
     async def _prefetch_progress(self, msg: PrefetchProgress) -> None:
+        """A report from the prefetcher: after the probe, when stopped, at the end. The request's
+        part ends (settles) at the first report that may end it by the policy; the op itself
+        ends at the end report, once no I/O writes into its host slots any more."""
         op = self._prefetches[msg.op]
+        if op.state == "running":
+            op.hit_pages, op.done_pages = msg.hit_pages, msg.done_pages
+            known = msg.hit_pages >= 0
+            if known and msg.hit_pages * self._cfg.page_size < self._cfg.effective_prefetch_threshold:
+                self._stop_prefetch(msg.op)  # not worth it: revoke
+                await self._settle_prefetch(msg.op, revoked=True)
+            elif msg.finished or op.stopping:
+                await self._settle_prefetch(msg.op, revoked=False)
+        if msg.finished:
+            await self._end_prefetch(msg.op)
+
+    async def _settle_prefetch(self, op_id: OpId, *, revoked: bool) -> None:
+        """Hand the request what has arrived: insert it as host-only nodes below the anchor,
+        answer the waiters. The slots of those pages become the tree's; the rest stay the op's
+        until its end report."""
+        op = self._prefetches[op_id]
         page = self._cfg.page_size
-        op.hit_pages, op.done_pages = msg.hit_pages, msg.done_pages
-        if not msg.finished:
-            if msg.hit_pages * page < self._cfg.effective_prefetch_threshold:
-                self._stop_prefetch(msg.op)  # not worth it: revoke, the end report frees
-            return
-        revoked = msg.hit_pages * page < self._cfg.effective_prefetch_threshold
-        done = 0 if revoked else msg.done_pages
+        done = 0 if revoked else op.done_pages
+        op.done_pages = done
         used_tokens = done * page
         if done:
             inserted = self._tree.insert_host(
@@ -655,14 +670,11 @@ class TreeActor(Actor[TreeInbox]):
                 op.hashes[:done], now=self._now(),
             )
             await self._free("host", inserted.duplicate_slots)
-        await self._free("host", op.host_slots[used_tokens:])
         self._tree.release_host(op.anchor)
-        self._prefetch_tokens -= len(op.hashes) * page
-        self._prefetch_credits += 1
         op.state = "revoked" if revoked else "done"
-        self.log.info("tree.prefetch_done", rid=op.rid, op=msg.op, state=op.state,
-                      hit=msg.hit_pages * page, read=used_tokens)
-        outcome = self._prefetch_outcome(op.rid, msg.op)
+        self.log.info("tree.prefetch_done", rid=op.rid, op=op_id, state=op.state,
+                      hit=max(op.hit_pages, 0) * page, read=used_tokens)
+        outcome = self._prefetch_outcome(op.rid, op_id)
         state = self._requests.get(op.rid)
         if state is not None:
             state.prefetch = outcome
@@ -673,7 +685,14 @@ class TreeActor(Actor[TreeInbox]):
             reply.set(outcome)
         op.waiters.clear()
         del self._prefetch_by_rid[op.rid]
-        del self._prefetches[msg.op]
+
+    async def _end_prefetch(self, op_id: OpId) -> None:
+        """The prefetcher is done with the op: free the slots the tree did not take."""
+        op = self._prefetches.pop(op_id)
+        page = self._cfg.page_size
+        await self._free("host", op.host_slots[op.done_pages * page:])
+        self._prefetch_tokens -= len(op.hashes) * page
+        self._prefetch_credits += 1
 
     # ------------------------------------------------------------------ stats and close
     async def _stats(self) -> CacheStats:
