@@ -214,9 +214,18 @@ class Upload:
 
 @_msg
 class StartPrefetch:
+    """Probe storage for these pages; report how many are there, then wait for a ReadPrefetch."""
+
     op: OpId
     hashes: tuple[PageHash, ...]  # pages wanted, in order
-    host_slots: np.ndarray  # page-aligned, one page per hash
+
+
+@_msg
+class ReadPrefetch:
+    """Read the probed pages into these host slots (page-aligned, one page per hit)."""
+
+    op: OpId
+    host_slots: np.ndarray
 
 
 @_msg
@@ -234,6 +243,6 @@ class IoDone:
 
 
 UploaderInbox = Union[Upload, IoDone]
-PrefetcherInbox = Union[StartPrefetch, StopPrefetch, IoDone]
+PrefetcherInbox = Union[StartPrefetch, ReadPrefetch, StopPrefetch, IoDone]
 
 __all__ = [name for name in dir() if name[0].isupper()]

@@ -40,10 +40,10 @@ class Topology:
     def uploader_reserve(self) -> int:
         return self.credits
 
-    # prefetcher: commands are a start and at most one stop per op; one I/O report per op
+    # prefetcher: commands are a start, a read and at most one stop per op; one I/O report
     @property
     def prefetcher_capacity(self) -> int:
-        return 2 * self.credits
+        return 3 * self.credits
 
     @property
     def prefetcher_reserve(self) -> int:

@@ -1,8 +1,9 @@
 """The prefetcher actor (L3 -> L2): owns every prefetch in flight.
 
-For a `StartPrefetch` it probes storage for the consecutive run of present pages, then reads
-them into the host slots the tree allocated, in batches of `batch_pages`, reporting to the
-tree after the probe and at the end. A `StopPrefetch` is answered at once with what has
+For a `StartPrefetch` it probes storage for the consecutive run of present pages and reports
+the count; the tree then allocates host slots for exactly those pages (no L2 churn for pages
+storage does not have) and sends `ReadPrefetch`, and the pages are read in batches of
+`batch_pages`, with a report at the end. A `StopPrefetch` is answered at once with what has
 arrived (a report with `finished=False`: the request must not wait for slow storage), and
 ends the op after the I/O in flight, whose end report returns the rest of the slots. So an
 op sends at most three reports: probe, stop, end. The I/O runs in a helper task per op so
@@ -18,7 +19,7 @@ from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
 from hicache.messages import (
-    IoDone, PrefetcherInbox, PrefetchProgress, StartPrefetch, StopPrefetch,
+    IoDone, PrefetcherInbox, PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
@@ -30,6 +31,8 @@ class _Op:
     hit_pages: int = -1  # unknown until probed
     done_pages: int = 0
     stop: bool = False
+    host_slots: object = None  # set by ReadPrefetch; until then the op waits after its probe
+    busy: bool = False  # a probe or read is in flight
 
 
 class PrefetcherActor(Actor[PrefetcherInbox]):
@@ -49,24 +52,34 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
             case StartPrefetch(op=op):
                 self._ops[op] = _Op(msg)
                 self._spawn(op)
+            case ReadPrefetch(op=op, host_slots=host_slots):
+                state = self._ops.get(op)
+                if state is not None and not state.stop:
+                    state.host_slots = host_slots
+                    self._spawn(op)
             case StopPrefetch(op=op):
                 state = self._ops.get(op)
                 if state is not None and not state.stop:
                     state.stop = True
+                    idle = not state.busy  # probed, waiting for a read that will not come
                     self._tree.send_nowait(PrefetchProgress(  # reserved room: one per op
                         op=op, hit_pages=state.hit_pages, done_pages=state.done_pages,
-                        finished=False,
+                        finished=idle,
                     ))
+                    if idle:
+                        del self._ops[op]
             case IoDone(op=op, pages=pages, error=error):
                 await self._io_done(op, pages, error)
             case _:
                 assert_never(msg)
 
     def _spawn(self, op: OpId) -> None:
+        self._ops[op].busy = True
         self.kernel.start_soon(self._io, op, name=f"prefetch-{op}")
 
     async def _io_done(self, op: OpId, pages: int, error: str) -> None:
         state = self._ops[op]
+        state.busy = False
         probed = state.hit_pages < 0
         if probed:
             state.hit_pages = pages
@@ -90,8 +103,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
             del self._ops[op]
             self.log.info("prefetcher.done", op=op, pages=len(state.msg.hashes),
                           hit=state.hit_pages, read=state.done_pages)
-        else:
-            self._spawn(op)
+        elif not probed:
+            self._spawn(op)  # the next batch (after the probe, the tree's ReadPrefetch starts it)
 
     async def _io(self, op: OpId) -> None:
         """One step of an op: the probe first, then one batch of reads."""
@@ -107,7 +120,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                 end = min(state.hit_pages, start + self._batch)
                 page = self._host.page_size
                 keys = [self._ns.key(h) for h in msg.hashes[start:end]]
-                targets = self._host.page_buffers(msg.host_slots[start * page:end * page])
+                slots = state.host_slots[start * page:end * page]
+                targets = self._host.page_buffers(slots)
                 pages = await self._backend.get_into(keys, targets)
         except Exception as exc:  # a backend bug is a miss, never a crashed cache
             pages, error = 0, f"{type(exc).__name__}: {exc}"

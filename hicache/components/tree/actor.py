@@ -19,7 +19,8 @@ from hicache.config import CacheConfig
 from hicache.messages import (
     Alloc, AllocBatch, Backup, CacheBatch, ClearStorage, Drain, DumpTree, Flush, Free, GetStats,
     LedgerStats, Load, LoadBackBatch, LoadDone, MatchBatch, PrefetchBatch, PrefetchPoll,
-    PrefetchProgress, PrefetchWait, ReleaseBatch, StartPrefetch, StopPrefetch, TimerFired,
+    PrefetchProgress, PrefetchWait, ReadPrefetch, ReleaseBatch, StartPrefetch, StopPrefetch,
+    TimerFired,
     TreeInbox, Upload, UploadDone, WriteDone,
 )
 from hicache.results import (
@@ -572,9 +573,6 @@ class TreeActor(Actor[TreeInbox]):
             reason = "below_threshold"
         elif self._prefetch_tokens + length > self._rate_limit() or self._prefetch_credits == 0:
             reason = "rate_limited"
-        host = None if reason else await self._alloc_host(length)
-        if reason is None and host is None:
-            reason = "host_full"
         if reason is not None:
             self.log.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
             state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
@@ -591,12 +589,12 @@ class TreeActor(Actor[TreeInbox]):
                                    lambda op=op_id: deliver(TimerFired(op=op)))
         self._tree.protect_host(anchor)
         op = PrefetchOp(rid=rid, anchor=anchor, tokens=new_tokens, hashes=hashes,
-                        host_slots=host, deadline=deadline)
+                        host_slots=EMPTY, deadline=deadline)
         self._prefetches[op_id] = op
         self._prefetch_by_rid[rid] = op_id
         self._prefetch_credits -= 1
         self._prefetch_tokens += length
-        await self._prefetcher.send(StartPrefetch(op=op_id, hashes=hashes, host_slots=host))
+        await self._prefetcher.send(StartPrefetch(op=op_id, hashes=hashes))
         self.log.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
         return self._prefetch_outcome(rid, op_id)
 
@@ -645,6 +643,7 @@ class TreeActor(Actor[TreeInbox]):
         ends at the end report, once no I/O writes into its host slots any more."""
         op = self._prefetches[msg.op]
         if op.state == "running":
+            probed = op.hit_pages < 0 <= msg.hit_pages
             op.hit_pages, op.done_pages = msg.hit_pages, msg.done_pages
             known = msg.hit_pages >= 0
             if known and msg.hit_pages * self._cfg.page_size < self._cfg.effective_prefetch_threshold:
@@ -652,8 +651,25 @@ class TreeActor(Actor[TreeInbox]):
                 await self._settle_prefetch(msg.op, revoked=True)
             elif msg.finished or op.stopping:
                 await self._settle_prefetch(msg.op, revoked=False)
+            elif probed:
+                await self._read_prefetch(msg.op)
         if msg.finished:
             await self._end_prefetch(msg.op)
+
+    async def _read_prefetch(self, op_id: OpId) -> None:
+        """After the probe: host slots for exactly the pages storage has, then the reads."""
+        op = self._prefetches[op_id]
+        host = await self._alloc_host(op.hit_pages * self._cfg.page_size)
+        if host is None or op.state != "running" or op.stopping:
+            await self._free("host", EMPTY if host is None else host)
+            if op.state == "running":
+                self.log.info("tree.prefetch_skipped", rid=op.rid, reason="host_full",
+                              tokens=op.hit_pages * self._cfg.page_size)
+                self._stop_prefetch(op_id)
+                await self._settle_prefetch(op_id, revoked=True)
+            return
+        op.host_slots = host
+        await self._prefetcher.send(ReadPrefetch(op=op_id, host_slots=host))
 
     async def _settle_prefetch(self, op_id: OpId, *, revoked: bool) -> None:
         """Hand the request what has arrived: insert it as host-only nodes below the anchor,
