@@ -1,8 +1,9 @@
 """Copy engines: the two primitive moves every transfer is made of, per device kind.
 
-- `gather_scatter(dst, dst_pages, src, src_pages)`: `dst[dst_pages] = src[src_pages]` on page
-  views (the `kernel` io backend).
-- `copy_run(dst, src)`: one copy of equally shaped slices (the `direct` io backend).
+- `gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=)`: `dst[dst_pages] =
+  src[src_pages]` on page views (the `kernel` io backend; also batched direct io on CPU).
+- `copy_run(dst, src)`: one copy of equally shaped slices (the `direct` io backend), used while
+  a move has at most `max_run_copies` runs.
 
 An engine is used by one thread at a time (it owns scratch memory). Views are word-typed
 (pages, page_size, heads, words) tensors: bytes move, the KV dtype is irrelevant.
@@ -11,47 +12,81 @@ An engine is used by one thread at a time (it owns scratch memory). Views are wo
 from __future__ import annotations
 
 import ctypes
+import sys
 
+import numpy as np
 import torch
 
-_STAGING_BYTES = 1 << 20
-"""Kernel io on CPU gathers through a reused scratch buffer this large: small enough to stay
-in cache between the gather and the scatter, large enough to amortise per-op overhead."""
+from hicache.kernels.rows import SCRATCH_BYTES, RowGrid, RowPlan, copy_rows, plan_rows, row_grid
+
+_CACHED_PLANS = 8
+"""Row plans kept per engine: a transfer reuses one plan for each of its (layer, component)."""
 
 
 class CpuEngine:
-    """Host-memory copies. Kernel io gathers into a reused scratch buffer and scatters from it;
-    direct io copies each run with one memmove when both sides are contiguous."""
+    """Host-memory copies, single-threaded, as batched row copies (rows.py): kernel io moves a
+    whole transfer of one (layer, component) in one or a few numpy calls. Direct io copies
+    each run with one copy; past `max_run_copies` runs it batches them as rows instead (per-run
+    Python calls would cost more than the bytes)."""
 
     kind = "cpu"
+    max_run_copies = 16
 
-    def __init__(self, staging_bytes: int = _STAGING_BYTES):
-        self._staging = torch.empty(0, dtype=torch.uint8)
-        self._staging_bytes = staging_bytes
+    def __init__(self, scratch_bytes: int = SCRATCH_BYTES):
+        self._scratch_bytes = scratch_bytes
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
+        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
 
     def host_words(self, host) -> torch.Tensor:
         return host.buffer
 
-    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
-        page_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
-        if page_bytes == 0 or dst_pages.numel() == 0:
+    def _grid(self, view: torch.Tensor) -> RowGrid | None:
+        key = (tuple(view.shape), view.stride())
+        if key not in self._shapes:
+            grid = row_grid(view)
+            self._shapes[key] = None if grid is None else (grid.page_rows, grid.inner)
+            return grid
+        known = self._shapes[key]
+        if known is None:
+            return None
+        page_rows, inner = known
+        row = view.shape[-1]
+        extent = (view.shape[0] - 1) * page_rows + int(inner.max()) + 1
+        flat = torch.as_strided(view, (extent * row,), (1,))
+        return RowGrid(flat.numpy().reshape(extent, row), page_rows, inner)
+
+    def _plan(self, dst: RowGrid, dst_pages: torch.Tensor, src: RowGrid, src_pages: torch.Tensor,
+              host_is_dst: bool) -> RowPlan:
+        key = (id(dst_pages), id(src_pages), dst.page_rows, dst.inner.tobytes(),
+               src.page_rows, src.inner.tobytes(), host_is_dst)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
+            return hit[2]
+        plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
+        if len(self._plans) >= _CACHED_PLANS:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = (dst_pages, src_pages, plan)
+        return plan
+
+    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
+                       src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
+        if dst_pages.numel() == 0:
             return
-        chunk = max(1, self._staging_bytes // page_bytes)
-        need = min(chunk, dst_pages.numel()) * page_bytes
-        if self._staging.numel() < need:
-            self._staging = torch.empty(need, dtype=torch.uint8)
-        words = self._staging.view(src.dtype)
-        for start in range(0, dst_pages.numel(), chunk):
-            d_idx = dst_pages[start : start + chunk]
-            out = words[: d_idx.numel() * src[0].numel()].view(d_idx.numel(), *src.shape[1:])
-            torch.index_select(src, 0, src_pages[start : start + chunk], out=out)
-            dst.index_copy_(0, d_idx, out)
+        dst_grid, src_grid = self._grid(dst), self._grid(src)
+        if dst_grid is None or src_grid is None:  # rows off the grid: generic (slow) copy
+            dst[dst_pages] = src[src_pages]
+            return
+        if self._scratch.size < self._scratch_bytes or self._scratch.size < src.shape[-1] * src.element_size():
+            self._scratch = np.empty(max(self._scratch_bytes, src.shape[-1] * src.element_size()), dtype=np.uint8)
+        plan = self._plan(dst_grid, dst_pages, src_grid, src_pages, host_is_dst)
+        copy_rows(dst_grid.array, src_grid.array, plan, self._scratch)
 
     def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.is_contiguous() and src.is_contiguous():
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
         else:
-            dst.copy_(src)
+            np.copyto(dst.numpy(), src.numpy())
 
     def synchronize(self) -> None:
         """CPU copies are synchronous: nothing to wait for."""
@@ -67,6 +102,7 @@ class CudaEngine:
     staging through the CPU, which blocks the calling thread but stays correct."""
 
     kind = "cuda"
+    max_run_copies = sys.maxsize
 
     def __init__(self, device: torch.device, stream=None):
         from cuda.bindings import runtime as cudart
@@ -84,7 +120,8 @@ class CudaEngine:
         alias = self._aliases[key]
         return host.buffer if alias is None else alias
 
-    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
+    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
+                       src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
         if dst_pages.numel() == 0:
             return
         if src.device.type == "cpu":  # unmapped host -> device: gather on CPU, copy, scatter

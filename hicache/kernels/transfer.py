@@ -4,7 +4,8 @@ Both io backends work with every layout (tests cover the full matrix); configura
 rewrites (rewrites.py) steer a deployment to the combinations the seed design supports.
 
 - `kernel`: per (layer, component), gather/scatter whole pages through index tensors.
-- `direct`: coalesce runs of pages consecutive on both sides; one copy per run.
+- `direct`: coalesce runs of pages consecutive on both sides; one copy per run (an engine may
+  batch many short runs as one gather/scatter: `max_run_copies`).
 
 The validating entry points (`load_layer`, `backup`) check everything before any byte moves;
 the `run_*` forms take an already validated `PagePlan` (streams validate at submit time).
@@ -49,14 +50,15 @@ def merge_trailing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def _move(engine, io: str, plan: PagePlan, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
     dst, src = merge_trailing(dst, src)
-    if io == "kernel":
+    runs = plan.runs() if io == "direct" else None
+    if runs is None or len(runs) > engine.max_run_copies:
         host_idx, dev_idx = plan.index_tensors(dst.device if dst.device.type != "cpu" else src.device)
         if to_device:
-            engine.gather_scatter(dst, dev_idx, src, host_idx)
+            engine.gather_scatter(dst, dev_idx, src, host_idx, host_is_dst=False)
         else:
-            engine.gather_scatter(dst, host_idx, src, dev_idx)
+            engine.gather_scatter(dst, host_idx, src, dev_idx, host_is_dst=True)
         return
-    for host_page, dev_page, count in plan.runs():
+    for host_page, dev_page, count in runs:
         if to_device:
             engine.copy_run(dst[dev_page : dev_page + count], src[host_page : host_page + count])
         else:
