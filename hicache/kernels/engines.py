@@ -1,7 +1,8 @@
 """Copy engines: the two primitive moves every transfer is made of, per device kind.
 
-- `gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=)`: `dst[dst_pages] =
-  src[src_pages]` on page views (the `kernel` io backend; also batched direct io on CPU).
+- `move(pairs, dst_pages, src_pages, host_is_dst=)`: `dst[dst_pages] = src[src_pages]` for
+  every (dst, src) pair of page views of one transfer (the `kernel` io backend; also batched
+  direct io on CPU); `gather_scatter` is the same for one pair.
 - `copy_run(dst, src)`: one copy of equally shaped slices (the `direct` io backend), used while
   a move has at most `max_run_copies` runs.
 
@@ -13,74 +14,110 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from hicache.kernels.rows import SCRATCH_BYTES, RowGrid, RowPlan, copy_rows, plan_rows, row_grid
+from hicache.kernels.rows import SCRATCH_BYTES, RowPlan, copy_rows, page_rows_of, plan_rows, row_space
 
-_CACHED_PLANS = 8
-"""Row plans kept per engine: a transfer reuses one plan for each of its (layer, component)."""
+_CACHED_ROWS = 1 << 22
+"""Row pairs kept per engine (about 64 MiB): a transfer's plan serves each of its layers."""
+
+
+_PARALLEL_BYTES = 4 << 20
+"""Moves at least this large are split over `torch.get_num_threads()` threads."""
 
 
 class CpuEngine:
-    """Host-memory copies, single-threaded, as batched row copies (rows.py): kernel io moves a
-    whole transfer of one (layer, component) in one or a few numpy calls. Direct io copies
-    each run with one copy; past `max_run_copies` runs it batches them as rows instead (per-run
-    Python calls would cost more than the bytes)."""
+    """Host-memory copies as batched row copies (rows.py): a move of every (layer, component)
+    of a transfer is one row plan over all the views, run in one or a few numpy calls; large
+    moves are split over `torch.get_num_threads()` threads (the calling one and helpers this
+    engine starts on first need). Direct io copies each run with one copy; past
+    `max_run_copies` runs it batches them as rows instead (per-run Python calls would cost
+    more than the bytes)."""
 
     kind = "cpu"
     max_run_copies = 16
 
-    def __init__(self, scratch_bytes: int = SCRATCH_BYTES):
+    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int | None = None,
+                 parallel_bytes: int = _PARALLEL_BYTES):
+        """`threads`: copy threads per move (None: `torch.get_num_threads()` at each move)."""
         self._scratch_bytes = scratch_bytes
-        self._scratch = np.empty(0, dtype=np.uint8)
+        self._threads = threads
+        self._parallel_bytes = parallel_bytes
+        self._scratches: list[np.ndarray] = []
+        self._helpers: ThreadPoolExecutor | None = None
         self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
         self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
+        self._cached_rows = 0
 
     def host_words(self, host) -> torch.Tensor:
         return host.buffer
 
-    def _grid(self, view: torch.Tensor) -> RowGrid | None:
-        key = (tuple(view.shape), view.stride())
+    def _space(self, views: list[torch.Tensor]):
+        key = (tuple(views[0].shape), views[0].stride())
         if key not in self._shapes:
-            grid = row_grid(view)
-            self._shapes[key] = None if grid is None else (grid.page_rows, grid.inner)
-            return grid
-        known = self._shapes[key]
-        if known is None:
-            return None
-        page_rows, inner = known
-        row = view.shape[-1]
-        extent = (view.shape[0] - 1) * page_rows + int(inner.max()) + 1
-        flat = torch.as_strided(view, (extent * row,), (1,))
-        return RowGrid(flat.numpy().reshape(extent, row), page_rows, inner)
+            self._shapes[key] = page_rows_of(views[0])
+        return row_space(views, self._shapes[key])
 
-    def _plan(self, dst: RowGrid, dst_pages: torch.Tensor, src: RowGrid, src_pages: torch.Tensor,
+    def _plan(self, dst, dst_key, dst_pages: torch.Tensor, src, src_key, src_pages: torch.Tensor,
               host_is_dst: bool) -> RowPlan:
-        key = (id(dst_pages), id(src_pages), dst.page_rows, dst.inner.tobytes(),
-               src.page_rows, src.inner.tobytes(), host_is_dst)
+        key = (id(dst_pages), id(src_pages), dst_key, src_key, host_is_dst)
         hit = self._plans.get(key)
         if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
             return hit[2]
         plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
-        if len(self._plans) >= _CACHED_PLANS:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = (dst_pages, src_pages, plan)
+        while self._plans and self._cached_rows + plan.dst_rows.size > _CACHED_ROWS:
+            self._cached_rows -= self._plans.pop(next(iter(self._plans)))[2].dst_rows.size
+        if plan.dst_rows.size <= _CACHED_ROWS:
+            self._plans[key] = (dst_pages, src_pages, plan)
+            self._cached_rows += plan.dst_rows.size
         return plan
+
+    def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
+             src_pages: torch.Tensor, *, host_is_dst: bool) -> None:
+        """`dst[dst_pages] = src[src_pages]` for every (dst, src) pair of page views (all dst
+        views alike, all src views alike). Mutates the dst views only."""
+        if dst_pages.numel() == 0 or not pairs:
+            return
+        dst_space = self._space([d for d, _ in pairs])
+        src_space = self._space([s for _, s in pairs])
+        if dst_space is None or src_space is None:  # views not on one row grid: one by one
+            for dst, src in pairs:
+                self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
+            return
+        (dst, dst_key), (src, src_key) = dst_space, src_space
+        plan = self._plan(dst, dst_key, dst_pages, src, src_key, src_pages, host_is_dst)
+        row_bytes = dst.array.shape[1] * dst.array.itemsize
+        n = plan.dst_rows.size
+        threads = torch.get_num_threads() if self._threads is None else self._threads
+        parts = max(1, min(threads, n, n * row_bytes // self._parallel_bytes))
+        while len(self._scratches) < parts or self._scratches[0].size < row_bytes:
+            self._scratches = [np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)
+                               for _ in range(max(parts, len(self._scratches)))]
+        bounds = [n * i // parts for i in range(parts + 1)]
+        if parts > 1:
+            if self._helpers is None or self._helpers._max_workers < parts - 1:
+                self._helpers = ThreadPoolExecutor(parts - 1, thread_name_prefix="hicache-copy")
+            helping = [self._helpers.submit(copy_rows, dst.array, src.array, plan, self._scratches[i],
+                                            bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        try:
+            copy_rows(dst.array, src.array, plan, self._scratches[0], bounds[0], bounds[1])
+        finally:
+            if parts > 1:
+                for future in helping:
+                    future.result()
 
     def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
                        src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
         if dst_pages.numel() == 0:
             return
-        dst_grid, src_grid = self._grid(dst), self._grid(src)
-        if dst_grid is None or src_grid is None:  # rows off the grid: generic (slow) copy
+        dst_space, src_space = self._space([dst]), self._space([src])
+        if dst_space is None or src_space is None:  # rows off the grid: generic (slow) copy
             dst[dst_pages] = src[src_pages]
             return
-        if self._scratch.size < self._scratch_bytes or self._scratch.size < src.shape[-1] * src.element_size():
-            self._scratch = np.empty(max(self._scratch_bytes, src.shape[-1] * src.element_size()), dtype=np.uint8)
-        plan = self._plan(dst_grid, dst_pages, src_grid, src_pages, host_is_dst)
-        copy_rows(dst_grid.array, src_grid.array, plan, self._scratch)
+        self.move([(dst, src)], dst_pages, src_pages, host_is_dst=host_is_dst)
 
     def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.is_contiguous() and src.is_contiguous():
@@ -132,6 +169,11 @@ class CudaEngine:
             dst.index_copy_(0, dst_pages.cpu(), moved)
         else:
             dst.index_copy_(0, dst_pages.to(dst.device), src.index_select(0, src_pages.to(src.device)))
+
+    def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
+             src_pages: torch.Tensor, *, host_is_dst: bool) -> None:
+        for dst, src in pairs:
+            self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
 
     def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.is_contiguous() and src.is_contiguous():

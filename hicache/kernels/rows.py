@@ -13,6 +13,7 @@ single pass; otherwise rows go through a cache-sized scratch buffer (gather, the
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,19 +24,28 @@ SCRATCH_BYTES = 1 << 20
 gather and the scatter, large enough that per-call overhead is noise."""
 
 
+BLOCK_BYTES = 256 << 10
+"""Destination blocks at least this large (on average) are filled by one `take` each; smaller
+ones go through the scratch buffer (per-call overhead would dominate)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RowGrid:
-    """A word view as rows: `array` is a C-contiguous (rows, row) numpy array over the view's
-    memory (writing it writes the tensor); page `p`'s rows are `p * page_rows + inner`."""
+    """Views as rows: `array` is a C-contiguous (rows, row) numpy array over the views' memory
+    (writing it writes the tensors); page `p` of view `v` is rows `offsets[v] + p * page_rows +
+    inner`. With several views (one per layer and component) the array spans from the lowest
+    view to the end of the highest: only the views' rows are ever touched, whatever lies between
+    their allocations is not."""
 
     array: np.ndarray
     page_rows: int
+    offsets: np.ndarray
     inner: np.ndarray
 
 
-def row_grid(view: torch.Tensor) -> RowGrid | None:
-    """The row grid of a (pages, ..., row) CPU word view; None when its rows are not aligned
-    to a grid of its last dim (the caller then falls back to a generic copy). Does not copy."""
+def page_rows_of(view: torch.Tensor) -> tuple[int, np.ndarray] | None:
+    """(page_rows, inner rows of page 0) of a (pages, ..., row) word view whose last dim is
+    contiguous and whose other strides are whole rows; None otherwise. Pure."""
     if view.dim() < 2 or view.shape[0] == 0 or view.stride(-1) != 1:
         return None
     row = view.shape[-1]
@@ -45,72 +55,127 @@ def row_grid(view: torch.Tensor) -> RowGrid | None:
     inner = np.zeros(1, dtype=np.int64)
     for n, s in zip(view.shape[1:-1], strides[1:]):
         inner = (inner[:, None] + np.arange(n, dtype=np.int64) * (s // row)).ravel()
-    page_rows = strides[0] // row
-    extent = (view.shape[0] - 1) * page_rows + int(inner.max()) + 1
-    flat = torch.as_strided(view, (extent * row,), (1,))
-    return RowGrid(flat.numpy().reshape(extent, row), page_rows, inner)
+    return strides[0] // row, inner
+
+
+def row_space(views: list[torch.Tensor], shape: tuple[int, np.ndarray] | None) -> tuple[RowGrid, tuple] | None:
+    """One row grid over all `views` (same shape, strides and dtype; on the CPU), given their
+    common `page_rows_of`, and a key naming its geometry up to the base address; None when
+    the views' starts are not whole rows apart. Does not copy."""
+    first = views[0]
+    if shape is None or any(v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype
+                            for v in views):
+        return None
+    page_rows, inner = shape
+    row_bytes = first.shape[-1] * first.element_size()
+    starts = np.array([v.data_ptr() for v in views], dtype=np.int64)
+    base = int(starts.min())
+    offsets = starts - base
+    if (offsets % row_bytes).any():
+        return None
+    offsets //= row_bytes
+    extent = int(offsets.max()) + (first.shape[0] - 1) * page_rows + int(inner.max()) + 1
+    memory = (ctypes.c_char * (extent * row_bytes)).from_address(base)
+    array = np.frombuffer(memory, dtype=_numpy_dtype(first.dtype)).reshape(extent, first.shape[-1])
+    grid = RowGrid(array, page_rows, offsets, inner)
+    return grid, (tuple(first.shape), first.stride(), tuple(offsets.tolist()))
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """Row pairs of one (destination, source) page mapping, and how to copy them:
-    `take` (destination rows are one block starting at `dst_rows[0]`), `put` (source rows are
-    one block) or `staged` (neither: gather into scratch, then scatter)."""
+    `blocks` (destination rows are few consecutive blocks; `breaks` are the block starts in
+    the pair list, then its length), `put` (source rows are one block) or `staged` (gather
+    into scratch, then scatter)."""
 
     dst_rows: np.ndarray
     src_rows: np.ndarray
     mode: str
-
-
-def _block(rows: np.ndarray) -> bool:
-    """Whether `rows` are consecutive and increasing."""
-    return rows.size < 2 or bool((np.diff(rows) == 1).all())
+    breaks: tuple[int, ...] = ()
 
 
 def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
            by_dst: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Row pairs sorted by destination (by_dst) or source row; page and inner order follow it."""
-    pages, inner = (dst_pages, dst.inner) if by_dst else (src_pages, src.inner)
-    order = np.argsort(pages, kind="stable")
-    inner_order = np.argsort(inner, kind="stable")
-    d = (dst_pages[order, None] * dst.page_rows + dst.inner[None, inner_order]).ravel()
-    s = (src_pages[order, None] * src.page_rows + src.inner[None, inner_order]).ravel()
-    return d, s
+    """Row pairs sorted by destination (by_dst) or source row. Pair (view v, page p, inner i)
+    is row `offsets[v] + pages[p] * page_rows + inner[i]` on each side. Rows are sorted by
+    sorting the few pages and inner rows, page-major or view-major, whichever orders them;
+    a full sort of the rows only when neither does."""
+    key, key_pages = (dst, dst_pages) if by_dst else (src, src_pages)
+    by_page = np.argsort(key_pages, kind="stable")
+    views, inner = key.offsets.size, key.inner.size
+
+    def rows(grid: RowGrid, pages: np.ndarray, view_order, inner_order, page_major: bool) -> np.ndarray:
+        page_part = pages[by_page] * grid.page_rows
+        within = (grid.offsets[view_order, None] + grid.inner[None, inner_order])  # (V, I)
+        if page_major:  # (P, V*I) with (v, i) in key order
+            flat = within.ravel()[within_order]
+            return (page_part[:, None] + flat[None, :]).ravel()
+        return (within[:, None, :] + page_part[None, :, None]).ravel()  # (V, P, I)
+
+    key_within = (key.offsets[:, None] + key.inner[None, :]).ravel()
+    within_order = np.argsort(key_within, kind="stable")
+    all_views, all_inner = np.arange(views), np.arange(inner)
+    d = rows(dst, dst_pages, all_views, all_inner, True)
+    s = rows(src, src_pages, all_views, all_inner, True)
+    k = d if by_dst else s
+    if not (np.diff(k) <= 0).any():
+        return d, s
+    view_order, inner_order = np.argsort(key.offsets, kind="stable"), np.argsort(key.inner, kind="stable")
+    d = rows(dst, dst_pages, view_order, inner_order, False)
+    s = rows(src, src_pages, view_order, inner_order, False)
+    k = d if by_dst else s
+    if not (np.diff(k) <= 0).any():
+        return d, s
+    order = np.argsort(k, kind="stable")
+    return d[order], s[order]
 
 
 def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
               prefer_dst_order: bool) -> RowPlan:
-    """Row pairs for `dst[dst_pages] = src[src_pages]` (pages distinct on each side). A single
-    pass is chosen when either side's rows form one block; otherwise rows are sorted by the
-    destination (`prefer_dst_order`) or the source, whichever is the strided host side."""
+    """Row pairs for `dst[dst_pages] = src[src_pages]` (rows distinct on each side). A single
+    pass is chosen when the destination rows form few large blocks or the source rows one
+    block; otherwise rows are staged, sorted by the destination (`prefer_dst_order`) or the
+    source, whichever is the strided host side. Pure."""
     d, s = _pairs(dst, dst_pages, src, src_pages, by_dst=True)
-    if _block(d):
-        return RowPlan(d, s, "take")
+    breaks = np.flatnonzero(np.diff(d) != 1) + 1
+    row_bytes = dst.array.shape[1] * dst.array.itemsize
+    if d.size and d.size * row_bytes >= (breaks.size + 1) * BLOCK_BYTES or breaks.size == 0:
+        return RowPlan(d, s, "blocks", tuple([0, *breaks.tolist(), d.size]))
     d2, s2 = _pairs(dst, dst_pages, src, src_pages, by_dst=False)
-    if _block(s2):
+    if not (np.diff(s2) != 1).any():
         return RowPlan(d2, s2, "put")
     return RowPlan(d, s, "staged") if prefer_dst_order else RowPlan(d2, s2, "staged")
 
 
-def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarray) -> None:
-    """Copy rows per `plan` from `src` to `dst` (both C-contiguous row arrays of one dtype);
-    `scratch` is a 1-D uint8 buffer of at least one row. Mutates `dst` (and `scratch`)."""
-    n = plan.dst_rows.size
-    if n == 0:
+def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarray,
+              lo: int = 0, hi: int | None = None) -> None:
+    """Copy pairs `lo:hi` (default: all) of `plan` from `src` to `dst` (C-contiguous row
+    arrays of one dtype); `scratch` is a 1-D uint8 buffer of at least one row. Disjoint pair
+    ranges may run on different threads with different scratch buffers (numpy releases the
+    GIL). Mutates `dst` (and `scratch`)."""
+    hi = plan.dst_rows.size if hi is None else hi
+    if hi <= lo:
         return
-    if plan.mode == "take":
-        start = int(plan.dst_rows[0])
-        np.take(src, plan.src_rows, axis=0, out=dst[start : start + n], mode="wrap")
+    if plan.mode == "blocks":
+        for start, end in zip(plan.breaks, plan.breaks[1:]):
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                first = int(plan.dst_rows[a])
+                np.take(src, plan.src_rows[a:b], axis=0, out=dst[first : first + b - a], mode="wrap")
         return
     if plan.mode == "put":
-        start = int(plan.src_rows[0])
-        dst[plan.dst_rows] = src[start : start + n]
+        first = int(plan.src_rows[lo])
+        dst[plan.dst_rows[lo:hi]] = src[first : first + hi - lo]
         return
     row_bytes = src.shape[1] * src.itemsize
     chunk = max(1, scratch.size // row_bytes)
     stage = scratch[: chunk * row_bytes].view(src.dtype).reshape(chunk, src.shape[1])
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        part = stage[: hi - lo]
-        np.take(src, plan.src_rows[lo:hi], axis=0, out=part, mode="wrap")
-        dst[plan.dst_rows[lo:hi]] = part
+    for a in range(lo, hi, chunk):
+        b = min(hi, a + chunk)
+        part = stage[: b - a]
+        np.take(src, plan.src_rows[a:b], axis=0, out=part, mode="wrap")
+        dst[plan.dst_rows[a:b]] = part
