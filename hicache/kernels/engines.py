@@ -13,36 +13,43 @@ An engine is used by one thread at a time (it owns scratch memory). Views are wo
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from hicache.kernels.rows import SCRATCH_BYTES, RowPlan, copy_rows, page_rows_of, plan_rows, row_space
+from hicache.kernels.rows import (SCRATCH_BYTES, RowPlan, common_row, copy_rows, page_rows_of, plan_rows, row_space,
+                                  split_rows)
 
 _CACHED_ROWS = 1 << 22
 """Row pairs kept per engine (about 64 MiB): a transfer's plan serves each of its layers."""
 
 
+_MIN_ROW_BYTES = 256
+"""Views of one transfer are merged into one row space only with rows at least this long
+(shorter rows cost more per byte than the separate moves they would replace)."""
+
 _PARALLEL_BYTES = 4 << 20
-"""Moves at least this large are split over `torch.get_num_threads()` threads."""
+"""Moves at least this large are split over the engine's `threads`."""
 
 
 class CpuEngine:
     """Host-memory copies as batched row copies (rows.py): a move of every (layer, component)
-    of a transfer is one row plan over all the views, run in one or a few numpy calls; large
-    moves are split over `torch.get_num_threads()` threads (the calling one and helpers this
-    engine starts on first need). Direct io copies each run with one copy; past
+    of a transfer is one row plan over all the views, run in one or a few numpy calls; with
+    `threads` > 1, large moves are split over that many threads (the calling one and helpers
+    this engine starts on first need). Direct io copies each run with one copy; past
     `max_run_copies` runs it batches them as rows instead (per-run Python calls would cost
     more than the bytes)."""
 
     kind = "cpu"
     max_run_copies = 16
 
-    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int | None = None,
+    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int = 1,
                  parallel_bytes: int = _PARALLEL_BYTES):
-        """`threads`: copy threads per move (None: `torch.get_num_threads()` at each move)."""
+        """`threads`: copy threads per large move. One by default: on a 2-core host shared
+        with other work, a second copy thread measured slower (docs/benchmarks.md)."""
         self._scratch_bytes = scratch_bytes
         self._threads = threads
         self._parallel_bytes = parallel_bytes
@@ -68,11 +75,11 @@ class CpuEngine:
         if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
             return hit[2]
         plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
-        while self._plans and self._cached_rows + plan.dst_rows.size > _CACHED_ROWS:
-            self._cached_rows -= self._plans.pop(next(iter(self._plans)))[2].dst_rows.size
-        if plan.dst_rows.size <= _CACHED_ROWS:
+        while self._plans and self._cached_rows + plan.pairs > _CACHED_ROWS:
+            self._cached_rows -= self._plans.pop(next(iter(self._plans)))[2].pairs
+        if plan.pairs <= _CACHED_ROWS:
             self._plans[key] = (dst_pages, src_pages, plan)
-            self._cached_rows += plan.dst_rows.size
+            self._cached_rows += plan.pairs
         return plan
 
     def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
@@ -81,8 +88,13 @@ class CpuEngine:
         views alike, all src views alike). Mutates the dst views only."""
         if dst_pages.numel() == 0 or not pairs:
             return
-        dst_space = self._space([d for d, _ in pairs])
-        src_space = self._space([s for _, s in pairs])
+        row = math.gcd(common_row([d for d, _ in pairs]), common_row([s for _, s in pairs]))
+        if row * pairs[0][0].element_size() >= _MIN_ROW_BYTES or len(pairs) == 1:
+            pairs = [(split_rows(d, row), split_rows(s, row)) for d, s in pairs]
+            dst_space = self._space([d for d, _ in pairs])
+            src_space = self._space([s for _, s in pairs])
+        else:
+            dst_space = src_space = None
         if dst_space is None or src_space is None:  # views not on one row grid: one by one
             for dst, src in pairs:
                 self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
@@ -90,8 +102,8 @@ class CpuEngine:
         (dst, dst_key), (src, src_key) = dst_space, src_space
         plan = self._plan(dst, dst_key, dst_pages, src, src_key, src_pages, host_is_dst)
         row_bytes = dst.array.shape[1] * dst.array.itemsize
-        n = plan.dst_rows.size
-        threads = torch.get_num_threads() if self._threads is None else self._threads
+        n = plan.pairs
+        threads = self._threads
         parts = max(1, min(threads, n, n * row_bytes // self._parallel_bytes))
         while len(self._scratches) < parts or self._scratches[0].size < row_bytes:
             self._scratches = [np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)

@@ -14,6 +14,7 @@ single pass; otherwise rows go through a cache-sized scratch buffer (gather, the
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,22 @@ def page_rows_of(view: torch.Tensor) -> tuple[int, np.ndarray] | None:
     return strides[0] // row, inner
 
 
+def common_row(views: list[torch.Tensor]) -> int:
+    """The longest row (in words) that divides the views' last dim and the distances between
+    their starts: rows of that length put every view on one grid. Pure."""
+    row = views[0].shape[-1]
+    base = min(v.data_ptr() for v in views)
+    size = views[0].element_size()
+    for v in views:
+        row = math.gcd(row, (v.data_ptr() - base) // size if (v.data_ptr() - base) % size == 0 else 1)
+    return row
+
+
+def split_rows(view: torch.Tensor, row: int) -> torch.Tensor:
+    """`view` with its last dim split into rows of `row` words (a view)."""
+    return view if view.shape[-1] == row else view.unflatten(-1, (view.shape[-1] // row, row))
+
+
 def row_space(views: list[torch.Tensor], shape: tuple[int, np.ndarray] | None) -> tuple[RowGrid, tuple] | None:
     """One row grid over all `views` (same shape, strides and dtype; on the CPU), given their
     common `page_rows_of`, and a key naming its geometry up to the base address; None when
@@ -88,14 +105,20 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """Row pairs of one (destination, source) page mapping, and how to copy them:
-    `blocks` (destination rows are few consecutive blocks; `breaks` are the block starts in
-    the pair list, then its length), `put` (source rows are one block) or `staged` (gather
+    `blocks` (destination rows are few consecutive blocks: `breaks` are the block starts in
+    the pair list, then its length, `dst_first` each block's first destination row;
+    `dst_rows` may then be empty), `put` (source rows are one block) or `staged` (gather
     into scratch, then scatter)."""
 
     dst_rows: np.ndarray
     src_rows: np.ndarray
     mode: str
     breaks: tuple[int, ...] = ()
+    dst_first: tuple[int, ...] = ()
+
+    @property
+    def pairs(self) -> int:
+        return int(self.src_rows.size)
 
 
 def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
@@ -134,17 +157,47 @@ def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndar
     return d[order], s[order]
 
 
+def _page_blocks(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
+                 block_bytes: int) -> RowPlan | None:
+    """The `blocks` plan when every destination page is one span of `page_rows` consecutive
+    rows (a page-contiguous host layout, all its views): blocks are runs of consecutive pages,
+    found per page instead of per row. None when the destination is not like that or its
+    blocks would be small. Pure."""
+    within = (dst.offsets[:, None] + dst.inner[None, :]).ravel()
+    if within.size != dst.page_rows:
+        return None
+    order_within = np.argsort(within, kind="stable")
+    first_within = int(within[order_within[0]])
+    if int(within[order_within[-1]]) - first_within != within.size - 1:
+        return None
+    order = np.argsort(dst_pages, kind="stable")
+    pages = dst_pages[order]
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(pages) != 1) + 1))
+    row_bytes = dst.array.shape[1] * dst.array.itemsize
+    if pages.size * within.size * row_bytes < starts.size * block_bytes:
+        return None
+    src_within = (src.offsets[:, None] + src.inner[None, :]).ravel()[order_within]
+    s = (src_pages[order][:, None] * src.page_rows + src_within[None, :]).ravel()
+    first = pages[starts] * dst.page_rows + first_within
+    return RowPlan(np.empty(0, dtype=np.int64), s, "blocks",
+                   tuple((starts * within.size).tolist()) + (s.size,), tuple(first.tolist()))
+
+
 def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
-              prefer_dst_order: bool) -> RowPlan:
+              prefer_dst_order: bool, block_bytes: int = BLOCK_BYTES) -> RowPlan:
     """Row pairs for `dst[dst_pages] = src[src_pages]` (rows distinct on each side). A single
     pass is chosen when the destination rows form few large blocks or the source rows one
     block; otherwise rows are staged, sorted by the destination (`prefer_dst_order`) or the
     source, whichever is the strided host side. Pure."""
+    fast = _page_blocks(dst, dst_pages, src, src_pages, block_bytes)
+    if fast is not None:
+        return fast
     d, s = _pairs(dst, dst_pages, src, src_pages, by_dst=True)
     breaks = np.flatnonzero(np.diff(d) != 1) + 1
     row_bytes = dst.array.shape[1] * dst.array.itemsize
-    if d.size and d.size * row_bytes >= (breaks.size + 1) * BLOCK_BYTES or breaks.size == 0:
-        return RowPlan(d, s, "blocks", tuple([0, *breaks.tolist(), d.size]))
+    if d.size and d.size * row_bytes >= (breaks.size + 1) * block_bytes or breaks.size == 0:
+        starts = [0, *breaks.tolist()]
+        return RowPlan(d, s, "blocks", tuple(starts + [d.size]), tuple(d[starts].tolist()) if d.size else ())
     d2, s2 = _pairs(dst, dst_pages, src, src_pages, by_dst=False)
     if not (np.diff(s2) != 1).any():
         return RowPlan(d2, s2, "put")
@@ -157,14 +210,14 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarr
     arrays of one dtype); `scratch` is a 1-D uint8 buffer of at least one row. Disjoint pair
     ranges may run on different threads with different scratch buffers (numpy releases the
     GIL). Mutates `dst` (and `scratch`)."""
-    hi = plan.dst_rows.size if hi is None else hi
+    hi = plan.pairs if hi is None else hi
     if hi <= lo:
         return
     if plan.mode == "blocks":
-        for start, end in zip(plan.breaks, plan.breaks[1:]):
+        for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.dst_first):
             a, b = max(start, lo), min(end, hi)
             if a < b:
-                first = int(plan.dst_rows[a])
+                first = block_first + a - start
                 np.take(src, plan.src_rows[a:b], axis=0, out=dst[first : first + b - a], mode="wrap")
         return
     if plan.mode == "put":

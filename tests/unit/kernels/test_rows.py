@@ -27,10 +27,10 @@ def expected_copy(dst: torch.Tensor, dst_pages, src: torch.Tensor, src_pages) ->
     return out
 
 
-def run_plan(dst, dst_pages, src, src_pages, *, scratch_rows: int = 64, parts: int = 1):
-    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=False)
+def run_plan(dst, dst_pages, src, src_pages, *, scratch_rows: int = 64, parts: int = 1, block_bytes=1 << 18):
+    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=False, block_bytes=block_bytes)
     row_bytes = dst.shape[-1] * dst.element_size()
-    n = plan.dst_rows.size
+    n = plan.pairs
     for i in range(parts):  # disjoint pair ranges, as the engine's threads run them
         scratch = np.empty(scratch_rows * row_bytes, dtype=np.uint8)
         copy_rows(grid(dst).array, grid(src).array, plan, scratch, n * i // parts, n * (i + 1) // parts)
@@ -57,6 +57,24 @@ def test_each_mode_copies_exactly_the_planned_pages(case, parts):
     src_before = src.clone()
     mode = run_plan(dst, dst_pages.astype(np.int64), src, src_pages.astype(np.int64), scratch_rows=2, parts=parts)
     assert mode == case
+    assert torch.equal(dst, want)
+    assert torch.equal(src, src_before)
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_page_blocks_copy_runs_of_whole_destination_pages(parts):
+    # destination pages contiguous (12, 3, 5): blocks found per page, some pages adjacent
+    rng = np.random.default_rng(parts)
+    src = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 4, 5)))[:, 1:]
+    dst = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 3, 5)))
+    dst_pages = np.array([7, 2, 3, 4, 10, 0], dtype=np.int64)
+    src_pages = rng.choice(12, 6, replace=False).astype(np.int64)
+    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=1)
+    assert plan.mode == "blocks" and plan.dst_rows.size == 0 and len(plan.dst_first) == 4
+    want = expected_copy(dst, dst_pages, src, src_pages)
+    src_before = src.clone()
+    mode = run_plan(dst, dst_pages, src, src_pages, parts=parts, block_bytes=1)
+    assert mode == "blocks"
     assert torch.equal(dst, want)
     assert torch.equal(src, src_before)
 
