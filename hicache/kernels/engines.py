@@ -4,7 +4,7 @@
   every (dst, src) pair of page views of one transfer (the `kernel` io backend; also batched
   direct io on CPU); `gather_scatter` is the same for one pair.
 - `copy_run(dst, src)`: one copy of equally shaped slices (the `direct` io backend), used while
-  a move has at most `max_run_copies` runs.
+  a move needs at most `max_run_copies` copies (runs x views).
 
 An engine is used by one thread at a time (it owns scratch memory). Views are word-typed
 (pages, page_size, heads, words) tensors: bytes move, the KV dtype is irrelevant.
@@ -40,11 +40,11 @@ class CpuEngine:
     of a transfer is one row plan over all the views, run in one or a few numpy calls; with
     `threads` > 1, large moves are split over that many threads (the calling one and helpers
     this engine starts on first need). Direct io copies each run with one copy; past
-    `max_run_copies` runs it batches them as rows instead (per-run Python calls would cost
+    `max_run_copies` copies it batches them as rows instead (per-run Python calls would cost
     more than the bytes)."""
 
     kind = "cpu"
-    max_run_copies = 16
+    max_run_copies = 64
 
     def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int = 1,
                  parallel_bytes: int = _PARALLEL_BYTES):
@@ -55,6 +55,7 @@ class CpuEngine:
         self._parallel_bytes = parallel_bytes
         self._scratches: list[np.ndarray] = []
         self._helpers: ThreadPoolExecutor | None = None
+        self._helper_count = 0
         self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
         self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
         self._cached_rows = 0
@@ -103,15 +104,17 @@ class CpuEngine:
         plan = self._plan(dst, dst_key, dst_pages, src, src_key, src_pages, host_is_dst)
         row_bytes = dst.array.shape[1] * dst.array.itemsize
         n = plan.pairs
-        threads = self._threads
-        parts = max(1, min(threads, n, n * row_bytes // self._parallel_bytes))
+        parts = max(1, min(self._threads, n, n * row_bytes // self._parallel_bytes))
         while len(self._scratches) < parts or self._scratches[0].size < row_bytes:
             self._scratches = [np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)
                                for _ in range(max(parts, len(self._scratches)))]
         bounds = [n * i // parts for i in range(parts + 1)]
         if parts > 1:
-            if self._helpers is None or self._helpers._max_workers < parts - 1:
+            if self._helper_count < parts - 1:
+                if self._helpers is not None:
+                    self._helpers.shutdown(wait=False)
                 self._helpers = ThreadPoolExecutor(parts - 1, thread_name_prefix="hicache-copy")
+                self._helper_count = parts - 1
             helping = [self._helpers.submit(copy_rows, dst.array, src.array, plan, self._scratches[i],
                                             bounds[i], bounds[i + 1]) for i in range(1, parts)]
         try:
