@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from hicache.kernels import DevicePool, HostPool, parse_geometry, plan_transfer, run_backup, run_load_layer
-from hicache.kernels.engines import engine_for
+from hicache.kernels.engines import CpuEngine, engine_for
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--io", default="kernel,direct")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    parser.add_argument("--copy-threads", type=int, default=1, help="CPU engine copy threads per move")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -68,7 +69,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if device_kind.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
     print(f"geometry {g.spec()}  tokens {args.tokens}  bytes {nbytes / 2**20:.0f} MiB  device {device_kind}  "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}  copy threads {args.copy_threads}")
     # reference: one contiguous copy of the same bytes (host->device and device->host on CUDA)
     pinned = device_kind.type == "cuda"
     host_ref = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -90,7 +91,7 @@ def main() -> None:
             dev_slots = (rng.permutation(pages)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
             host_slots = (rng.choice(2 * pages, pages, replace=False)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
             for io in args.io.split(","):
-                engine = engine_for(device_kind)
+                engine = CpuEngine(threads=args.copy_threads) if device_kind.type == "cpu" else engine_for(device_kind)
 
                 def load() -> None:
                     plan = plan_transfer(host, device, host_slots, dev_slots)

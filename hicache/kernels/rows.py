@@ -106,15 +106,15 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
 class RowPlan:
     """Row pairs of one (destination, source) page mapping, and how to copy them:
     `blocks` (destination rows are few consecutive blocks: `breaks` are the block starts in
-    the pair list, then its length, `dst_first` each block's first destination row;
-    `dst_rows` may then be empty), `put` (source rows are one block) or `staged` (gather
-    into scratch, then scatter)."""
+    the pair list, then its length, `firsts` each block's first destination row;
+    `dst_rows` may then be empty), `put` (the same with source blocks; `firsts` are source
+    rows) or `staged` (gather into scratch, then scatter)."""
 
     dst_rows: np.ndarray
     src_rows: np.ndarray
     mode: str
     breaks: tuple[int, ...] = ()
-    dst_first: tuple[int, ...] = ()
+    firsts: tuple[int, ...] = ()
 
     @property
     def pairs(self) -> int:
@@ -199,8 +199,10 @@ def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.n
         starts = [0, *breaks.tolist()]
         return RowPlan(d, s, "blocks", tuple(starts + [d.size]), tuple(d[starts].tolist()) if d.size else ())
     d2, s2 = _pairs(dst, dst_pages, src, src_pages, by_dst=False)
-    if not (np.diff(s2) != 1).any():
-        return RowPlan(d2, s2, "put")
+    breaks = np.flatnonzero(np.diff(s2) != 1) + 1
+    if s2.size * row_bytes >= (breaks.size + 1) * block_bytes or breaks.size == 0:
+        starts = [0, *breaks.tolist()]
+        return RowPlan(d2, s2, "put", tuple(starts + [s2.size]), tuple(s2[starts].tolist()))
     return RowPlan(d, s, "staged") if prefer_dst_order else RowPlan(d2, s2, "staged")
 
 
@@ -214,15 +216,18 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarr
     if hi <= lo:
         return
     if plan.mode == "blocks":
-        for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.dst_first):
+        for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.firsts):
             a, b = max(start, lo), min(end, hi)
             if a < b:
                 first = block_first + a - start
                 np.take(src, plan.src_rows[a:b], axis=0, out=dst[first : first + b - a], mode="wrap")
         return
     if plan.mode == "put":
-        first = int(plan.src_rows[lo])
-        dst[plan.dst_rows[lo:hi]] = src[first : first + hi - lo]
+        for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.firsts):
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                first = block_first + a - start
+                dst[plan.dst_rows[a:b]] = src[first : first + b - a]
         return
     row_bytes = src.shape[1] * src.itemsize
     chunk = max(1, scratch.size // row_bytes)

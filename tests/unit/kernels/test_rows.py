@@ -70,7 +70,7 @@ def test_page_blocks_copy_runs_of_whole_destination_pages(parts):
     dst_pages = np.array([7, 2, 3, 4, 10, 0], dtype=np.int64)
     src_pages = rng.choice(12, 6, replace=False).astype(np.int64)
     plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=1)
-    assert plan.mode == "blocks" and plan.dst_rows.size == 0 and len(plan.dst_first) == 4
+    assert plan.mode == "blocks" and plan.dst_rows.size == 0 and len(plan.firsts) == 4
     want = expected_copy(dst, dst_pages, src, src_pages)
     src_before = src.clone()
     mode = run_plan(dst, dst_pages, src, src_pages, parts=parts, block_bytes=1)
@@ -132,3 +132,19 @@ def test_merged_threaded_and_batched_moves_match_naive(layout, io, gap_rows):
     for l in range(g.layers):
         for c in range(2):
             assert torch.equal(device.buffer(l, c).view(torch.uint8), shadow_device.buffer(l, c).view(torch.uint8))
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_put_copies_from_several_source_blocks(parts):
+    rng = np.random.default_rng(10 + parts)
+    src = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 3, 5)))
+    dst = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 4, 5)))[:, 1:]  # 120-byte blocks per page
+    src_pages = rng.permutation(np.array([0, 1, 2, 5, 6, 9, 10, 11], dtype=np.int64))  # three runs
+    dst_pages = rng.choice(12, 8, replace=False).astype(np.int64)
+    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=200)
+    assert plan.mode == "put" and plan.firsts == (0, 15, 27)
+    want = expected_copy(dst, dst_pages, src, src_pages)
+    src_before = src.clone()
+    assert run_plan(dst, dst_pages, src, src_pages, parts=parts, block_bytes=200) == "put"
+    assert torch.equal(dst, want)
+    assert torch.equal(src, src_before)
