@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="1,16,64")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--io", default="kernel,direct")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     parser.add_argument("--copy-threads", type=int, default=1, help="CPU engine copy threads per move")
     parser.add_argument("--device", default="cpu")
