@@ -148,3 +148,26 @@ def test_put_copies_from_several_source_blocks(parts):
     assert run_plan(dst, dst_pages, src, src_pages, parts=parts, block_bytes=200) == "put"
     assert torch.equal(dst, want)
     assert torch.equal(src, src_before)
+
+
+def test_rows_interleaving_across_views_and_pages_still_pair_up():
+    # rows of page p, view v: 4p + offsets[v] + inner; neither page-major nor view-major order
+    # sorts them (views interleave with the next page), so the plan sorts the rows themselves
+    rng = np.random.default_rng(5)
+    src_arr = rng.integers(0, 1 << 40, size=(40, 3))
+    dst_arr = rng.integers(0, 1 << 40, size=(40, 3))
+    src = RowGrid(src_arr, 4, np.array([0, 5]), np.array([0, 2]))
+    dst = RowGrid(dst_arr, 4, np.array([0, 5]), np.array([0, 2]))
+    src_pages = np.array([3, 0, 6], dtype=np.int64)
+    dst_pages = np.array([1, 7, 2], dtype=np.int64)
+    want = dst_arr.copy()
+    for dp, sp in zip(dst_pages, src_pages):
+        for off in (0, 5):
+            for i in (0, 2):
+                want[4 * dp + off + i] = src_arr[4 * sp + off + i]
+    for prefer in (True, False):
+        out = dst_arr.copy()
+        plan = plan_rows(RowGrid(out, 4, dst.offsets, dst.inner), dst_pages, src, src_pages, prefer_dst_order=prefer)
+        copy_rows(out, src_arr, plan, np.empty(2 * 3 * 8, dtype=np.uint8))
+        assert np.array_equal(out, want)
+        assert sorted(plan.dst_rows.tolist()) == sorted((4 * dst_pages[:, None] + np.array([0, 2, 5, 7])).ravel().tolist())
