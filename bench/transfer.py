@@ -6,7 +6,10 @@ the same bytes measured in the same run.
     python bench/transfer.py --device cuda        # host<->GPU vs one contiguous pinned copy
 
 Slots are random whole pages on both sides (a fragmented pool: the worst realistic case).
-`ratio` = contiguous-copy time / transfer time (1.0 = as fast as one memcpy of those bytes).
+`ratio` = contiguous-copy time / transfer time (1.0 = as fast as one memcpy of those bytes);
+each is the best of `--reps` runs, transfer and reference alternating. Both use
+`torch.get_num_threads()` threads (the reference is torch's `copy_`; the CPU engine splits a
+large move over that many threads): `--threads 1` compares single-threaded.
 """
 
 from __future__ import annotations
@@ -22,20 +25,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from hicache.kernels import DevicePool, HostPool, parse_geometry, plan_transfer, run_backup, run_load_layer
-from hicache.kernels.engines import engine_for
+from hicache.kernels.engines import CpuEngine, engine_for
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 
-def best_of(reps: int, fn, sync) -> float:
-    best = float("inf")
+def timed(fn, sync) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def best_interleaved(reps: int, fn, reference, sync) -> tuple[float, float]:
+    """Best time of `fn` and of `reference`, run alternately so both see the same machine
+    (other jobs come and go on a shared host)."""
+    best, best_ref = float("inf"), float("inf")
     for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+        best = min(best, timed(fn, sync))
+        best_ref = min(best_ref, timed(reference, sync))
+    return best, best_ref
 
 
 def main() -> None:
@@ -45,17 +55,21 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="1,16,64")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--io", default="kernel,direct")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    parser.add_argument("--copy-threads", type=int, default=1, help="CPU engine copy threads per move")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = parse_geometry(args.geometry)
     device_kind = torch.device(args.device)
     nbytes = args.tokens * g.bytes_per_token
     sync = torch.cuda.synchronize if device_kind.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
     print(f"geometry {g.spec()}  tokens {args.tokens}  bytes {nbytes / 2**20:.0f} MiB  device {device_kind}  "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}  copy threads {args.copy_threads}")
     # reference: one contiguous copy of the same bytes (host->device and device->host on CUDA)
     pinned = device_kind.type == "cuda"
     host_ref = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -64,7 +78,7 @@ def main() -> None:
         "load": lambda: dev_ref.copy_(host_ref, non_blocking=True),
         "backup": lambda: host_ref.copy_(dev_ref, non_blocking=True),
     }
-    print("reference: one contiguous copy of the same bytes, re-measured beside every row (shared machines drift)")
+    print("reference: one contiguous copy of the same bytes, timed alternately with every row (shared machines drift)")
     print(f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'ratio':>6}")
     for ps in [int(p) for p in args.page_sizes.split(",")]:
         device = DevicePool.allocate(g, args.tokens, ps, device=device_kind)
@@ -77,7 +91,7 @@ def main() -> None:
             dev_slots = (rng.permutation(pages)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
             host_slots = (rng.choice(2 * pages, pages, replace=False)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
             for io in args.io.split(","):
-                engine = engine_for(device_kind)
+                engine = CpuEngine(threads=args.copy_threads) if device_kind.type == "cpu" else engine_for(device_kind)
 
                 def load() -> None:
                     plan = plan_transfer(host, device, host_slots, dev_slots)
@@ -89,8 +103,7 @@ def main() -> None:
                     run_backup(plan, device, host, io, engine)
 
                 for direction, fn in (("load", load), ("backup", back)):
-                    seconds = best_of(args.reps, fn, sync)
-                    reference = best_of(args.reps, copies[direction], sync)
+                    seconds, reference = best_interleaved(args.reps, fn, copies[direction], sync)
                     print(f"{layout:<18} {io:<7} {direction:<7} {ps:>4} {nbytes / seconds / 1e9:>7.2f} "
                           f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f}", flush=True)
             del host

@@ -1,8 +1,10 @@
 """Copy engines: the two primitive moves every transfer is made of, per device kind.
 
-- `gather_scatter(dst, dst_pages, src, src_pages)`: `dst[dst_pages] = src[src_pages]` on page
-  views (the `kernel` io backend).
-- `copy_run(dst, src)`: one copy of equally shaped slices (the `direct` io backend).
+- `move(pairs, dst_pages, src_pages, host_is_dst=)`: `dst[dst_pages] = src[src_pages]` for
+  every (dst, src) pair of page views of one transfer (the `kernel` io backend; also batched
+  direct io on CPU); `gather_scatter` is the same for one pair.
+- `copy_run(dst, src)`: one copy of equally shaped slices (the `direct` io backend), used while
+  a move needs at most `max_run_copies` copies (runs x views).
 
 An engine is used by one thread at a time (it owns scratch memory). Views are word-typed
 (pages, page_size, heads, words) tensors: bytes move, the KV dtype is irrelevant.
@@ -11,47 +13,132 @@ An engine is used by one thread at a time (it owns scratch memory). Views are wo
 from __future__ import annotations
 
 import ctypes
+import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
-_STAGING_BYTES = 1 << 20
-"""Kernel io on CPU gathers through a reused scratch buffer this large: small enough to stay
-in cache between the gather and the scatter, large enough to amortise per-op overhead."""
+from hicache.kernels.rows import (SCRATCH_BYTES, RowPlan, common_row, copy_rows, page_rows_of, plan_rows, row_space,
+                                  split_rows)
+
+_CACHED_ROWS = 1 << 22
+"""Row pairs kept per engine (about 64 MiB): a transfer's plan serves each of its layers."""
+
+
+_MIN_ROW_BYTES = 256
+"""Views of one transfer are merged into one row space only with rows at least this long
+(shorter rows cost more per byte than the separate moves they would replace)."""
+
+_PARALLEL_BYTES = 4 << 20
+"""Moves at least this large are split over the engine's `threads`."""
 
 
 class CpuEngine:
-    """Host-memory copies. Kernel io gathers into a reused scratch buffer and scatters from it;
-    direct io copies each run with one memmove when both sides are contiguous."""
+    """Host-memory copies as batched row copies (rows.py): a move of every (layer, component)
+    of a transfer is one row plan over all the views, run in one or a few numpy calls; with
+    `threads` > 1, large moves are split over that many threads (the calling one and helpers
+    this engine starts on first need). Direct io copies each run with one copy; past
+    `max_run_copies` copies it batches them as rows instead (per-run Python calls would cost
+    more than the bytes)."""
 
     kind = "cpu"
+    max_run_copies = 64
 
-    def __init__(self, staging_bytes: int = _STAGING_BYTES):
-        self._staging = torch.empty(0, dtype=torch.uint8)
-        self._staging_bytes = staging_bytes
+    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int = 1,
+                 parallel_bytes: int = _PARALLEL_BYTES):
+        """`threads`: copy threads per large move. One by default: on a 2-core host shared
+        with other work, a second copy thread measured slower (docs/benchmarks.md)."""
+        self._scratch_bytes = scratch_bytes
+        self._threads = threads
+        self._parallel_bytes = parallel_bytes
+        self._scratches: list[np.ndarray] = []
+        self._helpers: ThreadPoolExecutor | None = None
+        self._helper_count = 0
+        self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
+        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
+        self._cached_rows = 0
 
     def host_words(self, host) -> torch.Tensor:
         return host.buffer
 
-    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
-        page_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
-        if page_bytes == 0 or dst_pages.numel() == 0:
+    def _space(self, views: list[torch.Tensor]):
+        key = (tuple(views[0].shape), views[0].stride())
+        if key not in self._shapes:
+            self._shapes[key] = page_rows_of(views[0])
+        return row_space(views, self._shapes[key])
+
+    def _plan(self, dst, dst_key, dst_pages: torch.Tensor, src, src_key, src_pages: torch.Tensor,
+              host_is_dst: bool) -> RowPlan:
+        key = (id(dst_pages), id(src_pages), dst_key, src_key, host_is_dst)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
+            return hit[2]
+        plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
+        while self._plans and self._cached_rows + plan.pairs > _CACHED_ROWS:
+            self._cached_rows -= self._plans.pop(next(iter(self._plans)))[2].pairs
+        if plan.pairs <= _CACHED_ROWS:
+            self._plans[key] = (dst_pages, src_pages, plan)
+            self._cached_rows += plan.pairs
+        return plan
+
+    def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
+             src_pages: torch.Tensor, *, host_is_dst: bool) -> None:
+        """`dst[dst_pages] = src[src_pages]` for every (dst, src) pair of page views (all dst
+        views alike, all src views alike). Mutates the dst views only."""
+        if dst_pages.numel() == 0 or not pairs:
             return
-        chunk = max(1, self._staging_bytes // page_bytes)
-        need = min(chunk, dst_pages.numel()) * page_bytes
-        if self._staging.numel() < need:
-            self._staging = torch.empty(need, dtype=torch.uint8)
-        words = self._staging.view(src.dtype)
-        for start in range(0, dst_pages.numel(), chunk):
-            d_idx = dst_pages[start : start + chunk]
-            out = words[: d_idx.numel() * src[0].numel()].view(d_idx.numel(), *src.shape[1:])
-            torch.index_select(src, 0, src_pages[start : start + chunk], out=out)
-            dst.index_copy_(0, d_idx, out)
+        row = math.gcd(common_row([d for d, _ in pairs]), common_row([s for _, s in pairs]))
+        if row * pairs[0][0].element_size() >= _MIN_ROW_BYTES or len(pairs) == 1:
+            pairs = [(split_rows(d, row), split_rows(s, row)) for d, s in pairs]
+            dst_space = self._space([d for d, _ in pairs])
+            src_space = self._space([s for _, s in pairs])
+        else:
+            dst_space = src_space = None
+        if dst_space is None or src_space is None:  # views not on one row grid: one by one
+            for dst, src in pairs:
+                self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
+            return
+        (dst, dst_key), (src, src_key) = dst_space, src_space
+        plan = self._plan(dst, dst_key, dst_pages, src, src_key, src_pages, host_is_dst)
+        row_bytes = dst.array.shape[1] * dst.array.itemsize
+        n = plan.pairs
+        parts = max(1, min(self._threads, n, n * row_bytes // self._parallel_bytes))
+        while len(self._scratches) < parts or self._scratches[0].size < row_bytes:
+            self._scratches = [np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)
+                               for _ in range(max(parts, len(self._scratches)))]
+        bounds = [n * i // parts for i in range(parts + 1)]
+        if parts > 1:
+            if self._helper_count < parts - 1:
+                if self._helpers is not None:
+                    self._helpers.shutdown(wait=False)
+                self._helpers = ThreadPoolExecutor(parts - 1, thread_name_prefix="hicache-copy")
+                self._helper_count = parts - 1
+            helping = [self._helpers.submit(copy_rows, dst.array, src.array, plan, self._scratches[i],
+                                            bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        try:
+            copy_rows(dst.array, src.array, plan, self._scratches[0], bounds[0], bounds[1])
+        finally:
+            if parts > 1:
+                for future in helping:
+                    future.result()
+
+    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
+                       src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
+        if dst_pages.numel() == 0:
+            return
+        dst_space, src_space = self._space([dst]), self._space([src])
+        if dst_space is None or src_space is None:  # rows off the grid: generic (slow) copy
+            dst[dst_pages] = src[src_pages]
+            return
+        self.move([(dst, src)], dst_pages, src_pages, host_is_dst=host_is_dst)
 
     def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.is_contiguous() and src.is_contiguous():
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
         else:
-            dst.copy_(src)
+            np.copyto(dst.numpy(), src.numpy())
 
     def synchronize(self) -> None:
         """CPU copies are synchronous: nothing to wait for."""
@@ -67,6 +154,7 @@ class CudaEngine:
     staging through the CPU, which blocks the calling thread but stays correct."""
 
     kind = "cuda"
+    max_run_copies = sys.maxsize
 
     def __init__(self, device: torch.device, stream=None):
         from cuda.bindings import runtime as cudart
@@ -84,7 +172,8 @@ class CudaEngine:
         alias = self._aliases[key]
         return host.buffer if alias is None else alias
 
-    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
+    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
+                       src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
         if dst_pages.numel() == 0:
             return
         if src.device.type == "cpu":  # unmapped host -> device: gather on CPU, copy, scatter
@@ -95,6 +184,11 @@ class CudaEngine:
             dst.index_copy_(0, dst_pages.cpu(), moved)
         else:
             dst.index_copy_(0, dst_pages.to(dst.device), src.index_select(0, src_pages.to(src.device)))
+
+    def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
+             src_pages: torch.Tensor, *, host_is_dst: bool) -> None:
+        for dst, src in pairs:
+            self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
 
     def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.is_contiguous() and src.is_contiguous():

@@ -3,8 +3,10 @@
 Both io backends work with every layout (tests cover the full matrix); configuration
 rewrites (rewrites.py) steer a deployment to the combinations the seed design supports.
 
-- `kernel`: per (layer, component), gather/scatter whole pages through index tensors.
-- `direct`: coalesce runs of pages consecutive on both sides; one copy per run.
+- `kernel`: gather/scatter whole pages through index tensors, all (layer, component) views of
+  the transfer handed to the engine at once (the CPU engine batches them into one row copy).
+- `direct`: coalesce runs of pages consecutive on both sides; one copy per run (an engine may
+  batch many short runs as one gather/scatter: `max_run_copies`, counted over all views).
 
 The validating entry points (`load_layer`, `backup`) check everything before any byte moves;
 the `run_*` forms take an already validated `PagePlan` (streams validate at submit time).
@@ -47,29 +49,33 @@ def merge_trailing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
     return a.as_strided([a.shape[0], *shape[1:]], sa), b.as_strided([b.shape[0], *shape[1:]], sb)
 
 
-def _move(engine, io: str, plan: PagePlan, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
-    dst, src = merge_trailing(dst, src)
-    if io == "kernel":
-        host_idx, dev_idx = plan.index_tensors(dst.device if dst.device.type != "cpu" else src.device)
+def _move(engine, io: str, plan: PagePlan, pairs: list[tuple[torch.Tensor, torch.Tensor]], to_device: bool) -> None:
+    """Copy the planned pages for every (dst, src) pair of page views (one per layer and
+    component); the engine may batch all pairs into one operation."""
+    pairs = [merge_trailing(dst, src) for dst, src in pairs]
+    runs = plan.runs() if io == "direct" else None
+    if runs is None or len(runs) * len(pairs) > engine.max_run_copies:
+        dst0 = pairs[0][0]
+        host_idx, dev_idx = plan.index_tensors(dst0.device if dst0.device.type != "cpu" else pairs[0][1].device)
         if to_device:
-            engine.gather_scatter(dst, dev_idx, src, host_idx)
+            engine.move(pairs, dev_idx, host_idx, host_is_dst=False)
         else:
-            engine.gather_scatter(dst, host_idx, src, dev_idx)
+            engine.move(pairs, host_idx, dev_idx, host_is_dst=True)
         return
-    for host_page, dev_page, count in plan.runs():
-        if to_device:
-            engine.copy_run(dst[dev_page : dev_page + count], src[host_page : host_page + count])
-        else:
-            engine.copy_run(dst[host_page : host_page + count], src[dev_page : dev_page + count])
+    for dst, src in pairs:
+        for host_page, dev_page, count in runs:
+            if to_device:
+                engine.copy_run(dst[dev_page : dev_page + count], src[host_page : host_page + count])
+            else:
+                engine.copy_run(dst[host_page : host_page + count], src[dev_page : dev_page + count])
 
 
 def run_load_layer(plan: PagePlan, host: HostPool, device: DevicePool, layer: int, io: str, engine) -> int:
     """Copy `layer` of the planned pages host->device; returns bytes moved. No validation."""
     word = _word(host, device)
     words = engine.host_words(host)
-    for component in range(device.geometry.components):
-        _move(engine, io, plan, device.page_view(layer, component, word),
-              host.page_view(layer, component, word, words), to_device=True)
+    _move(engine, io, plan, [(device.page_view(layer, c, word), host.page_view(layer, c, word, words))
+                             for c in range(device.geometry.components)], to_device=True)
     return plan.tokens * device.geometry.bytes_per_token // device.geometry.layers
 
 
@@ -77,10 +83,9 @@ def run_backup(plan: PagePlan, device: DevicePool, host: HostPool, io: str, engi
     """Copy all layers of the planned pages device->host; returns bytes moved. No validation."""
     word = _word(host, device)
     words = engine.host_words(host)
-    for layer in range(device.geometry.layers):
-        for component in range(device.geometry.components):
-            _move(engine, io, plan, host.page_view(layer, component, word, words),
-                  device.page_view(layer, component, word), to_device=False)
+    _move(engine, io, plan, [(host.page_view(layer, c, word, words), device.page_view(layer, c, word))
+                             for layer in range(device.geometry.layers)
+                             for c in range(device.geometry.components)], to_device=False)
     return plan.tokens * device.geometry.bytes_per_token
 
 
