@@ -20,11 +20,20 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/hicache replay
 
-services:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (Debian package)"; \
-	  (apt-get update -qq && apt-get install -y -qq redis-server redis-tools) >/dev/null || \
-	  echo "redis-server could not be installed; redis tests will be skipped"; }
+# Services and native libraries the service-backed tests need: redis-server (Debian), and
+# libibverbs1 + the Mooncake client wheel (its tests run against a real master and store).
+services: $(STAMP)
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="redis-server redis-tools"; \
+	ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || missing="$$missing libibverbs1"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing (Debian packages)"; \
+	  (apt-get update -qq && apt-get install -y -qq $$missing) >/dev/null 2>&1 || \
+	  echo "could not install$$missing; tests that need them will skip"; \
+	fi
+	@$(VPY) -c "import mooncake.store" 2>/dev/null || \
+	  $(VPY) -m pip install -q 'mooncake-transfer-engine-non-cuda' || \
+	  echo "mooncake client not installable; its tests will skip"
 
 # The whole test suite, slow and service-backed tests included.
 test: $(STAMP) services

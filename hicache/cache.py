@@ -20,7 +20,7 @@ from hicache.components.tree.actor import TreeActor
 from hicache.components.tree.core import RadixTree
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig
-from hicache.kernels.geometry import parse_kv_spec
+from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import make_streams
 from hicache.backends.keys import Namespace
@@ -34,7 +34,7 @@ from hicache.messages import (
 )
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
-from hicache.policies.write import make_write_policy
+from hicache.policies.write import write_policy
 from hicache.results import (
     CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
 )
@@ -73,7 +73,7 @@ class HiCache:
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> HiCache:
         cfg = self.config
-        geometry = parse_kv_spec(cfg.kv)
+        geometry = parse_geometry(cfg.kv)
         device = self._device_pool or DevicePool.allocate(
             geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device)
         )
@@ -81,10 +81,7 @@ class HiCache:
             raise ValueError(
                 f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
             )
-        host = HostPool.allocate(
-            geometry, size=cfg.host_capacity, page_size=cfg.page_size, layout=cfg.layout,
-            device_pool=device,
-        )
+        host = HostPool(device, cfg.host_capacity, cfg.layout)
         self.device_pool, self.host_pool = device, host
         kernel = Kernel(log=self._log, deterministic=cfg.deterministic, seed=cfg.seed)
         self._kernel = kernel
@@ -109,7 +106,7 @@ class HiCache:
         credits = max(1, cap // 8)
         bpt = geometry.bytes_per_token
         tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
-                         write_policy=make_write_policy(cfg.write_policy))
+                         write_policy=write_policy(cfg.write_policy))
         allocator = AllocatorActor(
             device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
             host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
@@ -128,14 +125,17 @@ class HiCache:
         storage = {}
         if self._backend_override is not None or cfg.storage:
             namespace = Namespace(
-                model=cfg.model_id, kv_spec=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
-                rank=cfg.tp_rank if geometry.kind == "mha" else None,
+                model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
+                rank=cfg.tp_rank, layout=cfg.layout,
             )
             emit = kernel.log.bind("storage").warning
-            backend = self._backend_override or open_backend(
-                cfg.storage, namespace=namespace, emit=lambda event, **kw: emit(event, **kw),
-                inline=cfg.deterministic, **cfg.extra,
-            )
+            backend = self._backend_override
+            if backend is None:
+                options = dict(cfg.extra)
+                if cfg.deterministic and cfg.storage.startswith("file:"):
+                    options.setdefault("threads", 0)  # no real threads on virtual time
+                backend = open_backend(cfg.storage, namespace=namespace,
+                                       emit=lambda event, **kw: emit(event, **kw), **options)
             self.backend = backend
             uploader = UploaderActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
@@ -289,6 +289,7 @@ def _tokens(tokens) -> np.ndarray | tuple:
 def _device(spec: str) -> str:
     if spec != "auto":
         return spec
-    from hicache.kernels.streams import cuda_available
+    from hicache.kernels.streams import cuda_driver_status
 
-    return "cuda" if cuda_available() else "cpu"
+    usable, _why = cuda_driver_status()
+    return "cuda" if usable else "cpu"

@@ -180,7 +180,7 @@ class Backup:
     op: OpId
     device_slots: np.ndarray
     host_slots: np.ndarray
-    reply: Reply | None = None  # set: an eviction waits for this copy (answered ok: bool)
+    reply: Reply | None = None  # answered ok: bool (besides WriteDone); an eviction may wait
 
 
 @_msg
@@ -209,6 +209,7 @@ class Upload:
     op: OpId
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
+    reply: Reply | None = None  # answered with the pages stored (besides UploadDone)
 
 
 @_msg

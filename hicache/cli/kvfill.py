@@ -43,8 +43,8 @@ def fill(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: i
         return
     bases = _token_bases(seeds, page_size, first, len(slots))
     index = torch.from_numpy(np.asarray(slots, dtype=np.int64))
-    for layer in range(pool.layers):
-        for comp in range(pool.components):
+    for layer in range(pool.geometry.layers):
+        for comp in range(pool.geometry.components):
             rows = _rows(pool, layer, comp)
             rows.index_copy_(0, index.to(rows.device), _expected(bases, layer, comp, rows.shape[1])
                              .to(rows.device))
@@ -58,8 +58,8 @@ def count_bad_pages(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, p
     bases = _token_bases(seeds, page_size, first, len(slots))
     index = torch.from_numpy(np.asarray(slots, dtype=np.int64))
     bad_tokens = torch.zeros(len(slots), dtype=torch.bool)
-    for layer in range(pool.layers):
-        for comp in range(pool.components):
+    for layer in range(pool.geometry.layers):
+        for comp in range(pool.geometry.components):
             rows = _rows(pool, layer, comp)
             got = rows.index_select(0, index.to(rows.device)).cpu()
             want = _expected(bases, layer, comp, rows.shape[1])

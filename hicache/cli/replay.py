@@ -21,7 +21,8 @@ import numpy as np
 from hicache.backends.keys import chain_page_hashes
 from hicache.cache import HiCache
 from hicache.cli.kvfill import count_bad_pages, fill, page_seeds
-from hicache.cli.trace import bound_hit_rate, iter_batches, read_trace
+from hicache.cli.trace import bound_hit_rate, read_trace
+from hicache.results import CapacityError
 from hicache.config import CacheConfig
 from hicache.observability import EventLog
 from hicache.runtime import run_deterministic
@@ -35,6 +36,7 @@ class Tally:
     device_hit: int = 0
     host_hit: int = 0
     storage_hit: int = 0
+    rejected: int = 0
     verified_pages: int = 0
     corrupt_pages: int = 0
     control_s: float = 0.0
@@ -54,50 +56,85 @@ class _Timer:
         self._tally.control_s += time.perf_counter() - self._t0
 
 
+def _steps(requests, batch: int, *, budget: int):
+    """Scheduler steps: up to `batch` requests whose inputs together fit in `budget` tokens."""
+    step, tokens = [], 0
+    for req in requests:
+        if step and (len(step) == batch or tokens + req.input_length > budget):
+            yield step
+            step, tokens = [], 0
+        step.append(req)
+        tokens += req.input_length
+    if step:
+        yield step
+
+
+async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int, verify: bool,
+                    storage_on: bool) -> None:
+    """One scheduler step: match, prefetch, load back (verified), allocate, compute, insert."""
+    page = cache.config.page_size
+    pool = cache.device_pool
+    toks = {RequestId(f"r{r.index}"): r.tokens(block_tokens) for r in step}
+    # one seed per whole page, plus one for a partial last page (computed, never cached)
+    seeds = {rid: np.append(page_seeds(chain_page_hashes(t[: len(t) // page * page], page)), 0)
+             for rid, t in toks.items()}
+    with timer:
+        matches = await cache.match_many(toks.items())
+    if storage_on:
+        with timer:
+            await cache.prefetch_many(toks.items())
+            for rid in toks:
+                await cache.prefetch_wait(rid)
+    with timer:
+        loads = await cache.load_back_many(toks)
+    bad = verified = 0
+    for lb in loads:
+        if lb.handle is not None:
+            await lb.handle.wait_async(pool.geometry.layers - 1)
+            first = len(lb.device_slots) - lb.loaded_tokens
+            if verify:
+                bad += count_bad_pages(pool, lb.device_slots[first:], seeds[lb.rid],
+                                       page_size=page, first=first)
+                verified += lb.loaded_tokens // page
+    with timer:
+        news = await cache.allocate_many(
+            (lb.rid, len(toks[lb.rid]) - len(lb.device_slots)) for lb in loads
+        )
+    items = []
+    for lb, new in zip(loads, news):
+        fill(pool, new, seeds[lb.rid], page_size=page, first=len(lb.device_slots))
+        items.append((lb.rid, toks[lb.rid], np.concatenate([lb.device_slots, new]), True))
+    with timer:
+        await cache.cache_many(items)
+    tally.device_hit += sum(m.device_len for m in matches)
+    tally.corrupt_pages += bad
+    tally.verified_pages += verified
+    tally.requests += len(step)
+    tally.input_tokens += sum(len(t) for t in toks.values())
+
+
 async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, verify: bool,
                  log: EventLog | None, progress) -> tuple[Tally, dict]:
     tally = Tally()
     timer = _Timer(tally)
     page = cfg.page_size
     async with HiCache(cfg, log=log) as cache:
-        pool = cache.device_pool
         storage_on = cache.backend is not None
-        for step in iter_batches(requests, batch):
-            toks = {RequestId(f"r{r.index}"): r.tokens(block_tokens) for r in step}
-            seeds = {rid: page_seeds(chain_page_hashes(t[: len(t) // page * page], page))
-                     for rid, t in toks.items()}
-            with timer:
-                matches = await cache.match_many(toks.items())
-            if storage_on:
-                with timer:
-                    await cache.prefetch_many(toks.items())
-                    for rid in toks:
-                        await cache.prefetch_wait(rid)
-            with timer:
-                loads = await cache.load_back_many(toks)
-            for m, lb in zip(matches, loads):
-                if lb.handle is not None:
-                    await lb.handle.wait_async(pool.layers - 1)
-                    first = len(lb.device_slots) - lb.loaded_tokens
-                    if verify:
-                        bad = count_bad_pages(pool, lb.device_slots[first:], seeds[lb.rid],
-                                              page_size=page, first=first)
-                        tally.corrupt_pages += bad
-                        tally.verified_pages += lb.loaded_tokens // page
-                tally.device_hit += m.device_len
-            with timer:
-                news = await cache.allocate_many(
-                    (lb.rid, len(toks[lb.rid]) - len(lb.device_slots)) for lb in loads
-                )
-            items = []
-            for lb, new in zip(loads, news):
-                first = len(lb.device_slots)
-                fill(pool, new, seeds[lb.rid], page_size=page, first=first)
-                items.append((lb.rid, toks[lb.rid], np.concatenate([lb.device_slots, new]), True))
-            with timer:
-                await cache.cache_many(items)
-            tally.requests += len(step)
-            tally.input_tokens += sum(len(t) for t in toks.values())
+        for step in _steps(requests, batch, budget=cfg.device_tokens // 2):
+            try:
+                await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on)
+            except CapacityError:
+                # Too much at once for L1: drop the step's state and run it one by one.
+                await cache.release_many(RequestId(f"r{r.index}") for r in step)
+                for req in step:
+                    try:
+                        await _run_step(cache, [req], tally, timer, block_tokens, verify,
+                                        storage_on)
+                    except CapacityError:
+                        await cache.release(RequestId(f"r{req.index}"))
+                        tally.rejected += 1
+                        tally.requests += 1
+                        tally.input_tokens += req.input_length
             progress(tally.requests)
         with timer:
             await cache.flush()
@@ -109,7 +146,10 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
         }
         if storage_on:
-            extra["backend"] = dict(cache.backend.stats())
+            backend_stats = dict(cache.backend.stats())
+            extra["backend"] = backend_stats
+            extra["bytes"]["h2s"] = int(backend_stats.get("bytes_written", 0))
+            extra["bytes"]["s2h"] = int(backend_stats.get("bytes_read", 0))
     return tally, extra
 
 
@@ -173,6 +213,7 @@ def run(args) -> int:
                                          page_size=args.page_size),
         "bytes": {"d2h": 0, "h2d": 0, "h2s": 0, "s2h": 0, **extra.get("bytes", {})},
         "evictions": extra.get("evictions", {}),
+        "rejected_requests": tally.rejected,
         "verified_pages": tally.verified_pages,
         "corrupt_pages": tally.corrupt_pages,
         "wall_s": round(wall, 3),

@@ -60,7 +60,7 @@ class ScriptedScheduler:
         items = []
         for (rid, tokens), m, lb, new in zip(requests, matches, loads, news):
             if lb.handle is not None:
-                await lb.handle.wait_async(cache.device_pool.layers - 1)
+                await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
             slots = np.concatenate([lb.device_slots, new])
             first = len(lb.device_slots)
             if self.compute is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing_extensions import assert_never
 
-from hicache.components.allocator.core import SlotLedger
+from hicache.components.allocator.core import LedgerError, SlotLedger
 from hicache.messages import Alloc, AllocatorInbox, Free, LedgerStats
 from hicache.runtime import Actor
 
@@ -17,7 +17,10 @@ class AllocatorActor(Actor[AllocatorInbox]):
     async def handle(self, msg: AllocatorInbox) -> None:
         match msg:
             case Alloc(tier=tier, num_tokens=n, reply=reply):
-                reply.set(self._ledgers[tier].alloc(n))
+                try:
+                    reply.set(self._ledgers[tier].alloc(n))
+                except LedgerError as exc:  # a bad request fails the asker, not the ledger
+                    reply.fail(exc)
             case Free(tier=tier, slots=slots):
                 if len(slots):
                     self._ledgers[tier].free(slots)

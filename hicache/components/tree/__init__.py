@@ -1,0 +1,1 @@
+"""The radix tree component: its pure core (core.py) and, later, its actor."""

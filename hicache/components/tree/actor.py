@@ -23,6 +23,7 @@ from hicache.messages import (
     TreeInbox, Upload, UploadDone, WriteDone,
 )
 from hicache.results import (
+    CacheError,
     CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
     TierStats, UnknownRequest,
 )
@@ -41,6 +42,7 @@ class RequestState:
     prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # tree slots it reads
     host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
     owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
+    padding: np.ndarray = field(default_factory=lambda: EMPTY)  # rest of its last page, unused
     tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
     prefetch: object = None  # the last prefetch's outcome once it ended
 
@@ -49,7 +51,7 @@ class RequestState:
 class WriteOp:
     node: NodeId
     host_slots: np.ndarray
-    evicting: bool  # a write_back backup that an eviction waits for
+    done: object  # Reply[bool] the writer answers; an eviction may wait on it
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class PrefetchOp:
 class UploadOp:
     node: NodeId
     pages: int
+    done: object  # Reply[int] the uploader answers; a host allocation may wait on it
 
 
 @dataclass(slots=True)
@@ -146,6 +149,10 @@ class TreeActor(Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ dispatch
     async def handle(self, msg: TreeInbox) -> None:
+        await self._dispatch(msg)
+        await self._settle()
+
+    async def _dispatch(self, msg: TreeInbox) -> None:
         match msg:
             case MatchBatch(items=items, reply=reply):
                 reply.set(tuple(self._match(item.rid, item.tokens) for item in items))
@@ -171,7 +178,6 @@ class TreeActor(Actor[TreeInbox]):
                 for op_id, op in list(self._prefetches.items()):
                     if op.state == "running":
                         self._stop_prefetch(op_id)
-                await self._settle()
             case WriteDone():
                 await self._write_done(msg)
             case LoadDone():
@@ -189,11 +195,9 @@ class TreeActor(Actor[TreeInbox]):
                     await self._clear_storage()
                     self.log.info("tree.storage_cleared")
                     reply.set(True)
-            case UploadDone(op=op, stored_pages=stored):
-                job = self._uploads.pop(op)
-                self._upload_credits += 1
-                self._tree.release_host(job.node)
-                await self._settle()
+            case UploadDone(op=op):
+                if op in self._uploads:
+                    self._finish_upload(op)
             case PrefetchProgress():
                 await self._prefetch_progress(msg)
             case TimerFired(op=op):
@@ -206,7 +210,7 @@ class TreeActor(Actor[TreeInbox]):
         """Run a request's work and answer it; a caller's mistake fails only that request."""
         try:
             value = await coro
-        except (ValueError, KeyError, LookupError) as exc:  # typed caller errors included
+        except (CacheError, ValueError, LookupError) as exc:  # the caller's, typed
             reply.fail(exc)
         else:
             reply.set(value)
@@ -299,25 +303,35 @@ class TreeActor(Actor[TreeInbox]):
         op = self._loads.pop(msg.op)
         self._load_credits += 1
         if not msg.ok:
-            freed = self._tree.revert_load_back(op.plan)
+            freed, kept = self._tree.revert_load_back(op.plan)
             await self._free("device", freed)
-            self.log.error("tree.load_failed", op=msg.op, error=msg.error, tokens=len(freed))
+            self.log.error("tree.load_failed", op=msg.op, error=msg.error, tokens=len(freed),
+                           kept_nodes=list(kept))
         elif self._cfg.exclusive:
             freed = self._tree.drop_host(op.plan)
             await self._free("host", freed)
-        await self._settle()
 
     # ------------------------------------------------------------------ allocation
     async def _alloc_batch(self, sizes) -> tuple[np.ndarray, ...]:
         out = []
+        page = self._cfg.page_size
         for rid, n in sizes:
             state = self._state(rid, "allocate")
             if n < 0:
                 raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
-            slots = await self._alloc_device(n)
-            if slots is None:
-                ledger = await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
-                raise CapacityError("device", n, ledger["device"]["available"])
+            # Fill the request's partial last page first, so every page stays one device page.
+            reuse, state.padding = state.padding[:n], state.padding[n:]
+            rest = n - len(reuse)
+            fresh = EMPTY
+            if rest:
+                fresh = await self._alloc_device(-(-rest // page) * page)
+                if fresh is None:
+                    state.padding = np.concatenate([reuse, state.padding])
+                    ledger = await self.kernel.request(self._allocator,
+                                                       lambda r: LedgerStats(reply=r))
+                    raise CapacityError("device", n, ledger["device"]["available"])
+                state.padding = fresh[rest:]
+            slots = np.concatenate([reuse, fresh[:rest]])
             state.owned.append(slots)
             out.append(slots)
         return tuple(out)
@@ -332,67 +346,50 @@ class TreeActor(Actor[TreeInbox]):
             await self._allocator.send(Free(tier=tier, slots=slots))
 
     async def _alloc_device(self, n: int) -> np.ndarray | None:
-        """Device slots for n tokens, evicting L1 (and under write_back, backing up first)."""
+        """Device slots for n tokens: evict L1 (backing up first where the policy says so),
+        and while backups in flight pin the only evictable pages, wait for them. None when
+        everything left is locked by running requests."""
         if n == 0:
             return EMPTY
-        slots = await self._alloc("device", n)
-        for _ in range(3):
+        while True:
+            slots = await self._alloc("device", n)
             if slots is not None:
                 return slots
-            if not await self._evict_device(n):
-                break
-            slots = await self._alloc("device", n)
-        return slots
+            if await self._evict_device(n):
+                continue
+            if not self._writes:
+                return None
+            await self._await_write(next(iter(self._writes)))
 
     async def _evict_device(self, n: int) -> bool:
-        """Evict about n tokens from L1; returns whether anything was freed or demoted."""
-        ev = self._tree.evict_device(n, now=self._now())
+        """Evict about n tokens from L1; start the backups the policy wants first. Returns
+        whether any device slot was freed."""
+        ev = self._tree.evict_device(n, now=self._now(), require_host_copy=self._cfg.exclusive)
         await self._free("device", ev.freed)
-        progressed = len(ev.freed) > 0
+        await self._free("host", ev.freed_host)
         if len(ev.freed):
             self.counters.device_evictions += len(ev.freed)
             self.log.info("tree.evict_device", tokens=len(ev.freed), demoted=len(ev.demoted),
                           removed=len(ev.removed))
-        if ev.needs_backup:
-            backed = await self._backup_for_eviction(ev.needs_backup)
-            if backed:
-                ev2 = self._tree.evict_device(n, now=self._now())
-                await self._free("device", ev2.freed)
-                self.counters.device_evictions += len(ev2.freed)
-                progressed = progressed or len(ev2.freed) > 0
-        return progressed
-
-    async def _backup_for_eviction(self, nodes) -> int:
-        """write_back: copy nodes to L2 and wait for the copies (the eviction depends on them)."""
-        done = 0
-        for node in nodes:
-            length = self._tree.device_len(node)
-            host = await self._alloc_host(length)
-            if host is None:
-                break
-            self._tree.begin_backup(node, host)
-            ok = await self.kernel.request(
-                self._writer,
-                lambda reply: Backup(op=self._op(), device_slots=self._tree.device_slots(node),
-                                     host_slots=host, reply=reply),
-            )
-            freed = self._tree.end_backup(node, ok=ok)
-            await self._free("host", freed)
-            if ok:
-                done += 1
-                self.counters.d2h_bytes += length * self._bpt
-        return done
+        for node in ev.needs_backup:  # write_back / exclusive: copy to L2, then evict
+            await self._start_backup(node, evicting=True)
+        return len(ev.freed) > 0
 
     async def _alloc_host(self, n: int) -> np.ndarray | None:
-        slots = await self._alloc("host", n)
-        if slots is None:
+        """Host slots for n tokens, evicting L2; waits for uploads that pin the only candidates."""
+        while True:
+            slots = await self._alloc("host", n)
+            if slots is not None:
+                return slots
             ev = self._tree.evict_host(n)
             if len(ev.freed):
                 self.counters.host_evictions += len(ev.freed)
                 self.log.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
-            await self._free("host", ev.freed)
-            slots = await self._alloc("host", n)
-        return slots
+                await self._free("host", ev.freed)
+                continue
+            if not self._uploads:
+                return None
+            await self._await_upload(next(iter(self._uploads)))
 
     # ------------------------------------------------------------------ insert
     async def _cache_batch(self, items) -> tuple[CacheOutcome, ...]:
@@ -418,7 +415,7 @@ class TreeActor(Actor[TreeInbox]):
         for node in result.backup_candidates:
             await self._schedule_backup(node)
         if item.finished:
-            await self._free("device", slots[aligned:])
+            await self._free("device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self._requests[item.rid]
             prefix = slots[:aligned]
@@ -440,43 +437,59 @@ class TreeActor(Actor[TreeInbox]):
         for rid in rids:
             state = self._state(rid, "release")
             self._relock(state, None)
-            for slots in state.owned:
-                await self._free("device", slots)
+            await self._free("device", np.concatenate([*state.owned, state.padding]))
             del self._requests[rid]
 
-    # ------------------------------------------------------------------ write-through (L1 -> L2)
+    # ------------------------------------------------------------------ backups (L1 -> L2)
     async def _schedule_backup(self, node: NodeId) -> None:
-        if self._write_credits == 0:
-            self._write_backlog.append(node)
-            return
+        await self._start_backup(node, evicting=False)
+
+    async def _start_backup(self, node: NodeId, *, evicting: bool) -> bool:
+        """Copy a device-only node to L2. Write-through backups queue for a credit; an eviction
+        waits for the oldest write instead (it cannot go on without the copy)."""
+        while self._write_credits == 0:
+            if not evicting:
+                self._write_backlog.append(node)
+                return False
+            await self._await_write(next(iter(self._writes)))
         if not self._tree.needs_backup(node):
-            return
+            return False
         length = self._tree.device_len(node)
         host = await self._alloc_host(length)
-        if host is None:
+        if host is None or not self._tree.needs_backup(node):
+            await self._free("host", EMPTY if host is None else host)
             self.log.warning("tree.backup_skipped", node=node, tokens=length, reason="host full")
-            return
+            return False
         self._tree.begin_backup(node, host)
         op = self._op()
         self._write_credits -= 1
-        self._writes[op] = WriteOp(node=node, host_slots=host, evicting=False)
-        await self._writer.send(
-            Backup(op=op, device_slots=self._tree.device_slots(node), host_slots=host, reply=None)
-        )
+        done = self.kernel.reply()
+        self._writes[op] = WriteOp(node=node, host_slots=host, done=done)
+        await self._writer.send(Backup(op=op, device_slots=self._tree.device_slots(node),
+                                       host_slots=host, reply=done))
         self.counters.d2h_bytes += length * self._bpt
+        return True
+
+    async def _await_write(self, op_id: OpId) -> None:
+        ok = await self._writes[op_id].done.wait()
+        if op_id in self._writes:
+            await self._finish_write(op_id, ok, "")
 
     async def _write_done(self, msg: WriteDone) -> None:
-        op = self._writes.pop(msg.op)
+        if msg.op in self._writes:  # else already finished by a waiting eviction
+            await self._finish_write(msg.op, msg.ok, msg.error)
+
+    async def _finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
+        op = self._writes.pop(op_id)
         self._write_credits += 1
-        freed = self._tree.end_backup(op.node, ok=msg.ok)
+        freed = self._tree.end_backup(op.node, ok=ok)
         await self._free("host", freed)
-        if not msg.ok:
-            self.log.error("tree.backup_failed", op=msg.op, node=op.node, error=msg.error)
+        if not ok:
+            self.log.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._uploader is not None:
             await self._upload(op.node)
         while self._write_backlog and self._write_credits:
-            await self._schedule_backup(self._write_backlog.popleft())
-        await self._settle()
+            await self._start_backup(self._write_backlog.popleft(), evicting=False)
 
     async def _settle(self) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
@@ -507,9 +520,20 @@ class TreeActor(Actor[TreeInbox]):
         op = self._op()
         self._upload_credits -= 1
         self._tree.protect_host(node)
-        self._uploads[op] = UploadOp(node=node, pages=len(hashes))
+        done = self.kernel.reply()
+        self._uploads[op] = UploadOp(node=node, pages=len(hashes), done=done)
         await self._uploader.send(Upload(op=op, hashes=tuple(hashes),
-                                         host_slots=self._tree.host_slots(node)))
+                                         host_slots=self._tree.host_slots(node), reply=done))
+
+    async def _await_upload(self, op_id: OpId) -> None:
+        await self._uploads[op_id].done.wait()
+        if op_id in self._uploads:
+            self._finish_upload(op_id)
+
+    def _finish_upload(self, op_id: OpId) -> None:
+        job = self._uploads.pop(op_id)
+        self._upload_credits += 1
+        self._tree.release_host(job.node)
 
     def _node_hashes(self, node: NodeId) -> list:
         """The node's chained page hashes, computed on first use from its parent's last one."""
@@ -643,8 +667,6 @@ class TreeActor(Actor[TreeInbox]):
         op.waiters.clear()
         del self._prefetch_by_rid[op.rid]
         del self._prefetches[msg.op]
-        await self._settle()
-
 
     # ------------------------------------------------------------------ stats and close
     async def _stats(self) -> CacheStats:

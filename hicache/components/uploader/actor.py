@@ -60,6 +60,8 @@ class UploaderActor(Actor[UploaderInbox]):
                                    error=error or None)
                 else:
                     self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes)
+                if job.msg.reply is not None:
+                    job.msg.reply.set(pages)
                 self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))
             case _:
                 assert_never(msg)

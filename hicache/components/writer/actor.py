@@ -52,7 +52,6 @@ class WriterActor(Actor[WriterInbox]):
                 )
                 if job.reply is not None:
                     job.reply.set(not error)
-                else:
-                    self._tree.send_nowait(WriteDone(op=op, ok=not error, error=error))
+                self._tree.send_nowait(WriteDone(op=op, ok=not error, error=error))
             case _:
                 assert_never(msg)

@@ -1,0 +1,183 @@
+"""Storage backend throughput: upload (set_from) and prefetch (get_into) GB/s.
+
+The file backend is measured against plain-Python writes and reads of the same bytes into
+the same directory in the same run (ratio target >= 0.8). Pages are page-sized values in a
+layer-first host layout (one piece per layer and K/V), the shape the host pool hands out.
+
+Other backends add themselves as further cases from their own files:
+
+    from bench.storage import BenchLayout, run_case
+    result = anyio.run(run_case, my_backend, layout)   # -> CaseResult with set/get GB/s
+
+Run: python bench/storage.py [--pages N] [--repeats R] [--dir DIR] [--threads T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hicache.backends.base import StorageBackend  # noqa: E402
+from hicache.backends.file import FileBackend  # noqa: E402
+from hicache.backends.keys import Namespace, chain_page_hashes  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Page geometry: bytes of one piece = tokens x heads x head_dim x itemsize."""
+
+    tokens: int = 64
+    layers: int = 32
+    heads: int = 8
+    head_dim: int = 128
+    itemsize: int = 2
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.tokens * self.heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.layers * self.piece_bytes
+
+    @property
+    def kv(self) -> str:
+        return f"mha:{self.layers}:{self.heads}:{self.head_dim}:bfloat16"
+
+
+class BenchLayout:
+    """Source and target host buffers (layer-first, [layers, K/V, pages, piece]) and the
+    keys of `pages` pages; one fresh key range per `round`."""
+
+    def __init__(self, shape: Shape, pages: int, seed: int = 0) -> None:
+        self.shape, self.pages = shape, pages
+        self.namespace = Namespace(model="bench", kv=shape.kv, page_size=shape.tokens)
+        rng = np.random.default_rng(seed)
+        dims = (shape.layers, 2, pages, shape.piece_bytes)
+        self.source = rng.integers(0, 256, dims, dtype=np.uint8)
+        self.target = np.zeros(dims, dtype=np.uint8)
+
+    def pieces(self, array: np.ndarray, page: int) -> list[memoryview]:
+        return [memoryview(array[l, kv, page]) for l in range(self.shape.layers) for kv in range(2)]
+
+    def keys(self, round_: int) -> list[str]:
+        tokens = np.arange(self.pages * self.shape.tokens) + round_ * 10**6
+        return self.namespace.keys(chain_page_hashes(tokens, self.shape.tokens))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pages * self.shape.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    set_gbps: float
+    get_gbps: float
+
+
+async def run_case(backend: StorageBackend, layout: BenchLayout, *, round_: int = 0, batch: int = 16) -> CaseResult:
+    """Upload every page of `layout`, read it all back into the target, verify the bytes."""
+    keys = layout.keys(round_)
+    layout.target[:] = 0
+    t0 = time.perf_counter()
+    for s in range(0, len(keys), batch):
+        part = keys[s : s + batch]
+        stored = await backend.set_from(part, [layout.pieces(layout.source, s + i) for i in range(len(part))])
+        assert stored == len(part), f"stored {stored} of {len(part)}"
+    t1 = time.perf_counter()
+    for s in range(0, len(keys), batch):
+        part = keys[s : s + batch]
+        got = await backend.get_into(part, [layout.pieces(layout.target, s + i) for i in range(len(part))])
+        assert got == len(part), f"read {got} of {len(part)}"
+    t2 = time.perf_counter()
+    assert np.array_equal(layout.source, layout.target), "bytes read back differ"
+    return CaseResult(layout.total_bytes / (t1 - t0) / 1e9, layout.total_bytes / (t2 - t1) / 1e9)
+
+
+def plain_python(directory: str, layout: BenchLayout, *, fsync: bool) -> CaseResult:
+    """The reference: open/write/close each page's pieces to its own file, then
+    open/readinto/close them back; no header, no checksum, no temp file, one thread."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, f"plain-{i}") for i in range(layout.pages)]
+    layout.target[:] = 0
+    t0 = time.perf_counter()
+    for i, path in enumerate(paths):
+        with open(path, "wb") as f:
+            for piece in layout.pieces(layout.source, i):
+                f.write(piece)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    t1 = time.perf_counter()
+    for i, path in enumerate(paths):
+        with open(path, "rb") as f:
+            for piece in layout.pieces(layout.target, i):
+                f.readinto(piece)
+    t2 = time.perf_counter()
+    assert np.array_equal(layout.source, layout.target)
+    for path in paths:
+        os.unlink(path)
+    return CaseResult(layout.total_bytes / (t1 - t0) / 1e9, layout.total_bytes / (t2 - t1) / 1e9)
+
+
+async def compare_file(root: str, layout: BenchLayout, *, fsync: bool, threads: int, repeats: int) -> dict[str, float]:
+    """Alternate reference and backend rounds; medians of each."""
+    backend = FileBackend(root, namespace=layout.namespace, fsync=fsync, threads=threads)
+    ref, ours = [], []
+    for r in range(repeats):
+        ref.append(plain_python(root, layout, fsync=fsync))
+        ours.append(await run_case(backend, layout, round_=r))
+        await backend.clear()
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    out = {
+        "plain_set": med([x.set_gbps for x in ref]),
+        "plain_get": med([x.get_gbps for x in ref]),
+        "file_set": med([x.set_gbps for x in ours]),
+        "file_get": med([x.get_gbps for x in ours]),
+    }
+    out["set_ratio"] = out["file_set"] / out["plain_set"]
+    out["get_ratio"] = out["file_get"] / out["plain_get"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--dir", default=None, help="directory to write in (default: a fresh temp dir)")
+    args = ap.parse_args(argv)
+    shape = Shape()
+    layout = BenchLayout(shape, args.pages)
+    root = tempfile.mkdtemp(prefix="hicache-bench-", dir=args.dir)
+    print(f"page {shape.page_bytes / 2**20:.1f} MiB ({shape.tokens} tokens x {shape.layers} layers x K/V x "
+          f"{shape.heads} heads x {shape.head_dim} x {shape.itemsize} B, {2 * shape.layers} pieces); "
+          f"{args.pages} pages per pass, batches of 16, median of {args.repeats}; dir {root}")
+    failed = False
+    try:
+        for fsync in (False, True):
+            r = anyio.run(lambda: compare_file(root, layout, fsync=fsync, threads=args.threads, repeats=args.repeats))
+            print(f"fsync={fsync!s:5}  upload {r['file_set']:6.2f} GB/s vs plain {r['plain_set']:6.2f}  "
+                  f"ratio {r['set_ratio']:.2f} | prefetch {r['file_get']:6.2f} GB/s vs plain "
+                  f"{r['plain_get']:6.2f}  ratio {r['get_ratio']:.2f}")
+            failed |= min(r["set_ratio"], r["get_ratio"]) < 0.8
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("target >= 0.8:", "MISSED" if failed else "met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""L3 keys: chained SHA-256 page hashes under a namespace.
+
+A page's hash encodes its whole prefix: `h_i = SHA256(h_{i-1} || tokens of page i)`, where
+`h_{-1}` is empty (or a given prior hash, as raw 32 bytes) and each token id is 4 bytes
+little-endian; for bigram (tuple) tokens each tuple contributes its ids in order. Equal tokens
+at different positions or after different prefixes therefore get different hashes.
+
+A `Namespace` covers everything that shapes the stored bytes (model, attention kind, geometry,
+dtype, page size), a tenant salt, and for MHA the tensor-parallel rank, so no two of those ever
+share a key. Pure functions and immutable values only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.types import PageHash
+
+HASH_HEX_LEN = 64
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+KEY_SCHEME_VERSION = 1
+
+KV_DTYPES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+"""dtype names accepted in a kv spec, with their item sizes."""
+
+_KV_SPEC_RE = re.compile(r"(mha|mla):(\d+):(\d+):(\d+):([a-z0-9_]+)")
+
+
+def chain_page_hashes(
+    tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+    page_size: int,
+    *,
+    prior: PageHash | None = None,
+) -> list[PageHash]:
+    """The chained hash of every whole page of `tokens` (a trailing partial page gets none).
+
+    `tokens` is a 1-D sequence of token ids, or for bigram keys a sequence of equal-length
+    tuples (a 2-D array). `prior` is the hash of the page just before `tokens[0]`. Pure.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    prior_bytes = b"" if prior is None else _hash_bytes(prior, "prior")
+    ids = _as_token_array(tokens)
+    pages = ids.shape[0] // page_size
+    if pages == 0:
+        return []
+    # One conversion for the whole run; each page is then a zero-copy slice of it.
+    raw = memoryview(np.ascontiguousarray(ids[: pages * page_size], dtype="<u4")).cast("B")
+    stride = raw.nbytes // pages
+    out: list[PageHash] = []
+    prev = prior_bytes
+    for i in range(pages):
+        h = hashlib.sha256(prev)
+        h.update(raw[i * stride : (i + 1) * stride])
+        prev = h.digest()
+        out.append(PageHash(prev.hex()))
+    return out
+
+
+def _hash_bytes(value: str, what: str) -> bytes:
+    if not isinstance(value, str) or not _HASH_RE.fullmatch(value):
+        raise ValueError(f"{what} must be a 64-character lowercase hex SHA-256, got {value!r}")
+    return bytes.fromhex(value)
+
+
+def _as_token_array(tokens: object) -> np.ndarray:
+    try:
+        ids = np.asarray(tokens)
+    except ValueError as exc:  # ragged tuples
+        raise ValueError(f"tokens must be ids or equal-length tuples of ids: {exc}") from None
+    if ids.size == 0:
+        return ids.reshape(0)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    if ids.ndim not in (1, 2):
+        raise ValueError(f"tokens must be 1-D (ids) or 2-D (bigram tuples), got {ids.ndim}-D")
+    if ids.ndim == 2 and ids.shape[1] == 0:
+        raise ValueError("bigram tuples must not be empty")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > 0xFFFFFFFF:
+        raise ValueError(f"token ids must fit in 32 bits unsigned, got range [{lo}, {hi}]")
+    return ids
+
+
+def check_kv_spec(spec: str) -> str:
+    """Validate `kind:LAYERS:A:B:DTYPE` (MHA: heads and head dim; MLA: kv_lora_rank and
+    qk_rope_head_dim) and return it unchanged. Raises ValueError naming what is wrong."""
+    m = _KV_SPEC_RE.fullmatch(spec) if isinstance(spec, str) else None
+    if m is None:
+        raise ValueError(
+            f"kv spec {spec!r} must look like mha:LAYERS:HEADS:DIM:DTYPE or "
+            "mla:LAYERS:RANK:ROPE:DTYPE (lowercase, e.g. mha:32:8:128:bfloat16)"
+        )
+    kind, *dims, dtype = m.groups()
+    if any(int(d) <= 0 for d in dims):
+        raise ValueError(f"kv spec {spec!r}: layers and dimensions must be positive")
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"kv spec {spec!r}: unknown dtype {dtype!r}; known: {sorted(KV_DTYPES)}")
+    return spec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Namespace:
+    """Where a cache instance's L3 keys live. Immutable.
+
+    `rank` is this process's tensor-parallel rank (None without TP). MHA keys carry it, since
+    each rank stores its own head shard; MLA keys do not (every rank holds the same latent),
+    and only rank 0 (or None) writes them: see `writes`.
+    """
+
+    model: str
+    kv: str  # e.g. "mha:32:8:128:bfloat16"; see check_kv_spec
+    page_size: int
+    tenant: str = ""  # salt: tenants with different salts never share a key
+    rank: int | None = None
+    layout: str = ""  # host layout: the byte order of a stored page depends on it
+    digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        check_kv_spec(self.kv)
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+        if not isinstance(self.tenant, str):
+            raise ValueError(f"tenant salt must be a string, got {self.tenant!r}")
+        if self.rank is not None and (
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
+        ):
+            raise ValueError(f"rank must be None or a non-negative int, got {self.rank!r}")
+        if not isinstance(self.layout, str):
+            raise ValueError(f"layout must be a string, got {self.layout!r}")
+        fields = (KEY_SCHEME_VERSION, self.model, self.kv, self.page_size, self.tenant,
+                  self.key_rank, self.layout)
+        # Length-prefixed fields so no two field tuples serialise alike.
+        h = hashlib.sha256()
+        for f in fields:
+            b = repr(f).encode()
+            h.update(len(b).to_bytes(4, "little") + b)
+        object.__setattr__(self, "digest", h.hexdigest()[:20])
+
+    @property
+    def attention(self) -> str:
+        """"mha" or "mla"."""
+        return self.kv.split(":", 1)[0]
+
+    @property
+    def key_rank(self) -> int | None:
+        """The rank that keys carry: this rank for MHA (0 without TP), None for MLA."""
+        return (self.rank or 0) if self.attention == "mha" else None
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank uploads: every MHA rank; for MLA only rank 0."""
+        return self.attention == "mha" or not self.rank
+
+    @property
+    def prefix(self) -> str:
+        """The start of every key in this namespace: "hicache:<20 hex digest>:"."""
+        return f"hicache:{self.digest}:"
+
+    def key(self, page_hash: PageHash | str) -> str:
+        """The full L3 key of one page."""
+        _hash_bytes(page_hash, "page_hash")
+        return self.prefix + page_hash
+
+    def keys(self, page_hashes: Sequence[PageHash | str]) -> list[str]:
+        """`key` of each hash, in order."""
+        return [self.key(h) for h in page_hashes]
+
+    def page_hash_of(self, key: str) -> PageHash:
+        """The page hash of a key in this namespace; ValueError for a foreign key."""
+        if not key.startswith(self.prefix):
+            raise ValueError(f"key {key!r} is not in namespace {self.prefix!r}")
+        rest = key[len(self.prefix) :]
+        _hash_bytes(rest, "key suffix")
+        return PageHash(rest)

@@ -1,0 +1,122 @@
+"""`memory`: framed page values in a process-local dict, for tests and single-process runs.
+
+Values are kept as framed bytes (header + payload), so the read path checks them exactly
+like a remote store would. Capacity rule: with `capacity_bytes` set, storing a value evicts
+the least recently used values (by get or put) until the framed total fits; a value larger
+than the whole capacity is not stored (a failed set, not an error). Calls run inline (no
+threads): a dict needs none, and deterministic runs need their absence.
+
+Several backends (e.g. two cache instances in one test) share values by being given the same
+`MemoryStore`; `clear` then removes only the caller's namespace.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from hicache.backends.keys import Namespace
+from hicache.backends.simple import EventSink, SimpleStoreBackend
+
+
+class MemoryStore:
+    """A dict of framed values with an optional LRU byte capacity. Thread-safe; every
+    method but `get`'s recency update leaves other keys alone."""
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
+        ):
+            raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.evictions = 0  # values dropped to stay within capacity
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+            return value
+
+    def contains(self, key: str) -> bool:
+        return key in self._values
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Store `value`; False when it alone exceeds the capacity (nothing changes then)."""
+        size = len(value)
+        with self._lock:
+            if self.capacity_bytes is not None and size > self.capacity_bytes:
+                return False
+            old = self._values.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+            self._values[key] = bytes(value)
+            self._bytes += size
+            while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
+                _, dropped = self._values.popitem(last=False)
+                self._bytes -= len(dropped)
+                self.evictions += 1
+            return True
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            old = self._values.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+
+    def scan(self, prefix: str) -> Iterator[str]:
+        with self._lock:
+            return iter([k for k in self._values if k.startswith(prefix)])
+
+    @property
+    def nbytes(self) -> int:
+        """Framed bytes held."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert self._bytes == sum(len(v) for v in self._values.values()), "byte total drifted"
+            if self.capacity_bytes is not None:
+                assert self._bytes <= self.capacity_bytes, "over capacity"
+
+
+class MemoryBackend(SimpleStoreBackend):
+    """The in-process backend: a SimpleStoreBackend over a MemoryStore, inline."""
+
+    def __init__(
+        self,
+        *,
+        namespace: Namespace,
+        emit: EventSink | None = None,
+        store: MemoryStore | None = None,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        if store is not None and capacity_bytes is not None:
+            raise ValueError("give either store or capacity_bytes, not both (the store has its own capacity)")
+        super().__init__(store if store is not None else MemoryStore(capacity_bytes), namespace=namespace, emit=emit, threads=0)
+
+    @classmethod
+    def from_spec(
+        cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+    ) -> MemoryBackend:
+        """Spec `memory`. Options: `store` (a shared MemoryStore), `capacity_bytes`."""
+        if spec != "memory":
+            raise ValueError(f"memory backend spec is exactly 'memory', got {spec!r}")
+        unknown = set(options) - {"store", "capacity_bytes"}
+        if unknown:
+            raise TypeError(f"unknown memory backend options {sorted(unknown)}; known: capacity_bytes, store")
+        return cls(namespace=namespace, emit=emit, **options)
+
+    def stats(self) -> dict[str, int | float]:
+        out = dict(super().stats())
+        out["evictions"] = self.store.evictions
+        out["stored_bytes"] = self.store.nbytes
+        return out

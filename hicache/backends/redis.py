@@ -1,0 +1,300 @@
+"""Redis / Valkey (standalone, unix socket, TLS, Cluster) as the L3 storage backend.
+
+Ownership: a `RedisBackend` owns its client (through `RedisLink`, and so its connection pool)
+and its counters; it is used from one asyncio event loop (redis.asyncio is asyncio-only). Keys
+are full L3 keys and must start with the namespace prefix; the Redis key is exactly that
+string, so `clear` finds the namespace by a prefix scan and namespaces never share a key.
+
+Values are the framing header followed by the page's pieces (hicache.backends.framing). A value
+that fails verification (bad magic or version, another key's value, wrong length, checksum, a
+non-string Redis type) is a miss, a `storage.corrupt` event, and deleted.
+
+Failure contract (base.py): a missing value, a dropped connection, a timeout or a restarted
+server is a miss or a failed write, never an exception. Every socket operation is bounded by
+the spec's timeouts; a dropped connection is resent once on a fresh connection, later calls
+reconnect by themselves. Events: the first unreachable-server failure after a success emits
+`storage.unavailable`, the first success after it `storage.reconnected` (so an outage costs
+two events, not one per call); a command the server refuses (out of memory, ACL) emits
+`storage.error` per call.
+
+A batch is cut into pipelines of at most `pipeline_bytes` page bytes (a larger page goes alone),
+sent concurrently over the pool: small pages share round trips, large ones overlap their
+transfers (bench/storage_redis.py compares the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from hicache.backends.base import PageBuffer
+from hicache.backends.framing import CorruptValue, encode_header
+from hicache.backends.redis_client import FAILURES, RedisLink, is_unreachable, is_wrong_type
+from hicache.backends.redis_spec import RedisSpec, parse_redis_spec
+from hicache.backends.redis_values import byte_views, read_value_into
+from hicache.backends.redis_wire import Parts
+
+if TYPE_CHECKING:
+    from hicache.backends.keys import Namespace
+
+EventSink = Callable[..., None]
+_SCAN_BATCH = 1000
+
+
+def _no_events(event: str, **fields: Any) -> None:
+    pass
+
+
+def _ignore(index: int, reply: Any) -> None:
+    pass
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Mutated only by the owning RedisBackend."""
+
+    exists_calls: int = 0
+    probes: int = 0  # keys asked about by exists
+    probe_hits: int = 0  # of which in the present prefix
+    gets: int = 0  # pages asked for by get_into
+    get_hits: int = 0  # pages in the verified prefix
+    sets: int = 0  # pages offered to set_from
+    set_ok: int = 0  # pages in the stored prefix
+    deletes: int = 0  # keys given to delete
+    bytes_read: int = 0  # payload bytes verified into host pages
+    bytes_written: int = 0  # payload bytes stored
+    corrupt: int = 0  # values that failed verification (and were deleted)
+    errors: int = 0  # calls (pipelines or single commands) that failed
+    unavailable: int = 0  # storage.unavailable events
+    reconnected: int = 0  # storage.reconnected events
+
+
+def _prefix_count(flags: Sequence[bool]) -> int:
+    return next((i for i, flag in enumerate(flags) if not flag), len(flags))
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisBackend:
+    """StorageBackend over a Redis/Valkey server or cluster; see the module docstring."""
+
+    def __init__(self, spec: RedisSpec, *, namespace: Namespace, emit: EventSink | None = None) -> None:
+        self.spec = spec
+        self.namespace = namespace
+        self._emit = emit or _no_events
+        self._link = RedisLink(spec)
+        # One permit per pooled connection, so a call never waits on the pool (whose wait is a
+        # timeout and would turn load into misses) and a cluster node never runs out.
+        self._permits = anyio.Semaphore(spec.pool)
+        self._counters = _Counters()
+        self._reachable = True
+        self._closed = False
+        ttl_ms = None if spec.ttl_s is None else max(1, round(spec.ttl_s * 1000))
+        self._set_tail: tuple[Any, ...] = () if ttl_ms is None else ("PX", ttl_ms)
+        refresh = ttl_ms is not None and spec.refresh_ttl
+        self._get_head, self._get_tail = ("GETEX", ("PX", ttl_ms)) if refresh else ("GET", ())
+
+    @classmethod
+    def from_spec(
+        cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+    ) -> RedisBackend:
+        """Parse `spec` plus `options` (redis_spec.py lists every form and option). Raises
+        ValueError for a bad spec; does not connect (the first call does)."""
+        return cls(parse_redis_spec(spec, options), namespace=namespace, emit=emit)
+
+    # --- StorageBackend ---------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """Count of the present prefix of `keys`, asked in one round trip (per shard)."""
+        self._check_keys(keys)
+        self._counters.exists_calls += 1
+        if not keys:
+            return 0
+        present = [False] * len(keys)
+
+        def take(index: int, reply: Any) -> None:
+            present[index] = reply == 1
+
+        await self._run("exists", [("EXISTS", key) for key in keys], [0] * len(keys), take)
+        count = _prefix_count(present)
+        self._counters.probes += len(keys)
+        self._counters.probe_hits += count
+        return count
+
+    async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
+        """Read, verify and copy each value into its target pieces; count of the verified
+        prefix. Corrupt values are deleted; pages past the count may hold garbage."""
+        self._check_keys(keys)
+        if len(targets) != len(keys):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(targets)} targets")
+        pages = [byte_views(t, writable=True, what=f"get_into target {i}") for i, t in enumerate(targets)]
+        if not keys:
+            return 0
+        ok = [False] * len(keys)
+        corrupt: list[str] = []
+
+        def take(index: int, value: Any) -> None:
+            if value is None or (isinstance(value, BaseException) and not is_wrong_type(value)):
+                return  # absent, or the call failed (already counted and reported)
+            key = keys[index]
+            try:
+                if isinstance(value, BaseException):
+                    raise CorruptValue("foreign", str(value))
+                self._counters.bytes_read += read_value_into(key, value, pages[index])
+                ok[index] = True
+            except CorruptValue as error:
+                self._counters.corrupt += 1
+                self._emit("storage.corrupt", key=key, reason=error.reason, backend="redis")
+                corrupt.append(key)
+
+        commands = [(self._get_head, key, *self._get_tail) for key in keys]
+        await self._run("get", commands, [sum(p.nbytes for p in page) for page in pages], take)
+        if corrupt:
+            await self._run("delete", [("UNLINK", key) for key in corrupt], [0] * len(corrupt), _ignore)
+        hits = _prefix_count(ok)
+        self._counters.gets += len(keys)
+        self._counters.get_hits += hits
+        return hits
+
+    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
+        """Store each page under its key (with the TTL, if any); count of the stored prefix."""
+        self._check_keys(keys)
+        if len(sources) != len(keys):
+            raise ValueError(f"set_from: {len(keys)} keys but {len(sources)} sources")
+        pages = [byte_views(s, writable=False, what=f"set_from source {i}") for i, s in enumerate(sources)]
+        if not keys:
+            return 0
+        sizes = [sum(p.nbytes for p in page) for page in pages]
+        ok = [False] * len(keys)
+
+        def take(index: int, reply: Any) -> None:
+            ok[index] = reply is True or reply == b"OK"
+
+        # The header goes before the pieces on the wire; the pieces are never joined.
+        commands = [
+            ("SET", key, Parts((encode_header(key, page), *page)), *self._set_tail)
+            for key, page in zip(keys, pages)
+        ]
+        await self._run("set", commands, sizes, take)
+        stored = _prefix_count(ok)
+        self._counters.sets += len(keys)
+        self._counters.set_ok += stored
+        self._counters.bytes_written += sum(size for size, done in zip(sizes, ok) if done)
+        return stored
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        self._check_keys(keys)
+        self._counters.deletes += len(keys)
+        if keys:
+            await self._run("delete", [("UNLINK", key) for key in keys], [0] * len(keys), _ignore)
+
+    async def clear(self) -> None:
+        """Remove every key under the namespace prefix (SCAN + UNLINK, on every primary)."""
+        self._check_keys(())
+        match = _glob_escape(self.namespace.prefix) + "*"
+        try:
+            async with self._permits:
+                batch: list[str] = []
+                async for key in self._link.scan(match, _SCAN_BATCH):
+                    batch.append(key)
+                    if len(batch) >= _SCAN_BATCH:
+                        await self._unlink_or_raise(batch)
+                        batch = []
+                if batch:
+                    await self._unlink_or_raise(batch)
+        except FAILURES as error:
+            self._failed("clear", error)
+        else:
+            self._succeeded()
+
+    def stats(self) -> Mapping[str, int | float]:
+        return asdict(self._counters)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._link.aclose()
+
+    async def ping(self) -> bool:
+        """Whether the server answers now (emits the same events as any other call)."""
+        replies: list[Any] = []
+        await self._run("ping", [("PING",)], [0], lambda _, reply: replies.append(reply))
+        return replies in ([True], [b"PONG"])
+
+    # --- mechanism ---------------------------------------------------------------------------
+
+    def _check_keys(self, keys: Sequence[str]) -> None:
+        if self._closed:
+            raise RuntimeError("RedisBackend used after aclose()")
+        prefix = self.namespace.prefix
+        for key in keys:
+            if not isinstance(key, str) or not key.startswith(prefix):
+                raise ValueError(f"key {key!r} is not under this backend's namespace {prefix!r}")
+
+    async def _run(
+        self,
+        op: str,
+        commands: Sequence[tuple[Any, ...]],
+        sizes: Sequence[int],
+        take: Callable[[int, Any], None],
+    ) -> None:
+        """Run `commands`, cut into pipelines of at most `pipeline_bytes` page bytes (a larger
+        page goes alone), the pipelines concurrently, at most `pool` at once. Calls
+        `take(index, reply)` as each pipeline's replies arrive; a failed command's reply is its
+        exception. Never raises for server, connection or timeout failures."""
+        limit = self.spec.pipeline_bytes
+        groups: list[range] = []
+        start = filled = 0
+        for index, size in enumerate(sizes):
+            if index > start and filled + size > limit:
+                groups.append(range(start, index))
+                start, filled = index, 0
+            filled += size
+        groups.append(range(start, len(sizes)))
+
+        async def one(group: range) -> None:
+            async with self._permits:
+                try:
+                    replies = await self._link.send([commands[i] for i in group])
+                except FAILURES as error:
+                    replies = [error] * len(group)
+            failure = next((r for r in replies if isinstance(r, BaseException) and not is_wrong_type(r)), None)
+            if failure is None:
+                self._succeeded()
+            else:
+                self._failed(op, failure)
+            for index, reply in zip(group, replies):
+                take(index, reply)
+
+        if len(groups) == 1:
+            await one(groups[0])
+            return
+        async with anyio.create_task_group() as task_group:
+            for group in groups:
+                task_group.start_soon(one, group)
+
+    async def _unlink_or_raise(self, keys: list[str]) -> None:
+        for reply in await self._link.send([("UNLINK", key) for key in keys]):
+            if isinstance(reply, BaseException):
+                raise reply
+
+    def _failed(self, op: str, error: BaseException) -> None:
+        self._counters.errors += 1
+        message = f"{type(error).__name__}: {error}"
+        if not is_unreachable(error):
+            self._emit("storage.error", backend="redis", op=op, error=message)
+        elif self._reachable:
+            self._reachable = False
+            self._counters.unavailable += 1
+            self._emit("storage.unavailable", backend="redis", server=self.spec.redacted(), op=op, error=message)
+
+    def _succeeded(self) -> None:
+        if not self._reachable:
+            self._reachable = True
+            self._counters.reconnected += 1
+            self._emit("storage.reconnected", backend="redis", server=self.spec.redacted())

@@ -1,0 +1,188 @@
+"""Parsing of Redis/Valkey storage specs into a validated, immutable `RedisSpec`.
+
+Accepted forms (query options and keyword options are the same names; keyword options win):
+
+    redis://[user[:password]@]host[:port][/db][?opt=value&...]
+    rediss://...                       same, over TLS (ca, cert, key, verify, check_hostname)
+    unix:///path/to/redis.sock[?db=N&...]
+    redis+cluster://host:port[,host:port...][?...]     Redis Cluster (db must be 0)
+    rediss+cluster://...               Redis Cluster over TLS
+
+Pure: no I/O, no client objects. Every error is a ValueError naming the spec and what was wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+DEFAULT_PORT = 6379
+DEFAULT_POOL = 16
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_PIPELINE_BYTES = 4 * 1024 * 1024  # best or near it for 16 KiB..4 MiB pages (bench/storage_redis.py)
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedisSpec:
+    """Where and how to connect; built only by `parse_redis_spec`, so every field is valid."""
+
+    scheme: str  # one of SCHEMES
+    endpoints: tuple[tuple[str, int], ...]  # (host, port); empty for unix
+    path: str | None  # unix socket path
+    db: int
+    username: str | None
+    password: str | None
+    ttl_s: float | None  # expiry of written values; None: never expire
+    refresh_ttl: bool  # reads push expiry back (GETEX), so pages in use stay
+    pool: int  # max connections (per node in a cluster); also the in-flight call limit
+    timeout_s: float  # socket read/write timeout and pool wait
+    connect_timeout_s: float
+    pipeline_bytes: int  # most page bytes in one pipelined call; a larger page goes alone
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    tls_verify: bool
+    tls_check_hostname: bool
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme in ("rediss", "rediss+cluster")
+
+    @property
+    def cluster(self) -> bool:
+        return self.scheme.endswith("+cluster")
+
+    def redacted(self) -> str:
+        """The spec without credentials, for logs and events."""
+        where = self.path if self.path else ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        user = f"{self.username}@" if self.username else ""
+        return f"{self.scheme}://{user}{where}/{self.db}"
+
+
+def _number(spec: str, name: str, raw: Any, kind: type, minimum: float) -> Any:
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{spec!r}: option {name}={raw!r} is not {what}") from None
+    if not value >= minimum or value == float("inf"):  # `not >=` also rejects NaN
+        raise ValueError(f"{spec!r}: option {name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def _flag(spec: str, name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on", "required"):
+        return True
+    if text in ("0", "false", "no", "off", "none"):
+        return False
+    raise ValueError(f"{spec!r}: option {name}={raw!r} is not a yes/no value")
+
+
+def _endpoint(spec: str, text: str) -> tuple[str, int]:
+    if text.startswith("["):  # [IPv6]:port
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"{spec!r}: bad address {text!r}")
+        port_text = rest[1:]
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ValueError(f"{spec!r}: address {text!r} has no host")
+    port = DEFAULT_PORT if not port_text else _number(spec, "port", port_text, int, 1)
+    if port > 65535:
+        raise ValueError(f"{spec!r}: port {port} is out of range")
+    return host, port
+
+
+_OPTION_NAMES = frozenset(
+    {
+        "db", "username", "password", "ttl", "refresh_ttl", "pool", "timeout",
+        "connect_timeout", "pipeline_bytes", "ca", "cert", "key", "verify", "check_hostname",
+    }
+)  # fmt: skip
+
+
+def parse_redis_spec(spec: str, options: Mapping[str, Any] | None = None) -> RedisSpec:
+    """Validate `spec` plus keyword `options` (which override query options) into a RedisSpec."""
+    scheme, sep, rest = spec.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"{spec!r}: scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
+    rest, _, query = rest.partition("?")
+    opts: dict[str, Any] = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False))
+    opts.update(options or {})
+    unknown = sorted(set(opts) - _OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"{spec!r}: unknown option(s) {', '.join(unknown)}")
+
+    username = password = None
+    endpoints: tuple[tuple[str, int], ...] = ()
+    path: str | None = None
+    db = 0
+    if scheme == "unix":
+        userinfo, at, where = rest.rpartition("@")
+        if not at:
+            userinfo, where = "", rest
+        if not where.startswith("/") or where == "/":
+            raise ValueError(f"{spec!r}: unix:// needs an absolute socket path, as unix:///path")
+        path = unquote(where)
+    else:
+        netloc, slash, db_text = rest.partition("/")
+        userinfo, at, hosts = netloc.rpartition("@")
+        if not at:
+            userinfo, hosts = "", netloc
+        if not hosts:
+            raise ValueError(f"{spec!r}: no host given")
+        endpoints = tuple(_endpoint(spec, h) for h in hosts.split(","))
+        if len(endpoints) > 1 and not scheme.endswith("+cluster"):
+            raise ValueError(f"{spec!r}: several hosts need redis+cluster://")
+        if db_text:
+            db = _number(spec, "db", db_text, int, 0)
+    if userinfo:
+        user_text, colon, pass_text = userinfo.partition(":")
+        username = unquote(user_text) or None
+        password = unquote(pass_text) if colon else None
+    if "db" in opts:
+        db = _number(spec, "db", opts["db"], int, 0)
+    if scheme.endswith("+cluster") and db != 0:
+        raise ValueError(f"{spec!r}: Redis Cluster has only db 0, got db {db}")
+    username = opts.get("username", username) or None
+    password = opts.get("password", password)
+    if password == "":
+        password = None
+
+    timeout = _number(spec, "timeout", opts.get("timeout", DEFAULT_TIMEOUT_S), float, 0.001)
+    ttl = opts.get("ttl")
+    tls_options = {"ca", "cert", "key", "verify", "check_hostname"} & set(opts)
+    if tls_options and not scheme.startswith("rediss"):
+        raise ValueError(f"{spec!r}: TLS option(s) {', '.join(sorted(tls_options))} need rediss://")
+    if (opts.get("cert") is None) != (opts.get("key") is None):
+        raise ValueError(f"{spec!r}: TLS cert and key must be given together")
+    return RedisSpec(
+        scheme=scheme,
+        endpoints=endpoints,
+        path=path,
+        db=db,
+        username=username,
+        password=password,
+        ttl_s=None if ttl in (None, "", 0, "0") else _number(spec, "ttl", ttl, float, 0.001),
+        refresh_ttl=_flag(spec, "refresh_ttl", opts.get("refresh_ttl", True)),
+        pool=_number(spec, "pool", opts.get("pool", DEFAULT_POOL), int, 1),
+        timeout_s=timeout,
+        connect_timeout_s=_number(
+            spec, "connect_timeout", opts.get("connect_timeout", timeout), float, 0.001
+        ),
+        pipeline_bytes=_number(
+            spec, "pipeline_bytes", opts.get("pipeline_bytes", DEFAULT_PIPELINE_BYTES), int, 0
+        ),
+        tls_ca=opts.get("ca") or None,
+        tls_cert=opts.get("cert") or None,
+        tls_key=opts.get("key") or None,
+        tls_verify=_flag(spec, "verify", opts.get("verify", True)),
+        tls_check_hostname=_flag(spec, "check_hostname", opts.get("check_hostname", True)),
+    )

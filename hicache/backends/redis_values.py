@@ -1,0 +1,59 @@
+"""Page values as stored in Redis: the framing header followed by the page's pieces.
+
+Pure functions over buffers, no I/O. Reading verifies and copies in one pass, chunk by chunk,
+so a chunk is checksummed and copied while it is still in cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hicache.backends.base import PageBuffer
+from hicache.backends.framing import CorruptValue, checksum, decode_header, encode_header
+
+_CHUNK = 256 * 1024  # bytes checksummed then copied at a time; fits in L2
+
+
+def byte_views(page: PageBuffer, *, writable: bool, what: str) -> list[memoryview]:
+    """The page's pieces as flat unsigned-byte views (no copy). Raises ValueError for a piece
+    that is not contiguous, or read-only where `writable`."""
+    views = []
+    for index, piece in enumerate(page):
+        view = memoryview(piece)
+        if not view.c_contiguous:
+            raise ValueError(f"{what}: piece {index} is not C-contiguous")
+        if writable and view.readonly:
+            raise ValueError(f"{what}: piece {index} is read-only")
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return views
+
+
+def encode_value(key: str, pieces: Sequence[memoryview]) -> bytes:
+    """Header + payload as one bytes object (one copy of the payload)."""
+    return b"".join([encode_header(key, pieces), *pieces])
+
+
+def read_value_into(key: str, value: bytes | memoryview, pieces: Sequence[memoryview]) -> int:
+    """Verify `value` (as read under `key`) and copy its payload into `pieces`; return the
+    payload size. Raises CorruptValue; the pieces may then hold part of the value."""
+    header = decode_header(value, key)
+    payload = memoryview(value)[header.size :]
+    wanted = sum(piece.nbytes for piece in pieces)
+    if payload.nbytes != header.payload_len:
+        raise CorruptValue(
+            "truncated", f"{payload.nbytes} payload bytes, header says {header.payload_len}"
+        )
+    if header.payload_len != wanted:
+        raise CorruptValue("length", f"value of {header.payload_len} bytes, page is {wanted}")
+    crc = 0
+    offset = 0
+    for piece in pieces:
+        for start in range(0, piece.nbytes, _CHUNK):
+            end = min(start + _CHUNK, piece.nbytes)
+            src = payload[offset + start : offset + end]
+            crc = checksum((src,), crc)
+            piece[start:end] = src
+        offset += piece.nbytes
+    if crc != header.crc32:
+        raise CorruptValue("checksum", f"checksum mismatch for {key!r}")
+    return wanted

@@ -1,0 +1,93 @@
+"""Spec string -> storage backend, with lazy imports (a backend's dependencies load only
+when it is chosen).
+
+Known forms:
+    memory                                   hicache.backends.memory:MemoryBackend
+    file:DIR                                 hicache.backends.file:FileBackend
+    redis://… rediss://… unix://… redis+cluster://…   hicache.backends.redis:RedisBackend
+    mooncake://…                             hicache.backends.mooncake:MooncakeBackend
+    package.module:Class[?ARG]               any class with the same from_spec classmethod
+
+Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`; the full
+spec string is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+from hicache.backends.base import StorageBackend
+from hicache.backends.keys import Namespace
+from hicache.backends.simple import EventSink
+
+_SCHEMES: tuple[tuple[str, str], ...] = (
+    ("redis://", "hicache.backends.redis:RedisBackend"),
+    ("rediss://", "hicache.backends.redis:RedisBackend"),
+    ("unix://", "hicache.backends.redis:RedisBackend"),
+    ("redis+cluster://", "hicache.backends.redis:RedisBackend"),
+    ("rediss+cluster://", "hicache.backends.redis:RedisBackend"),
+    ("mooncake://", "hicache.backends.mooncake:MooncakeBackend"),
+)
+_IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)(\?.*)?")
+
+_RESERVED = frozenset({"memory", "file", "redis", "rediss", "unix", "mooncake"})  # typos, not modules
+
+KNOWN_FORMS = (
+    "memory",
+    "file:DIR",
+    "redis://HOST:PORT[/DB]",
+    "rediss://…",
+    "unix:///PATH",
+    "redis+cluster://HOST:PORT",
+    "rediss+cluster://HOST:PORT",
+    "mooncake://…",
+    "package.module:Class",
+)
+
+
+def resolve(spec: str) -> str:
+    """The `module:Class` that serves `spec`. Raises ValueError listing the known forms."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"storage spec must be a non-empty string; known forms: {', '.join(KNOWN_FORMS)}")
+    if spec == "memory":
+        return "hicache.backends.memory:MemoryBackend"
+    if spec.startswith("file:"):
+        if not spec[len("file:") :]:
+            raise ValueError("storage spec 'file:' needs a directory, e.g. file:/var/cache/hicache")
+        return "hicache.backends.file:FileBackend"
+    for scheme, target in _SCHEMES:
+        if spec.startswith(scheme):
+            return target
+    m = _IMPORT_PATH.fullmatch(spec)
+    if m and m.group(1) not in _RESERVED:
+        return f"{m.group(1)}:{m.group(2)}"
+    raise ValueError(f"unknown storage spec {spec!r}; known forms: {', '.join(KNOWN_FORMS)}")
+
+
+def open_backend(
+    spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+) -> StorageBackend:
+    """Build the backend `spec` names for `namespace`. Raises ValueError for an unknown or
+    malformed spec, ImportError (with the spec) when the backend's module cannot load."""
+    if not isinstance(namespace, Namespace):
+        raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
+    target = resolve(spec)
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(
+            f"storage spec {spec!r} needs module {module_name!r}, which failed to import: {exc} (known forms: {', '.join(KNOWN_FORMS)})"
+        ) from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"storage spec {spec!r}: module {module_name!r} has no {class_name!r}")
+    from_spec = getattr(cls, "from_spec", None)
+    if not callable(from_spec):
+        raise TypeError(f"storage spec {spec!r}: {target} has no from_spec classmethod")
+    backend = from_spec(spec, namespace=namespace, emit=emit, **options)
+    if not isinstance(backend, StorageBackend):
+        raise TypeError(f"storage spec {spec!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend")
+    return backend

@@ -1,0 +1,205 @@
+"""The generic bytes path: a full StorageBackend over a store that only gets and puts bytes.
+
+An out-of-tree store needs just `get(key) -> bytes | None` and `put(key, value) -> None`;
+`delete(key)`, `contains(key) -> bool` and `scan(prefix) -> Iterable[str]` are used when
+present (`clear` needs `delete` and `scan`). The adapter frames every value with
+`framing.py`'s header, so a torn or foreign value is a miss, a `storage.corrupt` event and a
+deletion, never KV. Unlike zero-copy backends it joins a page's pieces into one bytes object
+on write and copies out of the returned bytes on read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from hicache.backends.base import PageBuffer
+from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
+from hicache.backends.blocking import BlockingRunner
+from hicache.backends.framing import CorruptValue, decode_header, encode_header, verify_payload
+from hicache.backends.keys import Namespace
+
+EventSink = Callable[..., None]
+
+
+def _no_events(event: str, **fields: Any) -> None:
+    return None
+
+
+@runtime_checkable
+class SimpleStore(Protocol):
+    """The least an out-of-tree store offers. Calls may block; they run in worker threads
+    unless the adapter is inline. Errors raised are reported as misses, not propagated."""
+
+    def get(self, key: str) -> bytes | bytearray | memoryview | None: ...
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+
+class SimpleStoreBackend:
+    """StorageBackend over a SimpleStore. Mutates only its counters and the store."""
+
+    def __init__(
+        self,
+        store: SimpleStore,
+        *,
+        namespace: Namespace,
+        emit: EventSink | None = None,
+        threads: int = 4,
+    ) -> None:
+        if not callable(getattr(store, "get", None)) or not callable(getattr(store, "put", None)):
+            raise TypeError(f"{type(store).__name__} is not a simple store: it needs get(key) and put(key, value)")
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
+        self.store = store
+        self.namespace = namespace
+        self._emit = emit or _no_events
+        self._runner = BlockingRunner(threads)
+        self._counters = Counters()
+
+    # -- protocol ------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        check_keys(self.namespace, keys)
+        self._counters.exists_calls += 1
+        contains = getattr(self.store, "contains", None)
+        probe = contains if callable(contains) else (lambda k: self.store.get(k) is not None)
+        return await self._runner.run(_count_present, probe, keys)
+
+    async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
+        pages = check_buffers(self.namespace, keys, targets, writable=True)
+        self._counters.gets += len(keys)
+        values = await self._runner.map(self._fetch, list(keys))
+        oks = []
+        corrupt = []
+        for key, value, pieces in zip(keys, values, pages):
+            if isinstance(value, Exception):
+                self._error("get", key, value)
+                oks.append(False)
+                continue
+            if value is None:
+                oks.append(False)
+                continue
+            try:
+                self._counters.bytes_read += _unframe_into(key, value, pieces)
+                oks.append(True)
+            except CorruptValue as exc:
+                self._counters.corrupt += 1
+                self._emit("storage.corrupt", key=key, reason=exc.reason)
+                corrupt.append(key)
+                oks.append(False)
+        if corrupt:
+            await self.delete(corrupt)
+        hits = prefix_count(oks)
+        self._counters.get_hits += hits
+        return hits
+
+    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
+        pages = check_buffers(self.namespace, keys, sources, writable=False)
+        self._counters.sets += len(keys)
+        framed = [_frame(k, p) for k, p in zip(keys, pages)]
+        results = await self._runner.map(self._store_one, list(zip(keys, framed)))
+        oks = []
+        for key, pieces, result in zip(keys, pages, results):
+            if isinstance(result, Exception):
+                self._error("set", key, result)
+            ok = result is True
+            if ok:
+                self._counters.set_ok += 1
+                self._counters.bytes_written += sum(p.nbytes for p in pieces)
+            oks.append(ok)
+        return prefix_count(oks)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        check_keys(self.namespace, keys)
+        delete = getattr(self.store, "delete", None)
+        if not callable(delete):
+            raise NotImplementedError(f"{type(self.store).__name__} has no delete(key)")
+        self._counters.deletes += len(keys)
+        errors = await self._runner.run(_delete_all, delete, list(keys))
+        for key, exc in errors:
+            self._error("delete", key, exc)
+
+    async def clear(self) -> None:
+        delete, scan = getattr(self.store, "delete", None), getattr(self.store, "scan", None)
+        if not (callable(delete) and callable(scan)):
+            raise NotImplementedError(f"{type(self.store).__name__} needs delete(key) and scan(prefix) for clear")
+        prefix = self.namespace.prefix
+
+        def clear_all() -> list[tuple[str, Exception]]:
+            try:
+                keys = [k for k in list(scan(prefix)) if k.startswith(prefix)]
+            except Exception as exc:  # noqa: BLE001
+                return [(prefix, exc)]
+            return _delete_all(delete, keys)
+
+        for key, exc in await self._runner.run(clear_all):
+            self._error("clear", key, exc)
+
+    def stats(self) -> Mapping[str, int | float]:
+        return self._counters.as_dict()
+
+    async def aclose(self) -> None:
+        close = getattr(self.store, "close", None)
+        if callable(close):
+            close()
+
+    # -- worker-thread side: no counters, no events ---------------------------------------
+
+    def _fetch(self, key: str) -> bytes | bytearray | memoryview | None | Exception:
+        try:
+            return self.store.get(key)
+        except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
+            return exc
+
+    def _store_one(self, item: tuple[str, bytes]) -> bool | Exception:
+        try:
+            return self.store.put(*item) is not False
+        except Exception as exc:  # noqa: BLE001 - a failed store is reported, not raised
+            return exc
+
+    def _error(self, op: str, key: str, exc: Exception) -> None:
+        self._counters.errors += 1
+        self._emit("storage.error", op=op, key=key, error=f"{type(exc).__name__}: {exc}")
+
+
+def _count_present(probe: Callable[[str], bool], keys: Sequence[str]) -> int:
+    try:
+        return prefix_count(bool(probe(k)) for k in keys)
+    except Exception:  # noqa: BLE001 - an unreachable store has nothing present
+        return 0
+
+
+def _delete_all(delete: Callable[[str], object], keys: list[str]) -> list[tuple[str, Exception]]:
+    errors = []
+    for k in keys:
+        try:
+            delete(k)
+        except Exception as exc:  # noqa: BLE001
+            errors.append((k, exc))
+    return errors
+
+
+def _frame(key: str, pieces: list[memoryview]) -> bytes:
+    return b"".join([encode_header(key, pieces), *pieces])
+
+
+def _unframe_into(key: str, value: bytes | bytearray | memoryview, pieces: list[memoryview]) -> int:
+    """Verify `value` as `key`'s framed page and copy its payload into `pieces`; returns the
+    payload size. Raises CorruptValue (pieces may then hold part of the value)."""
+    view = memoryview(value).cast("B")
+    header = decode_header(view, key)
+    payload = view[header.size :]
+    want = sum(p.nbytes for p in pieces)
+    if payload.nbytes != header.payload_len:
+        raise CorruptValue("truncated", f"{payload.nbytes} payload bytes, header says {header.payload_len}")
+    if header.payload_len != want:
+        raise CorruptValue("length", f"value holds {header.payload_len} bytes, page has {want}")
+    verify_payload(header, [payload])
+    offset = 0
+    for p in pieces:
+        p[:] = payload[offset : offset + p.nbytes]
+        offset += p.nbytes
+    return want
+
+

@@ -1,0 +1,156 @@
+"""Slot ledgers: which token slots of one KV pool (device or host) are free.
+
+A ledger knows nothing about what a slot holds; it only records ownership. Slots are ints in
+``[0, size)``, handed out and taken back in whole pages (``page_size`` consecutive slots starting at a
+multiple of ``page_size``). Every slot is either free (on the ledger's free stack) or held by a caller,
+never both: ``available + used == size`` at all times.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["LedgerError", "SlotLedger"]
+
+
+class LedgerError(ValueError):
+    """A ledger call with bad input (double free, foreign slot, misaligned size). Nothing changed."""
+
+
+class SlotLedger:
+    """Page-granular slot ownership for one tier. Deterministic: the same calls give the same slots.
+
+    Invariants (checked by :meth:`check_integrity`):
+    - each page is either on the free stack exactly once, or marked held;
+    - ``available`` (free tokens) + ``used`` (held tokens) == ``size``.
+    Owner: exactly one actor (the allocator); everyone else holds the slot arrays it returned.
+    """
+
+    __slots__ = ("size", "page_size", "tier", "_free_pages", "_num_free", "_held", "_page_offsets", "_mark")
+
+    def __init__(self, *, size: int, page_size: int, tier: str) -> None:
+        if page_size < 1:
+            raise LedgerError(f"{tier} ledger: page_size must be >= 1, got {page_size}")
+        if size < 0 or size % page_size:
+            raise LedgerError(
+                f"{tier} ledger: size must be a non-negative multiple of page_size={page_size}, got {size}"
+            )
+        self.size = size
+        self.page_size = page_size
+        self.tier = tier
+        num_pages = size // page_size
+        # Stack of free page numbers; the top is the end. Reversed so a fresh ledger hands out 0, 1, ...
+        self._free_pages = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = num_pages
+        self._held = np.zeros(num_pages, dtype=bool)
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._mark = np.zeros(num_pages, dtype=np.int64)  # scratch for the duplicate check in free
+
+    @property
+    def available(self) -> int:
+        """Free tokens."""
+        return self._num_free * self.page_size
+
+    @property
+    def used(self) -> int:
+        """Held tokens."""
+        return self.size - self.available
+
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        """Take ``num_tokens`` slots (a multiple of page_size) as a read-only int64 array of whole pages.
+
+        Returns None, changing nothing, when fewer than ``num_tokens`` slots are free. Mutates.
+        """
+        ps = self.page_size
+        if num_tokens < 0 or num_tokens % ps:
+            raise LedgerError(
+                f"{self.tier} ledger: alloc of {num_tokens} tokens is not a non-negative multiple "
+                f"of page_size={ps}"
+            )
+        num_pages = num_tokens // ps
+        if num_pages > self._num_free:
+            return None
+        top = self._num_free
+        pages = self._free_pages[top - num_pages : top][::-1].copy()
+        self._num_free = top - num_pages
+        self._held[pages] = True
+        if ps == 1:
+            slots = pages
+        else:
+            slots = (pages[:, None] * ps + self._page_offsets).reshape(-1)
+        slots.flags.writeable = False
+        return slots
+
+    def free(self, slots: np.ndarray) -> None:
+        """Return held slots (whole pages, any page order). Mutates.
+
+        Raises LedgerError, changing nothing, if the length is not a multiple of page_size, a page is
+        not a run of consecutive slots starting at a page boundary, a slot is outside ``[0, size)``,
+        a page appears twice, or a page is not currently held (double free).
+        """
+        arr = np.asarray(slots)
+        ps = self.page_size
+        if arr.ndim != 1:
+            raise LedgerError(f"{self.tier} ledger: slots must be one-dimensional, got shape {arr.shape}")
+        if arr.size == 0:
+            return
+        if arr.dtype.kind not in "iu":
+            raise LedgerError(f"{self.tier} ledger: slots must be integers, got dtype {arr.dtype}")
+        if arr.size % ps:
+            raise LedgerError(
+                f"{self.tier} ledger: free of {arr.size} slots is not a multiple of page_size={ps}"
+            )
+        arr = arr.astype(np.int64, copy=False)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.size:
+            bad = lo if lo < 0 else hi
+            raise LedgerError(f"{self.tier} ledger: slot {bad} is outside [0, {self.size}) (foreign slot)")
+        if ps == 1:
+            pages = arr
+        else:
+            rows = arr.reshape(-1, ps)
+            pages = rows[:, 0] // ps
+            if not np.array_equal(rows, pages[:, None] * ps + self._page_offsets):
+                bad_row = int(np.flatnonzero((rows != pages[:, None] * ps + self._page_offsets).any(1))[0])
+                raise LedgerError(
+                    f"{self.tier} ledger: slots {rows[bad_row].tolist()} are not one aligned page "
+                    f"of size {ps} (misaligned)"
+                )
+        # Duplicate check in O(n) without sorting: write each page's position, read it back; a page
+        # listed twice reads back the later position at the earlier one.
+        positions = np.arange(pages.size, dtype=np.int64)
+        self._mark[pages] = positions
+        if not np.array_equal(self._mark[pages], positions):
+            raise LedgerError(f"{self.tier} ledger: a page is listed twice in one free call (double free)")
+        held = self._held[pages]
+        if not held.all():
+            bad_page = int(pages[np.argmin(held)])
+            raise LedgerError(
+                f"{self.tier} ledger: slot {bad_page * ps} is not held (double free or never allocated)"
+            )
+        self._held[pages] = False
+        top = self._num_free
+        # Pushed reversed so the next alloc hands the same pages back in the same order.
+        self._free_pages[top : top + pages.size] = pages[::-1]
+        self._num_free = top + pages.size
+
+    def is_held(self, slots: np.ndarray) -> bool:
+        """True if every slot's page is currently held. Does not mutate."""
+        arr = np.asarray(slots, dtype=np.int64)
+        if arr.size == 0:
+            return True
+        if arr.min() < 0 or arr.max() >= self.size:
+            return False
+        return bool(self._held[arr // self.page_size].all())
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the free stack and the held marks disagree. Does not mutate."""
+        free = self._free_pages[: self._num_free]
+        num_pages = self._held.size
+        assert 0 <= self._num_free <= num_pages, "free count out of range"
+        assert np.unique(free).size == free.size, "a page is on the free stack twice"
+        assert not self._held[free].any(), "a page is both free and held"
+        assert int(self._held.sum()) + self._num_free == num_pages, "free + held != total"
+
+    def __repr__(self) -> str:
+        return f"SlotLedger(tier={self.tier!r}, size={self.size}, page_size={self.page_size}, used={self.used})"

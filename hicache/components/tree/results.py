@@ -1,0 +1,106 @@
+"""What tree calls return: frozen records of ids, slot arrays and counts (no node references)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache.types import NodeId
+
+__all__ = [
+    "ClearedSlots",
+    "DeviceEviction",
+    "HostEviction",
+    "InsertHostResult",
+    "InsertResult",
+    "LoadPlan",
+    "MatchResult",
+    "TreeError",
+]
+
+
+class TreeError(ValueError):
+    """A tree call with bad input (unknown or removed node, wrong lengths, unbalanced release,
+    stale plan). Raised before anything changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    device_slots: np.ndarray
+    """Read-only int64 device slots of the L1-resident prefix of the key (whole pages)."""
+    host_len: int
+    """Tokens matched after that prefix that exist only in L2."""
+    last_device_node: NodeId
+    """Deepest matched node on the device (the root if none)."""
+    last_host_node: NodeId
+    """Deepest matched node with a completed host copy (the root if none)."""
+    last_node: NodeId
+    """Deepest matched node (the root if nothing matched)."""
+
+    @property
+    def device_len(self) -> int:
+        return int(self.device_slots.size)
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    prefix_len: int
+    """Tokens of the key that were already on the device; the slots passed for them are duplicates."""
+    duplicate_slots: np.ndarray
+    """The caller's slots for those tokens (its first prefix_len slots): the caller frees them."""
+    last_node: NodeId
+    """The node holding the key's last page."""
+    backup_candidates: tuple[NodeId, ...]
+    """Nodes on the key's path, root first, whose hit count reached the write policy's threshold and
+    that are on the device without any host copy (reported again at later hits until backed up)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InsertHostResult:
+    matched_len: int
+    """Tokens of the suffix already in the tree; the host slots passed for them are duplicates."""
+    duplicate_slots: np.ndarray
+    """The caller's host slots for those tokens: the caller frees them."""
+    last_node: NodeId
+    """The node holding the suffix's last page (``parent`` for an empty suffix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    nodes: tuple[NodeId, ...]
+    """Host-only nodes to load, root first: from just below the deepest device-resident ancestor
+    down to the planned node."""
+    host_slots: np.ndarray
+    """Their host slots concatenated in that order."""
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEviction:
+    freed: np.ndarray
+    """Device slots the caller now frees."""
+    demoted: tuple[NodeId, ...]
+    """Nodes that kept their host copy and became HOST_ONLY."""
+    removed: tuple[NodeId, ...]
+    """Nodes removed from the tree (no host copy, or host-only descendants of such a node)."""
+    needs_backup: tuple[NodeId, ...]
+    """Unlocked device leaves without host copy that were kept because the policy (write_back) or the
+    caller (exclusive mode) requires a host copy before they leave L1: back them up, then evict again."""
+    freed_host: np.ndarray
+    """Host slots of host-only descendants removed together with a removed node."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostEviction:
+    freed: np.ndarray
+    """Host slots the caller now frees."""
+    removed: tuple[NodeId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClearedSlots:
+    device: np.ndarray
+    """Device slots the tree held."""
+    host: np.ndarray
+    """Host slots the tree held."""

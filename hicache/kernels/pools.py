@@ -1,0 +1,203 @@
+"""Device (L1) and host (L2) KV pools.
+
+Ownership: a pool owns its buffers' *layout*; which slots hold what is decided elsewhere (the
+allocator's ledgers and the tree). Pools never allocate or free slots. The engine's attention
+reads and writes the device buffers; the transfer functions read and write both pools, only at
+the slots a command names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from hicache.kernels.geometry import Geometry, dtype_name
+from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
+
+
+def _check_page_size(page_size: int) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
+def cuda_usable() -> bool:
+    """Whether torch can use a CUDA device here (the CPU build of torch says no)."""
+    return bool(torch.cuda.is_available())
+
+
+class DevicePool:
+    """L1 KV buffers for one rank: MHA per layer K and V `(size, heads, head_dim)`; MLA per layer
+    one latent `(size, 1, rank + rope)`. Slot `i` is token row `i` of every buffer.
+
+    Invariants: every buffer is contiguous, has the geometry's dtype and shape, and all live on
+    one device; `size` is a multiple of `page_size`. Immutable after construction (the tensors'
+    contents change, the pool object does not)."""
+
+    def __init__(self, geometry: Geometry, page_size: int, buffers: Sequence[Sequence[torch.Tensor]]):
+        """`buffers[layer][component]`; prefer `allocate` or `wrap`. Validates everything."""
+        _check_page_size(page_size)
+        if len(buffers) != geometry.layers:
+            raise ValueError(f"expected {geometry.layers} layers of buffers, got {len(buffers)}")
+        size = None
+        device = None
+        shape_tail = (geometry.row_heads, geometry.row_dim)
+        for layer, row in enumerate(buffers):
+            if len(row) != geometry.components:
+                raise ValueError(f"layer {layer}: expected {geometry.components} buffers, got {len(row)}")
+            for component, buf in enumerate(row):
+                where = f"layer {layer} {self._component_name(geometry, component)} buffer"
+                if not isinstance(buf, torch.Tensor):
+                    raise TypeError(f"{where} must be a torch.Tensor, got {type(buf).__name__}")
+                if buf.dtype != geometry.dtype:
+                    raise ValueError(f"{where} has dtype {buf.dtype}, geometry says {geometry.dtype}")
+                if buf.dim() != 3 or tuple(buf.shape[1:]) != shape_tail:
+                    raise ValueError(f"{where} has shape {tuple(buf.shape)}, expected (tokens, *{shape_tail})")
+                if not buf.is_contiguous():
+                    raise ValueError(f"{where} must be contiguous")
+                size = buf.shape[0] if size is None else size
+                device = buf.device if device is None else device
+                if buf.shape[0] != size:
+                    raise ValueError(f"{where} has {buf.shape[0]} tokens, other buffers have {size}")
+                if buf.device != device:
+                    raise ValueError(f"{where} is on {buf.device}, other buffers are on {device}")
+        assert size is not None and device is not None
+        if size == 0 or size % page_size:
+            raise ValueError(f"device pool size {size} must be a positive multiple of page_size {page_size}")
+        self.geometry = geometry
+        self.page_size = page_size
+        self.size: int = size
+        self.device: torch.device = device
+        self._buffers = tuple(tuple(row) for row in buffers)
+        row_bytes = geometry.row_dim * geometry.itemsize
+        align = math.gcd(row_bytes, *(b.data_ptr() % 64 or 64 for row in self._buffers for b in row))
+        self.word: torch.dtype = word_dtype(align)
+
+    @staticmethod
+    def _component_name(geometry: Geometry, component: int) -> str:
+        return ("K", "V")[component] if geometry.kind == "mha" else "latent"
+
+    @classmethod
+    def allocate(cls, geometry: Geometry, size: int, page_size: int, device: str | torch.device = "cpu") -> DevicePool:
+        """New zeroed buffers of `size` tokens on `device`."""
+        _check_page_size(page_size)
+        if size <= 0 or size % page_size:
+            raise ValueError(f"device pool size {size} must be a positive multiple of page_size {page_size}")
+        shape = (size, geometry.row_heads, geometry.row_dim)
+        buffers = [
+            [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.components)]
+            for _ in range(geometry.layers)
+        ]
+        return cls(geometry, page_size, buffers)
+
+    @classmethod
+    def wrap(
+        cls, geometry: Geometry, page_size: int, *,
+        k_buffers: Sequence[torch.Tensor] | None = None,
+        v_buffers: Sequence[torch.Tensor] | None = None,
+        latent_buffers: Sequence[torch.Tensor] | None = None,
+    ) -> DevicePool:
+        """Wrap an engine's own per-layer tensors (MHA: `k_buffers` and `v_buffers`; MLA:
+        `latent_buffers`); nothing is copied. Raises if shapes, dtypes or devices disagree."""
+        if geometry.kind == "mha":
+            if k_buffers is None or v_buffers is None or latent_buffers is not None:
+                raise ValueError("an MHA pool wraps k_buffers and v_buffers (and no latent_buffers)")
+            if len(k_buffers) != len(v_buffers):
+                raise ValueError(f"{len(k_buffers)} K buffers but {len(v_buffers)} V buffers")
+            return cls(geometry, page_size, list(zip(k_buffers, v_buffers)))
+        if latent_buffers is None or k_buffers is not None or v_buffers is not None:
+            raise ValueError("an MLA pool wraps latent_buffers (and no k_buffers/v_buffers)")
+        return cls(geometry, page_size, [[b] for b in latent_buffers])
+
+    def buffer(self, layer: int, component: int) -> torch.Tensor:
+        """The (size, row_heads, row_dim) tensor of one layer's component (0=K/latent, 1=V)."""
+        return self._buffers[layer][component]
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        self._need("mha")
+        return self._buffers[layer][0]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        self._need("mha")
+        return self._buffers[layer][1]
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        self._need("mla")
+        return self._buffers[layer][0]
+
+    def _need(self, kind: str) -> None:
+        if self.geometry.kind != kind:
+            raise TypeError(f"this is an {self.geometry.kind.upper()} pool; that accessor is for {kind.upper()}")
+
+    def page_view(self, layer: int, component: int, word: torch.dtype) -> torch.Tensor:
+        """(pages, page_size, heads, words) view of one buffer, for transfers."""
+        buf = self._buffers[layer][component]
+        return buf.view(torch.uint8).view(word).view(
+            self.size // self.page_size, self.page_size, self.geometry.row_heads, -1
+        )
+
+    def __repr__(self) -> str:
+        return f"DevicePool({self.geometry.spec()}, size={self.size}, page_size={self.page_size}, device={self.device})"
+
+
+class HostPool:
+    """L2 KV storage in one flat byte buffer laid out as `layout` (see layouts.py), pinned when
+    CUDA is usable. Size exceeds the device pool's and is page-aligned (checked).
+
+    `buffer` is the uint8 tensor; `page_buffers` hands out zero-copy memoryviews of it."""
+
+    def __init__(self, device_pool: DevicePool, size: int, layout: str, *, pin_memory: bool | None = None):
+        geometry, page_size = device_pool.geometry, device_pool.page_size
+        check_layout(layout, geometry)
+        if isinstance(size, bool) or not isinstance(size, int) or size <= device_pool.size:
+            raise ValueError(f"host pool size {size!r} must be an int larger than the device pool ({device_pool.size})")
+        if size % page_size:
+            raise ValueError(f"host pool size {size} must be a multiple of page_size {page_size}")
+        pin = cuda_usable() if pin_memory is None else pin_memory
+        self.geometry = geometry
+        self.page_size = page_size
+        self.size = size
+        self.layout = layout
+        self.pinned = pin
+        self.nbytes = size * geometry.bytes_per_token
+        self.buffer: torch.Tensor = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._bytes = self.buffer.numpy()  # shares memory with `buffer`
+        self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page over all layers (the L3 value length)."""
+        return self.page_size * self.geometry.bytes_per_token
+
+    @property
+    def pages(self) -> int:
+        return self.size // self.page_size
+
+    def shaped(self) -> torch.Tensor:
+        """The buffer viewed in the layout's shape and the KV dtype (layouts.py table)."""
+        shape = host_shape(self.layout, self.geometry, self.size, self.page_size)
+        return self.buffer.view(self.geometry.dtype).view(shape)
+
+    def page_view(self, layer: int, component: int, word: torch.dtype, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """(pages, page_size, heads, words) view of one (layer, component); `buffer` replaces the
+        host buffer with an alias of it (a CUDA mapping of the pinned memory)."""
+        words = (self.buffer if buffer is None else buffer).view(word)
+        return page_view(words, self.layout, self.geometry, self.size, self.page_size, layer, component)
+
+    def page_buffers(self, host_slots) -> list[list[memoryview]]:
+        """For each page of `host_slots` (whole pages, in order): its pieces as C-contiguous byte
+        memoryviews aliasing this pool (writing them writes the pool). Does not mutate."""
+        from hicache.kernels.indices import as_slot_array, check_pages
+
+        slots = as_slot_array(host_slots, "host_slots")
+        pages = check_pages(slots, self.page_size, self.size, "host_slots")
+        out = []
+        for page in pages.tolist():
+            pieces = page_pieces(self.layout, self.geometry, self.size, self.page_size, page)
+            out.append([memoryview(self._bytes[o : o + n]) for o, n in pieces])
+        return out
+
+    def __repr__(self) -> str:
+        return (f"HostPool({self.geometry.spec()}, size={self.size}, page_size={self.page_size}, "
+                f"layout={self.layout}, pinned={self.pinned})")

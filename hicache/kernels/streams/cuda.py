@@ -1,0 +1,201 @@
+"""CUDA transfer streams through cuda-python: a non-blocking stream per direction, an event per
+layer for loads, torch ops enqueued on those streams via `torch.cuda.ExternalStream`.
+
+A worker thread per direction enqueues the copies (so submit never blocks the loop) and then
+waits for them on the host (cudaEventSynchronize) before calling `on_done` on that thread.
+`LoadHandle.wait(layer)` blocks only until the layer's copies are *enqueued* (microseconds),
+then makes torch's current stream wait on the layer's event: no host sync on the copy."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from hicache.kernels.engines import CudaEngine
+from hicache.kernels.indices import plan_transfer
+from hicache.kernels.pools import DevicePool, HostPool
+from hicache.kernels.streams.base import FaultHook, FaultPoint, OnDone, check_layer
+from hicache.kernels.streams.progress import LayerProgress
+from hicache.kernels.streams.worker import OrderedWorker
+from hicache.kernels.transfer import check_io, run_backup, run_load_layer
+
+
+def _check(result, what: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class _Cuda:
+    """The few cuda-python runtime calls used here, with errors turned into exceptions."""
+
+    def __init__(self):
+        from cuda.bindings import runtime as cudart
+
+        self.rt = cudart
+
+    def stream(self):
+        return _check(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+
+    def event(self):
+        return _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+
+    def _stream(self, stream):
+        return self.rt.cudaStream_t(stream) if isinstance(stream, int) else stream
+
+    def record(self, event, stream) -> None:
+        _check(self.rt.cudaEventRecord(event, self._stream(stream)), "cudaEventRecord")
+
+    def stream_wait(self, stream, event) -> None:
+        _check(self.rt.cudaStreamWaitEvent(self._stream(stream), event, 0), "cudaStreamWaitEvent")
+
+    def synchronize(self, event) -> None:
+        _check(self.rt.cudaEventSynchronize(event), "cudaEventSynchronize")
+
+    def query(self, event) -> bool:
+        (err,) = self.rt.cudaEventQuery(event)
+        return int(err) == 0
+
+    def destroy_events(self, events) -> None:
+        for event in events:
+            self.rt.cudaEventDestroy(event)
+
+
+class CudaLoadHandle:
+    """LoadHandle of the CUDA streams. `progress` counts layers whose copies are enqueued and
+    recorded (the worker sets it); `landed` additionally needs the layer's event complete."""
+
+    def __init__(self, cuda: _Cuda, layers: int):
+        self._cuda = cuda
+        self.layers = layers
+        self.events = [cuda.event() for _ in range(layers)]
+        self.enqueued = LayerProgress(layers)
+        self.completed = LayerProgress(layers)
+        weakref.finalize(self, cuda.destroy_events, list(self.events))
+
+    def wait(self, layer: int) -> None:
+        self.enqueued.block_until(layer)
+        self._cuda.stream_wait(torch.cuda.current_stream().cuda_stream, self.events[layer])
+
+    async def wait_async(self, layer: int) -> None:
+        await self.completed.wait_async(layer)
+
+    def done(self) -> bool:
+        return self.completed.landed(self.layers - 1)
+
+    def layer_done(self, layer: int) -> bool:
+        check_layer(self.layers, layer)
+        if not self.enqueued.landed(layer):
+            return False
+        return self.completed.landed(layer) or self._cuda.query(self.events[layer])
+
+
+class CudaStreams:
+    """TransferStreams on a CUDA device (see module docstring)."""
+
+    kind = "cuda"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, io: str, fault: FaultHook | None = None):
+        check_io(io)
+        if device_pool.device.type != "cuda":
+            raise ValueError(f"CUDA streams need a CUDA device pool, got one on {device_pool.device}")
+        self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
+        self._fault = fault
+        self._cuda = _Cuda()
+        with torch.cuda.device(device_pool.device):
+            self._load_stream, self._backup_stream = self._cuda.stream(), self._cuda.stream()
+        self._engines = {
+            "load": CudaEngine(device_pool.device, self._load_stream),
+            "backup": CudaEngine(device_pool.device, self._backup_stream),
+        }
+        self._loads = OrderedWorker("hicache-cuda-load")
+        self._backups = OrderedWorker("hicache-cuda-backup")
+        self._jobs = {"load": 0, "backup": 0}
+        self._lock = threading.Lock()
+
+    def _after_compute(self) -> object:
+        """An event on the submitter's current (compute) stream: copies start after it, so they
+        see the engine's writes and do not overwrite slots the compute stream still reads."""
+        event = self._cuda.event()
+        self._cuda.record(event, torch.cuda.current_stream(self.device_pool.device).cuda_stream)
+        return event
+
+    def _next_job(self, direction: str) -> int:
+        with self._lock:
+            index = self._jobs[direction]
+            self._jobs[direction] += 1
+            return index
+
+    def submit_load(self, host_slots, device_slots, *, on_done: OnDone) -> CudaLoadHandle:
+        plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
+        layers = self.device_pool.geometry.layers
+        handle = CudaLoadHandle(self._cuda, layers)
+        ready = self._after_compute()
+        job_index = self._next_job("load")
+        stream = self._load_stream
+        engine = self._engines["load"]
+
+        def job() -> None:
+            try:
+                self._cuda.stream_wait(stream, ready)
+                with torch.cuda.device(self.device_pool.device), torch.cuda.stream(
+                    torch.cuda.ExternalStream(int(stream), device=self.device_pool.device)
+                ):
+                    for layer in range(layers):
+                        if self._fault is not None:
+                            self._fault(FaultPoint("load", job_index, layer))
+                        run_load_layer(plan, self.host_pool, self.device_pool, layer, self.io, engine)
+                        self._cuda.record(handle.events[layer], stream)
+                        handle.enqueued.land(layer)
+                for layer in range(layers):
+                    self._cuda.synchronize(handle.events[layer])
+                    handle.completed.land(layer)
+            except Exception as exc:
+                # layers already enqueued still complete on the GPU; the job as a whole failed
+                handle.enqueued.fail(exc)
+                handle.completed.fail(exc)
+                on_done(exc)
+                return
+            finally:
+                self._cuda.destroy_events([ready])
+            on_done(None)
+
+        self._loads.submit(job)
+        return handle
+
+    def submit_backup(self, device_slots, host_slots, *, on_done: OnDone) -> None:
+        plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
+        ready = self._after_compute()
+        job_index = self._next_job("backup")
+        stream = self._backup_stream
+        engine = self._engines["backup"]
+
+        def job() -> None:
+            done_event = None
+            try:
+                self._cuda.stream_wait(stream, ready)
+                if self._fault is not None:
+                    self._fault(FaultPoint("backup", job_index, None))
+                with torch.cuda.device(self.device_pool.device), torch.cuda.stream(
+                    torch.cuda.ExternalStream(int(stream), device=self.device_pool.device)
+                ):
+                    run_backup(plan, self.device_pool, self.host_pool, self.io, engine)
+                done_event = self._cuda.event()
+                self._cuda.record(done_event, stream)
+                self._cuda.synchronize(done_event)
+            except Exception as exc:
+                on_done(exc)
+                return
+            finally:
+                self._cuda.destroy_events([e for e in (ready, done_event) if e is not None])
+            on_done(None)
+
+        self._backups.submit(job)
+
+    def close(self) -> None:
+        self._loads.close()
+        self._backups.close()
+

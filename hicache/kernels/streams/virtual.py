@@ -1,0 +1,203 @@
+"""Virtual transfer streams for deterministic mode.
+
+Bytes are copied inline at submit; completion is *reported* at virtual times from a bandwidth
+model: within one direction jobs are serial, and layer `i` of a load lands
+`bytes_per_layer / bandwidth` after layer `i-1` (a backup lands once, after all its bytes).
+Timing goes through `schedule(delay_seconds, callback)`, supplied by the runtime; callbacks run
+on the event loop, so `on_done` is called on the loop (from a scheduled callback, never from
+inside `submit_*`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+
+from hicache.kernels.indices import plan_transfer
+from hicache.kernels.engines import CpuEngine
+from hicache.kernels.pools import DevicePool, HostPool
+from hicache.kernels.streams.base import (
+    FaultHook, FaultPoint, LayerNotReady, OnDone, TransferFailed, check_layer,
+)
+from hicache.kernels.transfer import check_io, run_backup, run_load_layer
+
+Schedule = Callable[[float, Callable[[], None]], None]
+
+
+class VirtualLoadHandle:
+    """Layer progress on virtual time. Mutated only by scheduled callbacks (on the loop)."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self._landed = 0
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[int, anyio.Event]] = []
+
+    def _land(self, layer: int) -> None:
+        assert layer == self._landed, f"layer {layer} landed out of order"
+        self._landed = layer + 1
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        keep = []
+        for layer, event in self._waiters:
+            if self._landed > layer or self._error is not None:
+                event.set()
+            else:
+                keep.append((layer, event))
+        self._waiters = keep
+
+    def _raise_if_failed(self, layer: int) -> None:
+        if self._landed <= layer and self._error is not None:
+            raise TransferFailed(f"load failed before layer {layer} landed") from self._error
+
+    def wait(self, layer: int) -> None:
+        """Returns if `layer` landed; raises LayerNotReady if not yet (use wait_async)."""
+        check_layer(self.layers, layer)
+        self._raise_if_failed(layer)
+        if self._landed <= layer:
+            raise LayerNotReady(f"layer {layer} has not landed yet (virtual stream); await wait_async")
+
+    async def wait_async(self, layer: int) -> None:
+        check_layer(self.layers, layer)
+        while self._landed <= layer:
+            self._raise_if_failed(layer)
+            event = anyio.Event()
+            self._waiters.append((layer, event))
+            await event.wait()
+
+    def done(self) -> bool:
+        return self._landed == self.layers
+
+    def layer_done(self, layer: int) -> bool:
+        check_layer(self.layers, layer)
+        return self._landed > layer
+
+
+class _Lane:
+    """One direction: a FIFO of jobs whose steps are reported one after another."""
+
+    def __init__(self, schedule: Schedule):
+        self._schedule = schedule
+        self._jobs: deque[list[tuple[float, Callable[[], None]]]] = deque()
+        self._busy = False
+
+    def push(self, steps: list[tuple[float, Callable[[], None]]]) -> None:
+        self._jobs.append(steps)
+        if not self._busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self._jobs:
+            self._busy = False
+            return
+        self._busy = True
+        self._step(self._jobs.popleft(), 0)
+
+    def _step(self, steps, index: int) -> None:
+        delay, action = steps[index]
+
+        def fire() -> None:
+            stop = action()
+            if stop or index + 1 == len(steps):
+                self._next()
+            else:
+                self._step(steps, index + 1)
+
+        self._schedule(delay, fire)
+
+
+class VirtualStreams:
+    """TransferStreams on virtual time (see module docstring). Single-threaded: use from the loop."""
+
+    kind = "virtual"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, io: str, schedule: Schedule,
+                 bandwidth: float, fault: FaultHook | None = None):
+        check_io(io)
+        if not bandwidth or bandwidth <= 0:
+            raise ValueError(f"virtual streams need a positive bandwidth in bytes/s, got {bandwidth!r}")
+        self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
+        self.bandwidth = float(bandwidth)
+        self._fault = fault
+        self._engine = CpuEngine()
+        self._loads, self._backups = _Lane(schedule), _Lane(schedule)
+        self._load_jobs = 0
+        self._backup_jobs = 0
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("transfer streams are closed")
+
+    def _extra(self, point: FaultPoint) -> tuple[float, BaseException | None]:
+        if self._fault is None:
+            return 0.0, None
+        try:
+            return float(self._fault(point) or 0.0), None
+        except Exception as exc:
+            return 0.0, exc
+
+    def submit_load(self, host_slots, device_slots, *, on_done: OnDone) -> VirtualLoadHandle:
+        self._check_open()
+        plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
+        layers = self.device_pool.geometry.layers
+        handle = VirtualLoadHandle(layers)
+        job = self._load_jobs
+        self._load_jobs += 1
+        copy_error: BaseException | None = None
+        try:
+            for layer in range(layers):
+                run_load_layer(plan, self.host_pool, self.device_pool, layer, self.io, self._engine)
+        except Exception as exc:
+            copy_error = exc
+        layer_bytes = plan.tokens * self.device_pool.geometry.bytes_per_token // layers
+        steps = []
+        for layer in range(layers):
+            extra, fault = self._extra(FaultPoint("load", job, layer))
+            error = copy_error if layer == 0 and copy_error is not None else fault
+            steps.append((layer_bytes / self.bandwidth + extra, self._load_step(handle, layer, error, on_done)))
+        self._loads.push(steps)
+        return handle
+
+    @staticmethod
+    def _load_step(handle: VirtualLoadHandle, layer: int, error: BaseException | None, on_done: OnDone):
+        def action() -> bool:
+            if error is not None:
+                handle._fail(error)
+                on_done(error)
+                return True  # the rest of this job is skipped
+            handle._land(layer)
+            if layer == handle.layers - 1:
+                on_done(None)
+            return False
+
+        return action
+
+    def submit_backup(self, device_slots, host_slots, *, on_done: OnDone) -> None:
+        self._check_open()
+        plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
+        job = self._backup_jobs
+        self._backup_jobs += 1
+        extra, error = self._extra(FaultPoint("backup", job, None))
+        if error is None:
+            try:
+                run_backup(plan, self.device_pool, self.host_pool, self.io, self._engine)
+            except Exception as exc:
+                error = exc
+        nbytes = plan.tokens * self.device_pool.geometry.bytes_per_token
+
+        def action() -> bool:
+            on_done(error)
+            return True
+
+        self._backups.push([(nbytes / self.bandwidth + extra, action)])
+
+    def close(self) -> None:
+        """Refuse new jobs; already scheduled completions still fire. Idempotent."""
+        self._closed = True

@@ -1,0 +1,107 @@
+"""Transfer functions: load one layer host->device, back up all layers device->host.
+
+Both io backends work with every layout (tests cover the full matrix); configuration
+rewrites (rewrites.py) steer a deployment to the combinations the seed design supports.
+
+- `kernel`: per (layer, component), gather/scatter whole pages through index tensors.
+- `direct`: coalesce runs of pages consecutive on both sides; one copy per run.
+
+The validating entry points (`load_layer`, `backup`) check everything before any byte moves;
+the `run_*` forms take an already validated `PagePlan` (streams validate at submit time).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from hicache.kernels.engines import engine_for
+from hicache.kernels.indices import PagePlan, plan_transfer
+from hicache.kernels.pools import DevicePool, HostPool
+
+IO = Literal["kernel", "direct"]
+IO_BACKENDS: tuple[str, ...] = ("kernel", "direct")
+
+
+def check_io(io: str) -> None:
+    if io not in IO_BACKENDS:
+        raise ValueError(f"unknown io backend {io!r}; expected one of {list(IO_BACKENDS)}")
+
+
+def _word(host: HostPool, device: DevicePool) -> torch.dtype:
+    return host.word if host.word.itemsize <= device.word.itemsize else device.word
+
+
+def merge_trailing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two page views (same shape but for the page count) with trailing dims merged where both
+    are contiguous across them: fewer, longer rows make index ops and copies far cheaper."""
+    shape, sa, sb = list(a.shape), list(a.stride()), list(b.stride())
+    i = len(shape) - 2
+    while i >= 1:
+        if sa[i] == shape[i + 1] * sa[i + 1] and sb[i] == shape[i + 1] * sb[i + 1]:
+            shape[i : i + 2] = [shape[i] * shape[i + 1]]
+            sa[i : i + 2] = [sa[i + 1]]
+            sb[i : i + 2] = [sb[i + 1]]
+        i -= 1
+    return a.as_strided([a.shape[0], *shape[1:]], sa), b.as_strided([b.shape[0], *shape[1:]], sb)
+
+
+def _move(engine, io: str, plan: PagePlan, dst: torch.Tensor, src: torch.Tensor, to_device: bool) -> None:
+    dst, src = merge_trailing(dst, src)
+    if io == "kernel":
+        host_idx, dev_idx = plan.index_tensors(dst.device if dst.device.type != "cpu" else src.device)
+        if to_device:
+            engine.gather_scatter(dst, dev_idx, src, host_idx)
+        else:
+            engine.gather_scatter(dst, host_idx, src, dev_idx)
+        return
+    for host_page, dev_page, count in plan.runs():
+        if to_device:
+            engine.copy_run(dst[dev_page : dev_page + count], src[host_page : host_page + count])
+        else:
+            engine.copy_run(dst[host_page : host_page + count], src[dev_page : dev_page + count])
+
+
+def run_load_layer(plan: PagePlan, host: HostPool, device: DevicePool, layer: int, io: str, engine) -> int:
+    """Copy `layer` of the planned pages host->device; returns bytes moved. No validation."""
+    word = _word(host, device)
+    words = engine.host_words(host)
+    for component in range(device.geometry.components):
+        _move(engine, io, plan, device.page_view(layer, component, word),
+              host.page_view(layer, component, word, words), to_device=True)
+    return plan.tokens * device.geometry.bytes_per_token // device.geometry.layers
+
+
+def run_backup(plan: PagePlan, device: DevicePool, host: HostPool, io: str, engine) -> int:
+    """Copy all layers of the planned pages device->host; returns bytes moved. No validation."""
+    word = _word(host, device)
+    words = engine.host_words(host)
+    for layer in range(device.geometry.layers):
+        for component in range(device.geometry.components):
+            _move(engine, io, plan, host.page_view(layer, component, word, words),
+                  device.page_view(layer, component, word), to_device=False)
+    return plan.tokens * device.geometry.bytes_per_token
+
+
+def _check_layer(device: DevicePool, layer: int) -> None:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < device.geometry.layers:
+        raise ValueError(f"layer {layer!r} out of range [0, {device.geometry.layers})")
+
+
+def load_layer(host: HostPool, device: DevicePool, host_slots, device_slots, layer: int, *,
+               io: str = "kernel", engine=None) -> int:
+    """Copy one layer of `host_slots` into `device_slots` (synchronously on CPU; enqueued on the
+    current stream on CUDA). Validates first; returns bytes moved."""
+    check_io(io)
+    _check_layer(device, layer)
+    plan = plan_transfer(host, device, host_slots, device_slots)
+    return run_load_layer(plan, host, device, layer, io, engine or engine_for(device.device))
+
+
+def backup(device: DevicePool, host: HostPool, device_slots, host_slots, *,
+           io: str = "kernel", engine=None) -> int:
+    """Copy all layers of `device_slots` into `host_slots`. Validates first; returns bytes moved."""
+    check_io(io)
+    plan = plan_transfer(host, device, host_slots, device_slots)
+    return run_backup(plan, device, host, io, engine or engine_for(device.device))

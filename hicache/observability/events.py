@@ -1,0 +1,157 @@
+"""The event log: every state transition is one JSON object with a stable dotted name.
+
+Every event carries `event`, `seq` (1, 2, ... per log), `t` (clock seconds, rounded to the
+microsecond), `component`, `level`, and the ids and values of what changed. Lines are rendered
+with sorted keys and never contain wall-clock time or object addresses, so under a virtual clock
+the same run writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable
+from typing import IO, Any
+
+import structlog
+
+from hicache.observability.capture import deliver_to_captures
+
+LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+RESERVED_FIELDS = frozenset({"event", "seq", "t", "component", "level"})
+
+
+def plain(value: Any) -> Any:
+    """JSON fallback: a stable, address-free rendering of values `json` cannot encode."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, BaseException):
+        return f"{type(value).__name__}: {value}"
+    return f"<{type(value).__name__}>"
+
+
+def _default_clock() -> Callable[[], float]:
+    from hicache.runtime.clock import MonotonicClock
+
+    return MonotonicClock().now
+
+
+class EventLog:
+    """A structlog-based event log. Owned by whoever created it (usually one kernel).
+
+    `sink`: where JSON lines go (None: nowhere; events can still be captured).
+    `capture=True` keeps every emitted event dict in `events` (for tests and replay tools).
+    Mutates only its own counter, its sink and its capture list.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] | None = None,
+        sink: IO[str] | None = None,
+        level: str = "info",
+        capture: bool = False,
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"unknown log level {level!r}; expected one of {sorted(LEVELS)}")
+        self._clock = clock if clock is not None else _default_clock()
+        self._sink = sink
+        self._seq = 0
+        self._events: list[dict[str, Any]] | None = [] if capture else None
+        self.level = level
+        processors: list[Any] = [structlog.processors.add_log_level, self._stamp, self._collect]
+        if sink is None:
+            processors.append(_drop)
+            logger: Any = structlog.ReturnLogger()
+        else:
+            processors.append(
+                structlog.processors.JSONRenderer(sort_keys=True, default=plain, separators=(",", ":"))
+            )
+            logger = structlog.WriteLogger(file=sink)
+        self._logger = structlog.wrap_logger(
+            logger,
+            processors=processors,
+            wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+            context_class=dict,
+            cache_logger_on_first_use=True,
+        )
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every event emitted so far; only for a log created with `capture=True`."""
+        if self._events is None:
+            raise RuntimeError("this EventLog does not capture; create it with capture=True")
+        return self._events
+
+    @property
+    def seq(self) -> int:
+        """The `seq` of the last event emitted (0 before the first)."""
+        return self._seq
+
+    def bind(self, component: str, **ids: Any) -> BoundEvents:
+        """A logger that stamps `component` and `ids` on every event it emits."""
+        return BoundEvents(self, component, ids)
+
+    def emit(self, event: str, *, component: str, level: str = "info", **fields: Any) -> None:
+        """Emit one event. Raises `ValueError` for an unknown level or a reserved field name."""
+        method = getattr(self._logger, level, None) if level in LEVELS else None
+        if method is None:
+            raise ValueError(f"unknown log level {level!r}; expected one of {sorted(LEVELS)}")
+        clash = RESERVED_FIELDS.intersection(fields)
+        if clash:
+            raise ValueError(f"event {event!r}: field names {sorted(clash)} are reserved")
+        method(event, component=component, **fields)
+
+    def _stamp(self, _logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        self._seq += 1
+        event_dict["seq"] = self._seq
+        event_dict["t"] = round(self._clock(), 6)
+        return event_dict
+
+    def _collect(self, _logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._events is not None:
+            self._events.append(dict(event_dict))
+        deliver_to_captures(event_dict)
+        return event_dict
+
+
+def _drop(_logger: Any, _method: str, _event_dict: dict[str, Any]) -> Any:
+    raise structlog.DropEvent
+
+
+class BoundEvents:
+    """An `EventLog` view with a fixed component and ids. Cheap; create freely."""
+
+    __slots__ = ("_log", "component", "_ids")
+
+    def __init__(self, log: EventLog, component: str, ids: dict[str, Any]) -> None:
+        self._log = log
+        self.component = component
+        self._ids = ids
+
+    def bind(self, **ids: Any) -> BoundEvents:
+        return BoundEvents(self._log, self.component, {**self._ids, **ids})
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._log.emit(event, component=self.component, level="debug", **self._ids, **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._log.emit(event, component=self.component, level="info", **self._ids, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._log.emit(event, component=self.component, level="warning", **self._ids, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._log.emit(event, component=self.component, level="error", **self._ids, **fields)

@@ -1,0 +1,68 @@
+"""The actor base: one task, one mailbox, its state owned alone."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from hicache.runtime.mailbox import Mailbox
+
+if TYPE_CHECKING:
+    from hicache.observability.events import BoundEvents
+    from hicache.runtime.kernel import Kernel
+
+M = TypeVar("M")
+
+
+class Actor(Generic[M]):
+    """Subclass and implement `handle`, dispatching on the message type::
+
+        async def handle(self, msg: TreeMsg) -> None:
+            match msg:
+                case Insert(): ...
+                case _: assert_never(msg)
+
+    The kernel runs one task per actor: `on_start`, then `handle` for each message in arrival
+    order (never two at once), then, after the inbox is closed and drained, `on_stop`. Whatever
+    state the subclass keeps is touched only by that task. An exception escaping any of the three
+    stops the whole kernel (see `Kernel`).
+    """
+
+    def __init__(self, name: str, *, capacity: int, reserve: int = 0) -> None:
+        if not isinstance(name, str) or not name or name.startswith("~"):
+            raise ValueError(f"actor name must be a non-empty string not starting with '~', got {name!r}")
+        self.name = name
+        self.inbox: Mailbox[M] = Mailbox(name, capacity, reserve=reserve)
+        self._kernel: Kernel | None = None
+        self._log: BoundEvents | None = None
+        self._busy = False  # inside `handle` (read by production-mode run_until_idle)
+        self._handled = 0
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            raise RuntimeError(f"actor {self.name!r} has not been added to a kernel")
+        return self._kernel
+
+    @property
+    def log(self) -> BoundEvents:
+        """Events stamped with `component=<actor name>`."""
+        if self._log is None:
+            self._log = self.kernel.log.bind(self.name)
+        return self._log
+
+    @property
+    def handled(self) -> int:
+        """Messages handled so far."""
+        return self._handled
+
+    async def handle(self, msg: M) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement handle()")
+
+    async def on_start(self) -> None:
+        """Runs in the actor's task before the first message."""
+
+    async def on_stop(self) -> None:
+        """Runs in the actor's task after the inbox is closed and drained (not after a crash)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

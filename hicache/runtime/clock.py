@@ -1,0 +1,52 @@
+"""The one source of time. Cores never read it; actors and the kernel pass `now` down."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+import anyio
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Where the kernel gets time, sleeps and timeouts from. All three must agree."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic scale (origin unspecified). Never goes backwards."""
+        ...
+
+    async def sleep(self, delay: float) -> None:
+        """Suspend the calling task for `delay` seconds of this clock."""
+        ...
+
+    def move_on_after(self, delay: float) -> anyio.CancelScope:
+        """A cancel scope whose deadline is `delay` seconds of this clock from now."""
+        ...
+
+
+class MonotonicClock:
+    """The event loop's own monotonic clock (anyio's `current_time`).
+
+    On asyncio and plain trio this is real monotonic time. Under `run_deterministic` the loop's
+    clock is trio's `MockClock`, so the same class reads *virtual* time: it starts at 0, and jumps
+    forward whenever every task is blocked. Outside a running loop `now()` falls back to
+    `time.monotonic()` (only useful for logging before a loop starts).
+    """
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        try:
+            return anyio.current_time()
+        except Exception:  # no running event loop (sniffio cannot tell which library)
+            return time.monotonic()
+
+    async def sleep(self, delay: float) -> None:
+        await anyio.sleep(delay)
+
+    def move_on_after(self, delay: float) -> anyio.CancelScope:
+        return anyio.move_on_after(delay)
+
+    def __repr__(self) -> str:
+        return "MonotonicClock()"

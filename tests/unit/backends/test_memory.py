@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import pytest
+
+from hicache.backends.memory import MemoryBackend, MemoryStore
+from hicache.backends.simple import SimpleStoreBackend
+
+from .conftest import FakeHostPool, page_keys
+from .harness import Events
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_capacity_evicts_least_recently_used(ns, pool):
+    value_bytes = None
+    store = MemoryStore()
+    backend = MemoryBackend(namespace=ns, store=store)
+    keys = page_keys(ns, 4)
+    for i in range(4):
+        pool.fill(i, seed=i)
+    await backend.set_from(keys[:1], [pool.page_buffer(0)])
+    value_bytes = store.nbytes
+    capped = MemoryBackend(namespace=ns, capacity_bytes=3 * value_bytes)
+    assert await capped.set_from(keys[:3], [pool.page_buffer(i) for i in range(3)]) == 3
+    out = FakeHostPool(pages=1)
+    assert await capped.get_into(keys[:1], [out.page_buffer(0)]) == 1  # key 0 now most recent
+    assert await capped.set_from(keys[3:], [pool.page_buffer(3)]) == 1
+    assert [await capped.exists([k]) for k in keys] == [1, 0, 1, 1]
+    assert capped.stats()["evictions"] == 1
+    capped.store.check_integrity()
+
+
+async def test_value_larger_than_capacity_is_a_failed_set(ns, pool):
+    backend = MemoryBackend(namespace=ns, capacity_bytes=16)
+    keys = page_keys(ns, 1)
+    assert await backend.set_from(keys, [pool.page_buffer(0)]) == 0
+    assert backend.stats()["set_ok"] == 0 and len(backend.store) == 0
+
+
+def test_memory_spec_and_option_errors(ns):
+    assert isinstance(MemoryBackend.from_spec("memory", namespace=ns), MemoryBackend)
+    with pytest.raises(TypeError, match="unknown memory backend options"):
+        MemoryBackend.from_spec("memory", namespace=ns, size=3)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        MemoryBackend(namespace=ns, capacity_bytes=0)
+    with pytest.raises(ValueError, match="not both"):
+        MemoryBackend(namespace=ns, store=MemoryStore(), capacity_bytes=10)
+
+
+class GetPutOnly:
+    """The least an out-of-tree store offers; fails on demand."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.fail = False
+
+    def get(self, key):
+        if self.fail:
+            raise ConnectionError("store down")
+        return self.values.get(key)
+
+    def put(self, key, value):
+        if self.fail:
+            raise ConnectionError("store down")
+        self.values[key] = value
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_simple_store_adapter_get_put_only(ns, pool, threads):
+    events = Events()
+    store = GetPutOnly()
+    backend = SimpleStoreBackend(store, namespace=ns, emit=events, threads=threads)
+    keys = page_keys(ns, 2)
+    for i in range(2):
+        pool.fill(i, seed=i)
+    assert await backend.set_from(keys, [pool.page_buffer(i) for i in range(2)]) == 2
+    assert await backend.exists(keys) == 2  # probes with get when there is no contains
+    out = FakeHostPool(pages=2)
+    assert await backend.get_into(keys, [out.page_buffer(i) for i in range(2)]) == 2
+    assert out.page_bytes(1) == pool.page_bytes(1)
+    store.fail = True
+    assert await backend.get_into(keys, [out.page_buffer(i) for i in range(2)]) == 0
+    assert await backend.set_from(keys, [pool.page_buffer(i) for i in range(2)]) == 0
+    assert await backend.exists(keys) == 0
+    assert len(events.named("storage.error")) == 4
+    with pytest.raises(NotImplementedError, match="scan"):
+        await backend.clear()
+
+
+def test_simple_store_adapter_rejects_non_stores(ns):
+    with pytest.raises(TypeError, match="get\\(key\\) and put"):
+        SimpleStoreBackend(object(), namespace=ns)

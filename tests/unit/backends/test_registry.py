@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from hicache.backends.memory import MemoryBackend, MemoryStore
+from hicache.backends.registry import open_backend, resolve
+
+
+@pytest.mark.parametrize(
+    "spec, target",
+    [
+        ("memory", "hicache.backends.memory:MemoryBackend"),
+        ("file:/tmp/x", "hicache.backends.file:FileBackend"),
+        ("redis://localhost:6379/0", "hicache.backends.redis:RedisBackend"),
+        ("rediss://h:1", "hicache.backends.redis:RedisBackend"),
+        ("unix:///run/redis.sock", "hicache.backends.redis:RedisBackend"),
+        ("redis+cluster://h:1", "hicache.backends.redis:RedisBackend"),
+        ("mooncake://master:50051", "hicache.backends.mooncake:MooncakeBackend"),
+        ("my_pkg.stores:FastStore", "my_pkg.stores:FastStore"),
+    ],
+)
+def test_resolve(spec, target):
+    assert resolve(spec) == target
+
+
+@pytest.mark.parametrize("spec", ["", "s3", "memory:big", "http://x", "a.b:"])
+def test_unknown_spec_lists_known_forms(spec):
+    with pytest.raises(ValueError) as err:
+        resolve(spec)
+    assert "memory" in str(err.value) and "file:" in str(err.value)
+
+
+def test_file_spec_needs_a_directory():
+    with pytest.raises(ValueError, match="needs a directory"):
+        resolve("file:")
+
+
+def test_open_memory_passes_options(ns):
+    store = MemoryStore()
+    backend = open_backend("memory", namespace=ns, store=store)
+    assert isinstance(backend, MemoryBackend) and backend.store is store
+
+
+def test_open_out_of_tree_class(ns, monkeypatch):
+    seen = {}
+
+    class Custom(MemoryBackend):
+        @classmethod
+        def from_spec(cls, spec, *, namespace, emit=None, **options):
+            seen.update(spec=spec, options=options)
+            return cls(namespace=namespace, emit=emit)
+
+    class NotABackend:
+        @classmethod
+        def from_spec(cls, spec, **kw):
+            return object()
+
+    mod = types.ModuleType("fake_store_mod")
+    mod.Custom, mod.NotABackend = Custom, NotABackend
+    monkeypatch.setitem(sys.modules, "fake_store_mod", mod)
+    assert isinstance(open_backend("fake_store_mod:Custom", namespace=ns, colour="blue"), Custom)
+    assert seen == {"spec": "fake_store_mod:Custom", "options": {"colour": "blue"}}
+    with pytest.raises(ValueError, match="has no 'Missing'"):
+        open_backend("fake_store_mod:Missing", namespace=ns)
+    with pytest.raises(TypeError, match="not a StorageBackend"):
+        open_backend("fake_store_mod:NotABackend", namespace=ns)
+
+
+def test_open_errors(ns):
+    with pytest.raises(ImportError, match="no_such_module_xyz"):
+        open_backend("no_such_module_xyz:Thing", namespace=ns)
+    with pytest.raises(TypeError, match="Namespace"):
+        open_backend("memory", namespace="ns")
