@@ -3,11 +3,11 @@
 One scheduler task owns every request's state; clients talk to it through a bounded queue
 (`generate` sends a request and waits for its completion). Each scheduler step:
 
-1. admit waiting requests: `match_many` (prefix in L1, length in L2 only, path locked), then
+1. admit waiting requests while their reservations fit the pool: `match_many` (prefix in L1, length in L2 only, path locked), then
    `load_back_many` (L2 -> L1, with a handle whose `wait_async(layer)` the model awaits per layer);
-2. grow each running request by a prefill chunk or one decode token: `allocate_many` (whole
-   pages; the cache evicts L1 as needed). A request that cannot get slots is preempted:
-   `release_many`, then back to the front of the queue;
+2. grow each running request by a prefill chunk or one decode token: `allocate_many` (the
+   cache evicts L1 as needed). A request that cannot get slots is preempted: `release`, then
+   back to the front of the queue;
 3. run one forward step over the batch (layer-major, so layer i only waits for layer i's load);
 4. `cache_many`: finished requests are inserted (and become hits for later turns), requests in
    the middle of a chunked prefill insert what they have so far (no hit count; the lock moves).
@@ -72,6 +72,10 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)
     result: Completion | None = None
 
+    def reserve(self, page_size: int) -> int:
+        """Device slots this request may hold at its end, rounded up to whole pages."""
+        return -(-(len(self.prompt) + self.max_new_tokens) // page_size) * page_size
+
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
@@ -106,12 +110,12 @@ class Engine:
         self.cache, self.model = cache, model
         self.max_running, self.step_tokens, self.chunk_tokens = max_running, step_tokens, chunk_tokens
         self.eos, self.keep_logits = eos, keep_logits
-        self.page_size = cache.config.page_size
         self.stats = EngineStats()
         self._send, self._inbox = anyio.create_memory_object_stream[Request](queue_size)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._aborts: set[RequestId] = set()
+        self._under_pressure = False  # allocate one request at a time (see _grow)
         self._next_id = 0
 
     # ------------------------------------------------------------------ client side
@@ -225,8 +229,18 @@ class Engine:
         self._aborts.clear()
 
     async def _admit(self) -> None:
+        # Admission control: a request reserves every slot it may ever need (prompt plus
+        # max_new_tokens, in whole pages). What running requests have not reserved is free or
+        # cached and unlocked, which the cache evicts on demand, so a step rarely meets a
+        # CapacityError. A request larger than the pool is admitted alone (and then aborted).
+        page = self.cache.config.page_size
+        room = self.cache.config.device_tokens - sum(r.reserve(page) for r in self._running)
         new = []
         while self._waiting and len(self._running) + len(new) < self.max_running:
+            need = self._waiting[0].reserve(page)
+            if need > room and (self._running or new):
+                break
+            room -= need
             new.append(self._waiting.popleft())
         if not new:
             return
@@ -244,45 +258,51 @@ class Engine:
             self._running.append(req)
 
     async def _grow(self) -> list[tuple[Request, int]]:
-        """Pick this step's work per running request and give it slots (whole pages)."""
+        """Pick this step's work per running request and give it device slots."""
         budget, plan = self.step_tokens, []
         for req in sorted(self._running, key=lambda r: r.prefilling):  # decodes first
             n = min(self.chunk_tokens, len(req.prompt) - req.computed, budget) if req.prefilling else 1
-            if n <= 0 or budget < n:
+            if n <= 0:
                 continue
             budget -= n
             plan.append((req, n))
-        wants = [(req, self._pages_needed(req, n)) for req, n in plan]
-        wants = [(req, k) for req, k in wants if k]
-        try:
-            got = await self.cache.allocate_many([(req.rid, k) for req, k in wants])
-        except CapacityError:
+        wants = [(req, n) for req, n in plan]
+        if self._under_pressure:
             got = await self._allocate_one_by_one(wants)
+        else:
+            try:
+                got = await self.cache.allocate_many([(req.rid, n) for req, n in wants])
+            except CapacityError:
+                # The batch is not atomic: requests before the one that failed got slots we
+                # never saw. Only a release gives those back, so every request of the batch
+                # starts over; until a step allocates cleanly, go one request at a time.
+                self._under_pressure = True
+                for req, _ in reversed(wants):  # requeued at the front, in their order
+                    await self._preempt(req, alone_ok=True)
+                return []
         for (req, _), slots in zip(wants, got):
             if slots is not None:
                 req.slots = np.concatenate([req.slots, slots])
         return [(req, n) for req, n in plan if req in self._running]
 
-    def _pages_needed(self, req: Request, n: int) -> int:
-        short = req.computed + n - len(req.slots)
-        return -(-short // self.page_size) * self.page_size if short > 0 else 0
-
     async def _allocate_one_by_one(self, wants):
         """Under pressure: the oldest requests get slots; a request that cannot is preempted
         (released, requeued at the front) so the others can finish."""
-        got = []
-        for req, k in wants:
+        got, failed = [], False
+        for req, n in wants:
             try:
-                got.append(await self.cache.allocate(req.rid, k))
+                got.append(await self.cache.allocate(req.rid, n))
             except CapacityError:
+                failed = True
                 got.append(None)
                 await self._preempt(req)
+        self._under_pressure = failed
         return got
 
-    async def _preempt(self, req: Request) -> None:
+    async def _preempt(self, req: Request, *, alone_ok: bool = False) -> None:
         await self.cache.release(req.rid)
         self._running.remove(req)
-        if not self._running:  # alone and still too big: it can never run
+        if not self._running and not alone_ok:  # alone and still too big: it can never run
             self._complete(req, aborted=True)
             return
         req.preempted += 1

@@ -52,8 +52,8 @@ class Report:
 
 
 def cache_config(model: DecoderConfig, **overrides) -> CacheConfig:
-    """The example's cache: a device pool of about four conversations, L2 eight times that."""
-    base = dict(kv=model.kv_spec, page_size=16, device_tokens=1024, host_tokens=8192,
+    """The example's cache: L1 holds about three conversations, L2 eight times as much."""
+    base = dict(kv=model.kv_spec, page_size=16, device_tokens=512, host_tokens=4096,
                 write_policy="write_through", device="cpu")
     return CacheConfig(**{**base, **overrides})
 
@@ -63,14 +63,16 @@ async def conversation(engine: Engine, workload: Workload, index: int, out: list
     rng = np.random.default_rng([workload.seed, index])
     vocab = engine.model.config.vocab
     history = np.random.default_rng(workload.seed).integers(0, vocab, workload.system_tokens).tolist()
-    await anyio.sleep(index * workload.think_time / 2)  # staggered arrivals
+    # Seeded, distinct pauses: no two arrivals share a virtual instant, so the order in which
+    # the engine sees requests does not depend on how the event loop orders ready tasks.
+    await anyio.sleep(workload.think_time * rng.random())
     for turn in range(workload.turns):
         user = rng.integers(0, vocab, int(rng.integers(*workload.user_tokens, endpoint=True)))
         done = await engine.generate(history + user.tolist(), workload.new_tokens,
                                      rid=f"c{index}-t{turn}")
         out.append(done)
         history = list(done.tokens)
-        await anyio.sleep(workload.think_time)
+        await anyio.sleep(workload.think_time * (0.5 + rng.random()))
 
 
 async def serve(config: CacheConfig, workload: Workload = Workload(), *, model: TinyDecoder | None = None,
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deterministic", action="store_true", help="trio on virtual time")
     parser.add_argument("--conversations", type=int, default=Workload().conversations)
     parser.add_argument("--turns", type=int, default=Workload().turns)
-    parser.add_argument("--device-tokens", type=int, default=1024)
+    parser.add_argument("--device-tokens", type=int, default=512)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--write-policy", default="write_through")
     parser.add_argument("--seed", type=int, default=0)

@@ -142,8 +142,8 @@ def test_aborted_and_oversized_requests_give_back_their_slots():
                 async with anyio.create_task_group() as clients:
                     clients.start_soon(client, "long", long_prompt, 4)
                     clients.start_soon(client, "short", rng.integers(0, 256, 40), 3)
-                out["oversized"] = await engine.generate(rng.integers(0, 256, 300), 2, rid="oversized")
                 out["retry"] = await engine.generate(long_prompt, 4, rid="retry")
+                out["oversized"] = await engine.generate(rng.integers(0, 256, 300), 2, rid="oversized")
                 engine.close()
             stats = await cache.stats()
         return out, stats, cache.close_report
@@ -157,3 +157,18 @@ def test_aborted_and_oversized_requests_give_back_their_slots():
         assert_exact(model, out[rid])
     assert stats.inflight["requests"] == 0
     assert all(t["used"] == 0 for t in close_report.values())
+
+
+def test_deterministic_runs_replay_exactly():
+    """Same config, seed and workload: the same requests hit the same tiers, token for token."""
+    workload = Workload(conversations=4, turns=3, new_tokens=4, seed=9)
+    config = cache_config(MODEL, device_tokens=256, host_tokens=2048, deterministic=True)
+
+    def once():
+        report = run_deterministic(lambda: serve(config, workload, model=TinyDecoder(MODEL)), seed=3)
+        done = sorted(report.completions, key=lambda d: d.rid)
+        return report.engine, [(d.rid, d.tokens, d.device_hit, d.host_hit, d.loaded) for d in done]
+
+    first, second = once(), once()
+    assert first == second
+    assert first[0].loaded_tokens > 0
