@@ -77,9 +77,10 @@ def test_exclusive_l2_reaches_single_tier_of_same_total_size():
 def test_unbounded_storage_reaches_the_infinite_capacity_bound():
     requests = read_trace(TRACE, limit=300)
     bound = bound_hit_rate(requests, block_tokens=512, page_size=PAGE)
-    # L1 + L2 big enough for the largest request; all reuse beyond them must come from L3.
+    # L1 + L2 big enough for the largest request (134k tokens) and for the prefetch rate limit
+    # (0.8 x (host - device)) to admit a step's prefetches: all other reuse must come from L3.
     tiers = dict(kv="mha:1:1:8:float16", page_size=PAGE, device_tokens=160_000,
-                 host_tokens=320_000, write_policy="write_through")
+                 host_tokens=480_000, write_policy="write_through")
     with_l3, tally = run_replay(CacheConfig(**tiers, storage="memory",
                                             prefetch_policy="wait_complete"), requests, batch=4)
     small = dict(tiers, device_tokens=12_800, host_tokens=25_600)

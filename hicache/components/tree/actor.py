@@ -123,6 +123,7 @@ class TreeActor(Actor[TreeInbox]):
         self._prefetcher: Mailbox | None = None
         self._namespace = None
         self._uploads: dict[OpId, UploadOp] = {}
+        self._upload_backlog: deque[tuple[NodeId, ...]] = deque()  # waiting for a credit
         self._upload_credits = write_credits
         self._prefetches: dict[OpId, PrefetchOp] = {}
         self._prefetch_by_rid: dict[RequestId, OpId] = {}
@@ -196,6 +197,7 @@ class TreeActor(Actor[TreeInbox]):
             case UploadDone(op=op):
                 if op in self._uploads:
                     self._finish_upload(op)
+                await self._drain_upload_backlog()
             case PrefetchProgress():
                 await self._prefetch_progress(msg)
             case TimerFired(op=op):
@@ -490,12 +492,13 @@ class TreeActor(Actor[TreeInbox]):
     async def _finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
         op = self._writes.pop(op_id)
         self._write_credits += 1
+        pieces = self._tree.backup_pieces(op.node)  # the node may have been split meanwhile
         freed = self._tree.end_backup(op.node, ok=ok)
         await self._free("host", freed)
         if not ok:
             self.log.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._uploader is not None:
-            await self._upload(op.node)
+            await self._upload(pieces)
         while self._write_backlog and self._write_credits:
             await self._start_backup(self._write_backlog.popleft(), evicting=False)
 
@@ -513,25 +516,29 @@ class TreeActor(Actor[TreeInbox]):
                 reply.set(report)
 
     def _writes_pending(self) -> bool:
-        return bool(self._writes or self._write_backlog or self._uploads)
+        return bool(self._writes or self._write_backlog or self._uploads or self._upload_backlog)
 
     # ------------------------------------------------------------------ upload (L2 -> L3)
-    async def _upload(self, node: NodeId) -> None:
-        """Send a freshly backed-up node's pages to storage; host pages stay protected."""
+    async def _upload(self, pieces: tuple[NodeId, ...]) -> None:
+        """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
+        their host pages stay protected until the upload is done."""
         if self._namespace is not None and not self._namespace.writes:
             return  # MLA on a rank other than 0: rank 0 writes the shared keys
-        if self._upload_credits == 0 or self._tree.state(node).name != "BOTH" and \
-                self._tree.state(node).name != "HOST_ONLY":
-            self.log.warning("tree.upload_skipped", node=node)
+        node = pieces[-1]  # the deepest: protecting it protects the path above it
+        if not self._tree.has_host_copy(node):
             return
-        hashes = self._node_hashes(node)
+        if self._upload_credits == 0:
+            self._upload_backlog.append(pieces)
+            return
+        hashes = [h for p in pieces for h in self._node_hashes(p)]
+        host_slots = np.concatenate([self._tree.host_slots(p) for p in pieces])
         op = self._op()
         self._upload_credits -= 1
         self._tree.protect_host(node)
         done = self.kernel.reply()
         self._uploads[op] = UploadOp(node=node, pages=len(hashes), done=done)
-        await self._uploader.send(Upload(op=op, hashes=tuple(hashes),
-                                         host_slots=self._tree.host_slots(node), reply=done))
+        await self._uploader.send(Upload(op=op, hashes=tuple(hashes), host_slots=host_slots,
+                                         reply=done))
 
     async def _await_upload(self, op_id: OpId) -> None:
         await self._uploads[op_id].done.wait()
@@ -542,6 +549,12 @@ class TreeActor(Actor[TreeInbox]):
         job = self._uploads.pop(op_id)
         self._upload_credits += 1
         self._tree.release_host(job.node)
+
+    async def _drain_upload_backlog(self) -> None:
+        while self._upload_backlog and self._upload_credits:
+            pieces = self._upload_backlog.popleft()
+            if all(self._tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
+                await self._upload(pieces)
 
     def _node_hashes(self, node: NodeId) -> list:
         """The node's chained page hashes, computed on first use from its parent's last one."""

@@ -448,6 +448,19 @@ class RadixTree:
         self._backups[x.id] = 1
         self._add_ref(x, "lock_ref", 1)
 
+    def backup_pieces(self, node: NodeId) -> tuple[NodeId, ...]:
+        """The nodes an in-flight backup of ``node`` now covers, root first: the node itself
+        and the upper pieces split off it since begin_backup. Does not mutate."""
+        x = self._node(node)
+        if x.backup != x.id:
+            raise TreeError(f"backup_pieces of node {node}: no backup of it is in flight")
+        pieces = []
+        y = x
+        while y.backup == x.id:
+            pieces.append(NodeId(y.id))
+            y = y.parent
+        return tuple(reversed(pieces))
+
     def end_backup(self, node: NodeId, *, ok: bool) -> np.ndarray:
         """Finish the backup begun on ``node`` and unlock it. Mutates.
 
