@@ -69,6 +69,7 @@ class ReleaseBatch:
 @_msg
 class Flush:
     reply: Reply
+    poll: bool = False  # answer at once whether nothing is pending (TP ranks poll)
 
 
 @_msg
@@ -91,6 +92,7 @@ class PrefetchBatch:
 class PrefetchWait:
     rid: RequestId
     reply: Reply  # answered when the prefetch may terminate by the policy
+    poll: bool = False  # answer at once with the outcome so far (TP ranks poll)
 
 
 @_msg
@@ -109,6 +111,7 @@ class Drain:
     """Close: finish in-flight work, then answer with the final ledger balance."""
 
     reply: Reply
+    poll: bool = False  # answer None at once while work is in flight (TP ranks poll)
 
 
 # ---------------------------------------------------------------- workers -> tree (completions)
@@ -137,7 +140,8 @@ class PrefetchProgress:
     op: OpId
     hit_pages: int  # pages present in storage (consecutive prefix), known after the probe
     done_pages: int  # pages read and verified so far (consecutive prefix)
-    finished: bool
+    finished: bool  # no I/O of this op is in flight or will start
+    stopped: bool = False  # sent after the prefetcher took a StopPrefetch
 
 
 @_msg

@@ -56,6 +56,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                 state = self._ops.get(op)
                 if state is not None and not state.stop:
                     state.host_slots = host_slots
+                    # the pages every rank has (TP ranks agree on the smallest probe)
+                    state.hit_pages = min(state.hit_pages, len(host_slots) // self._host.page_size)
                     self._spawn(op)
             case StopPrefetch(op=op):
                 state = self._ops.get(op)
@@ -64,7 +66,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     idle = not state.busy  # probed, waiting for a read that will not come
                     self._tree.send_nowait(PrefetchProgress(  # reserved room: one per op
                         op=op, hit_pages=state.hit_pages, done_pages=state.done_pages,
-                        finished=idle,
+                        finished=idle, stopped=True,
                     ))
                     if idle:
                         del self._ops[op]
@@ -98,6 +100,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         if probed or finished:
             self._tree.send_nowait(PrefetchProgress(
                 op=op, hit_pages=state.hit_pages, done_pages=state.done_pages, finished=finished,
+                stopped=state.stop,
             ))
         if finished:
             del self._ops[op]

@@ -1,0 +1,120 @@
+"""The tree actor's write flows: L1 -> L2 backups and the L2 -> L3 uploads they trigger.
+
+A part of `TreeActor` (a mixin over its state, not a separate owner). Write-through backups
+take a write credit or queue; an eviction that needs a backup waits for the oldest write
+instead. A finished backup uploads every piece the node was split into meanwhile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.backends.keys import chain_page_hashes
+from hicache.components.tree.records import EMPTY, UploadOp, WriteOp
+from hicache.messages import Backup, Upload
+from hicache.types import NodeId, OpId
+
+
+class BackupFlows:
+    # ------------------------------------------------------------------ L1 -> L2
+    async def _start_backup(self, node: NodeId, *, evicting: bool) -> bool:
+        """Copy a device-only node to L2. Write-through backups queue for a credit; an eviction
+        waits for the oldest write instead (it cannot go on without the copy)."""
+        while self._write_credits == 0:
+            if not evicting:
+                self._write_backlog.append(node)
+                return False
+            await self._await_write(next(iter(self._writes)))
+        if not self._tree.needs_backup(node):
+            return False
+        length = self._tree.device_len(node)
+        host = await self._alloc_host(length)
+        if host is None or not self._tree.needs_backup(node):
+            await self._free("host", EMPTY if host is None else host)
+            self.log.warning("tree.backup_skipped", node=node, tokens=length, reason="host full")
+            return False
+        self._tree.begin_backup(node, host)
+        op = self._op()
+        self._write_credits -= 1
+        done = self.kernel.reply()
+        self._writes[op] = WriteOp(node=node, host_slots=host, done=done)
+        await self._writer.send(Backup(op=op, device_slots=self._tree.device_slots(node),
+                                       host_slots=host, reply=done))
+        self.counters.d2h_bytes += length * self._bpt
+        return True
+
+    async def _await_write(self, op_id: OpId) -> None:
+        """Wait until the write `op_id` is applied: writes complete in order, so wait for the
+        oldest one locally, then meet the other ranks at a sync point, until it is in."""
+        while op_id in self._writes:
+            first = next(iter(self._writes))
+            if first not in self._arrived_writes:
+                ok = await self._writes[first].done.wait()
+                self._arrived_writes.setdefault(first, (ok, ""))
+            await self._sync_point()
+
+    async def _finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
+        op = self._writes.pop(op_id)
+        self._write_credits += 1
+        pieces = self._tree.backup_pieces(op.node)  # the node may have been split meanwhile
+        freed = self._tree.end_backup(op.node, ok=ok)
+        await self._free("host", freed)
+        if not ok:
+            self.log.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
+        elif self._uploader is not None:
+            await self._upload(pieces)
+        while self._write_backlog and self._write_credits:
+            await self._start_backup(self._write_backlog.popleft(), evicting=False)
+
+    def _writes_pending(self) -> bool:
+        return bool(self._writes or self._write_backlog or self._uploads or self._upload_backlog)
+
+    # ------------------------------------------------------------------ L2 -> L3
+    async def _upload(self, pieces: tuple[NodeId, ...]) -> None:
+        """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
+        their host pages stay protected until the upload is done."""
+        if self._namespace is not None and not self._namespace.writes:
+            return  # MLA on a rank other than 0: rank 0 writes the shared keys
+        node = pieces[-1]  # the deepest: protecting it protects the path above it
+        if not self._tree.has_host_copy(node):
+            return
+        if self._upload_credits == 0:
+            self._upload_backlog.append(pieces)
+            return
+        hashes = [h for p in pieces for h in self._node_hashes(p)]
+        host_slots = np.concatenate([self._tree.host_slots(p) for p in pieces])
+        op = self._op()
+        self._upload_credits -= 1
+        self._tree.protect_host(node)
+        done = self.kernel.reply()
+        self._uploads[op] = UploadOp(node=node, pages=len(hashes), done=done)
+        await self._uploader.send(Upload(op=op, hashes=tuple(hashes), host_slots=host_slots,
+                                         reply=done))
+
+    async def _await_upload(self, op_id: OpId) -> None:
+        """Wait until the upload `op_id` is applied (see `_await_write`)."""
+        while op_id in self._uploads:
+            first = next(iter(self._uploads))
+            if first not in self._arrived_uploads:
+                stored = await self._uploads[first].done.wait()
+                self._arrived_uploads.setdefault(first, stored)
+            await self._sync_point()
+
+    async def _finish_upload(self, op_id: OpId) -> None:
+        job = self._uploads.pop(op_id)
+        self._upload_credits += 1
+        self._tree.release_host(job.node)
+        while self._upload_backlog and self._upload_credits:
+            pieces = self._upload_backlog.popleft()
+            if all(self._tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
+                await self._upload(pieces)
+
+    def _node_hashes(self, node: NodeId) -> list:
+        """The node's chained page hashes, computed on first use from its parent's last one."""
+        hashes = self._tree.page_hashes(node)
+        if hashes is None:
+            parent = self._tree.parent(node)
+            prior = None if parent == self._tree.root else self._node_hashes(parent)[-1]
+            hashes = chain_page_hashes(self._tree.key(node), self._cfg.page_size, prior=prior)
+            self._tree.set_page_hashes(node, hashes)
+        return list(hashes)

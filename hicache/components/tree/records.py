@@ -1,0 +1,75 @@
+"""The tree actor's records: one per running request and per operation in flight. Owned by
+the tree actor alone; other actors only ever see ids and slot arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.types import NodeId, RequestId
+
+EMPTY = np.empty(0, dtype=np.int64)
+EMPTY.setflags(write=False)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the tree knows of one running request. Owned by the tree actor."""
+
+    lock: NodeId | None = None  # the node whose path is locked for this request
+    last_node: NodeId | None = None  # deepest matched node (device or host)
+    prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # tree slots it reads
+    host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
+    owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
+    padding: np.ndarray = field(default_factory=lambda: EMPTY)  # rest of its last page, unused
+    tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
+    prefetch: object = None  # the last prefetch's outcome once it ended
+
+
+@dataclass(slots=True)
+class WriteOp:
+    node: NodeId
+    host_slots: np.ndarray
+    done: object  # Reply[bool] the writer answers; an eviction may wait on it
+
+
+@dataclass(slots=True)
+class LoadOp:
+    plan: object  # the core's LoadPlan
+    handle: object
+
+
+@dataclass(slots=True)
+class PrefetchOp:
+    rid: RequestId
+    anchor: NodeId  # deepest matched node with a host copy; new nodes go below it
+    tokens: object  # the page-aligned tokens to fetch, after the anchor
+    hashes: tuple
+    host_slots: np.ndarray
+    deadline: float | None
+    hit_pages: int = -1  # unknown until the prefetcher's probe reports
+    done_pages: int = 0
+    stopping: bool = False
+    reading: bool = False  # ReadPrefetch sent (host slots taken for the agreed hit pages)
+    state: str = "running"  # running | done | revoked
+    waiters: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class UploadOp:
+    node: NodeId
+    pages: int
+    done: object  # Reply[int] the uploader answers; a host allocation may wait on it
+
+
+@dataclass(slots=True)
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    device_evictions: int = 0
+    host_evictions: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    skipped_loads: int = 0
