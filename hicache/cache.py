@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import anyio
 import numpy as np
 
 from hicache.components.allocator.actor import AllocatorActor
 from hicache.components.allocator.core import SlotLedger
 from hicache.components.topology import Topology
+from hicache.components.tree.agreement import SingleRank, TorchDistributedAgreement
 from hicache.components.loader.actor import LoaderActor
 from hicache.components.tree.actor import TreeActor
 from hicache.components.tree.core import RadixTree
@@ -42,6 +44,9 @@ from hicache.runtime import Kernel
 from hicache.types import RequestId
 
 
+_POLL_INTERVAL = 0.002  # seconds between polls of TP ranks waiting for in-flight work
+
+
 class LedgerImbalance(RuntimeError):
     """After close, a ledger still holds slots: something leaked."""
 
@@ -58,6 +63,7 @@ class HiCache:
         streams=None,
         backend=None,
         transfer_faults=None,
+        tp_group=None,
     ) -> None:
         self.requested_config = config or CacheConfig()
         self.config, self.rewrites = self.requested_config.resolve()
@@ -66,6 +72,8 @@ class HiCache:
         self._streams_override = streams
         self._backend_override = backend
         self._transfer_faults = transfer_faults
+        self._tp_group = tp_group
+        self._agreement = SingleRank()
         self.backend = None
         self._kernel: Kernel | None = None
         self._tree_inbox = None
@@ -114,8 +122,20 @@ class HiCache:
             host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
             capacity=topo.capacity,
         )
+        agreement = SingleRank()
+        if cfg.tp_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                agreement = TorchDistributedAgreement(self._tp_group)
+            else:
+                kernel.log.emit("tp.no_agreement", component="cache", level="warning",
+                                tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
+                                reason="torch.distributed is not initialised: this rank's tree "
+                                       "is not kept in step with the others")
+        self._agreement = agreement
         tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
-                               bytes_per_token=bpt, topology=topo)
+                               bytes_per_token=bpt, topology=topo, agreement=agreement)
         writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
                              capacity=topo.credits, reserve=topo.stream_worker_reserve)
         loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
@@ -161,7 +181,7 @@ class HiCache:
         assert kernel is not None
         try:
             if exc_info[0] is None and kernel.failure is None:
-                report = await self._call(lambda r: Drain(reply=r))
+                report = await self._until(lambda r: Drain(reply=r, poll=self._polling))
                 self.close_report = report
                 leaked = {t: v["used"] for t, v in report.items() if v["used"]}
                 if leaked:
@@ -179,6 +199,20 @@ class HiCache:
         if self._kernel is None:
             raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
         return await self._kernel.request(self._tree_inbox, make, timeout=timeout)
+
+    @property
+    def _polling(self) -> bool:
+        """TP ranks change state only at sync points (frontend calls), so a wait cannot park on
+        the tree: it polls, and every rank polls the same number of times."""
+        return not self._agreement.trivial
+
+    async def _until(self, make, *, done=lambda value: value is not None):
+        """One call; with TP, repeat it (a short real-time pause between) until `done`."""
+        value = await self._call(make)
+        while self._polling and not done(value):
+            await anyio.sleep(_POLL_INTERVAL)
+            value = await self._call(make)
+        return value
 
     @property
     def kernel(self) -> Kernel:
@@ -254,7 +288,11 @@ class HiCache:
         (best_effort: now, with what has arrived; wait_complete: when complete; timeout: when
         complete or timed out). What arrived is then in the tree, and the request's next
         load_back brings it into L1."""
-        return await self._call(lambda r: PrefetchWait(rid=rid, reply=r))
+        out = await self._call(lambda r: PrefetchWait(rid=rid, reply=r, poll=self._polling))
+        if self._polling and not out.ready:
+            out = await self._until(lambda r: PrefetchPoll(rid=rid, reply=r),
+                                    done=lambda o: o.ready)
+        return out
 
     async def prefetch_poll(self, rid: RequestId) -> PrefetchOutcome:
         return await self._call(lambda r: PrefetchPoll(rid=rid, reply=r))
@@ -265,7 +303,8 @@ class HiCache:
 
     async def flush(self) -> None:
         """Wait until every pending write (L1 -> L2, and on to L3) has completed."""
-        await self._call(lambda r: Flush(reply=r))
+        await self._until(lambda r: Flush(reply=r, poll=self._polling),
+                          done=lambda v: v is not False)
 
     async def stats(self) -> CacheStats:
         return await self._call(lambda r: GetStats(reply=r))

@@ -73,8 +73,6 @@ class BackupFlows:
     async def _upload(self, pieces: tuple[NodeId, ...]) -> None:
         """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
         their host pages stay protected until the upload is done."""
-        if self._namespace is not None and not self._namespace.writes:
-            return  # MLA on a rank other than 0: rank 0 writes the shared keys
         node = pieces[-1]  # the deepest: protecting it protects the path above it
         if not self._tree.has_host_copy(node):
             return

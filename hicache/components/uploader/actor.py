@@ -53,12 +53,12 @@ class UploaderActor(Actor[UploaderInbox]):
                     self.kernel.call_later(delay, lambda op=op: self._start(op))
                     return
                 del self._jobs[op]
-                nbytes = pages * self._host.page_nbytes
+                nbytes = pages * self._host.page_nbytes if self._ns.writes else 0
                 self.bytes_uploaded += nbytes
                 if pages < wanted:
                     self.log.error("uploader.failed", op=op, stored=pages, pages=wanted,
                                    error=error or None)
-                else:
+                elif self._ns.writes:
                     self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes)
                 if job.msg.reply is not None:
                     job.msg.reply.set(pages)
@@ -71,6 +71,11 @@ class UploaderActor(Actor[UploaderInbox]):
 
     async def _upload(self, op: OpId) -> None:
         job = self._jobs[op].msg
+        if not self._ns.writes:
+            # MLA on a rank other than 0: rank 0 stores the shared keys. The op still runs
+            # through the tree like everywhere else, so every rank's tree changes alike.
+            self.inbox.send_nowait(IoDone(op=op, pages=len(job.hashes)))
+            return
         keys = [self._ns.key(h) for h in job.hashes]
         pages = self._host.page_buffers(job.host_slots)
         error = ""
