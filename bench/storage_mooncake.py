@@ -37,28 +37,29 @@ class BenchNamespace:
         return self.prefix + h
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> dict[str, float] | None:
+    """Run the comparison (bench/storage.py --backends mooncake calls this); returns the
+    upload and prefetch ratios, or None when mooncake is not importable."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--page-mib", type=float, default=2)
     ap.add_argument("--rounds", type=int, default=7)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     reason = import_error()
     if reason:
         print(f"skipped: {reason}")
-        return 0
+        return None
     page = int(args.page_mib * (1 << 20))
     batch_bytes = args.pages * page
     segment = 4 * batch_bytes + (64 << 20)
     store = start_store(Path(tempfile.mkdtemp(prefix="mc-bench-")), segment=segment)
     try:
-        anyio.run(run, store, args.pages, page, args.rounds, segment)
+        return anyio.run(run, store, args.pages, page, args.rounds, segment)
     finally:
         store.stop()
-    return 0
 
 
-async def run(store, pages: int, page: int, rounds: int, segment: int) -> None:
+async def run(store, pages: int, page: int, rounds: int, segment: int) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore
 
     raw = MooncakeDistributedStore()
@@ -113,7 +114,8 @@ async def run(store, pages: int, page: int, rounds: int, segment: int) -> None:
     print(f"  prefetch ratio (hicache get / raw get) {med['hicache get'] / med['raw get']:.2f}")
     await backend.aclose()
     raw.close()
+    return {"upload": med["hicache set"] / med["raw put"], "prefetch": med["hicache get"] / med["raw get"]}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -82,7 +82,8 @@ def _backend_calls(backend: RedisBackend, keys, pages, targets) -> tuple[Call, C
     return upload, prefetch
 
 
-async def run(url: str, args: argparse.Namespace) -> None:
+async def run(url: str, args: argparse.Namespace) -> list[tuple[int, str, float]]:
+    """Print the table; return (page KiB, op, ratio of `hc auto` to the faster raw way) rows."""
     pool = args.pool
     raw = aioredis.Redis.from_pool(
         aioredis.BlockingConnectionPool.from_url(url, max_connections=pool, timeout=10)
@@ -93,6 +94,7 @@ async def run(url: str, args: argparse.Namespace) -> None:
           f"default pipeline_bytes={DEFAULT_PIPELINE_BYTES}")
     names = ["raw pipe", "raw conc", *strategies]
     print(f"{'page':>7} | {'op':>8} | " + " | ".join(f"{n:>9}" for n in names) + " | ratio")
+    ratios: list[tuple[int, str, float]] = []
     for size_kib in (int(s) for s in args.sizes.split(",")):
         size = size_kib * 1024
         count = max(args.batch, args.mib * 1024 * 1024 // size)
@@ -120,6 +122,7 @@ async def run(url: str, args: argparse.Namespace) -> None:
                         times[name].append(time.perf_counter() - start)
             gbs = {name: size * count / min(t) / 1e9 for name, t in times.items()}
             best_raw = max(gbs["raw pipe"], gbs["raw conc"])
+            ratios.append((size_kib, op, gbs["hc auto"] / best_raw))
             print(f"{size_kib:>5}Ki | {op:>8} | " + " | ".join(f"{gbs[n]:9.2f}" for n in names)
                   + f" | {gbs['hc auto'] / best_raw:5.2f}")
         assert all(bytes(targets[i][0]) == bytes(pages[i]) for i in range(0, count, max(1, count // 8)))
@@ -127,9 +130,11 @@ async def run(url: str, args: argparse.Namespace) -> None:
             await backend.aclose()
         await raw.flushdb()
     await raw.aclose()
+    return ratios
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[tuple[int, str, float]]:
+    """Run the comparison (bench/storage.py --backends redis calls this); returns run()'s rows."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--sizes", default="16,64,256,1024,4096", help="page sizes in KiB")
     parser.add_argument("--mib", type=int, default=16, help="MiB moved per size, op and way")
@@ -137,12 +142,12 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--strategies", default="inf,0", help="pipeline_bytes values to compare")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if redis_server_binary() is None:
         sys.exit("redis-server is not installed (apt-get install redis-server)")
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
         with RedisServer(Path(tmp)) as server:
-            anyio.run(run, server.url, args)
+            return anyio.run(run, server.url, args)
 
 
 if __name__ == "__main__":

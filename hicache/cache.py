@@ -155,6 +155,10 @@ class HiCache:
                     options.setdefault("threads", 0)  # no real threads on virtual time
                 backend = open_backend(cfg.storage, namespace=namespace,
                                        emit=lambda event, **kw: emit(event, **kw), **options)
+                # Backends that move registered memory zero-copy (Mooncake) get the host pool.
+                # Only for a backend this cache owns: the pool must outlive its registration.
+                if hasattr(backend, "register_host_memory"):
+                    backend.register_host_memory(host.buffer.data_ptr(), host.nbytes)
             self.backend = backend
             uploader = UploaderActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
