@@ -19,12 +19,13 @@ class CapacityError(CacheError):
     """Not enough device or host slots even after evicting everything that may be evicted:
     what is left is locked by running requests or protected by in-flight transfers."""
 
-    def __init__(self, tier: str, wanted: int, available: int) -> None:
+    def __init__(self, tier: str, wanted: int, available: int, rid: RequestId | None = None) -> None:
+        who = f" for request {rid!r}" if rid is not None else ""
         super().__init__(
-            f"{tier} capacity: wanted {wanted} tokens, {available} free after eviction "
+            f"{tier} capacity{who}: wanted {wanted} tokens, {available} free after eviction "
             "(the rest is locked by running requests or in flight)"
         )
-        self.tier, self.wanted, self.available = tier, wanted, available
+        self.tier, self.wanted, self.available, self.rid = tier, wanted, available, rid
 
 
 class UnknownRequest(CacheError):
@@ -91,11 +92,12 @@ class PrefetchOutcome:
 
 @_result
 class TierStats:
-    size: int
-    used: int
-    cached_tokens: int
-    evictions: int
-    hit_tokens: int
+    size: int  # slots (tokens) in the tier
+    used: int  # slots held: by the tree, by running requests, by transfers in flight
+    cached_tokens: int  # tokens the tree holds in this tier
+    evictable_tokens: int  # of those, what eviction could free now (unlocked, unprotected)
+    evictions: int  # tokens evicted so far
+    hit_tokens: int  # tokens served from this tier so far
 
 
 @_result

@@ -251,3 +251,26 @@ def test_config_rejects_unsound_combinations():
         CacheConfig(kv="mla:2:64:16:bfloat16", layout="page_head").resolve()
     cfg, rewrites = CacheConfig(io_backend="direct", layout="page_first").resolve()
     assert cfg.layout == "page_first_direct" and rewrites[0].field == "layout"
+
+
+def test_allocate_many_is_all_or_nothing_and_names_the_request():
+    async def main():
+        cfg = virtual_config(device_tokens=64, host_tokens=256)
+        async with HiCache(cfg) as cache:
+            for rid in ("a", "b", "c"):
+                await cache.match(rid, np.arange(100 * ord(rid), 100 * ord(rid) + 8))
+            before = await cache.stats()
+            with pytest.raises(CapacityError) as info:
+                await cache.allocate_many([("a", 30), ("b", 30), ("c", 30)])
+            assert info.value.rid == "c" and "'c'" in str(info.value)
+            after = await cache.stats()
+            assert after.device.used == before.device.used  # a and b gave theirs back
+            # The same requests fit one by one; the partial last page is reused in order.
+            a1 = await cache.allocate("a", 30)
+            a2 = await cache.allocate("a", 2)
+            assert len(a1) == 30 and len(a2) == 2
+            assert a2[0] == a1[-1] + 1  # the 31st and 32nd token share a1's last page
+            await cache.release_many(["a", "b", "c"])
+            assert (await cache.stats()).device.used == 0
+
+    run_virtual(main)

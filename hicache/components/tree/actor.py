@@ -204,7 +204,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         state.host_len = result.host_len
         state.tokens = tokens
         self.counters.device_hit_tokens += len(result.device_slots)
-        pending = tuple(op.handle for op in self._loads.values()) if self._loads else ()
+        pending = self._loads_under(result.last_node) if self._loads else ()
         self.log.info(
             "tree.match", rid=rid, tokens=len(tokens), device_hit=len(result.device_slots),
             host_hit=result.host_len,
@@ -212,6 +212,15 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         return MatchOutcome(
             rid=rid, device_slots=result.device_slots, host_len=result.host_len, pending=pending
         )
+
+    def _loads_under(self, node: NodeId) -> tuple:
+        """Handles of the loads still landing on the path root..node (wait before reading)."""
+        path = set()
+        while node is not None:
+            path.add(node)
+            node = self._tree.parent(node)
+        return tuple(op.handle for op in self._loads.values()
+                     if any(n in path for n in op.plan.nodes))
 
     def _rematch(self, state: RequestState) -> None:
         """Refresh a request's view after its prefix grew in the tree (a prefetch landed)."""
@@ -283,26 +292,35 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ allocation
     async def _alloc_batch(self, sizes) -> tuple[np.ndarray, ...]:
-        out = []
-        page = self._cfg.page_size
+        """Slots for every request of the step, or none: on a CapacityError the requests
+        allocated before the failing one get their slots back, as if the call never was."""
         for rid, n in sizes:
-            state = self._state(rid, "allocate")
+            self._state(rid, "allocate")
             if n < 0:
                 raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
+        out, undo = [], []
+        page = self._cfg.page_size
+        for rid, n in sizes:
+            state = self._requests[rid]
+            before = state.padding
             # Fill the request's partial last page first, so every page stays one device page.
-            reuse, state.padding = state.padding[:n], state.padding[n:]
+            reuse = before[:n]
             rest = n - len(reuse)
             fresh = EMPTY
             if rest:
                 fresh = await self._alloc_device(-(-rest // page) * page)
                 if fresh is None:
-                    state.padding = np.concatenate([reuse, state.padding])
+                    for st, padding, new in reversed(undo):
+                        st.owned.pop()
+                        st.padding = padding
+                        await self._free("device", new)
                     ledger = await self.kernel.request(self._allocator,
                                                        lambda r: LedgerStats(reply=r))
-                    raise CapacityError("device", n, ledger["device"]["available"])
-                state.padding = fresh[rest:]
+                    raise CapacityError("device", n, ledger["device"]["available"], rid=rid)
+            state.padding = np.concatenate([before[n:], fresh[rest:]]) if rest else before[n:]
             slots = np.concatenate([reuse, fresh[:rest]])
             state.owned.append(slots)
+            undo.append((state, before, fresh))
             out.append(slots)
         return tuple(out)
 
@@ -428,9 +446,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         return CacheStats(
             device=TierStats(size=dev["size"], used=dev["used"],
                              cached_tokens=self._tree.cached_tokens("device"),
+                             evictable_tokens=self._tree.evictable_device_tokens(),
                              evictions=c.device_evictions, hit_tokens=c.device_hit_tokens),
             host=TierStats(size=host["size"], used=host["used"],
                            cached_tokens=self._tree.cached_tokens("host"),
+                           evictable_tokens=self._tree.evictable_host_tokens(),
                            evictions=c.host_evictions, hit_tokens=c.host_hit_tokens),
             storage_hit_tokens=c.storage_hit_tokens,
             bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
