@@ -183,20 +183,24 @@ class HiCache:
     async def __aexit__(self, *exc_info) -> bool | None:
         kernel = self._kernel
         assert kernel is not None
+        leak: LedgerImbalance | None = None
         try:
             if exc_info[0] is None and kernel.failure is None:
                 report = await self._until(lambda r: Drain(reply=r, poll=self._polling))
                 self.close_report = report
                 leaked = {t: v["used"] for t, v in report.items() if v["used"]}
                 if leaked:
-                    raise LedgerImbalance(f"slots still held after close: {leaked}")
+                    leak = LedgerImbalance(f"slots still held after close: {leaked}")
         finally:
             try:
-                return await kernel.__aexit__(*exc_info)
+                suppress = await kernel.__aexit__(*exc_info)
             finally:
                 self._streams.close()
                 if self.backend is not None and self._backend_override is None:
                     await self.backend.aclose()
+        if leak is not None:
+            raise leak
+        return suppress
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, make, timeout: float | None = None):

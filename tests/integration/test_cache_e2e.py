@@ -274,3 +274,43 @@ def test_allocate_many_is_all_or_nothing_and_names_the_request():
             assert (await cache.stats()).device.used == 0
 
     run_virtual(main)
+
+
+def test_a_bad_key_or_foreign_slots_fail_only_that_call():
+    async def main():
+        async with HiCache(virtual_config()) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            tokens = np.arange(16, dtype=np.int64)
+            await sched.run([[("a", tokens)]])
+            before = await cache.dump()
+            with pytest.raises(ValueError, match="token id -1"):
+                await cache.match("bad", np.array([1, 2, -1, 4]))
+            await cache.match("x", np.arange(50, 66))
+            mine = await cache.allocate("x", 16)
+            with pytest.raises(ValueError, match="slots allocated to it"):
+                await cache.cache_finished("x", np.arange(50, 66), mine[::-1])  # not in order
+            with pytest.raises(ValueError, match="slots allocated to it"):
+                await cache.cache_unfinished("x", np.arange(50, 58), mine[:8])  # too few
+            await cache.release("x")
+            assert await cache.dump() == before  # the cache still works, nothing changed
+            await sched.run([[("b", tokens)]])
+        return cache.close_report
+
+    report = run_virtual(main)
+    assert report["device"]["used"] == 0
+
+
+def test_close_reports_leaked_slots():
+    from hicache.cache import LedgerImbalance
+    from hicache.messages import Alloc
+
+    async def main():
+        async with HiCache(virtual_config()) as cache:
+            # Slots taken from the ledger behind the tree's back are never given back.
+            taken = await cache.kernel.request(
+                cache.kernel.actors["allocator"].inbox,
+                lambda r: Alloc(tier="device", num_tokens=8, reply=r))
+            assert len(taken) == 8
+
+    with pytest.raises(LedgerImbalance, match="device"):
+        run_virtual(main)

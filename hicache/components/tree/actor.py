@@ -112,7 +112,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
     async def _dispatch(self, msg: TreeInbox) -> None:
         match msg:
             case MatchBatch(items=items, reply=reply):
-                reply.set(tuple(self._match(item.rid, item.tokens) for item in items))
+                await self._answer(reply, self._match_batch(items))
             case LoadBackBatch(rids=rids, reply=reply):
                 await self._answer(reply, self._load_back_batch(rids))
             case AllocBatch(sizes=sizes, reply=reply):
@@ -193,6 +193,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         return self._writes_pending() or bool(self._loads or self._prefetches)
 
     # ------------------------------------------------------------------ match
+    async def _match_batch(self, items) -> tuple[MatchOutcome, ...]:
+        for item in items:  # check every key before any lock moves
+            self._tree.check_key(item.tokens)
+        return tuple(self._match(item.rid, item.tokens) for item in items)
+
     def _match(self, rid: RequestId, tokens) -> MatchOutcome:
         result = self._tree.match(tokens, now=self._now())
         state = self._requests.get(rid)
@@ -368,6 +373,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 await self._free("device", gone.freed)
                 await self._free("host", gone.freed_host)
                 self.counters.device_evictions += len(gone.freed)
+                self.log.info("tree.evict_device", tokens=len(gone.freed), demoted=0,
+                              removed=len(gone.removed), reason="older_than_l2")
                 freed += len(gone.freed)
                 continue
             await self._start_backup(node, evicting=True)
@@ -403,6 +410,17 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         page = self._cfg.page_size
         aligned = len(tokens) // page * page
         own = len(state.prefix_slots)
+        # The slots must be the request's prefix, then exactly the slots allocated to it: any
+        # other slot would hand the tree pages it does not own. Checked before anything moves.
+        if not np.array_equal(slots[:own], state.prefix_slots):
+            raise ValueError(f"request {item.rid!r}: the first {own} device slots must be the "
+                             "prefix slots the cache gave it (match / load_back / cache_unfinished)")
+        allocated = np.concatenate(state.owned) if state.owned else EMPTY
+        if not np.array_equal(slots[own:], allocated):
+            raise ValueError(f"request {item.rid!r}: after its {own}-token prefix, the device slots "
+                             f"must be the {len(allocated)} slots allocated to it, in order; got "
+                             f"{len(slots) - own}")
+        self._tree.check_key(tokens[:aligned])
         result = self._tree.insert(
             tokens[:aligned], slots[:aligned], now=self._now(), chunked=not item.finished
         )

@@ -31,7 +31,9 @@ class BackupFlows:
         host = await self._alloc_host(length)
         if host is None or not self._tree.needs_backup(node):
             await self._free("host", EMPTY if host is None else host)
-            self.log.warning("tree.backup_skipped", node=node, tokens=length, reason="host full")
+            if host is None:
+                self.log.warning("tree.backup_skipped", node=node, tokens=length,
+                                 reason="host_full")
             return False
         self._tree.begin_backup(node, host)
         op = self._op()

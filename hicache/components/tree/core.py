@@ -694,6 +694,10 @@ class RadixTree:
             )
         x.hashes = hashes
 
+    def check_key(self, key: Sequence | np.ndarray) -> None:
+        """Raise TreeError if ``key`` is not a well-formed key for this tree. Does not mutate."""
+        self._codec.encode(key)
+
     def needs_backup(self, node: NodeId) -> bool:
         """True if the node is on the device with no host copy and no backup in flight (a
         write-through candidate that is still worth copying). False for removed ids."""
