@@ -6,8 +6,9 @@
 - `ScriptedScheduler`: a step-by-step serving loop over a `HiCache`.
 - `FaultyBackend` / `BackendFaults`: storage with injected latency, outages and failures.
 - `FaultPlan` (from the data plane): transfer streams with scripted failures and delays.
-- `fill_kv` / `bad_pages`: synthetic KV that is a pure function of page, layer and position, and
-  its check, to prove that what comes back from a lower tier is what went in.
+- `synthetic_compute(cache)`, `bad_prefix_pages`, `kv_seeds` (and the lower-level `fill_kv` /
+  `bad_pages`): synthetic KV that is a pure function of page, layer and position, and its check,
+  to prove that what comes back from a lower tier is what went in.
 """
 
 from hicache.cli.kvfill import count_bad_pages as bad_pages
@@ -17,6 +18,7 @@ from hicache.kernels.faults import FaultPlan
 from hicache.runtime import run_deterministic as run_virtual
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.scheduler import ScriptedScheduler, StepRecord
+from hicache.testing.synthetic import bad_prefix_pages, kv_seeds, synthetic_compute
 
 
 def virtual_config(**overrides):
@@ -31,5 +33,6 @@ def virtual_config(**overrides):
 
 __all__ = [
     "BackendFaults", "FaultPlan", "FaultyBackend", "ScriptedScheduler", "StepRecord",
-    "bad_pages", "fill_kv", "page_seeds", "run_virtual", "virtual_config",
+    "bad_pages", "bad_prefix_pages", "fill_kv", "kv_seeds", "page_seeds", "run_virtual",
+    "synthetic_compute", "virtual_config",
 ]

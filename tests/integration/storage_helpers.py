@@ -12,8 +12,8 @@ from hicache.backends.keys import Namespace, chain_page_hashes
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.results import LoadBackOutcome, PrefetchOutcome
 from hicache.testing import (
-    BackendFaults, FaultyBackend, ScriptedScheduler, bad_pages, fill_kv, page_seeds,
-    virtual_config,
+    BackendFaults, FaultyBackend, ScriptedScheduler, bad_pages, fill_kv, kv_seeds, page_seeds,
+    synthetic_compute, virtual_config,
 )
 
 PAGE = 4
@@ -41,15 +41,10 @@ def slow_memory(cfg, store: MemoryStore, **faults) -> FaultyBackend:
 
 
 def seeds_for(tokens: np.ndarray) -> np.ndarray:
-    whole = len(tokens) // PAGE * PAGE
-    return np.append(page_seeds(chain_page_hashes(tokens[:whole], PAGE)), 0)
+    return kv_seeds(tokens, PAGE)
 
 
-def compute_into(cache: HiCache):
-    def compute(rid, tokens, slots, first):
-        fill_kv(cache.device_pool, slots[first:], seeds_for(tokens), page_size=PAGE, first=first)
-
-    return compute
+compute_into = synthetic_compute
 
 
 async def write(cache: HiCache, rid: str, tokens: np.ndarray) -> None:

@@ -6,32 +6,22 @@ import numpy as np
 import pytest
 
 from hicache import CacheConfig, HiCache
-from hicache.backends.keys import chain_page_hashes
 from hicache.observability import EventLog
 from hicache.results import CapacityError, UnknownRequest
 from hicache.testing import (
-    FaultPlan, ScriptedScheduler, bad_pages, fill_kv, page_seeds, run_virtual, virtual_config,
+    FaultPlan, ScriptedScheduler, bad_prefix_pages, fill_kv, kv_seeds, run_virtual,
+    synthetic_compute, virtual_config,
 )
 
 PAGE = 4
 
 
 def seeds_for(tokens: np.ndarray) -> np.ndarray:
-    whole = len(tokens) // PAGE * PAGE
-    return np.append(page_seeds(chain_page_hashes(tokens[:whole], PAGE)), 0)
+    return kv_seeds(tokens, PAGE)
 
 
-def compute_into(cache: HiCache):
-    """The scheduler's compute step: write each new token's synthetic KV."""
-
-    def compute(rid, tokens, slots, first):
-        fill_kv(cache.device_pool, slots[first:], seeds_for(tokens), page_size=PAGE, first=first)
-
-    return compute
-
-
-def check_prefix(cache: HiCache, tokens: np.ndarray, slots: np.ndarray) -> int:
-    return bad_pages(cache.device_pool, slots, seeds_for(tokens), page_size=PAGE, first=0)
+compute_into = synthetic_compute
+check_prefix = bad_prefix_pages
 
 
 def conversation(turn: int, base: int) -> np.ndarray:
