@@ -78,11 +78,11 @@ def test_best_effort_returns_at_once_with_what_arrived_and_ends_the_op():
             t0 = cache.kernel.now()
             await cache.prefetch("r", TOKENS)
             # The scheduler comes back between the first and the second batch.
-            await anyio.sleep(BATCH_ENDS[0] + LATENCY / 2)
+            await cache.kernel.sleep(BATCH_ENDS[0] + LATENCY / 2)
             asked = cache.kernel.now() - t0
             out = await cache.prefetch_wait("r")
             answered = cache.kernel.now() - t0
-            await anyio.sleep(2.0)  # long after the whole prefetch would have finished
+            await cache.kernel.sleep(2.0)  # long after the whole prefetch would have finished
             m = await cache.match("r", TOKENS)
             reads = backend.calls["get_into"]
             await cache.release("r")
@@ -166,7 +166,7 @@ def test_closing_with_prefetches_in_flight_balances_the_ledgers():
         async with reader(store, prefetch_policy="wait_complete") as cache:
             await cache.match("r", TOKENS)
             await cache.prefetch("r", TOKENS)
-            await anyio.sleep(BATCH_ENDS[1])  # mid-way
+            await cache.kernel.sleep(BATCH_ENDS[1])  # mid-way
         return cache.close_report
 
     report = run_virtual(main)
@@ -180,7 +180,7 @@ def test_what_arrives_after_the_request_left_still_lands_in_l2():
             await cache.match("gone", TOKENS)
             await cache.prefetch("gone", TOKENS)
             await cache.release("gone")
-            await anyio.sleep(2.0)
+            await cache.kernel.sleep(2.0)
             got = await fetch(cache, "next", TOKENS)
             return got, await cache.stats()
 
@@ -212,7 +212,7 @@ def test_revoke_below_threshold_returns_the_host_slots():
             started = await cache.prefetch("r", TOKENS)
             during = await cache.stats()
             out = await cache.prefetch_wait("r")
-            await anyio.sleep(1.0)  # any read in flight at the revoke has returned
+            await cache.kernel.sleep(1.0)  # any read in flight at the revoke has returned
             after = await cache.stats()
             m = await cache.match("r", TOKENS)
             await cache.release("r")
@@ -241,7 +241,7 @@ def test_rate_limit_bounds_prefetch_tokens_in_flight():
             first = await cache.prefetch_many(zip(rids, sequences))
             inflight = sum(o.wanted_tokens for o in first if o.state == "running")
             outs = [await cache.prefetch_wait(rid) for rid in rids]
-            await anyio.sleep(1.0)  # every read is over: the window is empty again
+            await cache.kernel.sleep(1.0)  # every read is over: the window is empty again
             again = await cache.prefetch("r2", sequences[2])
             last = await cache.prefetch_wait("r2")
             await cache.release_many(rids)
