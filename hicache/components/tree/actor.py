@@ -305,15 +305,23 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
         out, undo = [], []
         page = self._cfg.page_size
-        for rid, n in sizes:
+        # One ledger round trip for the whole step when the free slots suffice (the common
+        # case); per request, with eviction, only when they do not.
+        wanted = [-(-max(0, n - len(self._requests[rid].padding)) // page) * page
+                  for rid, n in sizes]
+        pooled = await self._alloc("device", sum(wanted)) if sum(wanted) else None
+        offset = 0
+        for (rid, n), want in zip(sizes, wanted):
             state = self._requests[rid]
             before = state.padding
             # Fill the request's partial last page first, so every page stays one device page.
             reuse = before[:n]
             rest = n - len(reuse)
             fresh = EMPTY
-            if rest:
-                fresh = await self._alloc_device(-(-rest // page) * page)
+            if rest and pooled is not None:
+                fresh, offset = pooled[offset:offset + want], offset + want
+            elif rest:
+                fresh = await self._alloc_device(want)
                 if fresh is None:
                     for st, padding, new in reversed(undo):
                         st.owned.pop()
@@ -398,9 +406,13 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ insert
     async def _cache_batch(self, items) -> tuple[CacheOutcome, ...]:
-        return tuple([await self._cache(item) for item in items])
+        candidates: list[NodeId] = []
+        try:
+            return tuple([await self._cache(item, candidates) for item in items])
+        finally:  # what was inserted is backed up even if a later item was refused
+            await self._start_backups(candidates)
 
-    async def _cache(self, item) -> CacheOutcome:
+    async def _cache(self, item, candidates: list[NodeId]) -> CacheOutcome:
         state = self._state(item.rid, "cache")
         tokens, slots = item.tokens, np.asarray(item.device_slots, dtype=np.int64)
         if len(slots) != len(tokens):
@@ -428,8 +440,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         # cached meanwhile are duplicates and go back to the ledger.
         await self._free("device", slots[own:max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
-        for node in result.backup_candidates:
-            await self._start_backup(node, evicting=False)
+        candidates.extend(result.backup_candidates)  # backed up for the whole step at once
         if item.finished:
             await self._free("device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)

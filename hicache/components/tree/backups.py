@@ -35,6 +35,27 @@ class BackupFlows:
                 self.log.warning("tree.backup_skipped", node=node, tokens=length,
                                  reason="host_full")
             return False
+        await self._issue_backup(node, host)
+        return True
+
+    async def _start_backups(self, nodes) -> None:
+        """Write-through backups for a whole step: one host allocation for all of them when
+        credits and free slots allow, else one by one."""
+        todo = [n for n in dict.fromkeys(nodes) if self._tree.needs_backup(n)]
+        lengths = [self._tree.device_len(n) for n in todo]
+        pooled = None
+        if len(todo) > 1 and len(todo) <= self._write_credits:
+            pooled = await self._alloc("host", sum(lengths))
+        if pooled is None:
+            for node in todo:
+                await self._start_backup(node, evicting=False)
+            return
+        offset = 0
+        for node, length in zip(todo, lengths):
+            await self._issue_backup(node, pooled[offset:offset + length])
+            offset += length
+
+    async def _issue_backup(self, node: NodeId, host) -> None:
         self._tree.begin_backup(node, host)
         op = self._op()
         self._write_credits -= 1
@@ -42,8 +63,7 @@ class BackupFlows:
         self._writes[op] = WriteOp(node=node, host_slots=host, done=done)
         await self._writer.send(Backup(op=op, device_slots=self._tree.device_slots(node),
                                        host_slots=host, reply=done))
-        self.counters.d2h_bytes += length * self._bpt
-        return True
+        self.counters.d2h_bytes += len(host) * self._bpt
 
     async def _await_write(self, op_id: OpId) -> None:
         """Wait until the write `op_id` is applied: writes complete in order, so wait for the
