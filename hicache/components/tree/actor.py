@@ -305,11 +305,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
         out, undo = [], []
         page = self._cfg.page_size
-        # One ledger round trip for the whole step when the free slots suffice (the common
-        # case); per request, with eviction, only when they do not.
+        # One allocation (evicting as needed) for the whole step; request by request only when
+        # the step does not fit, to find which request does not.
         wanted = [-(-max(0, n - len(self._requests[rid].padding)) // page) * page
                   for rid, n in sizes]
-        pooled = await self._alloc("device", sum(wanted)) if sum(wanted) else None
+        pooled = await self._alloc_device(sum(wanted)) if sum(wanted) else None
         offset = 0
         for (rid, n), want in zip(sizes, wanted):
             state = self._requests[rid]
