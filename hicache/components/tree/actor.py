@@ -82,6 +82,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         self._timers_fired: set[OpId] = set()
         self._flush_waiters: list = []  # answered when no write is pending
         self._drain_waiters: list = []  # answered when nothing at all is in flight
+        self._frees: dict[str, list[np.ndarray]] = {"device": [], "host": []}  # not yet sent
         self._next_op = 0
         self._tick = 0  # frontend calls so far: the tree's clock across TP ranks
         self.counters = Counters()
@@ -108,6 +109,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             await self._sync_point()  # frontend calls reach every rank in the same order
             await self._dispatch(msg)
         await self._settle()
+        await self._send_frees()
 
     async def _dispatch(self, msg: TreeInbox) -> None:
         match msg:
@@ -327,8 +329,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                         st.owned.pop()
                         st.padding = padding
                         await self._free("device", new)
-                    ledger = await self.kernel.request(self._allocator,
-                                                       lambda r: LedgerStats(reply=r))
+                    ledger = await self._ledgers()
                     raise CapacityError("device", n, ledger["device"]["available"], rid=rid)
             state.padding = np.concatenate([before[n:], fresh[rest:]]) if rest else before[n:]
             slots = np.concatenate([reuse, fresh[:rest]])
@@ -338,13 +339,27 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         return tuple(out)
 
     async def _alloc(self, tier: str, n: int) -> np.ndarray | None:
+        await self._send_frees()  # the ledger must see what was freed before it allocates
         return await self.kernel.request(
             self._allocator, lambda reply: Alloc(tier=tier, num_tokens=n, reply=reply)
         )
 
     async def _free(self, tier: str, slots: np.ndarray) -> None:
+        """Give slots back to the ledger. Batched: sent as one Free per tier before the next
+        allocation or at the end of the message being handled."""
         if len(slots):
-            await self._allocator.send(Free(tier=tier, slots=slots))
+            self._frees[tier].append(slots)
+
+    async def _ledgers(self) -> dict:
+        await self._send_frees()
+        return await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
+
+    async def _send_frees(self) -> None:
+        for tier, parts in self._frees.items():
+            if parts:
+                slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                parts.clear()
+                await self._allocator.send(Free(tier=tier, slots=slots))
 
     async def _alloc_device(self, n: int) -> np.ndarray | None:
         """Device slots for n tokens: evict L1 (backing up first where the policy says so),
@@ -469,7 +484,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ stats and close
     async def _stats(self) -> CacheStats:
-        ledgers = await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
+        ledgers = await self._ledgers()
         c = self.counters
         dev, host = ledgers["device"], ledgers["host"]
         return CacheStats(
@@ -493,4 +508,4 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         freed = self._tree.clear()
         await self._free("device", freed.device)
         await self._free("host", freed.host)
-        return await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
+        return await self._ledgers()
