@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay":
         from hicache.cli.replay import run
 
-        return run(args)
+        try:
+            return run(args)
+        except (ValueError, OSError) as exc:  # bad flags, trace or storage: say which, no trace
+            print(f"hicache replay: error: {exc}", file=sys.stderr)
+            return 2
     return 2
 
 
