@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--device-tokens", type=int, default=200_000)
     ap.add_argument("--host-tokens", type=int, default=400_000)
     ap.add_argument("--kv", default="mha:2:1:32:float16")
+    ap.add_argument("--cpu-transfers", choices=("thread", "inline"), default="thread",
+                    help="the cache's CPU copies: a worker thread per direction, or inline")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each path, alternating; the best of each is reported")
     args = ap.parse_args()
@@ -174,7 +176,8 @@ def main() -> None:
     device_tokens = args.device_tokens // args.page_size * args.page_size
     host_tokens = args.host_tokens // args.page_size * args.page_size
     cfg = CacheConfig(kv=args.kv, page_size=args.page_size, device_tokens=device_tokens,
-                      host_tokens=host_tokens, write_policy="write_through", eviction="lru")
+                      host_tokens=host_tokens, write_policy="write_through", eviction="lru",
+                      cpu_transfers=args.cpu_transfers)
     direct_runs, actor_runs = [], []
     for _ in range(args.repeat):  # alternate, so drift on a shared machine hits both alike
         direct_runs.append(direct_path(cfg, requests, args.batch))
@@ -184,7 +187,8 @@ def main() -> None:
     n = len(requests)
     tokens = sum(r.input_length for r in requests)
     print(f"trace {Path(args.trace).name}: {n} requests, batch {args.batch}, page {args.page_size}, "
-          f"{device_tokens} device + {host_tokens} host tokens, kv {args.kv}")
+          f"{device_tokens} device + {host_tokens} host tokens, kv {args.kv}, "
+          f"cache CPU transfers: {args.cpu_transfers}")
     print(f"{'path':<8} {'us/request':>11} {'L1 hit':>8} {'L2 hit':>8}")
     print(f"{'direct':<8} {direct_s / n * 1e6:>11.1f} {d_dev / tokens:>8.4f} {d_host / tokens:>8.4f}")
     print(f"{'actors':<8} {actor_s / n * 1e6:>11.1f} {a_dev / tokens:>8.4f} {a_host / tokens:>8.4f}")

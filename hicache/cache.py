@@ -101,10 +101,14 @@ class HiCache:
         if self._streams_override is not None:
             streams, selection = self._streams_override, None
         else:
+            inline = cfg.cpu_transfers == "inline" and device.device.type == "cpu"
+            # Inline CPU copies are the virtual streams with no modelled time: bytes move at
+            # submit, completion is reported on the next turn of the loop.
             streams, selection = make_streams(
                 device, host, io=cfg.io_backend,
-                prefer="virtual" if cfg.deterministic else "auto",
-                schedule=kernel.call_later, bandwidth=cfg.transfer_bandwidth,
+                prefer="virtual" if cfg.deterministic or inline else "auto",
+                schedule=kernel.call_later,
+                bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
                 fault=self._transfer_faults,
             )
         self._streams = streams

@@ -38,6 +38,10 @@ class CacheConfig:
     host_tokens: int | None = None  # default: 2 x device_tokens (the seed's hicache_ratio)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] = "page_first"
+    # Without CUDA: copy on a worker thread per direction ("thread", overlaps a forward pass
+    # running in other threads) or on the event loop at submit ("inline", no thread hand-offs;
+    # completion is reported on the next loop turn).
+    cpu_transfers: Literal["thread", "inline"] = "thread"
     io_backend: Literal["kernel", "direct"] = "kernel"
 
     eviction: str = "lru"
@@ -87,6 +91,7 @@ class CacheConfig:
         _check_choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _check_choice("layout", self.layout, LAYOUTS)
         _check_choice("io_backend", self.io_backend, IO_BACKENDS)
+        _check_choice("cpu_transfers", self.cpu_transfers, ("thread", "inline"))
         _check_positive("page_size", self.page_size)
         _check_positive("device_tokens", self.device_tokens)
         _check_positive("channel_capacity", self.channel_capacity)

@@ -304,3 +304,26 @@ def test_close_reports_leaked_slots():
 
     with pytest.raises(LedgerImbalance, match="device"):
         run_virtual(main)
+
+
+@pytest.mark.parametrize("cpu_transfers", ["thread", "inline"])
+def test_production_mode_round_trip_through_l2(cpu_transfers):
+    import anyio
+
+    async def main():
+        cfg = virtual_config(deterministic=False, device_tokens=48, host_tokens=256,
+                             write_policy="write_through", cpu_transfers=cpu_transfers)
+        async with HiCache(cfg) as cache:
+            sched = ScriptedScheduler(cache, compute=compute_into(cache))
+            script = [[(f"c{c}t{t}", conversation(t, 1000 * c))] for t in range(3) for c in range(3)]
+            records = await sched.run(script)
+            assert any(r.loaded for r in records)
+            tokens = conversation(2, 0)
+            await cache.match("check", tokens)
+            lb = await cache.load_back("check")
+            if lb.handle is not None:
+                await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
+            assert check_prefix(cache, tokens, lb.device_slots) == 0
+            await cache.release("check")
+
+    anyio.run(main, backend="asyncio")
