@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test bench services clean
+.PHONY: run test bench services gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: $(STAMP) services
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(VPY) $$b || exit 1; done
+
+# Wheels the lent GPU machine's image lacks (it has torch, anyio, numpy, cuda-bindings, pytest,
+# hypothesis; no network): carried with bench/gpu_check.sh.
+gpu-wheels: $(STAMP)
+	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux_2_28_x86_64 -d .gpu-wheels structlog trio outcome isal
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
