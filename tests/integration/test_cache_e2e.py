@@ -321,8 +321,9 @@ def test_production_mode_round_trip_through_l2(cpu_transfers):
             tokens = conversation(2, 0)
             await cache.match("check", tokens)
             lb = await cache.load_back("check")
-            if lb.handle is not None:
-                await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
+            assert lb.handle is not None
+            for layer in range(cache.device_pool.geometry.layers):
+                lb.handle.wait(layer)  # the engine's synchronous per-layer wait, both modes
             assert check_prefix(cache, tokens, lb.device_slots) == 0
             await cache.release("check")
 
