@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--device-tokens", type=int, default=200_000)
     ap.add_argument("--host-tokens", type=int, default=400_000)
     ap.add_argument("--kv", default="mha:2:1:32:float16")
-    ap.add_argument("--cpu-transfers", choices=("thread", "inline"), default="thread",
+    ap.add_argument("--cpu-transfers", choices=("thread", "inline"), default="inline",
                     help="the cache's CPU copies: a worker thread per direction, or inline")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each path, alternating; the best of each is reported")

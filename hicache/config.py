@@ -38,10 +38,11 @@ class CacheConfig:
     host_tokens: int | None = None  # default: 2 x device_tokens (the seed's hicache_ratio)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] = "page_first"
-    # Without CUDA: copy on a worker thread per direction ("thread", overlaps a forward pass
-    # running in other threads) or on the event loop at submit ("inline", no thread hand-offs;
-    # completion is reported on the next loop turn).
-    cpu_transfers: Literal["thread", "inline"] = "thread"
+    # Without CUDA: copy on the event loop at submit ("inline": no thread hand-offs, every
+    # layer has landed when the load is answered) or on a worker thread per direction
+    # ("thread": overlaps compute running in other threads; on 2 cores the hand-offs cost more
+    # than they buy, see docs/benchmarks.md "Control plane").
+    cpu_transfers: Literal["thread", "inline"] = "inline"
     io_backend: Literal["kernel", "direct"] = "kernel"
 
     eviction: str = "lru"

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="mha:LAYERS:HEADS:DIM:DTYPE or mla:LAYERS:RANK:ROPE:DTYPE")
     r.add_argument("--layout", default="page_first")
     r.add_argument("--io", default="kernel", choices=("kernel", "direct"))
+    r.add_argument("--cpu-transfers", default=None, choices=("thread", "inline"),
+                   help="without CUDA: copies on worker threads or inline (default: the config's)")
     r.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
     r.add_argument("--deterministic", action="store_true",
                    help="virtual time and simulated transfers: identical runs, identical logs")

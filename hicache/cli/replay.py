@@ -197,6 +197,7 @@ def run(args) -> int:
             exclusive=args.exclusive, storage=None if storage == "none" else storage,
             prefetch_policy=args.prefetch_policy, deterministic=args.deterministic,
             seed=args.seed, layout=args.layout, io_backend=args.io,
+            **({"cpu_transfers": args.cpu_transfers} if args.cpu_transfers else {}),
         )
         events_file = open(args.events, "w", encoding="utf-8") if args.events else None
         try:
