@@ -6,10 +6,13 @@ the same bytes measured in the same run.
     python bench/transfer.py --device cuda        # host<->GPU vs one contiguous pinned copy
 
 Slots are random whole pages on both sides (a fragmented pool: the worst realistic case).
-`ratio` = contiguous-copy time / transfer time (1.0 = as fast as one memcpy of those bytes);
-each is the best of `--reps` runs, transfer and reference alternating. Both use
-`torch.get_num_threads()` threads (the reference is torch's `copy_`; the CPU engine splits a
-large move over that many threads): `--threads 1` compares single-threaded.
+Directions: `load` = every layer host->device, one layer at a time (the layer-wise primitive);
+`loadall` = every layer in one move (what inline CPU streams run); `backup` = every layer
+device->host in one move. `ratio` = contiguous-copy time / transfer time (1.0 = as fast as one
+memcpy of those bytes); each is the best of `--reps` runs, transfer and reference alternating.
+The reference is torch's `copy_` on `torch.get_num_threads()` threads; the CPU engine uses its
+own copy threads (`--copy-threads`; its default: 2 with the compiled row copier, `--numpy`
+runs without it).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from hicache.kernels import DevicePool, HostPool, parse_geometry, plan_transfer, run_backup, run_load_layer
+from hicache.kernels import DevicePool, HostPool, parse_geometry, plan_transfer, run_backup, run_load_all, run_load_layer
 from hicache.kernels.engines import CpuEngine, engine_for
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -57,7 +60,8 @@ def main() -> None:
     parser.add_argument("--io", default="kernel,direct")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
-    parser.add_argument("--copy-threads", type=int, default=1, help="CPU engine copy threads per move")
+    parser.add_argument("--copy-threads", type=int, default=0, help="CPU engine copy threads per move (0: its default)")
+    parser.add_argument("--numpy", action="store_true", help="CPU engine without the compiled row copier")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -68,8 +72,15 @@ def main() -> None:
     nbytes = args.tokens * g.bytes_per_token
     sync = torch.cuda.synchronize if device_kind.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
+    def cpu_engine() -> CpuEngine:
+        return CpuEngine(threads=args.copy_threads or None, native=False if args.numpy else None)
+
+    copier = "n/a"
+    if device_kind.type == "cpu":
+        probe = cpu_engine()
+        copier = f"{'compiled' if probe.native else 'numpy'} rows, {probe.threads} thread(s)"
     print(f"geometry {g.spec()}  tokens {args.tokens}  bytes {nbytes / 2**20:.0f} MiB  device {device_kind}  "
-          f"torch threads {torch.get_num_threads()}  copy threads {args.copy_threads}")
+          f"torch threads {torch.get_num_threads()}  CPU copies: {copier}")
     # reference: one contiguous copy of the same bytes (host->device and device->host on CUDA)
     pinned = device_kind.type == "cuda"
     host_ref = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -77,6 +88,7 @@ def main() -> None:
     copies = {
         "load": lambda: dev_ref.copy_(host_ref, non_blocking=True),
         "backup": lambda: host_ref.copy_(dev_ref, non_blocking=True),
+        "loadall": lambda: dev_ref.copy_(host_ref, non_blocking=True),
     }
     print("reference: one contiguous copy of the same bytes, timed alternately with every row (shared machines drift)")
     print(f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'ratio':>6}")
@@ -91,18 +103,22 @@ def main() -> None:
             dev_slots = (rng.permutation(pages)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
             host_slots = (rng.choice(2 * pages, pages, replace=False)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
             for io in args.io.split(","):
-                engine = CpuEngine(threads=args.copy_threads) if device_kind.type == "cpu" else engine_for(device_kind)
+                engine = cpu_engine() if device_kind.type == "cpu" else engine_for(device_kind)
 
                 def load() -> None:
                     plan = plan_transfer(host, device, host_slots, dev_slots)
                     for layer in range(g.layers):
                         run_load_layer(plan, host, device, layer, io, engine)
 
+                def load_all() -> None:
+                    plan = plan_transfer(host, device, host_slots, dev_slots)
+                    run_load_all(plan, host, device, io, engine)
+
                 def back() -> None:
                     plan = plan_transfer(host, device, host_slots, dev_slots)
                     run_backup(plan, device, host, io, engine)
 
-                for direction, fn in (("load", load), ("backup", back)):
+                for direction, fn in (("load", load), ("loadall", load_all), ("backup", back)):
                     seconds, reference = best_interleaved(args.reps, fn, copies[direction], sync)
                     print(f"{layout:<18} {io:<7} {direction:<7} {ps:>4} {nbytes / seconds / 1e9:>7.2f} "
                           f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f}", flush=True)

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from hicache.kernels.rows import (SCRATCH_BYTES, RowPlan, common_row, copy_rows, page_rows_of, plan_rows, row_space,
+from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.rows import (SCRATCH_BYTES, RowPlan, common_row, copy_rows, page_rows_of, plan_pairs, plan_rows, row_space,
                                   split_rows)
 
 _CACHED_ROWS = 1 << 22
@@ -34,6 +36,10 @@ _MIN_ROW_BYTES = 256
 _PARALLEL_BYTES = 4 << 20
 """Moves at least this large are split over the engine's `threads`."""
 
+_STREAMING_BYTES = 4 << 20
+"""Moves at least this large (twice this machine's L2) bypass the cache on the destination
+side (compiled copier only): they would evict more than they leave behind."""
+
 
 class CpuEngine:
     """Host-memory copies as batched row copies (rows.py): a move of every (layer, component)
@@ -46,10 +52,21 @@ class CpuEngine:
     kind = "cpu"
     max_run_copies = 64
 
-    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int = 1,
-                 parallel_bytes: int = _PARALLEL_BYTES):
-        """`threads`: copy threads per large move. One by default: on a 2-core host shared
-        with other work, a second copy thread measured slower (docs/benchmarks.md)."""
+    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int | None = None,
+                 parallel_bytes: int = _PARALLEL_BYTES, native: bool | None = None):
+        """`native`: use the compiled row copier (native.py): None = where it builds, True =
+        required (RuntimeError naming why it is unavailable), False = numpy only.
+        `threads`: copy threads per move of at least `parallel_bytes`. Default: two (one
+        where the host has one core) with the compiled copier, whose scattered-row gathers
+        are latency-bound and gain 1.3-1.7x from a second thread; one with numpy, where a
+        second thread measured slower (docs/benchmarks.md "Transfers")."""
+        self.native = None if native is False else native_rows()
+        if native and self.native is None:
+            raise RuntimeError(f"native row copies unavailable: {unavailable_reason()}")
+        if threads is None:
+            threads = min(2, os.cpu_count() or 1) if self.native is not None else 1
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
         self._scratch_bytes = scratch_bytes
         self._threads = threads
         self._parallel_bytes = parallel_bytes
@@ -59,6 +76,10 @@ class CpuEngine:
         self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
         self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
         self._cached_rows = 0
+
+    @property
+    def threads(self) -> int:
+        return self._threads
 
     def host_words(self, host) -> torch.Tensor:
         return host.buffer
@@ -75,7 +96,10 @@ class CpuEngine:
         hit = self._plans.get(key)
         if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
             return hit[2]
-        plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
+        if self.native is not None:
+            plan = plan_pairs(dst, dst_pages.numpy(), src, src_pages.numpy(), by_dst=host_is_dst)
+        else:
+            plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
         while self._plans and self._cached_rows + plan.pairs > _CACHED_ROWS:
             self._cached_rows -= self._plans.pop(next(iter(self._plans)))[2].pairs
         if plan.pairs <= _CACHED_ROWS:
@@ -109,6 +133,7 @@ class CpuEngine:
             self._scratches = [np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)
                                for _ in range(max(parts, len(self._scratches)))]
         bounds = [n * i // parts for i in range(parts + 1)]
+        streaming = n * row_bytes >= _STREAMING_BYTES
         if parts > 1:
             if self._helper_count < parts - 1:
                 if self._helpers is not None:
@@ -116,9 +141,11 @@ class CpuEngine:
                 self._helpers = ThreadPoolExecutor(parts - 1, thread_name_prefix="hicache-copy")
                 self._helper_count = parts - 1
             helping = [self._helpers.submit(copy_rows, dst.array, src.array, plan, self._scratches[i],
-                                            bounds[i], bounds[i + 1]) for i in range(1, parts)]
+                                            bounds[i], bounds[i + 1], native=self.native, streaming=streaming)
+                       for i in range(1, parts)]
         try:
-            copy_rows(dst.array, src.array, plan, self._scratches[0], bounds[0], bounds[1])
+            copy_rows(dst.array, src.array, plan, self._scratches[0], bounds[0], bounds[1],
+                      native=self.native, streaming=streaming)
         finally:
             if parts > 1:
                 for future in helping:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from hicache.kernels.geometry import Geometry, dtype_name
+from hicache.kernels.memory import cpu_bytes
 from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
 
 
@@ -85,10 +86,13 @@ class DevicePool:
         if size <= 0 or size % page_size:
             raise ValueError(f"device pool size {size} must be a positive multiple of page_size {page_size}")
         shape = (size, geometry.row_heads, geometry.row_dim)
-        buffers = [
-            [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.components)]
-            for _ in range(geometry.layers)
-        ]
+
+        def zeros() -> torch.Tensor:
+            if torch.device(device).type != "cpu":
+                return torch.zeros(shape, dtype=geometry.dtype, device=device)
+            return cpu_bytes(math.prod(shape) * geometry.itemsize).view(geometry.dtype).view(shape)
+
+        buffers = [[zeros() for _ in range(geometry.components)] for _ in range(geometry.layers)]
         return cls(geometry, page_size, buffers)
 
     @classmethod
@@ -161,7 +165,7 @@ class HostPool:
         self.layout = layout
         self.pinned = pin
         self.nbytes = size * geometry.bytes_per_token
-        self.buffer: torch.Tensor = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
 

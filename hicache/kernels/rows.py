@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hicache.kernels.native import NativeRows
+
 SCRATCH_BYTES = 1 << 20
 """Staged copies gather this many bytes at a time: small enough to stay in L2 between the
 gather and the scatter, large enough that per-call overhead is noise."""
@@ -183,6 +185,16 @@ def _page_blocks(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: n
                    tuple((starts * within.size).tolist()) + (s.size,), tuple(first.tolist()))
 
 
+def plan_pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
+               by_dst: bool) -> RowPlan:
+    """All row pairs in one list sorted by the destination (`by_dst`) or the source: the plan
+    for the compiled copier, which moves any pair list in one pass. Sorting by the host side
+    walks host memory upward, which measured 20-25 % faster than walking the device side when
+    host rows are short and strided (page_first, page_head). Pure."""
+    d, s = _pairs(dst, dst_pages, src, src_pages, by_dst=by_dst)
+    return RowPlan(d, s, "staged")
+
+
 def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
               prefer_dst_order: bool, block_bytes: int = BLOCK_BYTES) -> RowPlan:
     """Row pairs for `dst[dst_pages] = src[src_pages]` (rows distinct on each side). A single
@@ -207,13 +219,18 @@ def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.n
 
 
 def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarray,
-              lo: int = 0, hi: int | None = None) -> None:
+              lo: int = 0, hi: int | None = None, *, native: NativeRows | None = None,
+              streaming: bool = False) -> None:
     """Copy pairs `lo:hi` (default: all) of `plan` from `src` to `dst` (C-contiguous row
-    arrays of one dtype); `scratch` is a 1-D uint8 buffer of at least one row. Disjoint pair
-    ranges may run on different threads with different scratch buffers (numpy releases the
-    GIL). Mutates `dst` (and `scratch`)."""
+    arrays of one dtype); `scratch` is a 1-D uint8 buffer of at least one row. With `native`
+    (the compiled copier) every mode is one pass without scratch, `streaming` past the cache.
+    Disjoint pair ranges may run on different threads with different scratch buffers (numpy
+    and the copier release the GIL). Mutates `dst` (and `scratch`)."""
     hi = plan.pairs if hi is None else hi
     if hi <= lo:
+        return
+    if native is not None:
+        _copy_native(native, dst, src, plan, lo, hi, streaming)
         return
     if plan.mode == "blocks":
         for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.firsts):
@@ -237,3 +254,21 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarr
         part = stage[: b - a]
         np.take(src, plan.src_rows[a:b], axis=0, out=part, mode="wrap")
         dst[plan.dst_rows[a:b]] = part
+
+
+def _copy_native(native: NativeRows, dst: np.ndarray, src: np.ndarray, plan: RowPlan, lo: int, hi: int,
+                 streaming: bool) -> None:
+    """`copy_rows` through the compiled copier: one call per block (blocks, put) or for the
+    whole range (staged pairs need no staging here)."""
+    if plan.mode == "staged":
+        native.copy(dst, src, plan.dst_rows[lo:hi], 0, plan.src_rows[lo:hi], 0, hi - lo, streaming=streaming)
+        return
+    for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.firsts):
+        a, b = max(start, lo), min(end, hi)
+        if a >= b:
+            continue
+        first = block_first + a - start
+        if plan.mode == "blocks":
+            native.copy(dst, src, None, first, plan.src_rows[a:b], 0, b - a, streaming=streaming)
+        else:
+            native.copy(dst, src, plan.dst_rows[a:b], 0, None, first, b - a, streaming=streaming)

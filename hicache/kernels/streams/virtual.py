@@ -21,7 +21,7 @@ from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import (
     FaultHook, FaultPoint, LayerNotReady, OnDone, TransferFailed, check_layer,
 )
-from hicache.kernels.transfer import check_io, run_backup, run_load_layer
+from hicache.kernels.transfer import check_io, run_backup, run_load_all
 
 Schedule = Callable[[float, Callable[[], None]], None]
 
@@ -152,9 +152,8 @@ class VirtualStreams:
         job = self._load_jobs
         self._load_jobs += 1
         copy_error: BaseException | None = None
-        try:
-            for layer in range(layers):
-                run_load_layer(plan, self.host_pool, self.device_pool, layer, self.io, self._engine)
+        try:  # all layers in one move: they are all copied before any completion is reported
+            run_load_all(plan, self.host_pool, self.device_pool, self.io, self._engine)
         except Exception as exc:
             copy_error = exc
         layer_bytes = plan.tokens * self.device_pool.geometry.bytes_per_token // layers

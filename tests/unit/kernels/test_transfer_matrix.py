@@ -1,5 +1,6 @@
-"""Every layout x io x direction x MHA/MLA x dtype x page size against a naive per-token copy,
-on random non-contiguous page sets; untouched bytes must stay as they were."""
+"""Every layout x io x direction x MHA/MLA x dtype x page size x CPU copier (compiled rows,
+numpy rows) against a naive per-token copy, on random non-contiguous page sets; untouched
+bytes must stay as they were."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels import DevicePool, HostPool, MHAGeometry, MLAGeometry, backup, load_layer
+from hicache.kernels import DevicePool, HostPool, MHAGeometry, MLAGeometry, backup, load_layer, plan_transfer, run_load_all
+from hicache.kernels.engines import CpuEngine
+from hicache.kernels.native import native_rows, unavailable_reason
 from tests.unit.kernels.reference import naive_backup, naive_load, randomize, random_page_slots
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -28,6 +31,14 @@ CASES = [
     for layout, io, kind, dtype, ps in itertools.product(LAYOUTS, ["kernel", "direct"], ["mha", "mla"], DTYPES, [1, 16, 64])
     if not (layout == "page_head" and kind == "mla")
 ]
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def engine(request) -> CpuEngine:
+    """The CPU engine with each row copier; both must move exactly the same bytes."""
+    if request.param == "compiled" and native_rows() is None:
+        pytest.skip(f"compiled row copier unavailable: {unavailable_reason()}")
+    return CpuEngine(native=request.param == "compiled")
 
 
 def pools(layout, kind, dtype, ps, seed):
@@ -52,12 +63,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("layout,io,kind,dtype,ps", CASES)
-def test_load_layer_matches_naive(layout, io, kind, dtype, ps):
+def test_load_layer_matches_naive(layout, io, kind, dtype, ps, engine):
     g, device, host, device_slots, host_slots = pools(layout, kind, dtype, ps, seed=ps + len(layout))
     expected = DevicePool.wrap(g, ps, **_wrap_kwargs(g, snapshot(device)))
     host_before = host.buffer.clone()
     for layer in range(g.layers):
-        load_layer(host, device, torch.from_numpy(host_slots), device_slots, layer, io=io)
+        load_layer(host, device, torch.from_numpy(host_slots), device_slots, layer, io=io, engine=engine)
         naive_load(host, expected, host_slots, device_slots, layer)
         for l in range(g.layers):  # layers not loaded yet are untouched, loaded ones match
             for c in range(g.components):
@@ -66,7 +77,7 @@ def test_load_layer_matches_naive(layout, io, kind, dtype, ps):
 
 
 @pytest.mark.parametrize("layout,io,kind,dtype,ps", CASES)
-def test_backup_matches_naive(layout, io, kind, dtype, ps):
+def test_backup_matches_naive(layout, io, kind, dtype, ps, engine):
     g, device, host, device_slots, host_slots = pools(layout, kind, dtype, ps, seed=3 * ps + len(layout))
     expected = host.buffer.clone()
     device_before = snapshot(device)
@@ -75,9 +86,22 @@ def test_backup_matches_naive(layout, io, kind, dtype, ps):
         geometry, layout, size, page_size, buffer = g, host.layout, host.size, host.page_size, expected
 
     naive_backup(device, Shadow, device_slots, host_slots)
-    backup(device, host, device_slots, torch.from_numpy(host_slots), io=io)
+    backup(device, host, device_slots, torch.from_numpy(host_slots), io=io, engine=engine)
     assert torch.equal(host.buffer, expected)
     assert all(same_bytes(device.buffer(l, c), device_before[l][c]) for l in range(g.layers) for c in range(g.components))
+
+
+@pytest.mark.parametrize("layout,io,kind,dtype,ps", [c for c in CASES if c.values[3] in (torch.float16, torch.float8_e4m3fn)])
+def test_load_all_matches_naive(layout, io, kind, dtype, ps, engine):
+    g, device, host, device_slots, host_slots = pools(layout, kind, dtype, ps, seed=5 * ps + len(layout))
+    expected = DevicePool.wrap(g, ps, **_wrap_kwargs(g, snapshot(device)))
+    host_before = host.buffer.clone()
+    moved = run_load_all(plan_transfer(host, device, host_slots, device_slots), host, device, io, engine)
+    for layer in range(g.layers):
+        naive_load(host, expected, host_slots, device_slots, layer)
+    assert moved == device_slots.size * g.bytes_per_token
+    assert all(same_bytes(device.buffer(l, c), expected.buffer(l, c)) for l in range(g.layers) for c in range(g.components))
+    assert torch.equal(host.buffer, host_before)
 
 
 def _wrap_kwargs(g, buffers):
