@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
@@ -31,6 +31,8 @@ from hicache.backends.base import PageBuffer
 from hicache.backends.mooncake_io import ChunkResult, get_chunk, is_unreachable, page_plan, put_chunk, split_chunks
 from hicache.backends.mooncake_memory import Arena, Lane, RegisteredRegions
 from hicache.backends.mooncake_spec import MooncakeSpec, parse_spec
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from hicache.backends.keys import Namespace
@@ -143,8 +145,8 @@ class MooncakeBackend:
                     break  # list changed; the rest register on the next call
             return self._client
 
-    def _with_lane(self, fn: Callable[[Any, Lane], ChunkResult]) -> Callable[[], ChunkResult]:
-        def run() -> ChunkResult:
+    def _with_lane(self, fn: Callable[[Any, Lane], _T]) -> Callable[[], _T]:
+        def run() -> _T:
             client = self._ready_client()
             lane = self._lanes.get_nowait()  # never empty: the limiter admits `lanes` threads
             try:
@@ -230,20 +232,31 @@ class MooncakeBackend:
             return 0
         chunk_fn = get_chunk if op == "get" else put_chunk
 
-        def plan() -> list[range]:
-            self._ready_client()
+        def work(client: Any, lane: Lane) -> tuple[list[ChunkResult], Exception | None]:
+            # One worker-thread call for the whole batch (plan and every chunk): thread hops
+            # cost more than planning. Chunks run one after another: on few cores, concurrent
+            # transfers of one batch measured slower, and after a short chunk the rest are useless.
             plans = [page_plan(self._regions, page) for page in pages]
-            return split_chunks([sum(p[1]) for p in plans], [p[2] for p in plans], batch=self.spec.batch,
-                                staging=self.spec.staging // self.spec.lanes)
+            chunks = split_chunks([sum(p[1]) for p in plans], [p[2] for p in plans], batch=self.spec.batch,
+                                  staging=self.spec.staging // self.spec.lanes)
+            results: list[ChunkResult] = []
+            for chunk in chunks:
+                try:
+                    result = chunk_fn(client, lane, self._regions, keys[chunk.start : chunk.stop],
+                                      pages[chunk.start : chunk.stop])
+                except (ConnectionError, OSError) as exc:
+                    return results, exc
+                results.append(result)
+                if result.done < len(chunk):
+                    break
+            return results, None
 
-        # Chunks run one after another: on few cores, concurrent transfers of one batch measured
-        # slower than sequential ones, and a failed chunk makes the later ones useless.
+        outcome = await self._run(op, self._with_lane(work))
+        if outcome is None:
+            return 0
+        results, failure = outcome
         done = 0
-        for chunk in await self._run(op, plan) or ():
-            ks, ps = keys[chunk.start : chunk.stop], pages[chunk.start : chunk.stop]
-            result = await self._run(op, self._with_lane(lambda c, lane: chunk_fn(c, lane, self._regions, ks, ps)))
-            if result is None:
-                break
+        for result in results:
             self._report(op, result)
             done += result.done
             if op == "get":
@@ -252,8 +265,8 @@ class MooncakeBackend:
             else:
                 self._stats["set_pages"] += result.done
                 self._stats["bytes_written"] += result.nbytes
-            if result.done < len(chunk):
-                break
+        if failure is not None:
+            self._unreachable(op, _CONNECT_FAILED, str(failure))
         return done
 
     async def delete(self, keys: Sequence[str]) -> None:

@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from hicache.backends.base import PageBuffer
-from hicache.backends.framing import CorruptValue, encode_header
+from hicache.backends.framing import CorruptValue, encode_header, header_size
 from hicache.backends.redis_client import FAILURES, RedisLink, is_unreachable, is_wrong_type
 from hicache.backends.redis_spec import RedisSpec, parse_redis_spec
-from hicache.backends.redis_values import byte_views, read_value_into
+from hicache.backends.redis_direct import Landed, Target, WrongLength
+from hicache.backends.redis_values import byte_views, explain_wrong_length, read_value_into, verify_landed
 from hicache.backends.redis_wire import Parts
 
 if TYPE_CHECKING:
@@ -145,7 +146,12 @@ class RedisBackend:
             try:
                 if isinstance(value, BaseException):
                     raise CorruptValue("foreign", str(value))
-                self._counters.bytes_read += read_value_into(key, value, pages[index])
+                if isinstance(value, WrongLength):
+                    raise explain_wrong_length(key, value.prefix, value.length, targets[index].total - targets[index].header_size)
+                if isinstance(value, Landed):  # received in place: verify the page where it lies
+                    self._counters.bytes_read += verify_landed(key, value.header, pages[index])
+                else:
+                    self._counters.bytes_read += read_value_into(key, value, pages[index])
                 ok[index] = True
             except CorruptValue as error:
                 self._counters.corrupt += 1
@@ -153,7 +159,9 @@ class RedisBackend:
                 corrupt.append(key)
 
         commands = [(self._get_head, key, *self._get_tail) for key in keys]
-        await self._run("get", commands, [sum(p.nbytes for p in page) for page in pages], take)
+        targets = [Target(header_size(key), page) for key, page in zip(keys, pages)]
+        await self._run("get", commands, [sum(p.nbytes for p in page) for page in pages], take,
+                        targets=targets if self._link.reads_in_place else None)
         if corrupt:
             await self._run("delete", [("UNLINK", key) for key in corrupt], [0] * len(corrupt), _ignore)
         hits = _prefix_count(ok)
@@ -242,11 +250,14 @@ class RedisBackend:
         commands: Sequence[tuple[Any, ...]],
         sizes: Sequence[int],
         take: Callable[[int, Any], None],
+        *,
+        targets: Sequence[Target] | None = None,
     ) -> None:
         """Run `commands`, cut into pipelines of at most `pipeline_bytes` page bytes (a larger
         page goes alone), the pipelines concurrently, at most `pool` at once. Calls
         `take(index, reply)` as each pipeline's replies arrive; a failed command's reply is its
-        exception. Never raises for server, connection or timeout failures."""
+        exception. With `targets` (GETs), replies are received into them (RedisLink.read_into).
+        Never raises for server, connection or timeout failures."""
         limit = self.spec.pipeline_bytes
         groups: list[range] = []
         start = filled = 0
@@ -260,7 +271,11 @@ class RedisBackend:
         async def one(group: range) -> None:
             async with self._permits:
                 try:
-                    replies = await self._link.send([commands[i] for i in group])
+                    if targets is None:
+                        replies = await self._link.send([commands[i] for i in group])
+                    else:
+                        replies = await self._link.read_into([commands[i] for i in group],
+                                                             [targets[i] for i in group])
                 except FAILURES as error:
                     replies = [error] * len(group)
             failure = next((r for r in replies if isinstance(r, BaseException) and not is_wrong_type(r)), None)

@@ -27,6 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from hicache.backends import redis_wire
+from hicache.backends.redis_direct import DirectPool, Target
 from hicache.backends.redis_spec import RedisSpec
 from hicache.backends.redis_wire import Arg, joined
 
@@ -98,6 +99,19 @@ class RedisLink:
     def __init__(self, spec: RedisSpec) -> None:
         self.client = _client(spec)
         self._pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
+        self._direct = None if spec.cluster else DirectPool(spec)
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether `read_into` is available (standalone servers; not through the cluster client)."""
+        return self._direct is not None
+
+    async def read_into(self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None]) -> list[Any]:
+        """Like `send`, with each GET reply that has a Target received straight into its pieces
+        (redis_direct). Standalone servers only."""
+        if self._direct is None:
+            raise RuntimeError("in-place reads need a standalone server")
+        return await self._direct.call(commands, targets)
 
     async def send(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
         """Replies to `commands`, in order, as one pipelined round trip (per shard); an error
@@ -120,4 +134,6 @@ class RedisLink:
             yield key.decode() if isinstance(key, bytes) else key
 
     async def aclose(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         await self.client.aclose()

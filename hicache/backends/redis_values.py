@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hicache.backends.base import PageBuffer
-from hicache.backends.framing import CorruptValue, checksum, decode_header, encode_header
+from hicache.backends.framing import CorruptValue, checksum, decode_header, encode_header, verify_payload
 
 _CHUNK = 256 * 1024  # bytes checksummed then copied at a time; fits in L2
 
@@ -57,3 +57,27 @@ def read_value_into(key: str, value: bytes | memoryview, pieces: Sequence[memory
     if crc != header.crc32:
         raise CorruptValue("checksum", f"checksum mismatch for {key!r}")
     return wanted
+
+
+def verify_landed(key: str, header: bytes, pieces: Sequence[memoryview]) -> int:
+    """Verify a value received in place: `header` is its first bytes, the payload already lies
+    in `pieces` (whose total length matched the value's). Returns the payload size. Raises
+    CorruptValue; the pieces then hold a value that must not be used."""
+    parsed = decode_header(header, key)
+    if parsed.size != len(header):
+        raise CorruptValue("length", f"header of {parsed.size} bytes, expected {len(header)}")
+    verify_payload(parsed, pieces)
+    return parsed.payload_len
+
+
+def explain_wrong_length(key: str, prefix: bytes, length: int, wanted: int) -> CorruptValue:
+    """Why a value of `length` bytes (whose first bytes are `prefix`) cannot fill a page of
+    `wanted` payload bytes: the header's own complaint, else "truncated" (shorter or longer than
+    its header says) or "length" (a sound value for another page size). Pure."""
+    try:
+        header = decode_header(prefix, key)
+    except CorruptValue as error:
+        return error
+    if length - header.size != header.payload_len:
+        return CorruptValue("truncated", f"{length - header.size} payload bytes, header says {header.payload_len}")
+    return CorruptValue("length", f"value of {header.payload_len} bytes, page is {wanted}")
