@@ -24,7 +24,8 @@ def address_of(view: memoryview) -> int:
         raise ValueError("page pieces must be C-contiguous buffers")
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if mv.nbytes else 0
+    # __array_interface__, not .ctypes.data: the latter builds a ctypes helper per call (~10x slower)
+    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]) if mv.nbytes else 0
 
 
 class RegisteredRegions:

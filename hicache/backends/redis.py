@@ -181,14 +181,15 @@ class RedisBackend:
         ok = [False] * len(keys)
 
         def take(index: int, reply: Any) -> None:
-            ok[index] = reply is True or reply == b"OK"
+            ok[index] = reply is True or reply in (b"OK", "OK")
 
         # The header goes before the pieces on the wire; the pieces are never joined.
         commands = [
             ("SET", key, Parts((encode_header(key, page), *page)), *self._set_tail)
             for key, page in zip(keys, pages)
         ]
-        await self._run("set", commands, sizes, take)
+        await self._run("set", commands, sizes, take,
+                        targets=[None] * len(commands) if self._link.reads_in_place else None)
         stored = _prefix_count(ok)
         self._counters.sets += len(keys)
         self._counters.set_ok += stored
@@ -251,12 +252,13 @@ class RedisBackend:
         sizes: Sequence[int],
         take: Callable[[int, Any], None],
         *,
-        targets: Sequence[Target] | None = None,
+        targets: Sequence[Target | None] | None = None,
     ) -> None:
         """Run `commands`, cut into pipelines of at most `pipeline_bytes` page bytes (a larger
         page goes alone), the pipelines concurrently, at most `pool` at once. Calls
         `take(index, reply)` as each pipeline's replies arrive; a failed command's reply is its
-        exception. With `targets` (GETs), replies are received into them (RedisLink.read_into).
+        exception. With `targets`, the batch goes over the in-place connections
+        (RedisLink.read_into): GET replies with a Target land in it; None is a plain reply.
         Never raises for server, connection or timeout failures."""
         limit = self.spec.pipeline_bytes
         groups: list[range] = []

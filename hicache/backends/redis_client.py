@@ -107,8 +107,9 @@ class RedisLink:
         return self._direct is not None
 
     async def read_into(self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None]) -> list[Any]:
-        """Like `send`, with each GET reply that has a Target received straight into its pieces
-        (redis_direct). Standalone servers only."""
+        """Like `send`, over the in-place connections (redis_direct): each GET reply that has a
+        Target is received straight into its pieces; a None target is a plain reply. Standalone
+        servers only."""
         if self._direct is None:
             raise RuntimeError("in-place reads need a standalone server")
         return await self._direct.call(commands, targets)

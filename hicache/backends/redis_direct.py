@@ -202,7 +202,7 @@ class _Replies(asyncio.BufferedProtocol):
             if kind == ord("+"):
                 self._finish(text.decode(errors="replace"))
             elif kind == ord("-"):
-                self._finish(ResponseError(text.decode(errors="replace")))
+                self._finish(error_reply(text.decode(errors="replace")))
             elif kind == ord(":"):
                 self._finish(int(text))
             elif kind == ord("$"):
@@ -244,6 +244,19 @@ class _Replies(asyncio.BufferedProtocol):
             self._start = self._end = 0  # scratch is empty: reuse it from the start
 
 
+def error_reply(text: str) -> Exception:
+    """The exception redis-py's own parser makes of an error reply (OutOfMemoryError for OOM,
+    NoPermissionError for NOPERM, AuthenticationError for WRONGPASS...), so events and failure
+    classes read the same on both paths; a plain ResponseError where that is unavailable."""
+    try:
+        from redis._parsers.base import BaseParser
+
+        error = BaseParser.parse_error(text)
+    except Exception:  # another redis-py's internals
+        return ResponseError(text)
+    return error if isinstance(error, Exception) else ResponseError(text)
+
+
 def _ssl_context(spec: RedisSpec) -> ssl.SSLContext:
     context = ssl.create_default_context(cafile=spec.tls_ca)
     if not spec.tls_verify:
@@ -254,6 +267,27 @@ def _ssl_context(spec: RedisSpec) -> ssl.SSLContext:
     if spec.tls_cert:
         context.load_cert_chain(spec.tls_cert, spec.tls_key)
     return context
+
+
+_SMALL = 64 * 1024
+
+
+def _coalesced(buffers: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """`buffers` with each run of small ones joined: one write (one send) per run, while large
+    buffers (page pieces) go as they are."""
+    out: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
+    for buffer in buffers:
+        if memoryview(buffer).nbytes < _SMALL:
+            small.append(buffer)
+            continue
+        if small:
+            out.append(b"".join(small))
+            small = []
+        out.append(buffer)
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 class DirectConnection:
@@ -284,10 +318,10 @@ class DirectConnection:
                 hello.append(("AUTH", spec.username, spec.password) if spec.username else ("AUTH", spec.password))
             if spec.db:
                 hello.append(("SELECT", spec.db))
-            hello.append(("CLIENT", "SETNAME", "hicache-direct"))
+            hello.append(("CLIENT", "SETNAME", "hicache"))
             answers = await connection.call(hello, [None] * len(hello), timeout=spec.connect_timeout_s)
             for command, answer in zip(hello, answers):
-                if isinstance(answer, ResponseError) and command[0] != "CLIENT":
+                if isinstance(answer, Exception) and command[0] != "CLIENT":
                     raise AuthenticationError(f"{command[0]} refused: {answer}")
         except BaseException:
             connection.abort()
@@ -305,7 +339,12 @@ class DirectConnection:
             raise RedisConnectionError("connection closed")
         try:
             done = replies.expect(targets, asyncio.get_running_loop())
-            transport.writelines(pack(commands))
+            # Not writelines: before Python 3.12 that joins every buffer into one new bytes
+            # first (a copy of each page of a SET). Large buffers go by themselves (write()
+            # sends at once and copies only what the socket does not take); runs of small
+            # ones are joined so a batch of small commands is still one send.
+            for buffer in _coalesced(pack(commands)):
+                transport.write(buffer)
             with anyio.fail_after(timeout):
                 return await done
         except BaseException:

@@ -167,3 +167,13 @@ def test_a_connection_lost_mid_body_stops_writing_into_the_page():
             replies.expect([None], loop)
     finally:
         loop.close()
+
+
+def test_error_replies_keep_redis_py_exception_classes():
+    from redis.exceptions import OutOfMemoryError
+
+    from hicache.backends.redis_direct import error_reply
+
+    assert isinstance(error_reply("OOM command not allowed when used memory > 'maxmemory'."), OutOfMemoryError)
+    plain = error_reply("ERR unknown command")
+    assert isinstance(plain, ResponseError) and "unknown command" in str(plain)
