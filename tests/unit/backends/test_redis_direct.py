@@ -27,6 +27,25 @@ class FakeTransport:
         return self.aborted
 
 
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def transport() -> FakeTransport:
+    return FakeTransport()
+
+
+@pytest.fixture
+def replies(transport) -> _Replies:
+    replies = _Replies()
+    replies.connection_made(transport)
+    return replies
+
+
 def feed(replies: _Replies, stream: bytes, cuts: list[int]) -> None:
     """Deliver `stream` through get_buffer/buffer_updated, in pieces ending at `cuts`, each
     piece further limited by the buffer the reader offers (as a socket's recv_into is)."""
@@ -53,61 +72,49 @@ def framed(payload: bytes, key: str = KEY) -> bytes:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_mixed_replies_survive_any_cutting(seed):
+def test_mixed_replies_survive_any_cutting(seed, loop, replies, transport):
     rng = np.random.default_rng(seed)
-    loop = asyncio.new_event_loop()
-    try:
-        replies = _Replies()
-        replies.connection_made(FakeTransport())
-        size = int(rng.choice([0, 1, 7, 100, 5000, 70000]))
-        payload = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-        split = int(rng.integers(0, size + 1))
-        pieces = [memoryview(bytearray(split)), memoryview(bytearray(size - split))]
-        untouched = memoryview(bytearray(b"\x55" * size))
-        target = Target(header_size(KEY), pieces)
-        other = Target(header_size(KEY), [untouched])
-        foreign = framed(payload + b"extra")  # a sound value of another length
-        stream = (b"+OK\r\n" + b"-WRONGTYPE nope\r\n" + b":42\r\n" + b"$-1\r\n" + bulk(framed(payload))
-                  + bulk(foreign) + bulk(b"plain value") + bulk(b""))
-        cuts = sorted(set(rng.integers(0, len(stream), int(rng.integers(0, 30))).tolist()))
-        done = replies.expect([None, None, None, other, target, other, None, other], loop)
-        feed(replies, stream, cuts)
-        assert done.done()
-        ok, wrongtype, number, absent, landed, drained, plain, empty = done.result()
-        assert (ok, number, absent, plain) == ("OK", 42, None, b"plain value")
-        assert isinstance(wrongtype, ResponseError) and str(wrongtype).startswith("WRONGTYPE")
-        assert isinstance(landed, Landed) and bytes(pieces[0]) + bytes(pieces[1]) == payload
-        assert verify_landed(KEY, landed.header, pieces) == size
-        assert isinstance(drained, WrongLength) and drained.length == len(foreign)
-        assert drained.prefix == foreign[: header_size(KEY)]
-        assert explain_wrong_length(KEY, drained.prefix, drained.length, size).reason == "length"
-        assert empty == WrongLength(0, b"")
-        assert bytes(untouched) == b"\x55" * size  # wrong-length values never reach the page
-        assert not replies.transport.aborted
-    finally:
-        loop.close()
+    size = int(rng.choice([0, 1, 7, 100, 5000, 70000]))
+    payload = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    split = int(rng.integers(0, size + 1))
+    pieces = [memoryview(bytearray(split)), memoryview(bytearray(size - split))]
+    untouched = memoryview(bytearray(b"\x55" * size))
+    target = Target(header_size(KEY), pieces)
+    other = Target(header_size(KEY), [untouched])
+    foreign = framed(payload + b"extra")  # a sound value of another length
+    stream = (b"+OK\r\n" + b"-WRONGTYPE nope\r\n" + b":42\r\n" + b"$-1\r\n" + bulk(framed(payload))
+              + bulk(foreign) + bulk(b"plain value") + bulk(b""))
+    cuts = sorted(set(rng.integers(0, len(stream), int(rng.integers(0, 30))).tolist()))
+    done = replies.expect([None, None, None, other, target, other, None, other], loop)
+    feed(replies, stream, cuts)
+    assert done.done()
+    ok, wrongtype, number, absent, landed, drained, plain, empty = done.result()
+    assert (ok, number, absent, plain) == ("OK", 42, None, b"plain value")
+    assert isinstance(wrongtype, ResponseError) and str(wrongtype).startswith("WRONGTYPE")
+    assert isinstance(landed, Landed) and bytes(pieces[0]) + bytes(pieces[1]) == payload
+    assert verify_landed(KEY, landed.header, pieces) == size
+    assert isinstance(drained, WrongLength) and drained.length == len(foreign)
+    assert drained.prefix == foreign[: header_size(KEY)]
+    assert explain_wrong_length(KEY, drained.prefix, drained.length, size).reason == "length"
+    assert empty == WrongLength(0, b"")
+    assert bytes(untouched) == b"\x55" * size  # wrong-length values never reach the page
+    assert not transport.aborted
 
 
-def test_a_damaged_body_is_caught_by_verification():
-    loop = asyncio.new_event_loop()
-    try:
-        replies = _Replies()
-        replies.connection_made(FakeTransport())
-        payload = bytes(range(256)) * 8
-        value = bytearray(framed(payload))
-        value[-3] ^= 0xFF  # same length, one flipped byte
-        page = memoryview(bytearray(len(payload)))
-        done = replies.expect([Target(header_size(KEY), [page])], loop)
-        feed(replies, bulk(bytes(value)), [])
-        (landed,) = done.result()
-        with pytest.raises(CorruptValue) as error:
-            verify_landed(KEY, landed.header, [page])
-        assert error.value.reason == "checksum"
-        with pytest.raises(CorruptValue) as error:  # read under another key
-            verify_landed(KEY[:-1] + "x", landed.header, [page])
-        assert error.value.reason == "key"
-    finally:
-        loop.close()
+def test_a_damaged_body_is_caught_by_verification(loop, replies):
+    payload = bytes(range(256)) * 8
+    value = bytearray(framed(payload))
+    value[-3] ^= 0xFF  # same length, one flipped byte
+    page = memoryview(bytearray(len(payload)))
+    done = replies.expect([Target(header_size(KEY), [page])], loop)
+    feed(replies, bulk(bytes(value)), [])
+    (landed,) = done.result()
+    with pytest.raises(CorruptValue) as error:
+        verify_landed(KEY, landed.header, [page])
+    assert error.value.reason == "checksum"
+    with pytest.raises(CorruptValue) as error:  # read under another key
+        verify_landed(KEY[:-1] + "x", landed.header, [page])
+    assert error.value.reason == "key"
 
 
 def test_truncated_and_foreign_values_are_explained():
@@ -119,54 +126,34 @@ def test_truncated_and_foreign_values_are_explained():
 
 
 @pytest.mark.parametrize("stream", [b"*1\r\n:1\r\n", b"$3\r\nabcXY", b"%1\r\n", b"$x3\r\n", b":one\r\n"])
-def test_protocol_surprises_abort_the_connection(stream):
-    loop = asyncio.new_event_loop()
-    try:
-        replies = _Replies()
-        transport = FakeTransport()
-        replies.connection_made(transport)
-        page = memoryview(bytearray(3))
-        done = replies.expect([Target(0, [page])], loop)
-        feed(replies, stream, [])
-        assert transport.aborted
-        with pytest.raises(ProtocolFailure):
-            done.result()
-    finally:
-        loop.close()
+def test_protocol_surprises_abort_the_connection(stream, loop, replies, transport):
+    page = memoryview(bytearray(3))
+    done = replies.expect([Target(0, [page])], loop)
+    feed(replies, stream, [])
+    assert transport.aborted
+    with pytest.raises(ProtocolFailure):
+        done.result()
 
 
-def test_replies_nobody_asked_for_abort_the_connection():
-    loop = asyncio.new_event_loop()
-    try:
-        replies = _Replies()
-        transport = FakeTransport()
-        replies.connection_made(transport)
-        done = replies.expect([None], loop)
-        feed(replies, b"+OK\r\n+SURPRISE\r\n", [])
-        assert done.result() == ["OK"] and transport.aborted
-    finally:
-        loop.close()
+def test_replies_nobody_asked_for_abort_the_connection(loop, replies, transport):
+    done = replies.expect([None], loop)
+    feed(replies, b"+OK\r\n+SURPRISE\r\n", [])
+    assert done.result() == ["OK"] and transport.aborted
 
 
-def test_a_connection_lost_mid_body_stops_writing_into_the_page():
-    loop = asyncio.new_event_loop()
-    try:
-        replies = _Replies()
-        replies.connection_made(FakeTransport())
-        payload = b"p" * 1000
-        page = memoryview(bytearray(1000))
-        done = replies.expect([Target(header_size(KEY), [page])], loop)
-        stream = bulk(framed(payload))
-        feed(replies, stream[: len(stream) // 2], [])
-        assert replies.get_buffer(-1).obj is page.obj  # the page is the receive buffer now
-        replies.connection_lost(ConnectionResetError("reset"))
-        assert replies.get_buffer(-1).obj is not page.obj  # and no longer
-        with pytest.raises(RedisConnectionError, match="reset"):
-            done.result()
-        with pytest.raises(RedisConnectionError):
-            replies.expect([None], loop)
-    finally:
-        loop.close()
+def test_a_connection_lost_mid_body_stops_writing_into_the_page(loop, replies):
+    payload = b"p" * 1000
+    page = memoryview(bytearray(1000))
+    done = replies.expect([Target(header_size(KEY), [page])], loop)
+    stream = bulk(framed(payload))
+    feed(replies, stream[: len(stream) // 2], [])
+    assert replies.get_buffer(-1).obj is page.obj  # the page is the receive buffer now
+    replies.connection_lost(ConnectionResetError("reset"))
+    assert replies.get_buffer(-1).obj is not page.obj  # and no longer
+    with pytest.raises(RedisConnectionError, match="reset"):
+        done.result()
+    with pytest.raises(RedisConnectionError):
+        replies.expect([None], loop)
 
 
 def test_error_replies_keep_redis_py_exception_classes():
