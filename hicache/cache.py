@@ -23,6 +23,7 @@ from hicache.components.tree.core import RadixTree
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig
 from hicache.kernels.geometry import parse_geometry
+from hicache.kernels.native import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import make_streams
 from hicache.backends.keys import Namespace
@@ -113,8 +114,12 @@ class HiCache:
             )
         self._streams = streams
         if selection is not None:
+            copier: dict[str, str] = {}
+            if selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes
+                reason = None if native_rows() is not None else unavailable_reason()
+                copier = {"copier": "compiled"} if reason is None else {"copier": "numpy", "copier_reason": reason}
             kernel.log.emit("streams.selected", component="cache", kind=selection.kind,
-                            reason=selection.reason)
+                            reason=selection.reason, **copier)
 
         topo = Topology.for_capacity(cfg.channel_capacity)
         self.topology = topo

@@ -328,3 +328,39 @@ def test_production_mode_round_trip_through_l2(cpu_transfers):
             await cache.release("check")
 
     anyio.run(main, backend="asyncio")
+
+
+_COPIER_PROBE = """
+import anyio, json
+from hicache import CacheConfig, HiCache
+from hicache.observability import EventLog
+log = EventLog(capture=True)
+async def main():
+    async with HiCache(CacheConfig(device_tokens=64, host_tokens=128, page_size=4), log=log):
+        pass
+anyio.run(main)
+print(json.dumps([e for e in log.events if e["event"] == "streams.selected"]))
+"""
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from hicache.kernels.native import native_rows
+
+    done = subprocess.run([sys.executable, "-c", _COPIER_PROBE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HICACHE_NATIVE": native, "HICACHE_CACHE_DIR": str(tmp_path)},
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    (selected,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert selected["kind"] == "virtual"  # inline CPU copies
+    if native == "0":
+        assert selected["copier"] == "numpy" and "HICACHE_NATIVE" in selected["copier_reason"]
+    elif native_rows() is None:
+        pytest.skip("no compiled row copier here")
+    else:
+        assert selected["copier"] == "compiled" and "copier_reason" not in selected
