@@ -123,6 +123,57 @@ def main() -> None:
                     print(f"{layout:<18} {io:<7} {direction:<7} {ps:>4} {nbytes / seconds / 1e9:>7.2f} "
                           f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f}", flush=True)
             del host
+    if device_kind.type == "cpu" and not args.numpy and g.kind == "mha":
+        print_bounds(g, nbytes, args.reps, copies["load"], cpu_engine().threads)
+
+
+def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
+    """What the memory system allows for a per-layer load's host access pattern, measured with
+    nothing else in the way: `layers` passes over `nbytes` of host memory, pass `l` copying
+    piece `l` of every block (the layer's piece of each token or head row) into a contiguous
+    destination, with the compiled copier on the engine's threads. No planning, no random pages,
+    no device-side scatter: an upper bound for the per-layer `load` rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hicache.kernels.memory import cpu_bytes
+    from hicache.kernels.native import native_rows
+
+    copier = native_rows()
+    if copier is None:
+        return
+    item = g.dtype.itemsize
+    patterns = {  # layout: bytes of one layer's piece; consecutive layers' pieces are adjacent
+        "page_first": g.components * g.row_heads * g.row_dim * item,  # K+V of one token
+        "page_head": g.row_dim * item,  # one head row of one token
+    }
+    pool = ThreadPoolExecutor(max(1, threads - 1))
+    print("bounds: one layer's pieces read from each block of host memory, per layer, nothing else "
+          "(the per-layer load's access pattern alone)")
+    for layout, piece in patterns.items():
+        layers, block = g.layers, g.layers * piece
+        src = cpu_bytes(nbytes).numpy().reshape(-1, piece)
+        dst = cpu_bytes(nbytes).numpy().reshape(-1, piece)
+        src[:] = 1
+        dst[:] = 1
+        blocks = nbytes // block
+        starts = np.arange(blocks, dtype=np.int64) * layers
+
+        def one_pass(layer: int, lo: int, hi: int) -> None:
+            rows = starts[lo:hi] + layer
+            copier.copy(dst, src, None, layer * blocks + lo, rows, 0, hi - lo, streaming=True)
+
+        def run() -> None:
+            for layer in range(layers):
+                cuts = [blocks * i // threads for i in range(threads + 1)]
+                helping = [pool.submit(one_pass, layer, cuts[i], cuts[i + 1]) for i in range(1, threads)]
+                one_pass(layer, cuts[0], cuts[1])
+                for future in helping:
+                    future.result()
+
+        seconds, ref = best_interleaved(reps, run, reference, lambda: None)
+        print(f"{'bound ' + layout:<18} {piece:>5} B per {block >> 10:>3} KiB block    "
+              f"{nbytes / seconds / 1e9:>7.2f} {nbytes / ref / 1e9:>7.2f} {ref / seconds:>6.2f}", flush=True)
+    pool.shutdown()
 
 
 if __name__ == "__main__":
