@@ -234,12 +234,13 @@ class _Replies(asyncio.BufferedProtocol):
             return
         # bytes of the body that came with its length line: copy them over, then let the
         # transport write the rest in place
-        while self._windows and self._start < self._end:
-            window = self._windows[self._window]
-            step = min(window.nbytes - self._offset, self._end - self._start)
-            window[self._offset : self._offset + step] = self._scratch[self._start : self._start + step]
-            self._start += step
-            self._advance_body(step)
+        with memoryview(self._scratch) as scratch:  # released at once: the scratch may grow later
+            while self._windows and self._start < self._end:
+                window = self._windows[self._window]
+                step = min(window.nbytes - self._offset, self._end - self._start)
+                window[self._offset : self._offset + step] = scratch[self._start : self._start + step]
+                self._start += step
+                self._advance_body(step)
         if self._windows:
             self._start = self._end = 0  # scratch is empty: reuse it from the start
 
