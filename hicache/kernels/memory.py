@@ -28,4 +28,9 @@ def cpu_bytes(nbytes: int, *, pin: bool = False) -> torch.Tensor:
         pass
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     skip = -whole.data_ptr() % HUGE_PAGE
-    return whole[skip : skip + nbytes]
+    buffer = whole[skip : skip + nbytes]
+    # Fault every page in now (as torch.zeros did), after the advice so they come huge: a
+    # transfer should not pay first-touch faults, which zero 2 MiB each, while serving. One
+    # write per 4 KiB suffices (the kernel zeroes what it maps) and covers a 4 KiB fallback.
+    buffer[::4096] = 0
+    return buffer
