@@ -199,3 +199,17 @@ def test_library_allocated_device_pool_uses_aligned_zeroed_memory():
             buf = device.buffer(layer, comp)
             assert buf.shape == (1024, 8, 128) and buf.dtype == torch.bfloat16 and buf.is_contiguous()
             assert buf.data_ptr() % HUGE_PAGE == 0 and not buf.any()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_large_cpu_buffers_are_faulted_in_at_allocation():
+    """A transfer must not pay first-touch faults while serving: the pages are mapped up front."""
+    before = _rss_bytes()
+    buffer = cpu_bytes(64 << 20)
+    assert _rss_bytes() - before >= 60 << 20
+    assert not buffer.any()
