@@ -12,8 +12,11 @@ the bottleneck of reads from the page cache.
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 try:  # same polynomial and result as zlib.crc32, much faster
     from isal.isal_zlib import crc32 as _crc32
@@ -50,6 +53,52 @@ def checksum(pieces: Sequence[memoryview | bytes], crc: int = 0) -> int:
     for piece in pieces:
         crc = _crc32(piece, crc)
     return crc
+
+
+CHECKSUM_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads `checksums` spreads a batch over. One thread's CRC-32 runs at about 21 GB/s here,
+below what memory delivers; two measured 36 GB/s (the CRC releases the GIL)."""
+
+PARALLEL_CHECKSUM_BYTES = 4 << 20
+"""Batches smaller than this are checksummed on the calling thread (a hand-off costs more)."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _checksum_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, CHECKSUM_THREADS - 1), thread_name_prefix="hicache-crc")
+        return _pool
+
+
+def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
+    """The CRC-32 of each value (the concatenation of its pieces), as `checksum` gives it. A
+    large batch is split into runs of whole values of about equal bytes, one per thread, the
+    calling thread taking the first: a batch of pages from DRAM checksums ~1.7x faster."""
+    sizes = [sum(memoryview(p).nbytes for p in value) for value in values]
+    total = sum(sizes)
+    parts = min(CHECKSUM_THREADS, len(values))
+    if parts < 2 or total < PARALLEL_CHECKSUM_BYTES:
+        return [checksum(value) for value in values]
+    cuts, acc, goal = [0], 0, total / parts
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc >= goal * len(cuts) and len(cuts) < parts and i + 1 < len(values):
+            cuts.append(i + 1)
+    cuts.append(len(values))
+
+    def run(lo: int, hi: int) -> list[int]:
+        return [checksum(value) for value in values[lo:hi]]
+
+    pool = _checksum_pool()
+    helpers = [pool.submit(run, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+    out = run(cuts[0], cuts[1])
+    for future in helpers:
+        out.extend(future.result())
+    return out
 
 
 def encode_header(key: str, pieces: Sequence[memoryview | bytes]) -> bytes:
@@ -90,10 +139,11 @@ def decode_header(buf: bytes | memoryview, expected_key: str) -> Header:
     return Header(key=key, payload_len=payload_len, crc32=crc, size=end)
 
 
-def verify_payload(header: Header, pieces: Sequence[memoryview | bytes]) -> None:
-    """Check that `pieces` (the payload as read) match the header's length and checksum."""
+def verify_payload(header: Header, pieces: Sequence[memoryview | bytes], crc: int | None = None) -> None:
+    """Check that `pieces` (the payload as read) match the header's length and checksum; `crc`:
+    their checksum when the caller already has it (`checksums`)."""
     length = sum(memoryview(p).nbytes for p in pieces)
     if length != header.payload_len:
         raise CorruptValue("length", f"payload of {length} bytes, header says {header.payload_len}")
-    if checksum(pieces) != header.crc32:
+    if (checksum(pieces) if crc is None else crc) != header.crc32:
         raise CorruptValue("checksum", f"checksum mismatch for {header.key!r}")

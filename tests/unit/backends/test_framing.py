@@ -69,3 +69,28 @@ def test_chunks_regroup_without_copying():
     assert b"".join(bytes(v) for run in runs for v in run) == bytes(buf)
     runs[0][0][0] = 255  # a view into the original, not a copy
     assert buf[0] == 255
+
+
+@pytest.mark.parametrize("sizes", [[], [7], [3 << 20, 1, 0, 2 << 20, 5 << 20], [1 << 20] * 9])
+def test_checksums_of_a_batch_match_one_by_one(sizes, monkeypatch):
+    """Large batches are split over threads; every value's checksum and their order must be
+    what the single-threaded `checksum` gives, whatever the split."""
+    import numpy as np
+
+    from hicache.backends import framing
+
+    monkeypatch.setattr(framing, "CHECKSUM_THREADS", 3)  # more parts than this machine's cores
+    rng = np.random.default_rng(len(sizes))
+    values = [[memoryview(rng.integers(0, 256, n, dtype=np.uint8)), b"tail"] for n in sizes]
+    assert framing.checksums(values) == [framing.checksum(v) for v in values]
+    assert len({framing.checksum(v) for v in values}) == len(values)  # distinct data: a swap would show
+
+
+def test_verify_payload_uses_a_given_checksum():
+    h = decode_header(encode_header("k", [b"payload"]), "k")
+    from hicache.backends.framing import checksum
+
+    verify_payload(h, [b"payload"], checksum([b"payload"]))
+    with pytest.raises(CorruptValue) as err:
+        verify_payload(h, [b"payload"], checksum([b"pAyload"]))
+    assert err.value.reason == "checksum"
