@@ -3,11 +3,11 @@
 Starts a master and a storage process on loopback, pre-touches the segment, then alternates
 rounds of: raw `batch_put_from` / `batch_get_into` of PAGES pages, and MooncakeBackend
 `set_from` / `get_into` of the same pages (framed, checksummed, verified) from registered
-host memory; each round runs both on fresh keys, the same steps each, alternating which goes
+host pools (page_first; with their header room, so a value moves as one piece); each round runs both on fresh keys, the same steps each, alternating which goes
 first. Prints the median GB/s of each and, per direction, the median over rounds of the
 round's hicache/raw ratio (target >= 0.9).
 
-    python bench/storage_mooncake.py [--pages 32] [--page-mib 2] [--rounds 15]
+    python bench/storage_mooncake.py [--pages 32] [--page-mib 2] [--rounds 31] [--room BYTES]
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from hicache.backends.mooncake import MooncakeBackend  # noqa: E402
+from hicache.backends.mooncake_memory import address_of  # noqa: E402
 from hicache.testing.mooncake_store import import_error, start_store  # noqa: E402
 
 
@@ -45,7 +47,9 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--page-mib", type=float, default=2)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--room", type=int, default=None,
+                    help="host pool header room in bytes (default: the pool's choice; 0: none)")
     args = ap.parse_args(argv)
     reason = import_error()
     if reason:
@@ -56,29 +60,48 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     segment = 4 * batch_bytes + (64 << 20)
     store = start_store(Path(tempfile.mkdtemp(prefix="mc-bench-")), segment=segment)
     try:
-        return anyio.run(run, store, args.pages, page, args.rounds, segment)
+        return anyio.run(run, store, args.pages, page, args.rounds, segment, args.room)
     finally:
         store.stop()
 
 
-async def run(store, pages: int, page: int, rounds: int, segment: int) -> dict[str, float]:
+def host_pool(pages: int, page: int, room: int | None):
+    """A page_first host pool of `pages` pages of `page` bytes (a 16-layer fp16 MHA geometry)."""
+    from hicache.kernels import DevicePool, HostPool, MHAGeometry
+
+    geometry = MHAGeometry(layers=16, heads=8, head_dim=128, dtype=torch.float16)
+    page_size, rest = divmod(page, geometry.bytes_per_token)
+    if rest or page_size == 0:
+        raise SystemExit(f"--page-mib must be a multiple of {geometry.bytes_per_token >> 10} KiB here")
+    device = DevicePool.allocate(geometry, page_size, page_size)
+    return HostPool(device, pages * page_size, "page_first", header_room=room)
+
+
+async def run(store, pages: int, page: int, rounds: int, segment: int, room: int | None) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore
 
     raw = MooncakeDistributedStore()
     assert raw.setup("127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}") == 0
-    src = np.random.default_rng(0).integers(0, 256, (pages, page), dtype=np.uint8)
-    dst = np.ones_like(src)
-    raw.register_buffer(src.ctypes.data, src.nbytes)
-    raw.register_buffer(dst.ctypes.data, dst.nbytes)
     backend = MooncakeBackend.from_spec(store.spec, namespace=BenchNamespace(), batch=pages,
                                         emit=lambda name, **f: print(name, f))
-    backend.register_host_memory(src.ctypes.data, src.nbytes)
-    backend.register_host_memory(dst.ctypes.data, dst.nbytes)
+    # Both move the same page bytes of the same two host pools, laid out as the cache has them
+    # (page_first, with the header room the pool picks unless --room says otherwise): raw from
+    # the pages themselves, hicache as framed values (header in the room: one piece a value).
+    host_src, host_dst = (host_pool(pages, page, room) for _ in range(2))
+    for host in (host_src, host_dst):
+        raw.register_buffer(host.buffer.data_ptr(), host.nbytes)
+        backend.register_host_memory(host.buffer.data_ptr(), host.nbytes)
+    slots = np.arange(host_src.size)
+    srcs, dsts = host_src.page_buffers(slots), host_dst.page_buffers(slots)
+    rng = np.random.default_rng(0)
+    for piece in srcs:
+        np.frombuffer(piece[0], dtype=np.uint8)[:] = rng.integers(0, 256, page, dtype=np.uint8)
     sizes = [page] * pages
-    src_ptrs = [src.ctypes.data + i * page for i in range(pages)]
-    dst_ptrs = [dst.ctypes.data + i * page for i in range(pages)]
-    srcs = [[memoryview(r)] for r in src]
-    dsts = [[memoryview(r)] for r in dst]
+    src_ptrs = [address_of(p[0]) for p in srcs]
+    dst_ptrs = [address_of(p[0]) for p in dsts]
+
+    def same_pages() -> bool:
+        return all(bytes(d[0]) == bytes(s[0]) for d, s in zip(dsts, srcs))
 
     # Pre-touch the whole segment so neither side pays its first page faults.
     for w in range(segment // (pages * page)):
@@ -92,11 +115,11 @@ async def run(store, pages: int, page: int, rounds: int, segment: int) -> dict[s
         t = time.perf_counter()
         assert all(c == 0 for c in await anyio.to_thread.run_sync(raw.batch_put_from, keys, src_ptrs, sizes))
         put = nbytes / (time.perf_counter() - t)
-        dst[:] = 1
+        host_dst.buffer.fill_(1)
         t = time.perf_counter()
         assert all(c == page for c in await anyio.to_thread.run_sync(raw.batch_get_into, keys, dst_ptrs, sizes))
         get = nbytes / (time.perf_counter() - t)
-        assert np.array_equal(dst, src)
+        assert same_pages()
         raw.batch_remove(keys, True)
         return put, get
 
@@ -105,11 +128,11 @@ async def run(store, pages: int, page: int, rounds: int, segment: int) -> dict[s
         t = time.perf_counter()
         assert await backend.set_from(hkeys, srcs) == pages
         put = nbytes / (time.perf_counter() - t)
-        dst[:] = 1
+        host_dst.buffer.fill_(1)
         t = time.perf_counter()
         assert await backend.get_into(hkeys, dsts) == pages
         get = nbytes / (time.perf_counter() - t)
-        assert np.array_equal(dst, src)
+        assert same_pages()
         await backend.delete(hkeys)
         return put, get
 
@@ -131,7 +154,7 @@ async def run(store, pages: int, page: int, rounds: int, segment: int) -> dict[s
     ratios = {op: statistics.median(h / r for h, r in zip(rates[hc], rates[rw]))
               for op, hc, rw in (("upload", "hicache set", "raw put"), ("prefetch", "hicache get", "raw get"))}
     print(f"Mooncake Store, tcp on loopback: {pages} pages x {page / (1 << 20):g} MiB per batch, "
-          f"median of {rounds} rounds, ways alternating first")
+          f"median of {rounds} rounds, ways alternating first; host pool header room {host_src.header_room} B")
     for k in rates:
         print(f"  {k:12s} {med[k]:6.2f} GB/s  (range {min(rates[k]) / 1e9:.2f}-{max(rates[k]) / 1e9:.2f})")
     print(f"  upload ratio   (hicache set / raw put, median of per-round ratios) {ratios['upload']:.2f}")

@@ -18,6 +18,19 @@ PageBuffer = Sequence[memoryview]
 """The pieces of one page in host memory, in order; each a C-contiguous byte view."""
 
 
+class PagePieces(list):
+    """A `PageBuffer` as the host pool hands it out: a list of pieces that also says
+    `header_room`, how many bytes right before the first piece hold no KV and are free for the
+    backend working on this page to write (a value header, so header and page move as one
+    piece). 0 means none; a backend must not touch memory outside the pieces then."""
+
+    __slots__ = ("header_room",)
+
+    def __init__(self, pieces=(), header_room: int = 0) -> None:
+        super().__init__(pieces)
+        self.header_room = header_room
+
+
 @runtime_checkable
 class StorageBackend(Protocol):
     """An L3 store of page values keyed by chained page hashes. Methods may be awaited

@@ -3,7 +3,9 @@
 A stored value is exactly the framed value every hicache backend stores (framing.py): header
 (magic, version, key, length, CRC-32) then the payload. Mooncake cannot prepend bytes to memory
 it moves zero-copy, so the header is written to a lane's registered header slot and the value
-is put and got scatter-gather: pieces `[header slot, page piece 1, page piece 2, ...]`. A read
+is put and got scatter-gather: pieces `[header slot, page piece 1, page piece 2, ...]`, except
+where the page has header room (a host pool page, `PagePieces.header_room`): the header is then
+written just before the page and the value moves as one piece. A read
 of a value with another length fails in the client; a read of the right length is checked
 against the header (key, length, CRC-32) before the page counts as read.
 
@@ -13,6 +15,7 @@ what happened as data. `client` is a `MooncakeDistributedStore` or a fake with i
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +81,20 @@ def split_chunks(payloads: Sequence[int], staged: Sequence[bool], *, batch: int,
     return chunks
 
 
+def _in_room(regions: RegisteredRegions, page: PageBuffer, ptrs: list[int], sizes: list[int],
+             size: int) -> int | None:
+    """Where a `size`-byte header goes so that header and page are one registered piece: just
+    before the page, in its header room (`PagePieces`); None when the page has no such room."""
+    if getattr(page, "header_room", 0) < size or len(ptrs) != 1:
+        return None
+    at = ptrs[0] - size
+    return at if regions.covers(at, size + sizes[0]) else None
+
+
+def _room_view(at: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(at)).cast("B")
+
+
 def _header_slot(lane: Lane, i: int, size: int) -> tuple[memoryview, int]:
     if size > HEADER_SLOT:
         raise ValueError(f"key too long: header of {size} bytes exceeds the {HEADER_SLOT}-byte slot")
@@ -96,6 +113,13 @@ def put_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequenc
     for i, (key, page) in enumerate(zip(keys, pages)):
         ptrs, sizes, staged = page_plan(regions, page)
         header = framing.pack_header(key, sum(sizes), crcs[i])
+        at = None if staged else _in_room(regions, page, ptrs, sizes, len(header))
+        if at is not None:  # one piece: Mooncake moves every extra piece as its own request
+            _room_view(at, len(header))[:] = header
+            all_ptrs.append([at])
+            all_sizes.append([len(header) + sizes[0]])
+            payload.append(sizes[0])
+            continue
         slot, slot_ptr = _header_slot(lane, i, len(header))
         slot[:] = header
         if staged:
@@ -135,6 +159,13 @@ def get_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequenc
     for i, (key, page) in enumerate(zip(keys, pages)):
         ptrs, sizes, staged = page_plan(regions, page)
         hsize = framing.header_size(key)
+        at = None if staged else _in_room(regions, page, ptrs, sizes, hsize)
+        if at is not None:  # header lands in the page's room: one piece
+            headers.append((_room_view(at, hsize), hsize + sizes[0]))
+            staged_at.append(None)
+            all_ptrs.append([at])
+            all_sizes.append([hsize + sizes[0]])
+            continue
         slot, slot_ptr = _header_slot(lane, i, hsize)
         headers.append((slot, hsize + sum(sizes)))
         if staged:

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
+from hicache.backends.base import PagePieces
 from hicache.kernels.geometry import Geometry, dtype_name
 from hicache.kernels.memory import cpu_bytes
 from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
+from hicache.kernels.layouts import header_room as header_room_of
 
 
 def _check_page_size(page_size: int) -> None:
@@ -149,9 +151,13 @@ class HostPool:
     """L2 KV storage in one flat byte buffer laid out as `layout` (see layouts.py), pinned when
     CUDA is usable. Size exceeds the device pool's and is page-aligned (checked).
 
-    `buffer` is the uint8 tensor; `page_buffers` hands out zero-copy memoryviews of it."""
+    `buffer` is the uint8 tensor; `page_buffers` hands out zero-copy memoryviews of it. In a
+    page-contiguous layout each page may be preceded by `header_room` bytes that hold no KV,
+    for storage backends to put a value header next to the page (layouts.py, "Header room");
+    None picks it (512 bytes where that is at most 1/64 of a page), 0 turns it off."""
 
-    def __init__(self, device_pool: DevicePool, size: int, layout: str, *, pin_memory: bool | None = None):
+    def __init__(self, device_pool: DevicePool, size: int, layout: str, *, pin_memory: bool | None = None,
+                 header_room: int | None = None):
         geometry, page_size = device_pool.geometry, device_pool.page_size
         check_layout(layout, geometry)
         if isinstance(size, bool) or not isinstance(size, int) or size <= device_pool.size:
@@ -164,7 +170,8 @@ class HostPool:
         self.size = size
         self.layout = layout
         self.pinned = pin
-        self.nbytes = size * geometry.bytes_per_token
+        self.header_room = header_room_of(layout, geometry, page_size, header_room)
+        self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
         self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
@@ -179,29 +186,39 @@ class HostPool:
         return self.size // self.page_size
 
     def shaped(self) -> torch.Tensor:
-        """The buffer viewed in the layout's shape and the KV dtype (layouts.py table)."""
+        """The KV viewed in the layout's shape and the KV dtype (layouts.py table). With header
+        room the page dim steps over it, and `page_first`'s slot dim S comes split as (P, ps)."""
         shape = host_shape(self.layout, self.geometry, self.size, self.page_size)
-        return self.buffer.view(self.geometry.dtype).view(shape)
+        kv = self.buffer.view(self.geometry.dtype)
+        if not self.header_room:
+            return kv.view(shape)
+        item = self.geometry.itemsize
+        pages = kv.view(self.pages, -1)[:, self.header_room // item :]
+        if self.layout == "page_first":  # slots cannot be one dim across the rooms
+            return pages.view(self.pages, self.page_size, *shape[1:])
+        return pages.view(shape)
 
     def page_view(self, layer: int, component: int, word: torch.dtype, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """(pages, page_size, heads, words) view of one (layer, component); `buffer` replaces the
         host buffer with an alias of it (a CUDA mapping of the pinned memory)."""
         words = (self.buffer if buffer is None else buffer).view(word)
-        return page_view(words, self.layout, self.geometry, self.size, self.page_size, layer, component)
+        return page_view(words, self.layout, self.geometry, self.size, self.page_size, layer, component,
+                         self.header_room)
 
-    def page_buffers(self, host_slots) -> list[list[memoryview]]:
+    def page_buffers(self, host_slots) -> list[PagePieces]:
         """For each page of `host_slots` (whole pages, in order): its pieces as C-contiguous byte
-        memoryviews aliasing this pool (writing them writes the pool). Does not mutate."""
+        memoryviews aliasing this pool (writing them writes the pool), with the page's header
+        room (backends/base.py `PagePieces`). Does not mutate."""
         from hicache.kernels.indices import as_slot_array, check_pages
 
         slots = as_slot_array(host_slots, "host_slots")
         pages = check_pages(slots, self.page_size, self.size, "host_slots")
         out = []
         for page in pages.tolist():
-            pieces = page_pieces(self.layout, self.geometry, self.size, self.page_size, page)
-            out.append([memoryview(self._bytes[o : o + n]) for o, n in pieces])
+            pieces = page_pieces(self.layout, self.geometry, self.size, self.page_size, page, self.header_room)
+            out.append(PagePieces([memoryview(self._bytes[o : o + n]) for o, n in pieces], self.header_room))
         return out
 
     def __repr__(self) -> str:
         return (f"HostPool({self.geometry.spec()}, size={self.size}, page_size={self.page_size}, "
-                f"layout={self.layout}, pinned={self.pinned})")
+                f"layout={self.layout}, pinned={self.pinned}, header_room={self.header_room})")

@@ -71,6 +71,36 @@ async def test_round_trip_zero_copy_and_staged(store) -> None:
     await backend.aclose()
 
 
+async def test_pages_with_header_room_store_the_same_values(store, raw) -> None:
+    """Pages handed out with header room (as host pools do) move as one piece with the header
+    written in the room; the values are the same as through the header slot, both ways."""
+    from hicache.backends.base import PagePieces
+
+    room = 512
+    backend = await open_backend(store, "room")
+    ns = backend.namespace
+    src = pool_of(4)
+    roomy = np.zeros((4, room + PAGE_BYTES), np.uint8)
+    roomy[:, room:] = src
+    plain = np.zeros_like(src)
+    for a in (roomy, plain):
+        backend.register_host_memory(a.ctypes.data, a.nbytes)
+    pages = [PagePieces([memoryview(row[room:])], room) for row in roomy]
+    keys = [ns.key(page_hash(i, "room")) for i in range(4)]
+    assert await backend.set_from(keys[:2], pages[:2]) == 2  # through the room
+    assert await backend.set_from(keys[2:], views(src[2:])) == 2  # through the header slot
+    for key, page in zip(keys, src):
+        payload = page.tobytes()
+        assert raw.get(key) == framing.encode_header(key, [payload]) + payload
+    roomy[:, room:] = 0
+    assert await backend.get_into(keys, pages) == 4
+    np.testing.assert_array_equal(roomy[:, room:], src)
+    assert await backend.get_into(keys, views(plain)) == 4
+    np.testing.assert_array_equal(plain, src)
+    await backend.clear()
+    await backend.aclose()
+
+
 async def test_exists_counts_the_present_prefix(store) -> None:
     backend = await open_backend(store, "prefix")
     ns = backend.namespace

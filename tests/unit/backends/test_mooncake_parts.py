@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
-from hicache.backends.mooncake_io import split_chunks
-from hicache.backends.mooncake_memory import RegisteredRegions, address_of
+from hicache.backends import framing
+from hicache.backends.base import PagePieces
+from hicache.backends.mooncake_io import get_chunk, put_chunk, split_chunks
+from hicache.backends.mooncake_memory import Arena, RegisteredRegions, address_of
 from hicache.backends.mooncake_spec import parse_size, parse_spec
 
 
@@ -61,3 +65,86 @@ def test_chunks_respect_batch_and_staging() -> None:
     assert split_chunks([10, 10, 10], [True, False, True], batch=8, staging=15) == [range(0, 2), range(2, 3)]
     with pytest.raises(ValueError, match="register the host pool"):
         split_chunks([100], [True], batch=8, staging=99)
+
+
+class SliceStore:
+    """A stand-in client keeping values in a dict and recording how many memory slices each
+    value moved as (the real transfer engine sends every slice as its own request)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.slices: list[int] = []
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes):
+        for key, ps, ns in zip(keys, ptrs, sizes):
+            self.values[key] = b"".join(ctypes.string_at(p, n) for p, n in zip(ps, ns))
+            self.slices.append(len(ps))
+        return [0] * len(keys)
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+        codes = []
+        for key, ps, ns in zip(keys, ptrs, sizes):
+            value = self.values.get(key)
+            self.slices.append(len(ps))
+            if value is None or len(value) != sum(ns):
+                codes.append(-704 if value is None else -1)
+                continue
+            pos = 0
+            for p, n in zip(ps, ns):
+                ctypes.memmove(p, value[pos : pos + n], n)
+                pos += n
+            codes.append(len(value))
+        return codes
+
+    def batch_remove(self, keys, force):
+        for key in keys:
+            self.values.pop(key, None)
+
+    def get_size(self, key):
+        return len(self.values.get(key, b"")) or -704
+
+
+def roomy_pages(n: int, page: int, room: int, seed: int) -> tuple[np.ndarray, list[PagePieces]]:
+    """`n` pages laid out as a host pool with header room lays them out."""
+    buf = np.random.default_rng(seed).integers(0, 256, (n, room + page), dtype=np.uint8)
+    return buf, [PagePieces([memoryview(row[room:])], room) for row in buf]
+
+
+@pytest.mark.parametrize("room", [0, 512])
+def test_pages_with_header_room_move_as_one_slice_in_the_same_format(room: int) -> None:
+    page, n = 4096, 5
+    arena = Arena(lanes=1, batch=n, staging=0)
+    src, src_pages = roomy_pages(n, page, room, seed=1)
+    dst, dst_pages = roomy_pages(n, page, room, seed=2)
+    regions = RegisteredRegions()
+    for a in (src, dst):
+        regions.add(a.ctypes.data, a.nbytes)
+    store = SliceStore()
+    keys = [f"hicache:t:{i:064x}" for i in range(n)]
+    assert put_chunk(store, arena.lanes[0], regions, keys, src_pages).done == n
+    for key, row in zip(keys, src):  # exactly the framed value every backend stores
+        payload = row[room:].tobytes()
+        assert store.values[key] == framing.encode_header(key, [payload]) + payload
+    got = get_chunk(store, arena.lanes[0], regions, keys, dst_pages)
+    assert got.done == n and not got.corrupt
+    np.testing.assert_array_equal(dst[:, room:], src[:, room:])
+    assert store.slices == [1 if room else 2] * (2 * n)
+    # A corrupted payload read through the room is still caught, and deleted.
+    value = bytearray(store.values[keys[2]])
+    value[-1] ^= 1
+    store.values[keys[2]] = bytes(value)
+    got = get_chunk(store, arena.lanes[0], regions, keys, dst_pages)
+    assert (got.done, got.corrupt) == (2, [(keys[2], "checksum")]) and keys[2] not in store.values
+
+
+def test_room_outside_registered_memory_falls_back_to_the_header_slot() -> None:
+    page, room = 4096, 512
+    arena = Arena(lanes=1, batch=2, staging=0)
+    src, pages = roomy_pages(2, page, room, seed=3)
+    regions = RegisteredRegions()
+    regions.add(src.ctypes.data + room, src.nbytes - room)  # page 0's room is not registered
+    store = SliceStore()
+    keys = ["k0", "k1"]
+    assert put_chunk(store, arena.lanes[0], regions, keys, pages).done == 2
+    assert store.slices == [2, 1]
+    assert src[0, :room].tobytes() == np.random.default_rng(3).integers(0, 256, (2, room + page), dtype=np.uint8)[0, :room].tobytes()

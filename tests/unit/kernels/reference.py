@@ -7,7 +7,9 @@ import numpy as np
 import torch
 
 
-def row_offset(layout, g, size, ps, slot, layer, comp, head) -> int:
+def row_offset(layout, g, size, ps, slot, layer, comp, head, room=0) -> int:
+    """Byte offset of one head row; `room` bytes of header room precede every page of the
+    page-contiguous layouts."""
     L, C, H = g.layers, g.components, g.row_heads
     row = g.row_dim * g.itemsize
     p, o = divmod(slot, ps)
@@ -21,7 +23,7 @@ def row_offset(layout, g, size, ps, slot, layer, comp, head) -> int:
         index = (((p * C + comp) * H + head) * ps + o) * L + layer
     else:
         raise AssertionError(layout)
-    return index * row
+    return index * row + (0 if layout == "layer_first" else (p + 1) * room)
 
 
 def device_bytes(pool, layer, comp) -> np.ndarray:
@@ -36,7 +38,7 @@ def naive_load(host, device, host_slots, device_slots, layer) -> None:
         for comp in range(g.components):
             dst = device_bytes(device, layer, comp)
             for head in range(g.row_heads):
-                off = row_offset(host.layout, g, host.size, host.page_size, hs, layer, comp, head)
+                off = row_offset(host.layout, g, host.size, host.page_size, hs, layer, comp, head, host.header_room)
                 dst[ds, head] = raw[off : off + row]
 
 
@@ -49,7 +51,7 @@ def naive_backup(device, host, device_slots, host_slots) -> None:
             for comp in range(g.components):
                 src = device_bytes(device, layer, comp)
                 for head in range(g.row_heads):
-                    off = row_offset(host.layout, g, host.size, host.page_size, hs, layer, comp, head)
+                    off = row_offset(host.layout, g, host.size, host.page_size, hs, layer, comp, head, host.header_room)
                     raw[off : off + row] = src[ds, head]
 
 

@@ -118,6 +118,7 @@ def test_merged_threaded_and_batched_moves_match_naive(layout, io, gap_rows):
 
     class Shadow:  # the naive reference writes a copy of the host bytes
         geometry, layout, size, page_size, buffer = g, host.layout, host.size, ps, host.buffer.clone()
+        header_room = host.header_room
 
     naive_backup(device, Shadow, dev_slots, host_slots)
     backup(device, host, dev_slots, host_slots, io=io, engine=engine)
