@@ -97,7 +97,7 @@ class CpuEngine:
         if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
             return hit[2]
         if self.native is not None:
-            plan = plan_pairs(dst, dst_pages.numpy(), src, src_pages.numpy(), by_dst=host_is_dst)
+            plan = plan_pairs(dst, dst_pages.numpy(), src, src_pages.numpy(), by_dst=False)
         else:
             plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
         while self._plans and self._cached_rows + plan.pairs > _CACHED_ROWS:
