@@ -8,8 +8,10 @@ the same bytes measured in the same run.
 Slots are random whole pages on both sides (a fragmented pool: the worst realistic case).
 Directions: `load` = every layer host->device, one layer at a time (the layer-wise primitive);
 `loadall` = every layer in one move (what inline CPU streams run); `backup` = every layer
-device->host in one move. `ratio` = contiguous-copy time / transfer time (1.0 = as fast as one
-memcpy of those bytes); each is the best of `--reps` runs, transfer and reference alternating.
+device->host in one move. Ratios are contiguous-copy time / transfer time (1.0 = as fast as one
+memcpy of those bytes), transfer and reference run alternately `--reps` times: `best` = best
+reference time / best transfer time; `paired` = median over reps of each back-to-back pair's
+ratio (robust to a quiet or busy spell that favours one side's best).
 The reference is torch's `copy_` on `torch.get_num_threads()` threads; the CPU engine uses its
 own copy threads (`--copy-threads`; its default: 2 with the compiled row copier, `--numpy`
 runs without it).
@@ -18,12 +20,20 @@ runs without it).
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 from pathlib import Path
 import time
 
-import numpy as np
-import torch
+# torch's OpenMP threads spin after every parallel region (the reference copy is one) and took
+# the cores from the CPU engine's copy threads in the transfer timed next: per-layer page_first
+# loads ran 28-35 ms after a reference copy instead of 18-22 ms. Passive waiting leaves the
+# reference as fast and the transfers undisturbed (set OMP_WAIT_POLICY to override).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -41,14 +51,16 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - start
 
 
-def best_interleaved(reps: int, fn, reference, sync) -> tuple[float, float]:
-    """Best time of `fn` and of `reference`, run alternately so both see the same machine
-    (other jobs come and go on a shared host)."""
-    best, best_ref = float("inf"), float("inf")
+def best_interleaved(reps: int, fn, reference, sync) -> tuple[float, float, float]:
+    """Best time of `fn`, best time of `reference`, and the median over reps of the pair's
+    ratio (reference time / fn time), run back to back so each pair sees the same machine. On
+    a shared host the two bests can come from different moments (a quiet spell helps whichever
+    ran in it); the paired median cancels that drift and ignores single outliers."""
+    times, refs = [], []
     for _ in range(reps):
-        best = min(best, timed(fn, sync))
-        best_ref = min(best_ref, timed(reference, sync))
-    return best, best_ref
+        times.append(timed(fn, sync))
+        refs.append(timed(reference, sync))
+    return min(times), min(refs), statistics.median(r / t for r, t in zip(refs, times))
 
 
 def main() -> None:
@@ -58,7 +70,7 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="1,16,64")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--io", default="kernel,direct")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     parser.add_argument("--copy-threads", type=int, default=0, help="CPU engine copy threads per move (0: its default)")
     parser.add_argument("--numpy", action="store_true", help="CPU engine without the compiled row copier")
@@ -91,7 +103,7 @@ def main() -> None:
         "loadall": lambda: dev_ref.copy_(host_ref, non_blocking=True),
     }
     print("reference: one contiguous copy of the same bytes, timed alternately with every row (shared machines drift)")
-    print(f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'ratio':>6}")
+    print(f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'best':>6} {'paired':>6}")
     for ps in [int(p) for p in args.page_sizes.split(",")]:
         device = DevicePool.allocate(g, args.tokens, ps, device=device_kind)
         for layout in args.layouts.split(","):
@@ -119,9 +131,9 @@ def main() -> None:
                     run_backup(plan, device, host, io, engine)
 
                 for direction, fn in (("load", load), ("loadall", load_all), ("backup", back)):
-                    seconds, reference = best_interleaved(args.reps, fn, copies[direction], sync)
+                    seconds, reference, paired = best_interleaved(args.reps, fn, copies[direction], sync)
                     print(f"{layout:<18} {io:<7} {direction:<7} {ps:>4} {nbytes / seconds / 1e9:>7.2f} "
-                          f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f}", flush=True)
+                          f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f} {paired:>6.2f}", flush=True)
             del host
     if device_kind.type == "cpu" and not args.numpy and g.kind == "mha":
         print_bounds(g, nbytes, args.reps, copies["load"], cpu_engine().threads)
@@ -170,9 +182,10 @@ def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
                 for future in helping:
                     future.result()
 
-        seconds, ref = best_interleaved(reps, run, reference, lambda: None)
+        seconds, ref, paired = best_interleaved(reps, run, reference, lambda: None)
         print(f"{'bound ' + layout:<18} {piece:>5} B per {block >> 10:>3} KiB block    "
-              f"{nbytes / seconds / 1e9:>7.2f} {nbytes / ref / 1e9:>7.2f} {ref / seconds:>6.2f}", flush=True)
+              f"{nbytes / seconds / 1e9:>7.2f} {nbytes / ref / 1e9:>7.2f} {ref / seconds:>6.2f} {paired:>6.2f}",
+              flush=True)
     pool.shutdown()
 
 
