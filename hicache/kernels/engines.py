@@ -41,6 +41,12 @@ _STREAMING_BYTES = 4 << 20
 side (compiled copier only): they would evict more than they leave behind."""
 
 
+_CACHED_SPACES = 1024
+"""Row grids an engine keeps (a few per layer and component of each pool pair it serves)."""
+
+_MISSING = object()
+
+
 class CpuEngine:
     """Host-memory copies as batched row copies (rows.py): a move of every (layer, component)
     of a transfer is one row plan over all the views, run in one or a few numpy calls; with
@@ -74,6 +80,7 @@ class CpuEngine:
         self._helpers: ThreadPoolExecutor | None = None
         self._helper_count = 0
         self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
+        self._spaces: dict[tuple, object] = {}
         self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
         self._cached_rows = 0
 
@@ -85,10 +92,23 @@ class CpuEngine:
         return host.buffer
 
     def _space(self, views: list[torch.Tensor]):
-        key = (tuple(views[0].shape), views[0].stride())
+        # Per-layer loads ask for the same few view sets over and over; building the row grid
+        # (a numpy array over the views' memory) was half of a small move's fixed cost. A grid
+        # is named by the views' addresses, shape, strides and dtype, which fix the memory it
+        # spans, so a hit is right even if the pool behind it was replaced by an identical one.
+        first = views[0]
+        key = (tuple(first.shape), first.stride())
+        space_key = (key, first.dtype, tuple(v.data_ptr() for v in views))
+        hit = self._spaces.get(space_key, _MISSING)
+        if hit is not _MISSING:
+            return hit
         if key not in self._shapes:
-            self._shapes[key] = page_rows_of(views[0])
-        return row_space(views, self._shapes[key])
+            self._shapes[key] = page_rows_of(first)
+        space = row_space(views, self._shapes[key])
+        if len(self._spaces) >= _CACHED_SPACES:
+            self._spaces.clear()
+        self._spaces[space_key] = space
+        return space
 
     def _plan(self, dst, dst_key, dst_pages: torch.Tensor, src, src_key, src_pages: torch.Tensor,
               host_is_dst: bool) -> RowPlan:

@@ -73,6 +73,7 @@ class DevicePool:
         self.size: int = size
         self.device: torch.device = device
         self._buffers = tuple(tuple(row) for row in buffers)
+        self._views: dict[tuple, torch.Tensor] = {}
         row_bytes = geometry.row_dim * geometry.itemsize
         align = math.gcd(row_bytes, *(b.data_ptr() % 64 or 64 for row in self._buffers for b in row))
         self.word: torch.dtype = word_dtype(align)
@@ -137,11 +138,16 @@ class DevicePool:
             raise TypeError(f"this is an {self.geometry.kind.upper()} pool; that accessor is for {kind.upper()}")
 
     def page_view(self, layer: int, component: int, word: torch.dtype) -> torch.Tensor:
-        """(pages, page_size, heads, words) view of one buffer, for transfers."""
-        buf = self._buffers[layer][component]
-        return buf.view(torch.uint8).view(word).view(
-            self.size // self.page_size, self.page_size, self.geometry.row_heads, -1
-        )
+        """(pages, page_size, heads, words) view of one buffer, for transfers (kept: a layer
+        load asks for the same views each time)."""
+        key = (layer, component, word)
+        view = self._views.get(key)
+        if view is None:
+            buf = self._buffers[layer][component]
+            view = self._views[key] = buf.view(torch.uint8).view(word).view(
+                self.size // self.page_size, self.page_size, self.geometry.row_heads, -1
+            )
+        return view
 
     def __repr__(self) -> str:
         return f"DevicePool({self.geometry.spec()}, size={self.size}, page_size={self.page_size}, device={self.device})"
@@ -174,6 +180,7 @@ class HostPool:
         self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
         self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
+        self._views: dict[tuple, torch.Tensor] = {}
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
 
     @property
@@ -200,10 +207,15 @@ class HostPool:
 
     def page_view(self, layer: int, component: int, word: torch.dtype, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """(pages, page_size, heads, words) view of one (layer, component); `buffer` replaces the
-        host buffer with an alias of it (a CUDA mapping of the pinned memory)."""
-        words = (self.buffer if buffer is None else buffer).view(word)
-        return page_view(words, self.layout, self.geometry, self.size, self.page_size, layer, component,
-                         self.header_room)
+        host buffer with an alias of it (a CUDA mapping of the pinned memory). Views are kept:
+        a layer load asks for the same ones each time."""
+        base = self.buffer if buffer is None else buffer
+        key = (layer, component, word, base.device, base.data_ptr())
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = page_view(base.view(word), self.layout, self.geometry, self.size,
+                                                self.page_size, layer, component, self.header_room)
+        return view
 
     def page_buffers(self, host_slots) -> list[PagePieces]:
         """For each page of `host_slots` (whole pages, in order): its pieces as C-contiguous byte

@@ -14,6 +14,7 @@ pass, and otherwise go through a cache-sized scratch buffer (gather, then scatte
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ def row_space(views: list[torch.Tensor], shape: tuple[int, np.ndarray] | None) -
     return grid, (tuple(first.shape), first.stride(), tuple(offsets.tolist()))
 
 
+@functools.cache
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
