@@ -7,7 +7,7 @@ host pools (page_first; with their header room, so a value moves as one piece); 
 first. Prints the median GB/s of each and, per direction, the median over rounds of the
 round's hicache/raw ratio (target >= 0.9).
 
-    python bench/storage_mooncake.py [--pages 32] [--page-mib 2] [--rounds 31] [--room BYTES]
+    python bench/storage_mooncake.py [--pages 32] [--page-mib 2] [--rounds 31] [--room BYTES] [--clients shared|separate]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hicache.backends.mooncake import MooncakeBackend  # noqa: E402
+from hicache.backends.mooncake import MooncakeBackend, connect_client  # noqa: E402
+from hicache.backends.mooncake_spec import parse_spec  # noqa: E402
 from hicache.backends.mooncake_memory import address_of  # noqa: E402
 from hicache.testing.mooncake_store import import_error, start_store  # noqa: E402
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--page-mib", type=float, default=2)
     ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--clients", choices=("shared", "separate"), default="shared",
+                    help="the backend drives the raw way's client (default) or its own")
     ap.add_argument("--room", type=int, default=None,
                     help="host pool header room in bytes (default: the pool's choice; 0: none)")
     args = ap.parse_args(argv)
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     segment = 4 * batch_bytes + (64 << 20)
     store = start_store(Path(tempfile.mkdtemp(prefix="mc-bench-")), segment=segment)
     try:
-        return anyio.run(run, store, args.pages, page, args.rounds, segment, args.room)
+        return anyio.run(run, store, args.pages, page, args.rounds, segment, args.room, args.clients)
     finally:
         store.stop()
 
@@ -77,20 +80,27 @@ def host_pool(pages: int, page: int, room: int | None):
     return HostPool(device, pages * page_size, "page_first", header_room=room)
 
 
-async def run(store, pages: int, page: int, rounds: int, segment: int, room: int | None) -> dict[str, float]:
+async def run(store, pages: int, page: int, rounds: int, segment: int, room: int | None,
+              clients: str) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore
 
     raw = MooncakeDistributedStore()
     assert raw.setup("127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}") == 0
-    backend = MooncakeBackend.from_spec(store.spec, namespace=BenchNamespace(), batch=pages,
-                                        emit=lambda name, **f: print(name, f))
+    # With `shared`, the backend drives the very client the raw way uses: two clients are two
+    # transfer engines whose threads and connections can differ for a whole run (separate
+    # clients measured upload ratios from 0.83 to 1.04 between runs of this script).
+    factory = (lambda _spec: raw) if clients == "shared" else connect_client
+    backend = MooncakeBackend(parse_spec(store.spec, {"batch": pages}), namespace=BenchNamespace(),
+                              emit=lambda name, **f: print(name, f), client_factory=factory)
     # Both move the same page bytes of the same two host pools, laid out as the cache has them
     # (page_first, with the header room the pool picks unless --room says otherwise): raw from
     # the pages themselves, hicache as framed values (header in the room: one piece a value).
     host_src, host_dst = (host_pool(pages, page, room) for _ in range(2))
     for host in (host_src, host_dst):
-        raw.register_buffer(host.buffer.data_ptr(), host.nbytes)
+        if clients != "shared":
+            raw.register_buffer(host.buffer.data_ptr(), host.nbytes)
         backend.register_host_memory(host.buffer.data_ptr(), host.nbytes)
+    await backend.exists(["connect-and-register"])  # the backend registers the pools (shared: for both)
     slots = np.arange(host_src.size)
     srcs, dsts = host_src.page_buffers(slots), host_dst.page_buffers(slots)
     rng = np.random.default_rng(0)
@@ -154,13 +164,15 @@ async def run(store, pages: int, page: int, rounds: int, segment: int, room: int
     ratios = {op: statistics.median(h / r for h, r in zip(rates[hc], rates[rw]))
               for op, hc, rw in (("upload", "hicache set", "raw put"), ("prefetch", "hicache get", "raw get"))}
     print(f"Mooncake Store, tcp on loopback: {pages} pages x {page / (1 << 20):g} MiB per batch, "
-          f"median of {rounds} rounds, ways alternating first; host pool header room {host_src.header_room} B")
+          f"median of {rounds} rounds, ways alternating first; host pool header room {host_src.header_room} B; "
+          f"{clients} client(s)")
     for k in rates:
         print(f"  {k:12s} {med[k]:6.2f} GB/s  (range {min(rates[k]) / 1e9:.2f}-{max(rates[k]) / 1e9:.2f})")
     print(f"  upload ratio   (hicache set / raw put, median of per-round ratios) {ratios['upload']:.2f}")
     print(f"  prefetch ratio (hicache get / raw get, median of per-round ratios) {ratios['prefetch']:.2f}")
-    await backend.aclose()
-    raw.close()
+    await backend.aclose()  # closes `raw` too when shared
+    if clients != "shared":
+        raw.close()
     return ratios
 
 
