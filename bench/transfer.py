@@ -56,6 +56,9 @@ def best_interleaved(reps: int, fn, reference, sync) -> tuple[float, float, floa
     ratio (reference time / fn time), run back to back so each pair sees the same machine. On
     a shared host the two bests can come from different moments (a quiet spell helps whichever
     ran in it); the paired median cancels that drift and ignores single outliers."""
+    fn()  # untimed: the first few large moves of a process pay for fresh memory (glibc hands
+    reference()  # out big planning arrays by mmap until its threshold adapts; 44-71 ms vs 16 ms)
+    sync()
     times, refs = [], []
     for _ in range(reps):
         times.append(timed(fn, sync))
