@@ -7,7 +7,7 @@ host pools (page_first; with their header room, so a value moves as one piece); 
 first. Prints the median GB/s of each and, per direction, the median over rounds of the
 round's hicache/raw ratio (target >= 0.9).
 
-    python bench/storage_mooncake.py [--pages 32] [--page-mib 2] [--rounds 31] [--room BYTES] [--clients shared|separate]
+    python bench/storage_mooncake.py [--pages 32] [--page-mib 2] [--rounds 101] [--room BYTES] [--clients shared|separate]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--page-mib", type=float, default=2)
-    ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--rounds", type=int, default=101)
     ap.add_argument("--clients", choices=("shared", "separate"), default="shared",
                     help="the backend drives the raw way's client (default) or its own")
     ap.add_argument("--room", type=int, default=None,
