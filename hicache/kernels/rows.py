@@ -129,8 +129,9 @@ def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndar
            by_dst: bool) -> tuple[np.ndarray, np.ndarray]:
     """Row pairs sorted by destination (by_dst) or source row. Pair (view v, page p, inner i)
     is row `offsets[v] + pages[p] * page_rows + inner[i]` on each side. Rows are sorted by
-    sorting the few pages and inner rows, page-major or view-major, whichever orders them;
-    a full sort of the rows only when neither does."""
+    sorting the few pages and inner rows, page-major or view-major, whichever orders them
+    (decided from those few values, not from the expanded rows); a full sort of the rows only
+    when neither does."""
     key, key_pages = (dst, dst_pages) if by_dst else (src, src_pages)
     by_page = np.argsort(key_pages, kind="stable")
     views, inner = key.offsets.size, key.inner.size
@@ -146,19 +147,39 @@ def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndar
     key_within = (key.offsets[:, None] + key.inner[None, :]).ravel()
     within_order = np.argsort(key_within, kind="stable")
     all_views, all_inner = np.arange(views), np.arange(inner)
+    pages = key_pages[by_page]
+    if pages.size == 0 or _page_major_sorted(key_within[within_order], pages, key.page_rows):
+        return (rows(dst, dst_pages, all_views, all_inner, True),
+                rows(src, src_pages, all_views, all_inner, True))
+    view_order, inner_order = np.argsort(key.offsets, kind="stable"), np.argsort(key.inner, kind="stable")
+    if _view_major_sorted(key.offsets[view_order], key.inner[inner_order], pages, key.page_rows):
+        return (rows(dst, dst_pages, view_order, inner_order, False),
+                rows(src, src_pages, view_order, inner_order, False))
     d = rows(dst, dst_pages, all_views, all_inner, True)
     s = rows(src, src_pages, all_views, all_inner, True)
-    k = d if by_dst else s
-    if not (np.diff(k) <= 0).any():
-        return d, s
-    view_order, inner_order = np.argsort(key.offsets, kind="stable"), np.argsort(key.inner, kind="stable")
-    d = rows(dst, dst_pages, view_order, inner_order, False)
-    s = rows(src, src_pages, view_order, inner_order, False)
-    k = d if by_dst else s
-    if not (np.diff(k) <= 0).any():
-        return d, s
-    order = np.argsort(k, kind="stable")
+    order = np.argsort(d if by_dst else s, kind="stable")
     return d[order], s[order]
+
+
+def _increasing(a: np.ndarray) -> bool:
+    return bool((np.diff(a) > 0).all())
+
+
+def _page_major_sorted(within: np.ndarray, pages: np.ndarray, page_rows: int) -> bool:
+    """Whether rows `pages[p] * page_rows + within[j]`, p-major, rise strictly: each page's
+    rows (sorted `within`) fit in less than one page's span. `pages` sorted. Pure."""
+    return _increasing(within) and _increasing(pages) and int(within[-1] - within[0]) < page_rows
+
+
+def _view_major_sorted(offsets: np.ndarray, inner: np.ndarray, pages: np.ndarray, page_rows: int) -> bool:
+    """Whether rows `offsets[v] + pages[p] * page_rows + inner[i]`, v-major then p, rise
+    strictly: each page's inner rows fit in one page's span, and each view's rows end before
+    the next view's begin. All three sorted. Pure."""
+    if not (_increasing(inner) and _increasing(pages) and int(inner[-1] - inner[0]) < page_rows):
+        return False
+    first = offsets + int(pages[0]) * page_rows + int(inner[0])
+    last = offsets + int(pages[-1]) * page_rows + int(inner[-1])
+    return bool((last[:-1] < first[1:]).all())
 
 
 def _page_blocks(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
