@@ -7,6 +7,7 @@ or raises `ConfigError` naming the field where no rewrite is sound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -15,6 +16,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 IO_BACKENDS = ("kernel", "direct")
+_DEFAULT_MODEL_ID = "model"  # with storage on, must be replaced by the model's own name
 
 
 class ConfigError(ValueError):
@@ -52,7 +54,7 @@ class CacheConfig:
     load_back_threshold: int = 10  # tokens; smaller L2 hits are not worth a transfer
 
     storage: str | None = None  # None | "memory" | "file:DIR" | "redis://..." | "module:Class"
-    model_id: str = "model"
+    model_id: str = _DEFAULT_MODEL_ID  # must be set when storage is on (part of every L3 key)
     tenant: str = ""
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int = 256  # tokens; clamped up to page_size
@@ -102,8 +104,44 @@ class CacheConfig:
         _check_choice("cpu_transfers", self.cpu_transfers, ("thread", "inline"))
         _check_positive("page_size", self.page_size)
         _check_positive("device_tokens", self.device_tokens)
+        if self.host_tokens is not None:
+            _check_positive("host_tokens", self.host_tokens)
         _check_positive("channel_capacity", self.channel_capacity)
         _check_positive("storage_batch_pages", self.storage_batch_pages)
+        _check_int("load_back_threshold", self.load_back_threshold, minimum=0)
+        _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
+        _check_int("upload_retries", self.upload_retries, minimum=0)
+        _check_int("max_upload_backlog", self.max_upload_backlog, minimum=0)
+        _check_int("seed", self.seed)
+        _check_int("tp_size", self.tp_size, minimum=1)
+        _check_int("tp_rank", self.tp_rank, minimum=0)
+        _check_seconds("upload_backoff", self.upload_backoff, zero_ok=True)
+        _check_seconds("prefetch_timeout_base", self.prefetch_timeout_base, zero_ok=True)
+        _check_seconds("prefetch_timeout_per_ki_token", self.prefetch_timeout_per_ki_token, zero_ok=True)
+        _check_seconds("storage_timeout", self.storage_timeout, zero_ok=False)
+        _check_seconds("close_timeout", self.close_timeout, zero_ok=False)
+        if not _is_number(self.transfer_bandwidth) or not self.transfer_bandwidth > 0:  # NaN too
+            raise ConfigError(
+                f"transfer_bandwidth={self.transfer_bandwidth!r} must be a number of bytes/s > 0"
+            )
+        if not _is_number(self.prefetch_rate_fraction) or not 0 < self.prefetch_rate_fraction <= 1:
+            raise ConfigError(
+                f"prefetch_rate_fraction={self.prefetch_rate_fraction!r} must be in (0, 1]"
+            )
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"extra={self.extra!r} must be a dict of backend options")
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise ConfigError(f"model_id={self.model_id!r} must be a non-empty string")
+        if not isinstance(self.tenant, str):
+            raise ConfigError(f"tenant={self.tenant!r} must be a string")
+        if self.storage is not None and not isinstance(self.storage, str):
+            raise ConfigError(f"storage={self.storage!r} must be None or a backend spec string")
+        if self.storage and self.model_id == _DEFAULT_MODEL_ID:
+            raise ConfigError(
+                f"storage={self.storage!r} needs model_id: set model_id to name the model "
+                f"(it is part of every L3 key; with the default model_id={_DEFAULT_MODEL_ID!r} "
+                "two models of the same geometry would share L3 keys and read each other's KV)"
+            )
         if self.channel_capacity < 4:
             raise ConfigError("channel_capacity must be at least 4 (credits need room)")
         if self.device_tokens % self.page_size:
@@ -117,12 +155,8 @@ class CacheConfig:
             raise ConfigError(
                 f"host_tokens={host} must be larger than device_tokens={self.device_tokens}"
             )
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank={self.tp_rank} is outside tp_size={self.tp_size}")
-        if self.load_back_threshold < 0 or self.prefetch_threshold < 0:
-            raise ConfigError("thresholds must be >= 0")
-        if not 0 < self.prefetch_rate_fraction <= 1:
-            raise ConfigError("prefetch_rate_fraction must be in (0, 1]")
+        if not self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} is outside [0, tp_size={self.tp_size})")
 
         rewrites: list[Rewrite] = []
         cfg = self
@@ -144,6 +178,29 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+    if not _is_int(value):
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_seconds(name: str, value: object, *, zero_ok: bool) -> None:
+    """A finite duration in seconds: >= 0 (`zero_ok`) or > 0. NaN fails every comparison."""
+    ok = _is_number(value) and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name}={value!r} must be a finite number of seconds {bound}")

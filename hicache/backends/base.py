@@ -7,12 +7,25 @@ the page's value. Keys are full L3 keys (namespace included), opaque to the back
 
 Failure contract: a backend never raises for a missing, corrupt or unreachable value; it
 reports a miss (a shorter count) and leaves an event. Only programming errors raise.
+
+Opening: a backend may have an optional `async def connect(self) -> None`, which
+`registry.connect_backend` (hence the cache, at open) awaits once before any other call; it
+raises `BackendUnavailable` when the store cannot be reached or refuses the credentials, so a
+misconfigured store fails the open instead of turning into a silent 0% hit rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
+
+
+class BackendUnavailable(ConnectionError):
+    """Opening a backend found its store unreachable, or refusing this client (wrong
+    credentials, a database it may not use). Raised only at open (`registry.connect_backend`),
+    never by the protocol's calls; the message names the store (host:port or socket path,
+    never a password)."""
+
 
 PageBuffer = Sequence[memoryview]
 """The pieces of one page in host memory, in order; each a C-contiguous byte view."""

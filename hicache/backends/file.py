@@ -15,6 +15,11 @@ progress. Guarantees:
   rescans the directory (counting other writers' files, forgetting removed ones) and deletes
   the oldest values by modification time until the total is at most 0.9 x the cap. With
   several writers the directory may exceed the cap by what others wrote since the last scan.
+- Self-healing directories: a write whose temporary directory (or the namespace directory)
+  has been deleted under it recreates it and goes on; shard directories likewise.
+- Failing writes are loud once: each failed write is a `storage.error` event; after
+  `failure_streak` consecutive failed page writes the backend also emits
+  `storage.writes_failing` (once per streak), and on the next success `storage.writes_recovered`.
 
 Blocking calls run in worker threads under a limiter of `threads` (or inline with threads=0).
 """
@@ -65,6 +70,7 @@ class FileBackend:
         max_bytes: int | None = None,
         threads: int = 4,
         stale_temp_s: float = 600.0,
+        failure_streak: int = 8,
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
@@ -72,6 +78,8 @@ class FileBackend:
             raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         if not isinstance(stale_temp_s, (int, float)) or stale_temp_s < 0:
             raise ValueError(f"stale_temp_s must be a number >= 0, got {stale_temp_s!r}")
+        if isinstance(failure_streak, bool) or not isinstance(failure_streak, int) or failure_streak < 1:
+            raise ValueError(f"failure_streak must be a positive int, got {failure_streak!r}")
         self.namespace = namespace
         self.root = os.fspath(root)
         self.fsync = bool(fsync)
@@ -80,6 +88,11 @@ class FileBackend:
         self._runner = BlockingRunner(threads)
         self._temp_seq = itertools.count()
         self._counters = Counters()
+        # Consecutive failed page writes (loop side); the streak is reported once it reaches
+        # `failure_streak`, and its end once a write succeeds again.
+        self.failure_streak = failure_streak
+        self._failed_writes = 0
+        self._streaks = 0
         self._dir = os.path.join(self.root, namespace.digest)
         self._tmp = os.path.join(self._dir, _TMP)
         try:
@@ -99,10 +112,11 @@ class FileBackend:
     def from_spec(
         cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
     ) -> FileBackend:
-        """Spec `file:DIR`. Options: fsync, max_bytes, threads (0 = inline), stale_temp_s."""
+        """Spec `file:DIR`. Options: fsync, max_bytes, threads (0 = inline), stale_temp_s,
+        failure_streak."""
         if not isinstance(spec, str) or not spec.startswith("file:") or len(spec) == len("file:"):
             raise ValueError(f"file backend spec must be file:DIR, got {spec!r}")
-        known = {"fsync", "max_bytes", "threads", "stale_temp_s"}
+        known = {"fsync", "max_bytes", "threads", "stale_temp_s", "failure_streak"}
         if set(options) - known:
             raise TypeError(f"unknown file backend options {sorted(set(options) - known)}; known: {sorted(known)}")
         return cls(spec[len("file:") :], namespace=namespace, emit=emit, **options)
@@ -144,8 +158,10 @@ class FileBackend:
         for (key, *_), result in zip(jobs, results):
             if isinstance(result, Exception):
                 self._error("set", key, result)
+                self._write_failed(result)
                 oks.append(False)
                 continue
+            self._write_succeeded()
             size, mtime_ns, payload = result
             self._counters.set_ok += 1
             self._counters.bytes_written += payload
@@ -181,6 +197,7 @@ class FileBackend:
 
     def stats(self) -> Mapping[str, int | float]:
         out: dict[str, int | float] = self._counters.as_dict()
+        out["write_failure_streaks"] = self._streaks
         if self.max_bytes is not None:
             out["stored_bytes"] = self._indexed_bytes
         return out
@@ -202,6 +219,18 @@ class FileBackend:
     def _error(self, op: str, key: str, exc: Exception) -> None:
         self._counters.errors += 1
         self._emit("storage.error", op=op, key=key, error=f"{type(exc).__name__}: {exc}")
+
+    def _write_failed(self, exc: Exception) -> None:
+        self._failed_writes += 1
+        if self._failed_writes == self.failure_streak:
+            self._streaks += 1
+            self._emit("storage.writes_failing", directory=self._dir, failures=self._failed_writes,
+                       error=f"{type(exc).__name__}: {exc}")
+
+    def _write_succeeded(self) -> None:
+        if self._failed_writes >= self.failure_streak:
+            self._emit("storage.writes_recovered", directory=self._dir, failures=self._failed_writes)
+        self._failed_writes = 0
 
     def _remember(self, key: str, mtime_ns: int, size: int) -> None:
         page_hash = key.rsplit(":", 1)[1]
@@ -332,7 +361,11 @@ def _write_value(job: tuple[str, str, str, list[memoryview], bool]) -> tuple[int
     key, path, temp, pieces, fsync = job
     hsize = header_size(key)
     try:
-        fd = os.open(temp, _OPEN_WRITE, 0o644)
+        try:
+            fd = os.open(temp, _OPEN_WRITE, 0o644)
+        except FileNotFoundError:  # the temporary directory was deleted under us: make it again
+            os.makedirs(os.path.dirname(temp), exist_ok=True)
+            fd = os.open(temp, _OPEN_WRITE, 0o644)
     except OSError as exc:
         return exc
     try:

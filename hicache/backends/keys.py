@@ -6,8 +6,8 @@ little-endian; for bigram (tuple) tokens each tuple contributes its ids in order
 at different positions or after different prefixes therefore get different hashes.
 
 A `Namespace` covers everything that shapes the stored bytes (model, attention kind, geometry,
-dtype, page size), a tenant salt, and for MHA the tensor-parallel rank, so no two of those ever
-share a key. Pure functions and immutable values only.
+dtype, page size, host layout), a tenant salt, and for MHA the tensor-parallel rank and size, so
+no two of those ever share a key. Pure functions and immutable values only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hicache.types import PageHash
 
 HASH_HEX_LEN = 64
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
-KEY_SCHEME_VERSION = 1
+KEY_SCHEME_VERSION = 2  # 2: MHA namespaces carry tp_size
 
 KV_DTYPES = {
     "float32": 4,
@@ -118,9 +118,11 @@ def check_kv_spec(spec: str) -> str:
 class Namespace:
     """Where a cache instance's L3 keys live. Immutable.
 
-    `rank` is this process's tensor-parallel rank (None without TP). MHA keys carry it, since
-    each rank stores its own head shard; MLA keys do not (every rank holds the same latent),
-    and only rank 0 (or None) writes them: see `writes`.
+    `rank` is this process's tensor-parallel rank (None without TP) and `tp_size` the number
+    of ranks (None: 1). MHA keys carry both, since each rank stores its own head shard and
+    which heads rank r holds depends on the TP size (with replicated KV heads, rank 0 of TP8
+    and rank 0 of TP16 hold different heads); MLA keys carry neither (every rank holds the
+    same latent), and only rank 0 (or None) writes them: see `writes`.
     """
 
     model: str
@@ -128,6 +130,7 @@ class Namespace:
     page_size: int
     tenant: str = ""  # salt: tenants with different salts never share a key
     rank: int | None = None
+    tp_size: int | None = None
     layout: str = ""  # host layout: the byte order of a stored page depends on it
     digest: str = field(init=False, repr=False, compare=False)
 
@@ -143,10 +146,16 @@ class Namespace:
             isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
         ):
             raise ValueError(f"rank must be None or a non-negative int, got {self.rank!r}")
+        if self.tp_size is not None and (
+            isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1
+        ):
+            raise ValueError(f"tp_size must be None or a positive int, got {self.tp_size!r}")
+        if self.tp_size is not None and (self.rank or 0) >= self.tp_size:
+            raise ValueError(f"rank={self.rank!r} is outside tp_size={self.tp_size!r}")
         if not isinstance(self.layout, str):
             raise ValueError(f"layout must be a string, got {self.layout!r}")
         fields = (KEY_SCHEME_VERSION, self.model, self.kv, self.page_size, self.tenant,
-                  self.key_rank, self.layout)
+                  self.key_rank, self.key_tp_size, self.layout)
         # Length-prefixed fields so no two field tuples serialise alike.
         h = hashlib.sha256()
         for f in fields:
@@ -163,6 +172,11 @@ class Namespace:
     def key_rank(self) -> int | None:
         """The rank that keys carry: this rank for MHA (0 without TP), None for MLA."""
         return (self.rank or 0) if self.attention == "mha" else None
+
+    @property
+    def key_tp_size(self) -> int | None:
+        """The TP size that keys carry: for MHA this namespace's (1 without TP), None for MLA."""
+        return (self.tp_size or 1) if self.attention == "mha" else None
 
     @property
     def writes(self) -> bool:

@@ -9,13 +9,19 @@ Values are the framing header followed by the page's pieces (hicache.backends.fr
 that fails verification (bad magic or version, another key's value, wrong length, checksum, a
 non-string Redis type) is a miss, a `storage.corrupt` event, and deleted.
 
-Failure contract (base.py): a missing value, a dropped connection, a timeout or a restarted
-server is a miss or a failed write, never an exception. Every socket operation is bounded by
-the spec's timeouts; a dropped connection is resent once on a fresh connection, later calls
-reconnect by themselves. Events: the first unreachable-server failure after a success emits
-`storage.unavailable`, the first success after it `storage.reconnected` (so an outage costs
-two events, not one per call); a command the server refuses (out of memory, ACL) emits
-`storage.error` per call.
+Opening (`connect`, awaited by registry.connect_backend, hence by the cache at open): the
+backend logs in and PINGs the server once, and raises `BackendUnavailable` (a ConnectionError)
+naming the server, never the password, when it cannot reach it or is refused (wrong password or
+user, a db it may not use). The spec option `lazy_connect=true` skips the check: the backend
+then opens whatever the server's state, as it did before the check existed.
+
+Failure contract (base.py): after the open, a missing value, a dropped connection, a timeout or
+a restarted server is a miss or a failed write, never an exception. Every socket operation is
+bounded by the spec's timeouts; a dropped connection is resent once on a fresh connection,
+later calls reconnect by themselves. Events: the first unreachable-server failure after a
+success emits `storage.unavailable`, the first success after it `storage.reconnected` (so an
+outage costs two events, not one per call); a command the server refuses (out of memory, ACL)
+emits `storage.error` per call.
 
 A batch is cut into pipelines of at most `pipeline_bytes` page bytes (a larger page goes alone),
 sent concurrently over the pool: small pages share round trips, large ones overlap their
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from hicache.backends.base import PageBuffer
+from hicache.backends.base import BackendUnavailable, PageBuffer
 from hicache.backends.framing import CorruptValue, encode_header, header_size
 from hicache.backends.redis_client import FAILURES, RedisLink, is_unreachable, is_wrong_type
 from hicache.backends.redis_spec import RedisSpec, parse_redis_spec
@@ -105,8 +111,38 @@ class RedisBackend:
         cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
     ) -> RedisBackend:
         """Parse `spec` plus `options` (redis_spec.py lists every form and option). Raises
-        ValueError for a bad spec; does not connect (the first call does)."""
+        ValueError for a bad spec; does not connect (`connect`, or else the first call, does)."""
         return cls(parse_redis_spec(spec, options), namespace=namespace, emit=emit)
+
+    async def connect(self) -> None:
+        """The open-time check: log in and PING (unless the spec says `lazy_connect`). Raises
+        BackendUnavailable naming the server, never the password. Bounded by the spec's
+        timeouts (and a guard over all of them)."""
+        self._check_keys(())
+        if self.spec.lazy_connect:
+            return
+        spec = self.spec
+        guard = 2 * (spec.connect_timeout_s + 3 * spec.timeout_s) * max(1, len(spec.endpoints))
+        failure: BaseException | None = None
+        try:
+            with anyio.fail_after(guard):
+                replies = await self._link.send([("PING",)])
+        except (*FAILURES, TimeoutError) as error:
+            failure = error
+        else:
+            if isinstance(replies[0], BaseException):  # an error reply (e.g. NOAUTH, ACL)
+                failure = replies[0]
+            elif replies[0] not in (True, b"PONG", "PONG"):
+                failure = ValueError(f"unexpected PING reply {replies[0]!r}")
+        if failure is not None:
+            detail = f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
+            if spec.password:
+                detail = detail.replace(spec.password, "***")
+            raise BackendUnavailable(
+                f"redis storage {spec.redacted()} is unreachable or refused this client at open "
+                f"({detail}); check the address and the credentials, or pass lazy_connect=true "
+                "to open anyway (every call is then a miss until the server answers)"
+            ) from None
 
     # --- StorageBackend ---------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class RedisSpec:
     tls_key: str | None
     tls_verify: bool
     tls_check_hostname: bool
+    lazy_connect: bool = False  # open without checking the server (misses + events until it answers)
 
     @property
     def tls(self) -> bool:
@@ -104,6 +105,7 @@ _OPTION_NAMES = frozenset(
     {
         "db", "username", "password", "ttl", "refresh_ttl", "pool", "timeout",
         "connect_timeout", "pipeline_bytes", "ca", "cert", "key", "verify", "check_hostname",
+        "lazy_connect",
     }
 )  # fmt: skip
 
@@ -185,4 +187,5 @@ def parse_redis_spec(spec: str, options: Mapping[str, Any] | None = None) -> Red
         tls_key=opts.get("key") or None,
         tls_verify=_flag(spec, "verify", opts.get("verify", True)),
         tls_check_hostname=_flag(spec, "check_hostname", opts.get("check_hostname", True)),
+        lazy_connect=_flag(spec, "lazy_connect", opts.get("lazy_connect", False)),
     )

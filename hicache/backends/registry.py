@@ -9,7 +9,9 @@ Known forms:
     package.module:Class[?ARG]               any class with the same from_spec classmethod
 
 Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`; the full
-spec string is passed through unchanged.
+spec string is passed through unchanged. `open_backend` builds the backend (no I/O for the
+shipped ones); `connect_backend` builds it and then awaits its optional `connect()` check
+(base.py), which is how the cache opens storage.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import importlib
 import re
 from typing import Any
+
+import anyio
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
@@ -90,4 +94,23 @@ def open_backend(
     backend = from_spec(spec, namespace=namespace, emit=emit, **options)
     if not isinstance(backend, StorageBackend):
         raise TypeError(f"storage spec {spec!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend")
+    return backend
+
+
+async def connect_backend(
+    spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+) -> StorageBackend:
+    """`open_backend`, then the backend's `connect()` coroutine where it has one (base.py: a
+    network store checks there that its server answers and accepts the credentials). Raises
+    what `open_backend` raises, and what `connect` raises (`BackendUnavailable` for an
+    unreachable or refusing store), after closing the backend."""
+    backend = open_backend(spec, namespace=namespace, emit=emit, **options)
+    connect = getattr(backend, "connect", None)
+    if callable(connect):
+        try:
+            await connect()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await backend.aclose()
+            raise
     return backend

@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--host-tokens", type=int, default=400_000)
     r.add_argument("--storage", default="file",
                    help="none | memory | file (a temporary directory) | file:DIR | SPEC")
+    r.add_argument("--model-id", default="replay",
+                   help="the model id in the L3 keys (replays of other traces or geometries "
+                        "sharing one store should differ)")
     r.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
     r.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
     r.add_argument("--exclusive", action="store_true",

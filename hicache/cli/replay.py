@@ -195,6 +195,7 @@ def run(args) -> int:
             kv=args.kv, page_size=args.page_size, device_tokens=args.device_tokens,
             host_tokens=args.host_tokens, eviction=args.eviction, write_policy=args.write_policy,
             exclusive=args.exclusive, storage=None if storage == "none" else storage,
+            model_id=args.model_id,
             prefetch_policy=args.prefetch_policy, deterministic=args.deterministic,
             seed=args.seed, layout=args.layout, io_backend=args.io,
             **({"cpu_transfers": args.cpu_transfers} if args.cpu_transfers else {}),

@@ -21,8 +21,8 @@ PAGE = 4
 
 def config(**overrides):
     """Small, deterministic, write-through (so every insert reaches L2 and then L3), with a
-    prefetch threshold of two pages."""
-    base = dict(write_policy="write_through", prefetch_threshold=2 * PAGE)
+    prefetch threshold of two pages, under its own model id (storage needs one)."""
+    base = dict(write_policy="write_through", prefetch_threshold=2 * PAGE, model_id="test-model")
     base.update(overrides)
     return virtual_config(**base)
 
@@ -31,7 +31,8 @@ def namespace_of(cfg) -> Namespace:
     """The namespace a cache with this config builds (the same fields, the resolved layout)."""
     resolved, _ = cfg.resolve()
     return Namespace(model=resolved.model_id, kv=resolved.kv, page_size=resolved.page_size,
-                     tenant=resolved.tenant, rank=resolved.tp_rank, layout=resolved.layout)
+                     tenant=resolved.tenant, rank=resolved.tp_rank, tp_size=resolved.tp_size,
+                     layout=resolved.layout)
 
 
 def slow_memory(cfg, store: MemoryStore, **faults) -> FaultyBackend:

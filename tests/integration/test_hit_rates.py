@@ -81,7 +81,7 @@ def test_unbounded_storage_reaches_the_infinite_capacity_bound():
     # (0.8 x (host - device)) to admit a step's prefetches: all other reuse must come from L3.
     tiers = dict(kv="mha:1:1:8:float16", page_size=PAGE, device_tokens=160_000,
                  host_tokens=480_000, write_policy="write_through")
-    with_l3, tally = run_replay(CacheConfig(**tiers, storage="memory",
+    with_l3, tally = run_replay(CacheConfig(**tiers, storage="memory", model_id="trace",
                                             prefetch_policy="wait_complete"), requests, batch=4)
     small = dict(tiers, device_tokens=12_800, host_tokens=25_600)
     l1_only, _ = run_replay(CacheConfig(**small), requests, batch=4)

@@ -22,6 +22,7 @@ def test_all_channels_at_capacity_no_deadlock(mode):
         cfg = virtual_config(
             deterministic=deterministic,
             device_tokens=256, host_tokens=512, write_policy="write_through", storage="memory",
+            model_id="saturation",
             channel_capacity=8, prefetch_threshold=4, prefetch_policy="wait_complete", seed=seed,
         )
         ns = Namespace(model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, layout=cfg.layout)

@@ -159,6 +159,21 @@ def test_damaged_value_is_a_miss_an_event_and_deleted(tmp_path, damage, reason):
 
 # ---------------------------------------------------------------- tensor-parallel ranks
 
+@pytest.fixture
+def one_process_group():
+    """A one-member gloo group, so a cache with tp_size > 1 may open (it refuses without a
+    process group). Each rank's cache runs alone here, in step with itself; ranks agreeing
+    across processes are tests/integration/test_tp_agreement.py's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_process_group")
 def test_mha_ranks_keep_their_own_keys(tmp_path):
     rank0 = file_config(tmp_path, tp_size=2, tp_rank=0)
     rank1 = file_config(tmp_path, tp_size=2, tp_rank=1)
@@ -180,6 +195,7 @@ def test_mha_ranks_keep_their_own_keys(tmp_path):
         namespace_of(rank0).digest, namespace_of(rank1).digest}
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_mla_only_rank_zero_uploads_and_every_rank_reads_it(tmp_path):
     log = EventLog(capture=True)
     kv = "mla:2:8:4:float32"

@@ -35,11 +35,11 @@ def main(rank: int, world: int, init_file: str, out_dir: str, kv: str, seed: int
                             world_size=world)
     group = dist.new_group(backend="gloo")  # apart from the model's group, as the seed does
     cfg = CacheConfig(kv=kv, page_size=16, device_tokens=400, host_tokens=800,
-                      write_policy="write_through", storage="file", prefetch_threshold=16,
-                      prefetch_policy="timeout", tp_rank=rank, tp_size=world,
-                      channel_capacity=32)
+                      write_policy="write_through", storage="file", model_id="tp-test",
+                      prefetch_threshold=16, prefetch_policy="timeout", tp_rank=rank,
+                      tp_size=world, channel_capacity=32)
     ns = Namespace(model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, rank=rank,
-                   layout=cfg.layout)
+                   tp_size=world, layout=cfg.layout)
     # Each rank at its own pace: slower storage and slower copies on rank 1.
     backend = FaultyBackend(FileBackend(os.path.join(out_dir, "store"), namespace=ns),
                             BackendFaults(latency=0.0005 + 0.004 * rank))

@@ -34,7 +34,8 @@ BOUND_S = 60  # hang guard on a whole replay or round trip, not a timing asserti
 
 def replay_config(url: str) -> CacheConfig:
     return CacheConfig(kv=KV, page_size=64, device_tokens=DEVICE, host_tokens=HOST, storage=url,
-                       write_policy="write_through", prefetch_policy="wait_complete")
+                       model_id="replay", write_policy="write_through",
+                       prefetch_policy="wait_complete")
 
 
 def test_replay_command_over_redis(server, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -149,3 +150,87 @@ async def test_unreadable_value_is_error_not_raise(tmp_path, ns):
     out = FakeHostPool(pages=1)
     assert await backend.get_into(keys, [out.page_buffer(0)]) == 0
     assert [e["op"] for e in events.named("storage.error")] == ["get"]
+
+
+# ---------------------------------------------------------------- a damaged directory
+
+
+@pytest.mark.parametrize("removed", ["tmp", "namespace"])
+async def test_deleted_directory_is_recreated_by_the_next_write(tmp_path, ns, removed):
+    events = Events()
+    backend = FileBackend(tmp_path, namespace=ns, emit=events, threads=0)
+    await fill_and_store(backend, ns, 1)
+    gone = os.path.join(tmp_path, ns.digest, *(["tmp"] if removed == "tmp" else []))
+    shutil.rmtree(gone)  # someone cleaned up under a running cache
+    keys, pool = await fill_and_store(backend, ns, 2, start=1)  # every page stored
+    out = FakeHostPool(pages=2)
+    assert await backend.get_into(keys, [out.page_buffer(i) for i in range(2)]) == 2
+    assert [out.page_bytes(i) for i in range(2)] == [pool.page_bytes(i) for i in range(2)]
+    assert events.named("storage.error") == [] and events.named("storage.writes_failing") == []
+    assert tmp_files(tmp_path, ns) == []
+
+
+def _block_writes(tmp_path, ns) -> str:
+    """Put a plain file where the temporary directory was: every write then fails (even as
+    root, which ignores permission bits) until the file is removed."""
+    tmp = os.path.join(tmp_path, ns.digest, "tmp")
+    shutil.rmtree(tmp)
+    with open(tmp, "w"):
+        pass
+    return tmp
+
+
+async def test_failing_writes_emit_one_event_per_streak(tmp_path, ns):
+    events = Events()
+    backend = FileBackend(tmp_path, namespace=ns, emit=events, threads=0, failure_streak=3)
+    pool = FakeHostPool(pages=16)
+    keys = page_keys(ns, 16)
+
+    async def store(i: int, n: int = 1) -> int:
+        return await backend.set_from(keys[i : i + n], [pool.page_buffer(j) for j in range(i, i + n)])
+
+    assert await store(0) == 1
+    blocker = _block_writes(tmp_path, ns)
+    assert await store(1) == 0 and await store(2) == 0
+    assert events.named("storage.writes_failing") == []  # two failures: not yet a streak
+    assert await store(3, 2) == 0  # the third and fourth
+    (failing,) = events.named("storage.writes_failing")
+    assert failing["failures"] == 3 and failing["directory"] == os.path.join(str(tmp_path), ns.digest)
+    assert "NotADirectoryError" in failing["error"]
+    assert await store(5, 3) == 0 and await store(8) == 0
+    assert len(events.named("storage.writes_failing")) == 1  # once per streak, not per write
+    assert len(events.named("storage.error")) == 8  # each failed write still has its own
+    assert backend.stats()["write_failure_streaks"] == 1
+
+    os.unlink(blocker)
+    assert await store(9) == 1  # the directory comes back with the next write
+    (recovered,) = events.named("storage.writes_recovered")
+    assert recovered["failures"] == 8
+    assert await store(10) == 1
+    assert len(events.named("storage.writes_recovered")) == 1
+
+    _block_writes(tmp_path, ns)
+    assert await store(11, 3) == 0
+    assert len(events.named("storage.writes_failing")) == 2  # a new streak, a new event
+    assert backend.stats()["write_failure_streaks"] == 2
+
+
+async def test_a_short_run_of_failures_is_no_streak(tmp_path, ns):
+    events = Events()
+    backend = FileBackend(tmp_path, namespace=ns, emit=events, threads=0, failure_streak=3)
+    pool = FakeHostPool(pages=8)
+    keys = page_keys(ns, 8)
+    for round_ in range(3):  # two failures, then a success, three times over
+        blocker = _block_writes(tmp_path, ns)
+        for i in (0, 1):
+            assert await backend.set_from(keys[i : i + 1], [pool.page_buffer(i)]) == 0
+        os.unlink(blocker)
+        assert await backend.set_from(keys[2 + round_ : 3 + round_], [pool.page_buffer(2)]) == 1
+    assert events.named("storage.writes_failing") == [] and events.named("storage.writes_recovered") == []
+
+
+def test_failure_streak_option_is_checked(tmp_path, ns):
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="failure_streak"):
+            FileBackend(tmp_path, namespace=ns, failure_streak=bad)
+    assert open_backend(f"file:{tmp_path}", namespace=ns, failure_streak=2) is not None

@@ -132,3 +132,30 @@ def test_key_and_page_hash_of():
         ns.key("xyz")
     with pytest.raises(ValueError, match="not in namespace"):
         Namespace(**BASE, tenant="t").page_hash_of(ns.key(h))
+
+
+def test_mha_keys_carry_tp_size_mla_keys_do_not():
+    # With replicated KV heads, rank 0 of TP8 and rank 0 of TP16 hold different heads.
+    tp8, tp16 = Namespace(**BASE, rank=0, tp_size=8), Namespace(**BASE, rank=0, tp_size=16)
+    assert tp8.prefix != tp16.prefix
+    h = PageHash("cd" * 32)
+    assert tp8.key(h) != tp16.key(h)
+    assert Namespace(**BASE).prefix == Namespace(**BASE, rank=0, tp_size=1).prefix  # no TP
+    mla = {**BASE, "kv": "mla:61:512:64:bfloat16"}
+    sizes = [Namespace(**mla, rank=0, tp_size=n) for n in (1, 2, 8, 16)] + [Namespace(**mla)]
+    assert len({n.prefix for n in sizes}) == 1  # MLA keys carry neither rank nor size
+    assert len({n.key(h) for n in sizes}) == 1
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": True}, "tp_size"),
+        ({"tp_size": 2.0}, "tp_size"),
+        ({"rank": 2, "tp_size": 2}, "rank"),
+    ],
+)
+def test_namespace_rejects_bad_tp_size(fields, match):
+    with pytest.raises(ValueError, match=match):
+        Namespace(**{**BASE, **fields})
