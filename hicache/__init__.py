@@ -3,17 +3,19 @@
 Public names only; see docs/api.md.
 """
 
-from hicache.cache import HiCache, LedgerImbalance
+from hicache.backends.base import BackendUnavailable
+from hicache.cache import BookkeepingLeak, HiCache, LedgerImbalance
 from hicache.config import CacheConfig, ConfigError
 from hicache.results import (
-    CacheError, CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome,
-    PrefetchOutcome, TierStats, UnknownRequest,
+    CacheError, CacheOutcome, CacheStats, CapacityError, InvalidRequest, LoadBackOutcome,
+    MatchOutcome, PrefetchOutcome, StorageTimeout, TierStats, UnknownRequest,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheConfig", "CacheError", "CacheOutcome", "CacheStats", "CapacityError", "ConfigError",
-    "HiCache", "LedgerImbalance", "LoadBackOutcome", "MatchOutcome", "PrefetchOutcome",
-    "TierStats", "UnknownRequest",
+    "BackendUnavailable", "BookkeepingLeak", "CacheConfig", "CacheError", "CacheOutcome", "CacheStats",
+    "CapacityError", "ConfigError", "HiCache", "InvalidRequest", "LedgerImbalance",
+    "LoadBackOutcome", "MatchOutcome", "PrefetchOutcome", "StorageTimeout", "TierStats",
+    "UnknownRequest",
 ]

@@ -27,7 +27,7 @@ from hicache.kernels.native import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import make_streams
 from hicache.backends.keys import Namespace
-from hicache.backends.registry import open_backend
+from hicache.backends.registry import connect_backend
 from hicache.components.prefetcher.actor import PrefetcherActor
 from hicache.components.uploader.actor import UploaderActor
 from hicache.messages import (
@@ -50,6 +50,10 @@ _POLL_INTERVAL = 0.002  # seconds between polls of TP ranks waiting for in-fligh
 
 class LedgerImbalance(RuntimeError):
     """After close, a ledger still holds slots: something leaked."""
+
+
+class BookkeepingLeak(LedgerImbalance):
+    """After close, a table that grows with requests or ops still holds entries."""
 
 
 class HiCache:
@@ -77,11 +81,26 @@ class HiCache:
         self._agreement = SingleRank()
         self.backend = None
         self._kernel: Kernel | None = None
+        self._streams = None
         self._tree_inbox = None
-        self.close_report: dict | None = None
+        self.close_report: dict | None = None  # the ledgers after close
+        self.close_tables: dict[str, int] | None = None  # the tree's tables after close
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> HiCache:
+        try:
+            await self._open()
+        except BaseException:
+            # A later step failed (a bad spec, an unreachable server, no process group): undo
+            # what the earlier ones started, so no stream thread or connection is left behind.
+            if self._streams is not None:  # closed on exit too, as __aexit__ does
+                self._streams.close()
+            if self.backend is not None and self._backend_override is None:
+                await self.backend.aclose()
+            raise
+        return self
+
+    async def _open(self) -> None:
         cfg = self.config
         geometry = parse_geometry(cfg.kv)
         device = self._device_pool or DevicePool.allocate(
@@ -135,13 +154,15 @@ class HiCache:
         if cfg.tp_size > 1:
             import torch.distributed as dist
 
-            if dist.is_available() and dist.is_initialized():
-                agreement = TorchDistributedAgreement(self._tp_group)
-            else:
-                kernel.log.emit("tp.no_agreement", component="cache", level="warning",
-                                tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
-                                reason="torch.distributed is not initialised: this rank's tree "
-                                       "is not kept in step with the others")
+            if not (dist.is_available() and dist.is_initialized()):
+                from hicache.config import ConfigError
+
+                raise ConfigError(
+                    f"tp_size={cfg.tp_size} (tp_rank={cfg.tp_rank}) needs torch.distributed: call "
+                    "torch.distributed.init_process_group on every rank before opening the cache "
+                    "(and pass a gloo group as HiCache(..., tp_group=)); without it the ranks' "
+                    "trees drift apart")
+            agreement = TorchDistributedAgreement(self._tp_group)
         self._agreement = agreement
         tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
                                bytes_per_token=bpt, topology=topo, agreement=agreement)
@@ -154,7 +175,7 @@ class HiCache:
         if self._backend_override is not None or cfg.storage:
             namespace = Namespace(
                 model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
-                rank=cfg.tp_rank, layout=cfg.layout,
+                rank=cfg.tp_rank, tp_size=cfg.tp_size, layout=cfg.layout,
             )
             emit = kernel.log.bind("storage").warning
             backend = self._backend_override
@@ -162,8 +183,9 @@ class HiCache:
                 options = dict(cfg.extra)
                 if cfg.deterministic and cfg.storage.startswith("file:"):
                     options.setdefault("threads", 0)  # no real threads on virtual time
-                backend = open_backend(cfg.storage, namespace=namespace,
-                                       emit=lambda event, **kw: emit(event, **kw), **options)
+                backend = await connect_backend(cfg.storage, namespace=namespace,
+                                                emit=lambda event, **kw: emit(event, **kw),
+                                                **options)
                 # Backends that move registered memory zero-copy (Mooncake) get the host pool.
                 # Only for a backend this cache owns: the pool must outlive its registration.
                 if hasattr(backend, "register_host_memory"):
@@ -172,11 +194,12 @@ class HiCache:
             uploader = UploaderActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
                 retries=cfg.upload_retries, backoff=cfg.upload_backoff,
+                timeout=cfg.storage_timeout,
                 capacity=topo.credits, reserve=topo.uploader_reserve,
             )
             prefetcher = PrefetcherActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-                batch_pages=cfg.storage_batch_pages,
+                batch_pages=cfg.storage_batch_pages, timeout=cfg.storage_timeout,
                 capacity=topo.prefetcher_capacity, reserve=topo.prefetcher_reserve,
             )
             actors += [uploader, prefetcher]
@@ -187,7 +210,6 @@ class HiCache:
             kernel.add(actor)
         self._tree_inbox = tree_actor.inbox
         await kernel.__aenter__()
-        return self
 
     async def __aexit__(self, *exc_info) -> bool | None:
         kernel = self._kernel
@@ -195,11 +217,14 @@ class HiCache:
         leak: LedgerImbalance | None = None
         try:
             if exc_info[0] is None and kernel.failure is None:
-                report = await self._until(lambda r: Drain(reply=r, poll=self._polling))
-                self.close_report = report
+                report, tables = await self._drain(kernel)
+                self.close_report, self.close_tables = report, tables
                 leaked = {t: v["used"] for t, v in report.items() if v["used"]}
+                left = {name: n for name, n in tables.items() if n}
                 if leaked:
                     leak = LedgerImbalance(f"slots still held after close: {leaked}")
+                elif left:
+                    leak = BookkeepingLeak(f"tables not empty after close: {left}")
         finally:
             try:
                 suppress = await kernel.__aexit__(*exc_info)
@@ -210,6 +235,16 @@ class HiCache:
         if leak is not None:
             raise leak
         return suppress
+
+    async def _drain(self, kernel: Kernel):
+        """Let in-flight work finish, for at most `close_timeout`; then abandon what is left
+        (an event says what), so a hung backend cannot hold close forever."""
+        timeout = self.config.close_timeout
+        with kernel.clock.move_on_after(timeout):
+            return await self._until(lambda r: Drain(reply=r, poll=self._polling))
+        kernel.log.emit("cache.close_timeout", component="cache", level="warning",
+                        timeout=timeout)
+        return await self._call(lambda r: Drain(reply=r, abandon=True))
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, make, timeout: float | None = None):

@@ -112,6 +112,9 @@ class Drain:
 
     reply: Reply
     poll: bool = False  # answer None at once while work is in flight (TP ranks poll)
+    # Past the close deadline: end every op still in flight as abandoned (with an event) and
+    # answer at once. Only for close: the workers are stopped right after.
+    abandon: bool = False
 
 
 # ---------------------------------------------------------------- workers -> tree (completions)
@@ -149,10 +152,20 @@ class TimerFired:
     op: OpId
 
 
+@_msg
+class UploadTimedOut:
+    """The upload's storage call passed `storage_timeout` and was given up: it no longer
+    counts as pending for flushes or host allocations. Its `UploadDone` still follows once the
+    call has really returned; until then its host pages stay protected (the call may still
+    read them)."""
+
+    op: OpId
+
+
 TreeInbox = Union[
     MatchBatch, LoadBackBatch, AllocBatch, CacheBatch, ReleaseBatch, Flush, GetStats, DumpTree,
     PrefetchBatch, PrefetchWait, PrefetchPoll, ClearStorage, Drain,
-    WriteDone, LoadDone, UploadDone, PrefetchProgress, TimerFired,
+    WriteDone, LoadDone, UploadDone, UploadTimedOut, PrefetchProgress, TimerFired,
 ]
 
 
@@ -246,7 +259,15 @@ class IoDone:
     error: str = ""
 
 
-UploaderInbox = Union[Upload, IoDone]
-PrefetcherInbox = Union[StartPrefetch, ReadPrefetch, StopPrefetch, IoDone]
+@_msg
+class IoDeadline:
+    """The deadline of an op's storage call `call` (a per-op count) has passed."""
+
+    op: OpId
+    call: int
+
+
+UploaderInbox = Union[Upload, IoDone, IoDeadline]
+PrefetcherInbox = Union[StartPrefetch, ReadPrefetch, StopPrefetch, IoDone, IoDeadline]
 
 __all__ = [name for name in dir() if name[0].isupper()]

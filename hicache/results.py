@@ -34,6 +34,16 @@ class UnknownRequest(CacheError):
         self.rid = rid
 
 
+class InvalidRequest(CacheError, ValueError):
+    """A call's arguments are wrong (bad tokens or slots, tokens that differ from the matched
+    ones, a duplicate or unhashable request id, a negative size). Detected before anything
+    changed: the call had no effect, the cache keeps serving."""
+
+
+class StorageTimeout(CacheError, TimeoutError):
+    """A storage call the caller waits on (`clear_storage`) passed `storage_timeout`."""
+
+
 @_result
 class MatchOutcome:
     """The prefix the cache holds for a request. `device_slots` index the device pool for the

@@ -21,24 +21,25 @@ class Topology:
     def for_capacity(cls, capacity: int) -> Topology:
         return cls(capacity=capacity, credits=max(1, capacity // 8))
 
-    # tree: every completion of every worker, plus a prefetch's probe and stop reports and its
-    # timer
+    # tree: every completion of every worker, an upload's timeout notice, a prefetch's probe
+    # and stop reports and its timer
     @property
     def tree_reserve(self) -> int:
-        writes = loads = uploads = self.credits
+        writes = loads = uploads = upload_timeouts = self.credits
         prefetch_reports = 3 * self.credits  # probe, stop, end
-        prefetch_timers = self.credits
-        return writes + loads + uploads + prefetch_reports + prefetch_timers
+        prefetch_timers = self.credits  # cancelled when the op ends: at most one per op
+        return writes + loads + uploads + upload_timeouts + prefetch_reports + prefetch_timers
 
     # writer / loader: one stream completion per command in flight
     @property
     def stream_worker_reserve(self) -> int:
         return self.credits
 
-    # uploader: one storage-call completion per upload in flight
+    # uploader and prefetcher, per op in flight: its storage call's completion and deadline,
+    # and a stale deadline of the previous call that fired just before that call returned
     @property
     def uploader_reserve(self) -> int:
-        return self.credits
+        return 3 * self.credits
 
     # prefetcher: commands are a start, a read and at most one stop per op; one I/O report
     @property
@@ -47,7 +48,7 @@ class Topology:
 
     @property
     def prefetcher_reserve(self) -> int:
-        return self.credits
+        return 3 * self.credits
 
     def edges(self) -> dict[str, tuple[int, int]]:
         """inbox -> (capacity, reserve): what the saturation test fills."""

@@ -9,17 +9,24 @@ ends the op after the I/O in flight, whose end report returns the rest of the sl
 op sends at most three reports: probe, stop, end. The I/O runs in a helper task per op so
 stops and new ops are never stuck behind a slow read; what arrived is a consecutive prefix,
 checked page by page by the backend.
+
+Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
+op is stopped as if the tree had asked (the stop report settles the request with what had
+arrived); the end report, which returns the op's host slots, still waits until the call has
+really returned, since a call in a thread may still be writing into them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import anyio
 from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
 from hicache.messages import (
-    IoDone, PrefetcherInbox, PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch,
+    IoDeadline, IoDone, PrefetcherInbox, PrefetchProgress, ReadPrefetch, StartPrefetch,
+    StopPrefetch,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
@@ -33,19 +40,22 @@ class _Op:
     stop: bool = False
     host_slots: object = None  # set by ReadPrefetch; until then the op waits after its probe
     busy: bool = False  # a probe or read is in flight
+    call: int = 0  # storage steps started, for matching a deadline to its step
+    scope: anyio.CancelScope | None = None  # the running step's, cancelled at its deadline
+    timer: object = None  # the running step's deadline timer
 
 
 class PrefetcherActor(Actor[PrefetcherInbox]):
     def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
-                 batch_pages: int, capacity: int, reserve: int) -> None:
+                 batch_pages: int, timeout: float, capacity: int, reserve: int) -> None:
         super().__init__("prefetcher", capacity=capacity, reserve=reserve)
         self._backend = backend
         self._ns = namespace
         self._host = host_pool
         self._tree = tree
         self._batch = batch_pages
+        self._timeout = timeout
         self._ops: dict[OpId, _Op] = {}  # owned here alone
-        self.bytes_read = 0
 
     async def handle(self, msg: PrefetcherInbox) -> None:
         match msg:
@@ -62,26 +72,49 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
             case StopPrefetch(op=op):
                 state = self._ops.get(op)
                 if state is not None and not state.stop:
-                    state.stop = True
-                    idle = not state.busy  # probed, waiting for a read that will not come
-                    self._tree.send_nowait(PrefetchProgress(  # reserved room: one per op
-                        op=op, hit_pages=state.hit_pages, done_pages=state.done_pages,
-                        finished=idle, stopped=True,
-                    ))
-                    if idle:
-                        del self._ops[op]
+                    self._stop(op, state)
+            case IoDeadline(op=op, call=call):
+                state = self._ops.get(op)
+                if state is None or not state.busy or state.call != call:
+                    return  # that step already returned
+                assert state.scope is not None
+                state.scope.cancel()
+                self.log.warning("prefetcher.timeout", op=op, timeout=self._timeout,
+                                 step="probe" if state.hit_pages < 0 else "read")
+                if not state.stop:
+                    self._stop(op, state)
             case IoDone(op=op, pages=pages, error=error):
                 await self._io_done(op, pages, error)
             case _:
                 assert_never(msg)
 
+    def _stop(self, op: OpId, state: _Op) -> None:
+        """Report what has arrived at once; the op ends when no call of it is in flight."""
+        state.stop = True
+        idle = not state.busy  # probed, waiting for a read that will not come
+        self._tree.send_nowait(PrefetchProgress(  # reserved room: one per op
+            op=op, hit_pages=state.hit_pages, done_pages=state.done_pages,
+            finished=idle, stopped=True,
+        ))
+        if idle:
+            del self._ops[op]
+
     def _spawn(self, op: OpId) -> None:
-        self._ops[op].busy = True
-        self.kernel.start_soon(self._io, op, name=f"prefetch-{op}")
+        state = self._ops[op]
+        state.busy = True
+        state.call += 1
+        state.scope = anyio.CancelScope()
+        deliver, call = self.inbox.send_nowait, state.call
+        state.timer = self.kernel.call_later(  # reserved room: one pending deadline per op
+            self._timeout, lambda: deliver(IoDeadline(op=op, call=call)))
+        self.kernel.start_soon(self._io, op, state.scope, name=f"prefetch-{op}")
 
     async def _io_done(self, op: OpId, pages: int, error: str) -> None:
         state = self._ops[op]
         state.busy = False
+        state.scope = None
+        if state.timer is not None:
+            state.timer.cancel()
         probed = state.hit_pages < 0
         if probed:
             state.hit_pages = pages
@@ -90,7 +123,6 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
             batch_end = min(state.hit_pages, state.done_pages + self._batch)
             short = state.done_pages + pages < batch_end  # a page missing or corrupt: stop there
             state.done_pages += pages
-            self.bytes_read += pages * self._host.page_nbytes
             finished = state.stop or short or state.done_pages >= state.hit_pages
         if error:
             self.log.warning("prefetcher.io_error", op=op, error=error)
@@ -109,25 +141,28 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         elif not probed:
             self._spawn(op)  # the next batch (after the probe, the tree's ReadPrefetch starts it)
 
-    async def _io(self, op: OpId) -> None:
+    async def _io(self, op: OpId, scope: anyio.CancelScope) -> None:
         """One step of an op: the probe first, then one batch of reads."""
         state = self._ops[op]
         msg = state.msg
-        error = ""
-        try:
-            if state.hit_pages < 0:
-                keys = [self._ns.key(h) for h in msg.hashes]
-                pages = await self._probe(keys)
-            else:
-                start = state.done_pages
-                end = min(state.hit_pages, start + self._batch)
-                page = self._host.page_size
-                keys = [self._ns.key(h) for h in msg.hashes[start:end]]
-                slots = state.host_slots[start * page:end * page]
-                targets = self._host.page_buffers(slots)
-                pages = await self._backend.get_into(keys, targets)
-        except Exception as exc:  # a backend bug is a miss, never a crashed cache
-            pages, error = 0, f"{type(exc).__name__}: {exc}"
+        pages, error = 0, ""
+        with scope:
+            try:
+                if state.hit_pages < 0:
+                    keys = [self._ns.key(h) for h in msg.hashes]
+                    pages = await self._probe(keys)
+                else:
+                    start = state.done_pages
+                    end = min(state.hit_pages, start + self._batch)
+                    page = self._host.page_size
+                    keys = [self._ns.key(h) for h in msg.hashes[start:end]]
+                    slots = state.host_slots[start * page:end * page]
+                    targets = self._host.page_buffers(slots)
+                    pages = await self._backend.get_into(keys, targets)
+            except Exception as exc:  # a backend bug is a miss, never a crashed cache
+                pages, error = 0, f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            pages, error = 0, f"timed out after {self._timeout} s"
         self.inbox.send_nowait(IoDone(op=op, pages=pages, error=error))  # reserved room
 
     async def _probe(self, keys: list[str]) -> int:

@@ -23,19 +23,21 @@ from hicache.components.tree.records import (
     EMPTY, Counters, LoadOp, PrefetchOp, RequestState, UploadOp, WriteOp,
 )
 from hicache.config import CacheConfig
+from hicache.components.tree.results import TreeError
 from hicache.messages import (
     Alloc, AllocBatch, CacheBatch, ClearStorage, Drain, DumpTree, Flush, Free, GetStats,
     LedgerStats, Load, LoadBackBatch, LoadDone, MatchBatch, PrefetchBatch, PrefetchPoll,
-    PrefetchProgress, PrefetchWait, ReleaseBatch, TimerFired, TreeInbox, UploadDone, WriteDone,
+    PrefetchProgress, PrefetchWait, ReleaseBatch, TimerFired, TreeInbox, UploadDone,
+    UploadTimedOut, WriteDone,
 )
 from hicache.results import (
-    CacheError, CacheOutcome, CacheStats, CapacityError, LoadBackOutcome, MatchOutcome,
-    TierStats, UnknownRequest,
+    CacheError, CacheOutcome, CacheStats, CapacityError, InvalidRequest, LoadBackOutcome,
+    MatchOutcome, StorageTimeout, TierStats, UnknownRequest,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import NodeId, OpId, RequestId
 
-_COMPLETIONS = (WriteDone, LoadDone, UploadDone, PrefetchProgress, TimerFired)
+_COMPLETIONS = (WriteDone, LoadDone, UploadDone, UploadTimedOut, PrefetchProgress, TimerFired)
 
 
 class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
@@ -134,11 +136,13 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 await self._answer(reply, self._stats())
             case DumpTree(reply=reply):
                 reply.set(self._tree.dump())
-            case Drain(reply=reply, poll=poll):
+            case Drain(reply=reply, poll=poll, abandon=abandon):
                 for op_id, op in list(self._prefetches.items()):
                     if op.state == "running":
                         self._stop_prefetch(op_id)
-                if poll:
+                if abandon:
+                    await self._abandon_in_flight()
+                if poll or abandon:
                     reply.set(None if self._in_flight() else await self._drain())
                 else:
                     self._drain_waiters.append(reply)
@@ -151,24 +155,53 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             case ClearStorage(reply=reply):
                 if self._clear_storage is None:
                     reply.set(False)
-                else:
+                    return
+                timeout = self._cfg.storage_timeout
+                with self.kernel.clock.move_on_after(timeout) as scope:
                     await self._clear_storage()
+                if scope.cancelled_caught:
+                    self.log.warning("tree.storage_timeout", call="clear", timeout=timeout)
+                    reply.fail(StorageTimeout(f"clear_storage: no answer within {timeout} s"))
+                else:
                     self.log.info("tree.storage_cleared")
                     reply.set(True)
-            case WriteDone() | LoadDone() | UploadDone() | PrefetchProgress() | TimerFired():
+            case (WriteDone() | LoadDone() | UploadDone() | UploadTimedOut() | PrefetchProgress()
+                  | TimerFired()):
                 raise AssertionError("completions are recorded, not dispatched")
             case _:
                 assert_never(msg)
 
     @staticmethod
     async def _answer(reply, coro) -> None:
-        """Run a request's work and answer it; a caller's mistake fails only that request."""
+        """Run a request's work and answer it. A caller's mistake (a `CacheError`, raised
+        before anything changed) fails only that request; any other exception is the cache's
+        own fault and stops it (`ActorFailed`), rather than being passed off as the caller's."""
         try:
             value = await coro
-        except (CacheError, ValueError, LookupError) as exc:  # the caller's, typed
+        except CacheError as exc:
             reply.fail(exc)
         else:
             reply.set(value)
+
+    def _check_rids(self, rids, action: str) -> None:
+        """Every request id of a batch hashable and named once."""
+        seen = set()
+        for rid in rids:
+            try:
+                hash(rid)
+            except TypeError:
+                raise InvalidRequest(
+                    f"{action}: request id {rid!r} is not hashable ({type(rid).__name__})"
+                ) from None
+            if rid in seen:
+                raise InvalidRequest(f"{action}: request {rid!r} appears twice in one batch")
+            seen.add(rid)
+
+    def _check_tokens(self, tokens) -> None:
+        try:
+            self._tree.check_key(tokens)
+        except TreeError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     def _op(self) -> OpId:
         self._next_op += 1
@@ -192,12 +225,30 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 reply.set(report)
 
     def _in_flight(self) -> bool:
-        return self._writes_pending() or bool(self._loads or self._prefetches)
+        return bool(self._writes or self._write_backlog or self._uploads or self._upload_backlog
+                    or self._loads or self._prefetches)
+
+    def bookkeeping(self) -> dict[str, int]:
+        """Sizes of every table that grows with requests or ops: all 0 after a drain."""
+        return {
+            "requests": len(self._requests), "writes": len(self._writes),
+            "loads": len(self._loads), "uploads": len(self._uploads),
+            "prefetches": len(self._prefetches), "prefetch_by_rid": len(self._prefetch_by_rid),
+            "write_backlog": len(self._write_backlog),
+            "upload_backlog": len(self._upload_backlog),
+            "arrived_writes": len(self._arrived_writes),
+            "arrived_loads": len(self._arrived_loads),
+            "arrived_uploads": len(self._arrived_uploads),
+            "prefetch_reports": len(self._prefetch_reports),
+            "timers_fired": len(self._timers_fired), "flush_waiters": len(self._flush_waiters),
+            "unsent_frees": sum(len(parts) for parts in self._frees.values()),
+        }
 
     # ------------------------------------------------------------------ match
     async def _match_batch(self, items) -> tuple[MatchOutcome, ...]:
+        self._check_rids([item.rid for item in items], "match")
         for item in items:  # check every key before any lock moves
-            self._tree.check_key(item.tokens)
+            self._check_tokens(item.tokens)
         return tuple(self._match(item.rid, item.tokens) for item in items)
 
     def _match(self, rid: RequestId, tokens) -> MatchOutcome:
@@ -210,8 +261,10 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         state.prefix_slots = result.device_slots
         state.host_len = result.host_len
         state.tokens = tokens
+        state.failed_load = False
         self.counters.device_hit_tokens += len(result.device_slots)
-        pending = self._loads_under(result.last_node) if self._loads else ()
+        state.loads = self._loads_under(result.last_node) if self._loads else []
+        pending = tuple(self._loads[op].handle for op in state.loads)
         self.log.info(
             "tree.match", rid=rid, tokens=len(tokens), device_hit=len(result.device_slots),
             host_hit=result.host_len,
@@ -220,14 +273,14 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             rid=rid, device_slots=result.device_slots, host_len=result.host_len, pending=pending
         )
 
-    def _loads_under(self, node: NodeId) -> tuple:
-        """Handles of the loads still landing on the path root..node (wait before reading)."""
+    def _loads_under(self, node: NodeId) -> list[OpId]:
+        """The loads still landing on the path root..node (wait before reading)."""
         path = set()
         while node is not None:
             path.add(node)
             node = self._tree.parent(node)
-        return tuple(op.handle for op in self._loads.values()
-                     if any(n in path for n in op.plan.nodes))
+        return [op_id for op_id, op in self._loads.items()
+                if any(n in path for n in op.plan.nodes)]
 
     def _rematch(self, state: RequestState) -> None:
         """Refresh a request's view after its prefix grew in the tree (a prefetch landed)."""
@@ -252,22 +305,34 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     async def _load_back_batch(self, rids) -> tuple[LoadBackOutcome, ...]:
+        self._check_rids(rids, "load_back")
+        for rid in rids:
+            self._state(rid, "load_back")
         return tuple([await self._load_back(rid) for rid in rids])
 
     async def _load_back(self, rid: RequestId) -> LoadBackOutcome:
         state = self._state(rid, "load_back")
         if state.host_len < max(1, self._cfg.load_back_threshold) or state.last_node is None:
             return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+        if state.failed_load:  # its prefix is not in L1 any more: release or match again
+            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
         if self._load_credits == 0:
             self.counters.skipped_loads += 1
             self.log.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
             return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
         plan = self._tree.plan_load_back(state.last_node)
+        if not plan.nodes:  # another request's load brought it up meanwhile: recompute it
+            state.host_len = 0
+            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
         device_slots = await self._alloc_device(plan.num_tokens)
         if device_slots is None:
             self.log.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
             return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
         self._tree.commit_load_back(plan, device_slots)
+        # The load holds its own lock on its nodes (and so on their device slots) until it
+        # has landed or failed: whatever its request does meanwhile (release, match again),
+        # no eviction can hand those slots to another request under a copy still landing.
+        self._tree.lock(plan.nodes[-1])
         op = self._op()
         self._load_credits -= 1
         handle = await self.kernel.request(
@@ -275,7 +340,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             lambda reply: Load(op=op, host_slots=plan.host_slots, device_slots=device_slots,
                                reply=reply),
         )
-        self._loads[op] = LoadOp(plan=plan, handle=handle)
+        self._loads[op] = LoadOp(plan=plan, handle=handle, lock=plan.nodes[-1])
+        state.loads.append(op)
         state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
         state.host_len = 0
         self.counters.host_hit_tokens += plan.num_tokens
@@ -288,9 +354,15 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
     async def _finish_load(self, op_id: OpId, ok: bool, error: str) -> None:
         op = self._loads.pop(op_id)
         self._load_credits += 1
+        self._tree.unlock(op.lock)
         if not ok:
             freed, kept = self._tree.revert_load_back(op.plan)
             await self._free("device", freed)
+            # Requests that counted on this load may not cache what they hold: their prefix
+            # slots were freed (their handle raised; they must release or match again).
+            for state in self._requests.values():
+                if op_id in state.loads:
+                    state.failed_load = True
             self.log.error("tree.load_failed", op=op_id, error=error or None, tokens=len(freed),
                            kept_nodes=list(kept))
         elif self._cfg.exclusive:
@@ -301,10 +373,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
     async def _alloc_batch(self, sizes) -> tuple[np.ndarray, ...]:
         """Slots for every request of the step, or none: on a CapacityError the requests
         allocated before the failing one get their slots back, as if the call never was."""
+        self._check_rids([rid for rid, _ in sizes], "allocate")
         for rid, n in sizes:
             self._state(rid, "allocate")
             if n < 0:
-                raise ValueError(f"cannot allocate {n} tokens for {rid!r}")
+                raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
         out, undo = [], []
         page = self._cfg.page_size
         # One allocation (evicting as needed) for the whole step; request by request only when
@@ -415,39 +488,59 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 self.log.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
                 await self._free("host", ev.freed)
                 continue
-            if not self._uploads:
+            # Wait for an upload that pins the candidates, never for one past its deadline.
+            waiting = next((op for op, job in self._uploads.items() if not job.timed_out), None)
+            if waiting is None:
                 return None
-            await self._await_upload(next(iter(self._uploads)))
+            await self._await_upload(waiting)
 
     # ------------------------------------------------------------------ insert
     async def _cache_batch(self, items) -> tuple[CacheOutcome, ...]:
+        self._check_rids([item.rid for item in items], "cache")
+        checked = [self._check_cache(item) for item in items]  # the whole batch, before any change
         candidates: list[NodeId] = []
         try:
-            return tuple([await self._cache(item, candidates) for item in items])
-        finally:  # what was inserted is backed up even if a later item was refused
+            return tuple([await self._cache(item, slots, candidates)
+                          for item, slots in zip(items, checked)])
+        finally:  # what was inserted is backed up at once for the whole step
             await self._start_backups(candidates)
 
-    async def _cache(self, item, candidates: list[NodeId]) -> CacheOutcome:
+    def _check_cache(self, item) -> np.ndarray:
+        """A cache_* item's mistakes, found before anything changes; returns its slots."""
         state = self._state(item.rid, "cache")
         tokens, slots = item.tokens, np.asarray(item.device_slots, dtype=np.int64)
+        rid = item.rid
         if len(slots) != len(tokens):
-            raise ValueError(
-                f"request {item.rid!r}: {len(tokens)} tokens but {len(slots)} device slots"
-            )
+            raise InvalidRequest(f"request {rid!r}: {len(tokens)} tokens but {len(slots)} device slots")
+        if state.failed_load:
+            raise InvalidRequest(f"request {rid!r}: a load its prefix depends on failed; "
+                                 "release it (or match it again) instead of caching it")
+        own = len(state.prefix_slots)
+        # The prefix's KV belongs to the tokens it was matched for: caching it under other
+        # tokens would serve one request's KV to another. One comparison of the prefix.
+        if len(tokens) < own or not np.array_equal(np.asarray(tokens[:own]),
+                                                    np.asarray(state.tokens[:own])):
+            raise InvalidRequest(f"request {rid!r}: the first {own} tokens differ from the "
+                                 "tokens its prefix was matched for")
+        # The slots must be the request's prefix, then exactly the slots allocated to it: any
+        # other slot would hand the tree pages it does not own.
+        if not np.array_equal(slots[:own], state.prefix_slots):
+            raise InvalidRequest(f"request {rid!r}: the first {own} device slots must be the "
+                                 "prefix slots the cache gave it (match / load_back / cache_unfinished)")
+        allocated = np.concatenate(state.owned) if state.owned else EMPTY
+        if not np.array_equal(slots[own:], allocated):
+            raise InvalidRequest(f"request {rid!r}: after its {own}-token prefix, the device slots "
+                                 f"must be the {len(allocated)} slots allocated to it, in order; got "
+                                 f"{len(slots) - own}")
+        self._check_tokens(tokens[:len(tokens) // self._cfg.page_size * self._cfg.page_size])
+        return slots
+
+    async def _cache(self, item, slots: np.ndarray, candidates: list[NodeId]) -> CacheOutcome:
+        state = self._requests[item.rid]
+        tokens = item.tokens
         page = self._cfg.page_size
         aligned = len(tokens) // page * page
         own = len(state.prefix_slots)
-        # The slots must be the request's prefix, then exactly the slots allocated to it: any
-        # other slot would hand the tree pages it does not own. Checked before anything moves.
-        if not np.array_equal(slots[:own], state.prefix_slots):
-            raise ValueError(f"request {item.rid!r}: the first {own} device slots must be the "
-                             "prefix slots the cache gave it (match / load_back / cache_unfinished)")
-        allocated = np.concatenate(state.owned) if state.owned else EMPTY
-        if not np.array_equal(slots[own:], allocated):
-            raise ValueError(f"request {item.rid!r}: after its {own}-token prefix, the device slots "
-                             f"must be the {len(allocated)} slots allocated to it, in order; got "
-                             f"{len(slots) - own}")
-        self._tree.check_key(tokens[:aligned])
         result = self._tree.insert(
             tokens[:aligned], slots[:aligned], now=self._now(), chunked=not item.finished
         )
@@ -467,6 +560,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             state.last_node = again.last_node
             state.prefix_slots = again.device_slots
             state.host_len = 0
+            state.tokens = tokens
             state.owned = [slots[aligned:]] if len(tokens) > aligned else []
             prefix = again.device_slots
         self.log.info(
@@ -476,11 +570,13 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens)
 
     async def _release_batch(self, rids) -> None:
+        self._check_rids(rids, "release")
         for rid in rids:
-            state = self._state(rid, "release")
+            self._state(rid, "release")
+        for rid in rids:
+            state = self._requests.pop(rid)
             self._relock(state, None)
             await self._free("device", np.concatenate([*state.owned, state.padding]))
-            del self._requests[rid]
 
     # ------------------------------------------------------------------ stats and close
     async def _stats(self) -> CacheStats:
@@ -499,13 +595,42 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             storage_hit_tokens=c.storage_hit_tokens,
             bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
             inflight={"writes": len(self._writes), "loads": len(self._loads),
+                      "uploads": len(self._uploads), "prefetches": len(self._prefetches),
                       "requests": len(self._requests)},
         )
 
-    async def _drain(self) -> dict:
-        """Release every request and free every slot the tree holds; report the ledgers."""
+    async def _drain(self) -> tuple[dict, dict[str, int]]:
+        """Release every request and free every slot the tree holds; report the ledgers and
+        the bookkeeping tables (every one must be empty now)."""
         await self._release_batch(tuple(self._requests))
         freed = self._tree.clear()
         await self._free("device", freed.device)
         await self._free("host", freed.host)
-        return await self._ledgers()
+        ledgers = await self._ledgers()
+        return ledgers, self.bookkeeping()
+
+    async def _abandon_in_flight(self) -> None:
+        """Close's last resort past its deadline: end every op still in flight as if it had
+        failed, so its slots go back. Its worker may still be inside a storage call; the
+        kernel stops right after, and nothing reuses the slots."""
+        counts = {"writes": len(self._writes), "loads": len(self._loads),
+                  "uploads": len(self._uploads) + len(self._upload_backlog),
+                  "prefetches": len(self._prefetches)}
+        self._write_backlog.clear()
+        self._upload_backlog.clear()
+        for op_id in list(self._writes):
+            self._arrived_writes.pop(op_id, None)
+            await self._finish_write(op_id, False, "abandoned at close")
+        for op_id in list(self._loads):
+            self._arrived_loads.pop(op_id, None)
+            await self._finish_load(op_id, False, "abandoned at close")
+        self._upload_backlog.clear()  # finished writes may have queued more
+        for op_id in list(self._uploads):
+            self._arrived_uploads.pop(op_id, None)
+            await self._finish_upload(op_id)
+        for op_id, op in list(self._prefetches.items()):
+            if op.state == "running":
+                await self._settle_prefetch(op_id, revoked=True)
+            await self._end_prefetch(op_id)
+        self.counters.abandoned_ops += sum(counts.values())
+        self.log.warning("tree.abandoned", **counts)

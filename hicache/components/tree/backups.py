@@ -89,7 +89,9 @@ class BackupFlows:
             await self._start_backup(self._write_backlog.popleft(), evicting=False)
 
     def _writes_pending(self) -> bool:
-        return bool(self._writes or self._write_backlog or self._uploads or self._upload_backlog)
+        """What a flush waits for: uploads past their deadline no longer count."""
+        return bool(self._writes or self._write_backlog or self._upload_backlog
+                    or any(not job.timed_out for job in self._uploads.values()))
 
     # ------------------------------------------------------------------ L2 -> L3
     async def _upload(self, pieces: tuple[NodeId, ...]) -> None:
@@ -99,6 +101,12 @@ class BackupFlows:
         if not self._tree.has_host_copy(node):
             return
         if self._upload_credits == 0:
+            if len(self._upload_backlog) >= self._cfg.max_upload_backlog:
+                # Storage is slower than the writes: skip rather than queue without bound.
+                self.counters.skipped_uploads += 1
+                self.log.warning("tree.upload_skipped", node=node, reason="backlog_full",
+                                 backlog=len(self._upload_backlog))
+                return
             self._upload_backlog.append(pieces)
             return
         hashes = [h for p in pieces for h in self._node_hashes(p)]
@@ -112,12 +120,18 @@ class BackupFlows:
                                          reply=done))
 
     async def _await_upload(self, op_id: OpId) -> None:
-        """Wait until the upload `op_id` is applied (see `_await_write`)."""
+        """Wait until the upload `op_id` is applied, or until its storage call passes its
+        deadline (the uploader then answers -1; the op stays until the call returns)."""
         while op_id in self._uploads:
-            first = next(iter(self._uploads))
-            if first not in self._arrived_uploads:
-                stored = await self._uploads[first].done.wait()
-                self._arrived_uploads.setdefault(first, stored)
+            job = self._uploads[op_id]
+            if op_id not in self._arrived_uploads:
+                stored = await job.done.wait()
+                if stored < 0:
+                    if not job.timed_out:
+                        job.timed_out = True
+                        self.counters.upload_timeouts += 1
+                    return
+                self._arrived_uploads.setdefault(op_id, stored)
             await self._sync_point()
 
     async def _finish_upload(self, op_id: OpId) -> None:

@@ -10,23 +10,37 @@ point follows every completion and nothing waits.
 
 from __future__ import annotations
 
-from hicache.messages import LoadDone, PrefetchProgress, TimerFired, UploadDone, WriteDone
+from hicache.messages import (
+    LoadDone, PrefetchProgress, TimerFired, UploadDone, UploadTimedOut, WriteDone,
+)
 
 
 class CompletionFlows:
     def _record(self, msg) -> None:
-        """Note a completion; applied at the next sync point."""
+        """Note a completion; applied at the next sync point. One for an op that already
+        ended (a write or upload an eviction waited for through its reply, a timer that fired
+        as its prefetch ended, work abandoned at close) is stale and dropped."""
         match msg:
             case WriteDone(op=op, ok=ok, error=error):
-                self._arrived_writes.setdefault(op, (ok, error))
+                if op in self._writes:
+                    self._arrived_writes.setdefault(op, (ok, error))
             case LoadDone(op=op, ok=ok, error=error):
-                self._arrived_loads.setdefault(op, (ok, error))
+                if op in self._loads:
+                    self._arrived_loads.setdefault(op, (ok, error))
             case UploadDone(op=op, stored_pages=stored):
-                self._arrived_uploads.setdefault(op, stored)
+                if op in self._uploads:
+                    self._arrived_uploads.setdefault(op, stored)
+            case UploadTimedOut(op=op):
+                job = self._uploads.get(op)
+                if job is not None and not job.timed_out:
+                    job.timed_out = True
+                    self.counters.upload_timeouts += 1
             case PrefetchProgress(op=op):
-                self._prefetch_reports[op] = msg  # later reports supersede earlier ones
+                if op in self._prefetches:
+                    self._prefetch_reports[op] = msg  # later reports supersede earlier ones
             case TimerFired(op=op):
-                self._timers_fired.add(op)
+                if op in self._prefetches:
+                    self._timers_fired.add(op)
 
     async def _sync_point(self) -> None:
         """Agree with the other ranks how far every op has got, and apply that."""
@@ -65,7 +79,7 @@ class CompletionFlows:
         flags, at = agreed[at:at + len(uploads)], at + len(uploads)
         for op, got in zip(uploads, flags):
             if not got:
-                break
+                continue  # uploads end independently: a hung one holds up no other
             self._arrived_uploads.pop(op, None)
             if op in self._uploads:
                 await self._finish_upload(op)

@@ -19,6 +19,10 @@ from hicache.types import OpId, RequestId
 
 class PrefetchFlows:
     async def _prefetch_batch(self, items) -> tuple[PrefetchOutcome, ...]:
+        self._check_rids([item.rid for item in items], "prefetch")
+        for item in items:
+            self._state(item.rid, "prefetch")
+            self._check_tokens(item.tokens)
         return tuple([await self._start_prefetch(item.rid, item.tokens) for item in items])
 
     async def _start_prefetch(self, rid: RequestId, tokens) -> PrefetchOutcome:
@@ -45,15 +49,14 @@ class PrefetchFlows:
         new_tokens = tokens[matched:end]
         hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
         op_id = self._op()
-        deadline = None
+        timer = None
         if self._cfg.prefetch_policy == "timeout":
             timeout = self._cfg.prefetch_timeout(length)
-            deadline = self.kernel.now() + timeout
             deliver = self.inbox.send_nowait  # a reserved slot per op: never blocks
-            self.kernel.call_later(timeout, lambda op=op_id: deliver(TimerFired(op=op)))
+            timer = self.kernel.call_later(timeout, lambda op=op_id: deliver(TimerFired(op=op)))
         self._tree.protect_host(anchor)
         self._prefetches[op_id] = PrefetchOp(rid=rid, anchor=anchor, tokens=new_tokens,
-                                             hashes=hashes, host_slots=EMPTY, deadline=deadline)
+                                             hashes=hashes, host_slots=EMPTY, timer=timer)
         self._prefetch_by_rid[rid] = op_id
         self._prefetch_credits -= 1
         self._prefetch_tokens += length
@@ -113,7 +116,8 @@ class PrefetchFlows:
             if hit >= 0 and hit * self._cfg.page_size < self._cfg.effective_prefetch_threshold:
                 self._stop_prefetch(op_id)  # not worth it: revoke
                 await self._settle_prefetch(op_id, revoked=True)
-            elif finished or (op.stopping and stopped):
+            elif finished or stopped:  # stopped: asked for, or its storage call timed out
+                op.stopping = True
                 await self._settle_prefetch(op_id, revoked=False)
             elif hit >= 0 and not op.reading and not op.stopping:
                 op.reading = True
@@ -172,6 +176,8 @@ class PrefetchFlows:
         op = self._prefetches.pop(op_id)
         self._prefetch_reports.pop(op_id, None)
         self._timers_fired.discard(op_id)
+        if op.timer is not None:
+            op.timer.cancel()
         page = self._cfg.page_size
         await self._free("host", op.host_slots[op.done_pages * page:])
         self._prefetch_tokens -= len(op.hashes) * page

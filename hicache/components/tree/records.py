@@ -25,6 +25,8 @@ class RequestState:
     padding: np.ndarray = field(default_factory=lambda: EMPTY)  # rest of its last page, unused
     tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
     prefetch: object = None  # the last prefetch's outcome once it ended
+    loads: list = field(default_factory=list)  # OpIds of the loads its prefix waits on
+    failed_load: bool = False  # one of them failed: its prefix slots are no longer its
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class WriteOp:
 class LoadOp:
     plan: object  # the core's LoadPlan
     handle: object
+    lock: NodeId  # the load's own lock (the plan's deepest node), held until it lands or fails
 
 
 @dataclass(slots=True)
@@ -47,7 +50,7 @@ class PrefetchOp:
     tokens: object  # the page-aligned tokens to fetch, after the anchor
     hashes: tuple
     host_slots: np.ndarray
-    deadline: float | None
+    timer: object = None  # the timeout policy's TimerHandle, cancelled when the op ends
     hit_pages: int = -1  # unknown until the prefetcher's probe reports
     done_pages: int = 0
     stopping: bool = False
@@ -60,7 +63,8 @@ class PrefetchOp:
 class UploadOp:
     node: NodeId
     pages: int
-    done: object  # Reply[int] the uploader answers; a host allocation may wait on it
+    done: object  # Reply[int] the uploader answers (-1: timed out); a host allocation may wait
+    timed_out: bool = False  # its storage call passed the deadline: no longer waited for
 
 
 @dataclass(slots=True)
@@ -73,3 +77,6 @@ class Counters:
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     skipped_loads: int = 0
+    skipped_uploads: int = 0  # the upload backlog was full
+    upload_timeouts: int = 0
+    abandoned_ops: int = 0  # ended at close past its deadline

@@ -4,16 +4,25 @@ Each completed L1 -> L2 write with storage on becomes an `Upload` (the tree keep
 protected until `UploadDone`). The storage call runs in a helper task so the inbox keeps
 moving; a failed upload is retried with exponential backoff on the kernel's clock, and after
 the last try it is an event and a later miss, never an error for any request.
+
+Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
+tree is told at once (`UploadTimedOut`; the op's reply answers -1), so neither a flush nor a
+host allocation waits on a hung store. The op's one `UploadDone` still comes only when the
+call has really returned: a call running in a thread may still be reading the host pages, and
+they stay protected until then. A timed-out upload is not retried.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import anyio
 from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
-from hicache.messages import IoDone, Upload, UploadDone, UploaderInbox
+from hicache.messages import (
+    IoDeadline, IoDone, Upload, UploadDone, UploaderInbox, UploadTimedOut,
+)
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
 
@@ -22,11 +31,16 @@ from hicache.types import OpId
 class _Job:
     msg: Upload
     attempt: int = 0
+    call: int = 0  # storage calls started, for matching a deadline to its call
+    scope: anyio.CancelScope | None = None  # the running call's, cancelled at its deadline
+    timer: object = None  # the running call's deadline timer
+    timed_out: bool = False
 
 
 class UploaderActor(Actor[UploaderInbox]):
     def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
-                 retries: int, backoff: float, capacity: int, reserve: int) -> None:
+                 retries: int, backoff: float, timeout: float, capacity: int,
+                 reserve: int) -> None:
         super().__init__("uploader", capacity=capacity, reserve=reserve)
         self._backend = backend
         self._ns = namespace
@@ -34,18 +48,32 @@ class UploaderActor(Actor[UploaderInbox]):
         self._tree = tree
         self._retries = retries
         self._backoff = backoff
+        self._timeout = timeout
         self._jobs: dict[OpId, _Job] = {}  # owned here alone
-        self.bytes_uploaded = 0
 
     async def handle(self, msg: UploaderInbox) -> None:
         match msg:
             case Upload(op=op):
                 self._jobs[op] = _Job(msg)
                 self._start(op)
+            case IoDeadline(op=op, call=call):
+                job = self._jobs.get(op)
+                if job is None or job.call != call or job.scope is None:
+                    return  # that call already returned
+                job.timed_out = True
+                job.scope.cancel()
+                self.log.warning("uploader.timeout", op=op, pages=len(job.msg.hashes),
+                                 timeout=self._timeout)
+                if job.msg.reply is not None and not job.msg.reply.done:
+                    job.msg.reply.set(-1)
+                self._tree.send_nowait(UploadTimedOut(op=op))  # reserved room: one per op
             case IoDone(op=op, pages=pages, error=error):
                 job = self._jobs[op]
+                job.scope = None
+                if job.timer is not None:
+                    job.timer.cancel()
                 wanted = len(job.msg.hashes)
-                if pages < wanted and job.attempt < self._retries:
+                if pages < wanted and job.attempt < self._retries and not job.timed_out:
                     job.attempt += 1
                     delay = self._backoff * 2 ** (job.attempt - 1)
                     self.log.warning("uploader.retry", op=op, attempt=job.attempt, stored=pages,
@@ -54,22 +82,27 @@ class UploaderActor(Actor[UploaderInbox]):
                     return
                 del self._jobs[op]
                 nbytes = pages * self._host.page_nbytes if self._ns.writes else 0
-                self.bytes_uploaded += nbytes
                 if pages < wanted:
                     self.log.error("uploader.failed", op=op, stored=pages, pages=wanted,
                                    error=error or None)
                 elif self._ns.writes:
                     self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes)
-                if job.msg.reply is not None:
+                if job.msg.reply is not None and not job.msg.reply.done:  # after a deadline: -1
                     job.msg.reply.set(pages)
                 self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))
             case _:
                 assert_never(msg)
 
     def _start(self, op: OpId) -> None:
-        self.kernel.start_soon(self._upload, op, name=f"upload-{op}")
+        job = self._jobs[op]
+        job.call += 1
+        job.scope = anyio.CancelScope()
+        deliver, call = self.inbox.send_nowait, job.call
+        job.timer = self.kernel.call_later(  # reserved room: one pending deadline per op
+            self._timeout, lambda: deliver(IoDeadline(op=op, call=call)))
+        self.kernel.start_soon(self._upload, op, job.scope, name=f"upload-{op}")
 
-    async def _upload(self, op: OpId) -> None:
+    async def _upload(self, op: OpId, scope: anyio.CancelScope) -> None:
         job = self._jobs[op].msg
         if not self._ns.writes:
             # MLA on a rank other than 0: rank 0 stores the shared keys. The op still runs
@@ -78,9 +111,12 @@ class UploaderActor(Actor[UploaderInbox]):
             return
         keys = [self._ns.key(h) for h in job.hashes]
         pages = self._host.page_buffers(job.host_slots)
-        error = ""
-        try:
-            stored = await self._backend.set_from(keys, pages)
-        except Exception as exc:  # a backend bug is a failed upload, never a crashed cache
-            stored, error = 0, f"{type(exc).__name__}: {exc}"
+        stored, error = 0, ""
+        with scope:
+            try:
+                stored = await self._backend.set_from(keys, pages)
+            except Exception as exc:  # a backend bug is a failed upload, never a crashed cache
+                stored, error = 0, f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            stored, error = 0, f"timed out after {self._timeout} s"
         self.inbox.send_nowait(IoDone(op=op, pages=stored, error=error))  # reserved room
