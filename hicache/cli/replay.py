@@ -21,8 +21,8 @@ import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.cache import HiCache
-from hicache.cli.kvfill import count_bad_pages, fill, page_seeds
-from hicache.cli.trace import bound_hit_rate, read_trace
+from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
+from hicache.cli.trace import bound_hit_rate, read_trace, scheduler_steps
 from hicache.results import CapacityError
 from hicache.config import CacheConfig
 from hicache.observability import EventLog
@@ -55,24 +55,6 @@ class _Timer:
 
     def __exit__(self, *exc) -> None:
         self._tally.control_s += time.perf_counter() - self._t0
-
-
-def _steps(requests, batch: int, *, budget: int):
-    """Scheduler steps: up to `batch` requests whose inputs together fit in `budget` tokens.
-    A request that shares its first block with one already in the step starts the next step,
-    as a prefix-aware scheduler would, so it can hit what the earlier one computes."""
-    step, tokens, firsts = [], 0, set()
-    for req in requests:
-        first = req.hash_ids[0] if req.hash_ids else None
-        if step and (len(step) == batch or tokens + req.input_length > budget
-                     or first in firsts):
-            yield step
-            step, tokens, firsts = [], 0, set()
-        step.append(req)
-        tokens += req.input_length
-        firsts.add(first)
-    if step:
-        yield step
 
 
 async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int, verify: bool,
@@ -126,7 +108,7 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
     page = cfg.page_size
     async with HiCache(cfg, log=log) as cache:
         storage_on = cache.backend is not None
-        for step in _steps(requests, batch, budget=cfg.device_tokens // 2):
+        for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
             try:
                 await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on)
             except CapacityError:

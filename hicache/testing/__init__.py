@@ -11,9 +11,9 @@
   to prove that what comes back from a lower tier is what went in.
 """
 
-from hicache.cli.kvfill import count_bad_pages as bad_pages
-from hicache.cli.kvfill import fill as fill_kv
-from hicache.cli.kvfill import page_seeds
+from hicache.testing.kvfill import count_bad_pages as bad_pages
+from hicache.testing.kvfill import fill as fill_kv
+from hicache.testing.kvfill import page_seeds
 from hicache.kernels.faults import FaultPlan
 from hicache.runtime import run_deterministic as run_virtual
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend

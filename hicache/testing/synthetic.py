@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.cli.kvfill import count_bad_pages, fill, page_seeds
+from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 
 
 def kv_seeds(tokens: np.ndarray, page_size: int) -> np.ndarray:
