@@ -9,6 +9,9 @@
 - `synthetic_compute(cache)`, `bad_prefix_pages`, `kv_seeds` (and the lower-level `fill_kv` /
   `bad_pages`): synthetic KV that is a pure function of page, layer and position, and its check,
   to prove that what comes back from a lower tier is what went in.
+- `run_simulation(seed, ...)` / `SimViolation` / `SimHooks` (`hicache.testing.simulation`): the
+  seeded whole-cache simulation (random configs, concurrent clients, injected faults; never
+  wrong KV, never hung, never leaked), also over an engine's own scheduler (docs/testing.md).
 """
 
 from hicache.testing.kvfill import count_bad_pages as bad_pages
@@ -19,6 +22,7 @@ from hicache.runtime import run_deterministic as run_virtual
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.scheduler import ScriptedScheduler, StepRecord
 from hicache.testing.synthetic import bad_prefix_pages, kv_seeds, synthetic_compute
+from hicache.testing.simulation import SimHooks, SimReport, SimViolation, run_simulation
 
 
 def virtual_config(**overrides):
@@ -32,7 +36,8 @@ def virtual_config(**overrides):
 
 
 __all__ = [
-    "BackendFaults", "FaultPlan", "FaultyBackend", "ScriptedScheduler", "StepRecord",
+    "BackendFaults", "FaultPlan", "FaultyBackend", "ScriptedScheduler", "SimHooks", "SimReport",
+    "SimViolation", "StepRecord", "run_simulation",
     "bad_pages", "bad_prefix_pages", "fill_kv", "kv_seeds", "page_seeds", "run_virtual",
     "synthetic_compute", "virtual_config",
 ]
