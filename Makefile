@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==$(TORCH_VERSION)
-	$(VPY) -m pip install -q -e '.[test,redis]'
+	$(VPY) -m pip install -q -e '.[test,redis,plot,progress]'
 	touch $(STAMP)
 
 # The main job: replay the shipped trace through L1+L2+L3 on embedded defaults.

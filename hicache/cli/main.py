@@ -47,6 +47,34 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check every page that reaches L1 from a lower tier")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (/metrics) while replaying")
+
+    s = sub.add_parser("sweep", help="hit rate per tier against capacity, from the cores alone "
+                                     "(no bytes, no actors): a CSV and a PNG",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--trace", default=str(_REPO_TRACE), help="JSONL trace (Mooncake format)")
+    s.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    s.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")
+    s.add_argument("--page-size", type=int, default=64)
+    s.add_argument("--device", default="100k,200k,400k,1M",
+                   help="L1 sizes in tokens (100k, 1.5M, 65536), rounded down to whole pages")
+    s.add_argument("--host", default="2x,4x", help="L2 sizes: multiples of L1 (2x) or tokens")
+    s.add_argument("--storage", default="0,inf", help="L3: 0 (none) and/or inf (unbounded)")
+    s.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
+    s.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
+    s.add_argument("--exclusive", action="store_true",
+                   help="L2 as a victim tier of L1 (implies write_back)")
+    s.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
+    s.add_argument("--out", default=".", help="directory for sweep.csv and sweep.png")
+    s.add_argument("--quiet", action="store_true", help="no line per point")
+
+    c = sub.add_parser("check-log", help="check an event log (JSON lines) for broken invariants")
+    c.add_argument("events", help="the event log, as written by --events or configure_logging")
+    c.add_argument("--device-tokens", type=int, default=None,
+                   help="the L1 size the log was written with: also check that the tree never "
+                        "holds more device tokens")
+    c.add_argument("--quiet", action="store_true", help="print nothing when the log holds")
     return parser
 
 
@@ -60,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:  # bad flags, trace or storage: say which, no trace
             print(f"hicache replay: error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "sweep":
+        from hicache.cli.sweep import run as run_sweep
+
+        try:
+            return run_sweep(args)
+        except (ValueError, OSError) as exc:
+            print(f"hicache sweep: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "check-log":
+        from hicache.cli.checklog import run as run_check
+
+        return run_check(args)
     return 2
 
 

@@ -40,6 +40,7 @@ class Tally:
     rejected: int = 0
     verified_pages: int = 0
     corrupt_pages: int = 0
+    loaded: int = 0  # tokens loaded back so far (the live hit rate; host_hit is the cache's)
     control_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -75,6 +76,7 @@ async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int
                 await cache.prefetch_wait(rid)
     with timer:
         loads = await cache.load_back_many(toks)
+    tally.loaded += sum(lb.loaded_tokens for lb in loads)
     bad = verified = 0
     for lb in loads:
         if lb.handle is not None:
@@ -102,12 +104,18 @@ async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int
 
 
 async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, verify: bool,
-                 log: EventLog | None, progress) -> tuple[Tally, dict]:
+                 log: EventLog | None, progress, on_step=None) -> tuple[Tally, dict]:
+    """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
+    running counts: the live hit rate is (device_hit + loaded) / input_tokens)."""
     tally = Tally()
     timer = _Timer(tally)
     page = cfg.page_size
     async with HiCache(cfg, log=log) as cache:
         storage_on = cache.backend is not None
+        exporter = getattr(cache, "_metrics", None)
+        if exporter is not None:
+            print(f"hicache replay: Prometheus metrics on http://localhost:{exporter.port}"
+                  "/metrics", file=sys.stderr)
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
             try:
                 await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on)
@@ -124,6 +132,8 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
                         tally.requests += 1
                         tally.input_tokens += req.input_length
             progress(tally.requests)
+            if on_step is not None:
+                on_step(tally)
         with timer:
             await cache.flush()
             stats = await cache.stats()
@@ -141,22 +151,96 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
     return tally, extra
 
 
-def _progress_printer(total: int, enabled: bool):
-    if not enabled:
-        return lambda done: None
-    start = time.perf_counter()
+def live_hit_rate(tally: Tally) -> float:
+    """The hit rate so far: L1 hits of the completed steps plus every token loaded back."""
+    return (tally.device_hit + tally.loaded) / tally.input_tokens if tally.input_tokens else 0.0
 
-    def show(done: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        rate = done / max(time.perf_counter() - start, 1e-9)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                         f"requests  {rate:6.1f} req/s")
-        if done >= total:
-            sys.stderr.write("\n")
+
+class _PlainProgress:
+    """A one-line bar on stderr (when rich is not installed, or stdout is not a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._start = time.perf_counter()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.write("\n")
         sys.stderr.flush()
 
-    return show
+    def __call__(self, tally: Tally) -> None:
+        done, total, width = tally.requests, self.total, 30
+        filled = width * done // max(total, 1)
+        rate = done / max(time.perf_counter() - self._start, 1e-9)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                         f"requests  {rate:6.1f} req/s  hit rate {live_hit_rate(tally):.4f}")
+        sys.stderr.flush()
+
+
+class _RichProgress:
+    """A live rich progress bar on stdout with the hit rate so far (stdout is a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("requests  hit rate [bold]{task.fields[hit]:.4f}[/]"
+                       "  ({task.fields[rate]:.1f} req/s)"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            console=Console(file=sys.stdout), auto_refresh=False,
+        )
+        self._task = self._progress.add_task("replay", total=total, hit=0.0, rate=0.0)
+        self._start = time.perf_counter()
+        self._shown = 0.0
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.refresh()
+        self._progress.stop()
+
+    def __call__(self, tally: Tally) -> None:
+        now = time.perf_counter()
+        self._progress.update(self._task, completed=tally.requests, hit=live_hit_rate(tally),
+                              rate=tally.requests / max(now - self._start, 1e-9))
+        if now - self._shown >= 0.1:  # redraw at most ten times a second
+            self._shown = now
+            self._progress.refresh()
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def __call__(self, tally: Tally) -> None:
+        pass
+
+
+def _progress_display(total: int, quiet: bool):
+    """rich's live bar when stdout is a terminal and rich is installed; else a plain line on
+    stderr when that is a terminal; else nothing."""
+    if quiet:
+        return _NoProgress()
+    if sys.stdout.isatty():
+        try:
+            return _RichProgress(total)
+        except ImportError:
+            pass
+    if sys.stderr.isatty():
+        return _PlainProgress(total)
+    return _NoProgress()
 
 
 def _scratch_dir() -> str | None:
@@ -177,7 +261,7 @@ def run(args) -> int:
             kv=args.kv, page_size=args.page_size, device_tokens=args.device_tokens,
             host_tokens=args.host_tokens, eviction=args.eviction, write_policy=args.write_policy,
             exclusive=args.exclusive, storage=None if storage == "none" else storage,
-            model_id=args.model_id,
+            model_id=args.model_id, metrics_port=getattr(args, "metrics_port", None),
             prefetch_policy=args.prefetch_policy, deterministic=args.deterministic,
             seed=args.seed, layout=args.layout, io_backend=args.io,
             **({"cpu_transfers": args.cpu_transfers} if args.cpu_transfers else {}),
@@ -185,21 +269,33 @@ def run(args) -> int:
         events_file = open(args.events, "w", encoding="utf-8") if args.events else None
         try:
             log = EventLog(sink=events_file) if events_file else None
-            show = _progress_printer(len(requests), sys.stderr.isatty() and not args.quiet)
             t0 = time.perf_counter()
+            with _progress_display(len(requests), args.quiet) as show:
 
-            async def main():
-                return await replay(cfg, requests, block_tokens=args.block_tokens,
-                                    batch=args.batch, verify=args.verify, log=log, progress=show)
+                async def main():
+                    return await replay(cfg, requests, block_tokens=args.block_tokens,
+                                        batch=args.batch, verify=args.verify, log=log,
+                                        progress=lambda done: None, on_step=show)
 
-            if args.deterministic:
-                tally, extra = run_deterministic(main, seed=args.seed)
-            else:
-                tally, extra = anyio.run(main)
+                if args.deterministic:
+                    tally, extra = run_deterministic(main, seed=args.seed)
+                else:
+                    tally, extra = anyio.run(main)
             wall = time.perf_counter() - t0
         finally:
             if events_file:
                 events_file.close()
+    summary = summarize(tally, extra, cfg, requests, block_tokens=args.block_tokens,
+                        storage=args.storage, wall=wall)
+    _print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return 1 if summary["corrupt_pages"] else 0
+
+
+def summarize(tally: Tally, extra: dict, cfg: CacheConfig, requests, *, block_tokens: int,
+              storage: str, wall: float) -> dict:
+    """The summary `--json` writes (and the table shows)."""
     hits = tally.device_hit + tally.host_hit
     summary = {
         "requests": tally.requests,
@@ -207,8 +303,8 @@ def run(args) -> int:
         "hit_tokens": {"device": tally.device_hit, "host": tally.host_hit - tally.storage_hit,
                        "storage": tally.storage_hit},
         "hit_rate": hits / tally.input_tokens if tally.input_tokens else 0.0,
-        "bound_hit_rate": bound_hit_rate(requests, block_tokens=args.block_tokens,
-                                         page_size=args.page_size),
+        "bound_hit_rate": bound_hit_rate(requests, block_tokens=block_tokens,
+                                         page_size=cfg.page_size),
         "bytes": {"d2h": 0, "h2d": 0, "h2s": 0, "s2h": 0, **extra.get("bytes", {})},
         "evictions": extra.get("evictions", {}),
         "rejected_requests": tally.rejected,
@@ -217,16 +313,13 @@ def run(args) -> int:
         "wall_s": round(wall, 3),
         "control_us_per_request": round(tally.control_s / max(tally.requests, 1) * 1e6, 1),
         "config": {"kv": cfg.kv, "page_size": cfg.page_size, "device_tokens": cfg.device_tokens,
-                   "host_tokens": cfg.host_capacity, "storage": args.storage,
+                   "host_tokens": cfg.host_capacity, "storage": storage,
                    "write_policy": cfg.write_policy, "eviction": cfg.eviction,
                    "exclusive": cfg.exclusive, "prefetch_policy": cfg.prefetch_policy},
     }
     if "backend" in extra:
         summary["storage_stats"] = extra["backend"]
-    _print_table(summary)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return 1 if summary["corrupt_pages"] else 0
+    return summary
 
 
 def _print_table(s: dict) -> None:

@@ -88,6 +88,24 @@ def bound_hit_rate(requests: list[TraceRequest], *, block_tokens: int, page_size
     return hit / total if total else 0.0
 
 
+def scheduler_steps(requests, batch: int, *, budget: int) -> Iterator[list[TraceRequest]]:
+    """Scheduler steps: up to `batch` requests whose inputs together fit in `budget` tokens.
+    A request that shares its first block with one already in the step starts the next step,
+    as a prefix-aware scheduler would, so it can hit what the earlier one computes."""
+    step, tokens, firsts = [], 0, set()
+    for req in requests:
+        first = req.hash_ids[0] if req.hash_ids else None
+        if step and (len(step) == batch or tokens + req.input_length > budget
+                     or first in firsts):
+            yield step
+            step, tokens, firsts = [], 0, set()
+        step.append(req)
+        tokens += req.input_length
+        firsts.add(first)
+    if step:
+        yield step
+
+
 def iter_batches(requests: list[TraceRequest], size: int) -> Iterator[list[TraceRequest]]:
     for start in range(0, len(requests), size):
         yield requests[start:start + size]

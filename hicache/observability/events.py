@@ -70,6 +70,7 @@ class EventLog:
         self._sink = sink
         self._seq = 0
         self._events: list[dict[str, Any]] | None = [] if capture else None
+        self._listeners: tuple[Callable[[dict[str, Any]], None], ...] = ()
         self.level = level
         processors: list[Any] = [structlog.processors.add_log_level, self._stamp, self._collect]
         if sink is None:
@@ -100,6 +101,17 @@ class EventLog:
         """The `seq` of the last event emitted (0 before the first)."""
         return self._seq
 
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener(event_dict)` for every event emitted from now on (after the level
+        filter, with `seq` and `t` stamped), in emission order, on the emitting thread. The
+        dict is the log's own: read it, do not keep or change it. A listener that raises is
+        ignored for that event: observers never break the cache."""
+        self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Stop calling `listener` (no error if it was not added)."""
+        self._listeners = tuple(x for x in self._listeners if x != listener)  # bound methods
+
     def bind(self, component: str, **ids: Any) -> BoundEvents:
         """A logger that stamps `component` and `ids` on every event it emits."""
         return BoundEvents(self, component, ids)
@@ -124,6 +136,11 @@ class EventLog:
         if self._events is not None:
             self._events.append(dict(event_dict))
         deliver_to_captures(event_dict)
+        for listener in self._listeners:
+            try:
+                listener(event_dict)
+            except Exception:  # an observer's bug must not stop an actor
+                pass
         return event_dict
 
 
