@@ -88,7 +88,7 @@ def replay_core(trace, page_size: int, capacity: int) -> tuple[Timings, object, 
         hit = m.device_slots.size
         t.hit += hit
         t.total += length
-        tree.lock(m.last_device_node)
+        tree.lock(m.last_node)
         new = ledger.alloc(n - hit)
         if new is None:
             t0 = clock()
@@ -103,7 +103,7 @@ def replay_core(trace, page_size: int, capacity: int) -> tuple[Timings, object, 
         t.insert.append(clock() - t0)
         ledger.free(r.duplicate_slots[hit:])  # the first `hit` were the tree's own
         tree.lock(r.last_node)
-        tree.unlock(m.last_device_node)
+        tree.unlock(m.last_node)
         tree.unlock(r.last_node)  # "compute" done
     return t, tree, ledger
 

@@ -142,13 +142,14 @@ class HiCache:
 
         topo = Topology.for_capacity(cfg.channel_capacity)
         self.topology = topo
+        edges = topo.edges()  # every inbox's bounds, declared in one place
         bpt = geometry.bytes_per_token
         tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
                          write_policy=write_policy(cfg.write_policy))
         allocator = AllocatorActor(
             device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
             host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
-            capacity=topo.capacity,
+            capacity=edges["allocator"].capacity,
         )
         agreement = SingleRank()
         if cfg.tp_size > 1:
@@ -167,9 +168,9 @@ class HiCache:
         tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
                                bytes_per_token=bpt, topology=topo, agreement=agreement)
         writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                             capacity=topo.credits, reserve=topo.stream_worker_reserve)
+                             capacity=edges["writer"].capacity, reserve=edges["writer"].reserve)
         loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                             capacity=topo.credits, reserve=topo.stream_worker_reserve)
+                             capacity=edges["loader"].capacity, reserve=edges["loader"].reserve)
         actors = [tree_actor, allocator, writer, loader]
         storage = {}
         if self._backend_override is not None or cfg.storage:
@@ -195,12 +196,12 @@ class HiCache:
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
                 retries=cfg.upload_retries, backoff=cfg.upload_backoff,
                 timeout=cfg.storage_timeout,
-                capacity=topo.credits, reserve=topo.uploader_reserve,
+                capacity=edges["uploader"].capacity, reserve=edges["uploader"].reserve,
             )
             prefetcher = PrefetcherActor(
                 backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
                 batch_pages=cfg.storage_batch_pages, timeout=cfg.storage_timeout,
-                capacity=topo.prefetcher_capacity, reserve=topo.prefetcher_reserve,
+                capacity=edges["prefetcher"].capacity, reserve=edges["prefetcher"].reserve,
             )
             actors += [uploader, prefetcher]
             storage = dict(uploader=uploader.inbox, prefetcher=prefetcher.inbox,
@@ -209,6 +210,10 @@ class HiCache:
         for actor in actors:
             kernel.add(actor)
         self._tree_inbox = tree_actor.inbox
+        if cfg.metrics_port is not None:  # Prometheus /metrics, fed by this kernel's log
+            from hicache.observability.metrics import serve_cache_metrics
+
+            self._metrics = serve_cache_metrics(self, cfg.metrics_port)
         await kernel.__aenter__()
 
     async def __aexit__(self, *exc_info) -> bool | None:
@@ -229,6 +234,8 @@ class HiCache:
             try:
                 suppress = await kernel.__aexit__(*exc_info)
             finally:
+                if getattr(self, "_metrics", None) is not None:  # stop the exporter
+                    self._metrics.close()
                 self._streams.close()
                 if self.backend is not None and self._backend_override is None:
                     await self.backend.aclose()

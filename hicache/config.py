@@ -11,11 +11,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
-IO_BACKENDS = ("kernel", "direct")
+# The names come from the registries that implement them (all four modules are torch-free).
+from hicache.kernels.names import IO_BACKENDS, LAYOUTS
+from hicache.policies.eviction import STRATEGIES
+from hicache.policies.prefetch import PREFETCH_POLICIES
+from hicache.policies.write import WRITE_POLICIES as _WRITE_POLICIES
+
+EVICTION_POLICIES: tuple[str, ...] = tuple(STRATEGIES)
+WRITE_POLICIES: tuple[str, ...] = tuple(_WRITE_POLICIES)
 _DEFAULT_MODEL_ID = "model"  # with storage on, must be replaced by the model's own name
 
 
@@ -79,6 +82,9 @@ class CacheConfig:
     deterministic: bool = False
     seed: int = 0
     transfer_bandwidth: float = 20e9  # bytes/s, virtual streams only (deterministic mode)
+    # Serve Prometheus metrics on this port (/metrics; 0: any free port); needs the `metrics`
+    # extra (prometheus_client). docs/metrics.md.
+    metrics_port: int | None = None
 
     extra: dict[str, object] = field(default_factory=dict)  # backend options
 
@@ -113,6 +119,8 @@ class CacheConfig:
         _check_int("upload_retries", self.upload_retries, minimum=0)
         _check_int("max_upload_backlog", self.max_upload_backlog, minimum=0)
         _check_int("seed", self.seed)
+        if self.metrics_port is not None and not (_is_int(self.metrics_port) and 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port={self.metrics_port!r} must be None or a port in [0, 65535]")
         _check_int("tp_size", self.tp_size, minimum=1)
         _check_int("tp_rank", self.tp_rank, minimum=0)
         _check_seconds("upload_backoff", self.upload_backoff, zero_ok=True)

@@ -28,20 +28,10 @@ class BackendUnavailable(ConnectionError):
 
 
 PageBuffer = Sequence[memoryview]
-"""The pieces of one page in host memory, in order; each a C-contiguous byte view."""
-
-
-class PagePieces(list):
-    """A `PageBuffer` as the host pool hands it out: a list of pieces that also says
-    `header_room`, how many bytes right before the first piece hold no KV and are free for the
-    backend working on this page to write (a value header, so header and page move as one
-    piece). 0 means none; a backend must not touch memory outside the pieces then."""
-
-    __slots__ = ("header_room",)
-
-    def __init__(self, pieces=(), header_room: int = 0) -> None:
-        super().__init__(pieces)
-        self.header_room = header_room
+"""The pieces of one page in host memory, in order; each a C-contiguous byte view. The host
+pool hands pages out as `hicache.kernels.pools.PagePieces`, a list that may also say
+`header_room`, how many bytes right before the first piece a backend may write (read it with
+`getattr(page, "header_room", 0)`: other buffers have none)."""
 
 
 @runtime_checkable

@@ -4,10 +4,10 @@ A stored value is exactly the framed value every hicache backend stores (framing
 (magic, version, key, length, CRC-32) then the payload. Mooncake cannot prepend bytes to memory
 it moves zero-copy, so the header is written to a lane's registered header slot and the value
 is put and got scatter-gather: pieces `[header slot, page piece 1, page piece 2, ...]`, except
-where the page has header room (a host pool page, `PagePieces.header_room`): the header is then
-written just before the page and the value moves as one piece. A read
-of a value with another length fails in the client; a read of the right length is checked
-against the header (key, length, CRC-32) before the page counts as read.
+where the page has header room (a host pool page: `header_room` of kernels/pools.py's
+`PagePieces`): the header is then written just before the page and the value moves as one
+piece. A read of a value with another length fails in the client; a read of the right length
+is checked against the header (key, length, CRC-32) before the page counts as read.
 
 These functions run in worker threads and never raise for store-side failures: they return
 what happened as data. `client` is a `MooncakeDistributedStore` or a fake with its methods.

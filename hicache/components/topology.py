@@ -1,4 +1,4 @@
-"""Every channel of the cache and its bound, in one place.
+"""Every channel of the cache and its bound, in one place: `Topology.edges()`.
 
 Commands flow down (frontend -> tree -> workers) with blocking sends; completions flow up with
 non-blocking sends into the receiver's *reserve*, room that ordinary traffic cannot take. A
@@ -10,6 +10,12 @@ cycle of full channels can form (docs/architecture.md has the argument).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Bounds(NamedTuple):
+    capacity: int  # ordinary (blocking) sends
+    reserve: int  # room only completions (`send_nowait`) may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +56,15 @@ class Topology:
     def prefetcher_reserve(self) -> int:
         return 3 * self.credits
 
-    def edges(self) -> dict[str, tuple[int, int]]:
-        """inbox -> (capacity, reserve): what the saturation test fills."""
+    def edges(self) -> dict[str, Bounds]:
+        """Every actor's inbox by name -> its bounds. The cache builds each actor with these
+        (the uploader and prefetcher only with storage on); tests/unit/test_topology.py checks
+        that every inbox it builds has them."""
         return {
-            "tree": (self.capacity, self.tree_reserve),
-            "allocator": (self.capacity, 0),
-            "writer": (self.credits, self.stream_worker_reserve),
-            "loader": (self.credits, self.stream_worker_reserve),
-            "uploader": (self.credits, self.uploader_reserve),
-            "prefetcher": (self.prefetcher_capacity, self.prefetcher_reserve),
+            "tree": Bounds(self.capacity, self.tree_reserve),
+            "allocator": Bounds(self.capacity, 0),
+            "writer": Bounds(self.credits, self.stream_worker_reserve),
+            "loader": Bounds(self.credits, self.stream_worker_reserve),
+            "uploader": Bounds(self.credits, self.uploader_reserve),
+            "prefetcher": Bounds(self.prefetcher_capacity, self.prefetcher_reserve),
         }

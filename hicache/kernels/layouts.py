@@ -25,14 +25,12 @@ room is a multiple of the widest row a page view is copied as, so the row copier
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
 from hicache.kernels.geometry import Geometry
+from hicache.kernels.names import LAYOUTS
 
-Layout = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
-LAYOUTS: tuple[Layout, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
 PAGE_CONTIGUOUS_LAYOUTS: frozenset[str] = frozenset({"page_first", "page_first_direct", "page_head"})
 
 

@@ -13,11 +13,24 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache.backends.base import PagePieces
 from hicache.kernels.geometry import Geometry, dtype_name
 from hicache.kernels.memory import cpu_bytes
 from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
 from hicache.kernels.layouts import header_room as header_room_of
+
+
+class PagePieces(list):
+    """One host page as `HostPool.page_buffers` hands it to storage: its pieces (C-contiguous
+    byte memoryviews, in value order) and `header_room`, how many bytes right before the first
+    piece hold no KV and are free for the backend working on this page to write (a value
+    header, so header and page move as one piece). 0 means none; a backend must not touch
+    memory outside the pieces then."""
+
+    __slots__ = ("header_room",)
+
+    def __init__(self, pieces=(), header_room: int = 0) -> None:
+        super().__init__(pieces)
+        self.header_room = header_room
 
 
 def _check_page_size(page_size: int) -> None:
@@ -220,7 +233,7 @@ class HostPool:
     def page_buffers(self, host_slots) -> list[PagePieces]:
         """For each page of `host_slots` (whole pages, in order): its pieces as C-contiguous byte
         memoryviews aliasing this pool (writing them writes the pool), with the page's header
-        room (backends/base.py `PagePieces`). Does not mutate."""
+        room (`PagePieces`). Does not mutate."""
         from hicache.kernels.indices import as_slot_array, check_pages
 
         slots = as_slot_array(host_slots, "host_slots")

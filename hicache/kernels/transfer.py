@@ -1,7 +1,8 @@
 """Transfer functions: load one layer host->device, back up all layers device->host.
 
-Both io backends work with every layout (tests cover the full matrix); configuration
-rewrites (rewrites.py) steer a deployment to the combinations the seed design supports.
+Both io backends work with every layout (tests cover the full matrix); the one configuration
+rewrite (`CacheConfig.resolve`: `direct` io turns `page_first` into `page_first_direct`) only
+avoids a slow combination.
 
 - `kernel`: gather/scatter whole pages through index tensors, all (layer, component) views of
   the transfer handed to the engine at once (the CPU engine batches them into one row copy).
@@ -14,16 +15,12 @@ the `run_*` forms take an already validated `PagePlan` (streams validate at subm
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from hicache.kernels.engines import engine_for
 from hicache.kernels.indices import PagePlan, plan_transfer
+from hicache.kernels.names import IO_BACKENDS
 from hicache.kernels.pools import DevicePool, HostPool
-
-IO = Literal["kernel", "direct"]
-IO_BACKENDS: tuple[str, ...] = ("kernel", "direct")
 
 
 def check_io(io: str) -> None:

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Generic, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from hicache.runtime.mailbox import Mailbox
 
 if TYPE_CHECKING:
-    from hicache.observability.events import BoundEvents
-    from hicache.runtime.kernel import Kernel
+    from hicache.observability.events import BoundEvents, EventLog
+    from hicache.runtime.clock import Clock, TimerHandle
+    from hicache.runtime.reply import Reply
 
 M = TypeVar("M")
+T = TypeVar("T")
+
+
+class KernelServices(Protocol):
+    """What an actor uses of the kernel that runs it (`Actor.kernel`; `Kernel` provides it).
+    Time, waits and concurrent work go through these, so deterministic mode can sequence them.
+    Declared here so that this module does not import the kernel, which imports it."""
+
+    clock: Clock
+    log: EventLog
+
+    def now(self) -> float: ...
+
+    async def sleep(self, delay: float) -> None: ...
+
+    def reply(self) -> Reply[Any]: ...
+
+    async def request(self, target: Mailbox[Any], make: Callable[[Reply[T]], Any], *,
+                      timeout: float | None = None) -> T: ...
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None: ...
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle: ...
 
 
 class Actor(Generic[M]):
@@ -32,13 +57,13 @@ class Actor(Generic[M]):
             raise ValueError(f"actor name must be a non-empty string not starting with '~', got {name!r}")
         self.name = name
         self.inbox: Mailbox[M] = Mailbox(name, capacity, reserve=reserve)
-        self._kernel: Kernel | None = None
+        self._kernel: KernelServices | None = None
         self._log: BoundEvents | None = None
         self._busy = False  # inside `handle` (read by production-mode run_until_idle)
         self._handled = 0
 
     @property
-    def kernel(self) -> Kernel:
+    def kernel(self) -> KernelServices:
         if self._kernel is None:
             raise RuntimeError(f"actor {self.name!r} has not been added to a kernel")
         return self._kernel

@@ -50,3 +50,20 @@ class MonotonicClock:
 
     def __repr__(self) -> str:
         return "MonotonicClock()"
+
+
+class TimerHandle:
+    """Returned by `Kernel.call_later`; `cancel()` stops a callback that has not run yet."""
+
+    __slots__ = ("_scope", "fired")
+
+    def __init__(self, scope: anyio.CancelScope) -> None:
+        self._scope = scope
+        self.fired = False
+
+    def cancel(self) -> None:
+        self._scope.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._scope.cancel_called and not self.fired

@@ -22,7 +22,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport t
 
 from hicache.observability.events import EventLog
 from hicache.runtime.actor import Actor
-from hicache.runtime.clock import Clock, MonotonicClock
+from hicache.runtime.clock import Clock, MonotonicClock, TimerHandle
 from hicache.runtime.deterministic import deterministic_seed, on_trio
 from hicache.runtime.errors import ActorFailed, KernelClosed, ReplyTimeout
 from hicache.runtime.mailbox import Mailbox
@@ -33,23 +33,6 @@ T = TypeVar("T")
 M = TypeVar("M")
 
 _NEW, _RUNNING, _STOPPING, _STOPPED = "new", "running", "stopping", "stopped"
-
-
-class TimerHandle:
-    """Returned by `Kernel.call_later`; `cancel()` stops a callback that has not run yet."""
-
-    __slots__ = ("_scope", "fired")
-
-    def __init__(self, scope: anyio.CancelScope) -> None:
-        self._scope = scope
-        self.fired = False
-
-    def cancel(self) -> None:
-        self._scope.cancel()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._scope.cancel_called and not self.fired
 
 
 class Kernel:

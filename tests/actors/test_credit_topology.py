@@ -4,9 +4,10 @@
                                ^                         |
                                +---Done (send_nowait)----+
 
-The hub owns `Credits(limit=hub reserve)`: it never has more commands in flight than the room
-reserved for their completions in its own inbox, so the worker's `send_nowait` of a completion
-always finds room even while the front keeps the hub's ordinary capacity full. The control
+The hub holds `HUB_RESERVE` credits (a plain count, as the tree does): it never has more
+commands in flight than the room reserved for their completions in its own inbox, so the
+worker's `send_nowait` of a completion always finds room even while the front keeps the hub's
+ordinary capacity full. The control
 variant drops the credits (blocking sends both ways, no reserve) and deadlocks.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 import pytest
 
-from hicache.runtime import Actor, ActorFailed, Credits, Kernel, Reply, run_deterministic
+from hicache.runtime import Actor, ActorFailed, Kernel, Reply, run_deterministic
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ class Hub(Actor[Job | Done]):
     def __init__(self, worker: Actor[Cmd], *, credited: bool, reserve: int) -> None:
         super().__init__("hub", capacity=HUB_CAPACITY, reserve=reserve)
         self.worker = worker
-        self.credits = Credits("worker", HUB_RESERVE) if credited else None
+        self.credits = HUB_RESERVE if credited else None  # commands the hub may still have in flight
         self.waiting: deque[Job] = deque()  # jobs admitted but not yet commanded
         self.in_flight: dict[int, Reply[int]] = {}
         self.most_in_flight = 0
@@ -60,12 +61,14 @@ class Hub(Actor[Job | Done]):
                 self.waiting.append(msg)
             case Done(n=n):
                 if self.credits is not None:
-                    self.credits.give_back()
+                    self.credits += 1  # the completion is received: its credit comes back
                 self.in_flight.pop(n).set(n * n)
         await self.pump()
 
     async def pump(self) -> None:
-        while self.waiting and (self.credits is None or self.credits.try_take()):
+        while self.waiting and (self.credits is None or self.credits > 0):
+            if self.credits is not None:
+                self.credits -= 1
             job = self.waiting.popleft()
             self.in_flight[job.n] = job.reply
             self.most_in_flight = max(self.most_in_flight, len(self.in_flight))

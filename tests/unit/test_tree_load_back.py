@@ -28,7 +28,7 @@ def test_plan_covers_host_only_nodes_root_first_and_commit_makes_them_both():
     plan = tree.plan_load_back(b)
     assert plan.nodes == (a, b) and plan.num_tokens == 6
     assert plan.host_slots.tolist() == tree.host_slots(a).tolist() + tree.host_slots(b).tolist()
-    assert tree.commit_load_back(plan, np.arange(500, 506)).size == 0
+    tree.commit_load_back(plan, np.arange(500, 506))
     assert tree.state(a) == tree.state(b) == NodeState.BOTH
     assert tree.match(np.arange(6), now=200).device_slots.tolist() == list(range(500, 506))
     tree.unlock(b)
@@ -40,7 +40,8 @@ def test_plan_of_a_device_node_is_empty():
     leaf = tree.insert(np.arange(2), np.arange(2), now=0).last_node
     plan = tree.plan_load_back(leaf)
     assert plan.nodes == () and plan.num_tokens == 0
-    assert tree.commit_load_back(plan, np.arange(0)).size == 0
+    tree.commit_load_back(plan, np.arange(0))
+    assert tree.state(leaf) == NodeState.DEVICE_ONLY
 
 
 def test_commit_tolerates_a_split_since_planning():
@@ -68,25 +69,28 @@ def test_stale_plan_raises_and_changes_nothing():
     assert tree.dump() == before
 
 
-def test_commit_with_drop_host_returns_host_slots_and_leaves_device_only():
+def test_drop_host_after_a_load_returns_host_slots_and_leaves_device_only():
     tree = make_tree(1)
     src = SlotSource()
     (a,) = host_only_path(tree, src, 3)
     host = tree.host_slots(a).tolist()
     plan = tree.plan_load_back(a)
-    assert tree.commit_load_back(plan, np.arange(40, 43), drop_host=True).tolist() == host
+    tree.commit_load_back(plan, np.arange(40, 43))
+    assert tree.drop_host(plan).tolist() == host
     assert tree.state(a) == NodeState.DEVICE_ONLY
     tree.check_integrity()
 
 
-def test_drop_host_refuses_protected_nodes():
+def test_drop_host_keeps_protected_nodes():
     tree = make_tree(1)
     src = SlotSource()
     (a,) = host_only_path(tree, src, 3)
     tree.protect_host(a)
-    with pytest.raises(TreeError, match="host-protected"):
-        tree.commit_load_back(tree.plan_load_back(a), np.arange(3), drop_host=True)
-    assert tree.state(a) == NodeState.HOST_ONLY
+    plan = tree.plan_load_back(a)
+    tree.commit_load_back(plan, np.arange(3))
+    assert tree.drop_host(plan).size == 0
+    assert tree.state(a) == NodeState.BOTH
+    tree.check_integrity()
 
 
 def test_insert_host_hangs_host_only_pages_with_hashes_and_reports_duplicates():
@@ -96,7 +100,7 @@ def test_insert_host_hangs_host_only_pages_with_hashes_and_reports_duplicates():
     assert r.matched_len == 0 and tree.state(r.last_node) == NodeState.HOST_ONLY
     assert tree.page_hashes(r.last_node) == ("h2", "h3")
     m = tree.match(np.arange(8), now=2)
-    assert m.device_slots.tolist() == [0, 1, 2, 3] and m.host_len == 4 and m.last_host_node == r.last_node
+    assert m.device_slots.tolist() == [0, 1, 2, 3] and m.host_len == 4 and m.last_node == r.last_node
     r2 = tree.insert_host(base, np.arange(4, 10), np.arange(200, 206), ["h2", "h3", "h4"], now=3)
     assert r2.matched_len == 4 and r2.duplicate_slots.tolist() == [200, 201, 202, 203]
     assert tree.page_hashes(r2.last_node) == ("h4",) and tree.parent(r2.last_node) == r.last_node

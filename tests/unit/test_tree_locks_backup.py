@@ -92,12 +92,12 @@ def test_backup_success_makes_both_and_unlocks():
     tree.begin_backup(leaf, host)
     assert tree.state(leaf) == NodeState.BOTH and tree.backup_in_flight(leaf)
     assert tree.lock_ref(leaf) == 1
-    assert tree.match(np.arange(4), now=1).last_host_node == tree.root  # not until written
+    assert not tree.has_host_copy(leaf)  # not until written
     with pytest.raises(TreeError, match="still being written"):
         tree.protect_host(leaf)
     assert tree.end_backup(leaf, ok=True).size == 0
     assert tree.lock_ref(leaf) == 0 and not tree.backup_in_flight(leaf)
-    assert tree.match(np.arange(4), now=1).last_host_node == leaf
+    assert tree.has_host_copy(leaf)
     assert tree.host_slots(leaf).tolist() == host.tolist()
     tree.check_integrity()
 

@@ -12,7 +12,7 @@ def test_empty_tree_matches_nothing():
     tree = make_tree(4)
     m = tree.match(toks(1, 2, 3, 4), now=0)
     assert m.device_slots.size == 0 and m.host_len == 0
-    assert m.last_node == m.last_device_node == m.last_host_node == tree.root
+    assert m.last_node == tree.root
 
 
 def test_insert_then_match_returns_the_slots():
@@ -22,7 +22,7 @@ def test_insert_then_match_returns_the_slots():
     assert r.prefix_len == 0 and r.duplicate_slots.size == 0
     m = tree.match(np.arange(8), now=2)
     assert m.device_slots.tolist() == slots.tolist()
-    assert m.last_node == m.last_device_node == r.last_node
+    assert m.last_node == r.last_node
     assert not m.device_slots.flags.writeable
     tree.check_integrity()
 

@@ -209,10 +209,10 @@ class TreeMachine(RuleBasedStateMachine):
         if slots is not None:
             for s, h in zip(slots.tolist(), plan.host_slots.tolist()):
                 self.dev_content[s] = self.host_content[h]
-            if drop_host and any(self.tree.host_ref(n) for n in plan.nodes):
-                drop_host = False
-            self.free_host(self.tree.commit_load_back(plan, slots, drop_host=drop_host))
-            assert self.tree.state(node) == (NodeState.DEVICE_ONLY if drop_host else NodeState.BOTH)
+            self.tree.commit_load_back(plan, slots)
+            assert self.tree.state(node) == NodeState.BOTH
+            if drop_host:  # exclusive mode, once the load has landed
+                self.free_host(self.tree.drop_host(plan))
         self.tree.unlock(node)
 
     @rule(pages=pages_st)

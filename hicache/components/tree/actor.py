@@ -20,7 +20,7 @@ from hicache.components.tree.completions import CompletionFlows
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.prefetching import PrefetchFlows
 from hicache.components.tree.records import (
-    EMPTY, Counters, LoadOp, PrefetchOp, RequestState, UploadOp, WriteOp,
+    Counters, LoadOp, PrefetchOp, RequestState, UploadOp, WriteOp,
 )
 from hicache.config import CacheConfig
 from hicache.components.tree.results import TreeError
@@ -35,7 +35,7 @@ from hicache.results import (
     MatchOutcome, StorageTimeout, TierStats, UnknownRequest,
 )
 from hicache.runtime import Actor, Mailbox
-from hicache.types import NodeId, OpId, RequestId
+from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
 _COMPLETIONS = (WriteDone, LoadDone, UploadDone, UploadTimedOut, PrefetchProgress, TimerFired)
 
@@ -51,7 +51,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         topology,
         agreement: RankAgreement | None = None,
     ) -> None:
-        super().__init__("tree", capacity=topology.capacity, reserve=topology.tree_reserve)
+        bounds = topology.edges()["tree"]
+        super().__init__("tree", capacity=bounds.capacity, reserve=bounds.reserve)
         credits = topology.credits
         self._cfg = config
         self._tree = tree
@@ -392,7 +393,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             # Fill the request's partial last page first, so every page stays one device page.
             reuse = before[:n]
             rest = n - len(reuse)
-            fresh = EMPTY
+            fresh = EMPTY_SLOTS
             if rest and pooled is not None:
                 fresh, offset = pooled[offset:offset + want], offset + want
             elif rest:
@@ -439,7 +440,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         and while backups in flight pin the only evictable pages, wait for them. None when
         everything left is locked by running requests."""
         if n == 0:
-            return EMPTY
+            return EMPTY_SLOTS
         while True:
             slots = await self._alloc("device", n)
             if slots is not None:
@@ -527,7 +528,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         if not np.array_equal(slots[:own], state.prefix_slots):
             raise InvalidRequest(f"request {rid!r}: the first {own} device slots must be the "
                                  "prefix slots the cache gave it (match / load_back / cache_unfinished)")
-        allocated = np.concatenate(state.owned) if state.owned else EMPTY
+        allocated = np.concatenate(state.owned) if state.owned else EMPTY_SLOTS
         if not np.array_equal(slots[own:], allocated):
             raise InvalidRequest(f"request {rid!r}: after its {own}-token prefix, the device slots "
                                  f"must be the {len(allocated)} slots allocated to it, in order; got "

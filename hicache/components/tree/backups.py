@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.records import EMPTY, UploadOp, WriteOp
+from hicache.components.tree.records import UploadOp, WriteOp
 from hicache.messages import Backup, Upload
-from hicache.types import NodeId, OpId
+from hicache.types import EMPTY_SLOTS, NodeId, OpId
 
 
 class BackupFlows:
@@ -30,7 +30,7 @@ class BackupFlows:
         length = self._tree.device_len(node)
         host = await self._alloc_host(length)
         if host is None or not self._tree.needs_backup(node):
-            await self._free("host", EMPTY if host is None else host)
+            await self._free("host", EMPTY_SLOTS if host is None else host)
             if host is None:
                 self.log.warning("tree.backup_skipped", node=node, tokens=length,
                                  reason="host_full")

@@ -34,17 +34,14 @@ from hicache.components.tree.results import (
 )
 from hicache.policies.eviction import EvictionStrategy, evict_in_order
 from hicache.policies.write import WritePolicy
-from hicache.types import NodeId, PageHash
+from hicache.types import EMPTY_SLOTS, NodeId, PageHash
 
 __all__ = ["RadixTree"]
-
-_EMPTY = np.empty(0, dtype=np.int64)
-_EMPTY.flags.writeable = False
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
-        return _EMPTY
+        return EMPTY_SLOTS
     if len(parts) == 1:
         return parts[0]
     out = np.concatenate(parts)
@@ -94,7 +91,7 @@ class RadixTree:
         self._codec = KeyCodec(page_size=page_size, bigram=bigram)
         self._next_id = 0
         self._nodes: dict[int, Node] = {}  # live nodes by id
-        root = self._new_node(None, b"", 0, device=_EMPTY, host=_EMPTY, now=0.0, priority=0)
+        root = self._new_node(None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0)
         self._root = root
         self.root: NodeId = NodeId(root.id)
         # Eviction candidates, kept incrementally (id -> node; iteration order is insertion order).
@@ -274,20 +271,14 @@ class RadixTree:
         path, _ = self._descend(self._root, arr, arr.size - arr.size % self.page_size, now)
         device_parts = []
         host_len = 0
-        last_device = last_host = self._root
         for x in path:
             if x.device is not None:
                 device_parts.append(x.device)
-                last_device = x
             else:
                 host_len += x.num_tokens
-            if x.host is not None and x.backup is None:
-                last_host = x
         return MatchResult(
             device_slots=_concat(device_parts),
             host_len=host_len,
-            last_device_node=NodeId(last_device.id),
-            last_host_node=NodeId(last_host.id),
             last_node=NodeId(path[-1].id if path else self._root.id),
         )
 
@@ -430,8 +421,8 @@ class RadixTree:
 
     def begin_backup(self, node: NodeId, host_slots: np.ndarray) -> None:
         """Give ``node`` the host slots its KV is being copied into, and lock it until end_backup.
-        The node counts as BOTH at once, but is no match's ``last_host_node`` and cannot be
-        host-protected until the backup ends. Raises if the node is not on the device, already has a
+        The node counts as BOTH at once, but has no complete host copy (``has_host_copy``) and cannot
+        be host-protected until the backup ends. Raises if the node is not on the device, already has a
         host copy, or the length differs. Mutates."""
         x = self._node(node)
         if x is self._root:
@@ -486,7 +477,7 @@ class RadixTree:
                 freed.append(piece.host)
                 piece.host = None
             self._track(piece)
-        return _concat(freed) if not ok else _EMPTY
+        return _concat(freed) if not ok else EMPTY_SLOTS
 
     # ----------------------------------------------------------------------------- load back (L2 -> L1)
 
@@ -502,14 +493,14 @@ class RadixTree:
         host = _concat([c.host for c in chain])
         return LoadPlan(nodes=tuple(NodeId(c.id) for c in chain), host_slots=host, num_tokens=int(host.size))
 
-    def commit_load_back(self, plan: LoadPlan, device_slots: np.ndarray, *, drop_host: bool = False) -> np.ndarray:
-        """Give the planned nodes their device slots (in plan order): they become BOTH, or DEVICE_ONLY
-        with ``drop_host`` (exclusive mode), returning the host slots to free. Splits since planning are
-        fine; raises TreeError, changing nothing, if the plan is stale (a planned node is gone or
-        already on the device) or a node to drop is host-protected. Mutates."""
+    def commit_load_back(self, plan: LoadPlan, device_slots: np.ndarray) -> None:
+        """Give the planned nodes their device slots (in plan order): they become BOTH (exclusive
+        mode drops the host copies with ``drop_host`` once the load has landed). Splits since
+        planning are fine; raises TreeError, changing nothing, if the plan is stale (a planned node
+        is gone or already on the device). Mutates."""
         if not plan.nodes:
             _frozen_slots(device_slots, "commit_load_back", 0)
-            return _EMPTY
+            return
         current = self.plan_load_back(plan.nodes[-1])
         if current.num_tokens != plan.num_tokens or not np.array_equal(current.host_slots, plan.host_slots):
             raise TreeError(
@@ -517,20 +508,11 @@ class RadixTree:
                 f"({plan.num_tokens} host tokens planned, {current.num_tokens} host-only now)"
             )
         slots = _frozen_slots(device_slots, "commit_load_back", plan.num_tokens)
-        chain = [self._nodes[i] for i in current.nodes]
-        if drop_host:
-            for c in chain:
-                if c.host_ref:
-                    raise TreeError(f"commit_load_back: node {c.id} is host-protected; its host copy cannot be dropped")
         offset = 0
-        for c in chain:
+        for i in current.nodes:
+            c = self._nodes[i]
             self._set_device(c, slots[offset : offset + c.num_tokens])
             offset += c.num_tokens
-            if drop_host:
-                self._untrack(c)
-                c.host = None
-                self._track(c)
-        return current.host_slots if drop_host else _EMPTY
 
     # ----------------------------------------------------------------------------- eviction
 
@@ -646,14 +628,6 @@ class RadixTree:
         """Tokens of the node itself (not its path)."""
         return self._node(node).num_tokens
 
-    def prefix_len(self, node: NodeId) -> int:
-        """Tokens from the root to the end of the node."""
-        x, total = self._node(node), 0
-        while x is not None:
-            total += x.num_tokens
-            x = x.parent
-        return total
-
     def device_slots(self, node: NodeId) -> np.ndarray | None:
         return self._node(node).device
 
@@ -728,8 +702,8 @@ class RadixTree:
         if x.lock_ref or x.device_children or x.backup is not None:
             raise TreeError(f"discard_device of node {node}: locked, in flight or not a leaf")
         if self._protected_below(x):
-            return DeviceEviction(freed=_EMPTY, demoted=(), removed=(), needs_backup=(),
-                                  freed_host=_EMPTY)
+            return DeviceEviction(freed=EMPTY_SLOTS, demoted=(), removed=(), needs_backup=(),
+                                  freed_host=EMPTY_SLOTS)
         freed = x.device
         freed_host: list[np.ndarray] = []
         removed: list[int] = []

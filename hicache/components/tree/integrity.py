@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from hicache.components.tree.core import RadixTree
+from hicache.components.tree.keys import KeyCodec
+from hicache.components.tree.node import Node
 
 
-def check_tree(tree: RadixTree) -> None:
+class TreeState(Protocol):
+    """What the check reads of a tree: its nodes and the facts it keeps incrementally
+    (`RadixTree` has these; this module does not import it, so the dependency points one way)."""
+
+    page_size: int
+    _codec: KeyCodec
+    _root: Node
+    _nodes: dict[int, Node]
+    _device_leaves: dict[int, Node]
+    _host_leaves: dict[int, Node]
+    _evictable_device: int
+    _evictable_host: int
+    _backups: dict[int, int]
+
+
+def check_tree(tree: TreeState) -> None:
     """Raise AssertionError naming the first broken invariant. Does not mutate. O(tree size)."""
     codec = tree._codec
     ps, pb = tree.page_size, codec.page_bytes
     root = tree._root
-    seen: dict[int, object] = {}
+    seen: dict[int, Node] = {}
     device_leaves: set[int] = set()
     host_leaves: set[int] = set()
     evictable_device = evictable_host = 0

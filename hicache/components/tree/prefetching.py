@@ -11,10 +11,10 @@ start is taken on agreed reports (see `completions.py`), so all TP ranks take it
 from __future__ import annotations
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.records import EMPTY, PrefetchOp
+from hicache.components.tree.records import PrefetchOp
 from hicache.messages import ReadPrefetch, StartPrefetch, StopPrefetch, TimerFired
 from hicache.results import PrefetchOutcome
-from hicache.types import OpId, RequestId
+from hicache.types import EMPTY_SLOTS, OpId, RequestId
 
 
 class PrefetchFlows:
@@ -56,7 +56,7 @@ class PrefetchFlows:
             timer = self.kernel.call_later(timeout, lambda op=op_id: deliver(TimerFired(op=op)))
         self._tree.protect_host(anchor)
         self._prefetches[op_id] = PrefetchOp(rid=rid, anchor=anchor, tokens=new_tokens,
-                                             hashes=hashes, host_slots=EMPTY, timer=timer)
+                                             hashes=hashes, host_slots=EMPTY_SLOTS, timer=timer)
         self._prefetch_by_rid[rid] = op_id
         self._prefetch_credits -= 1
         self._prefetch_tokens += length
@@ -130,7 +130,7 @@ class PrefetchFlows:
         op = self._prefetches[op_id]
         host = await self._alloc_host(op.hit_pages * self._cfg.page_size)
         if host is None or op.state != "running" or op.stopping:
-            await self._free("host", EMPTY if host is None else host)
+            await self._free("host", EMPTY_SLOTS if host is None else host)
             if op.state == "running":
                 self.log.info("tree.prefetch_skipped", rid=op.rid, reason="host_full",
                               tokens=op.hit_pages * self._cfg.page_size)

@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicache.types import NodeId, RequestId
+from hicache.types import EMPTY_SLOTS, NodeId, RequestId
 
-EMPTY = np.empty(0, dtype=np.int64)
-EMPTY.setflags(write=False)
 
 
 @dataclass(slots=True)
@@ -19,10 +17,10 @@ class RequestState:
 
     lock: NodeId | None = None  # the node whose path is locked for this request
     last_node: NodeId | None = None  # deepest matched node (device or host)
-    prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # tree slots it reads
+    prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)  # tree slots it reads
     host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
     owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
-    padding: np.ndarray = field(default_factory=lambda: EMPTY)  # rest of its last page, unused
+    padding: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)  # rest of its last page, unused
     tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
     prefetch: object = None  # the last prefetch's outcome once it ended
     loads: list = field(default_factory=list)  # OpIds of the loads its prefix waits on

@@ -31,10 +31,6 @@ class MatchResult:
     """Read-only int64 device slots of the L1-resident prefix of the key (whole pages)."""
     host_len: int
     """Tokens matched after that prefix that exist only in L2."""
-    last_device_node: NodeId
-    """Deepest matched node on the device (the root if none)."""
-    last_host_node: NodeId
-    """Deepest matched node with a completed host copy (the root if none)."""
     last_node: NodeId
     """Deepest matched node (the root if nothing matched)."""
 

@@ -35,6 +35,7 @@ class _Job:
     scope: anyio.CancelScope | None = None  # the running call's, cancelled at its deadline
     timer: object = None  # the running call's deadline timer
     timed_out: bool = False
+    started: float = 0.0  # when the Upload arrived (kernel clock), for the events' `seconds`
 
 
 class UploaderActor(Actor[UploaderInbox]):
@@ -54,7 +55,7 @@ class UploaderActor(Actor[UploaderInbox]):
     async def handle(self, msg: UploaderInbox) -> None:
         match msg:
             case Upload(op=op):
-                self._jobs[op] = _Job(msg)
+                self._jobs[op] = _Job(msg, started=self.kernel.now())
                 self._start(op)
             case IoDeadline(op=op, call=call):
                 job = self._jobs.get(op)
@@ -82,11 +83,13 @@ class UploaderActor(Actor[UploaderInbox]):
                     return
                 del self._jobs[op]
                 nbytes = pages * self._host.page_nbytes if self._ns.writes else 0
+                seconds = round(self.kernel.now() - job.started, 6)
                 if pages < wanted:
                     self.log.error("uploader.failed", op=op, stored=pages, pages=wanted,
-                                   error=error or None)
+                                   error=error or None, seconds=seconds)
                 elif self._ns.writes:
-                    self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes)
+                    self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes,
+                                  seconds=seconds)
                 if job.msg.reply is not None and not job.msg.reply.done:  # after a deadline: -1
                     job.msg.reply.set(pages)
                 self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))

@@ -74,7 +74,7 @@ async def test_round_trip_zero_copy_and_staged(store) -> None:
 async def test_pages_with_header_room_store_the_same_values(store, raw) -> None:
     """Pages handed out with header room (as host pools do) move as one piece with the header
     written in the room; the values are the same as through the header slot, both ways."""
-    from hicache.backends.base import PagePieces
+    from hicache.kernels.pools import PagePieces
 
     room = 512
     backend = await open_backend(store, "room")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from hicache.backends import framing
-from hicache.backends.base import PagePieces
 from hicache.backends.mooncake_io import get_chunk, put_chunk, split_chunks
 from hicache.backends.mooncake_memory import Arena, RegisteredRegions, address_of
 from hicache.backends.mooncake_spec import parse_size, parse_spec
+from hicache.kernels.pools import PagePieces
 
 
 def test_spec_defaults_and_overrides() -> None:

@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.kernels import MHAGeometry, MLAGeometry, parse_geometry, resolve_transfer_settings
-from hicache.kernels.rewrites import SettingRewrite, TransferSettings
+from hicache.kernels import MHAGeometry, MLAGeometry, parse_geometry
 
 
 def test_bytes_per_token():
@@ -36,31 +35,3 @@ def test_geometry_is_frozen():
     g = MHAGeometry(2, 2, 2, torch.float16)
     with pytest.raises(AttributeError):
         g.layers = 3  # type: ignore[misc]
-
-
-@pytest.mark.parametrize("layout,io,attention,zero_copy,expected,changes", [
-    ("layer_first", "kernel", "mha", False, ("layer_first", "kernel"), []),
-    ("page_first", "kernel", "mla", False, ("page_first", "kernel"), []),
-    ("page_first", "direct", "mha", False, ("page_first_direct", "direct"), [("layout", "page_first", "page_first_direct")]),
-    ("page_head", "direct", "mha", False, ("page_first_direct", "direct"), [("layout", "page_head", "page_first_direct")]),
-    ("page_first_direct", "kernel", "mha", False, ("page_first_direct", "direct"), [("io", "kernel", "direct")]),
-    ("layer_first", "kernel", "mha", True, ("page_first", "kernel"), [("layout", "layer_first", "page_first")]),
-    ("layer_first", "direct", "mla", True, ("page_first_direct", "direct"), [("layout", "layer_first", "page_first_direct")]),
-    ("layer_first", "direct", "mha", False, ("layer_first", "direct"), []),
-])
-def test_rewrites(layout, io, attention, zero_copy, expected, changes):
-    settings, rewrites = resolve_transfer_settings(layout=layout, io=io, attention=attention, zero_copy_storage=zero_copy)
-    assert settings == TransferSettings(*expected)
-    assert [(r.setting, r.old, r.new) for r in rewrites] == changes
-    assert all(isinstance(r, SettingRewrite) and r.reason for r in rewrites)
-
-
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"layout": "page_head", "io": "kernel", "attention": "mla"}, "MHA only"),
-    ({"layout": "rows", "io": "kernel", "attention": "mha"}, "unknown host layout"),
-    ({"layout": "page_first", "io": "dma", "attention": "mha"}, "unknown io backend"),
-    ({"layout": "page_first", "io": "kernel", "attention": "gqa"}, "attention"),
-])
-def test_rewrite_rejections(kwargs, fragment):
-    with pytest.raises(ValueError, match=fragment):
-        resolve_transfer_settings(**kwargs)

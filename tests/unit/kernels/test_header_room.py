@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.backends.base import PagePieces
 from hicache.kernels import DevicePool, HostPool, MHAGeometry
 from hicache.kernels.layouts import HEADER_ROOM_WANTED, header_room
+from hicache.kernels.pools import PagePieces
 
 BIG = MHAGeometry(layers=16, heads=8, head_dim=128, dtype=torch.float16)  # 64 KiB a token
 SMALL = MHAGeometry(layers=2, heads=2, head_dim=4, dtype=torch.float32)  # 128 B a token

@@ -1,0 +1,70 @@
+"""One direction of the transfer streams as an actor: the writer's and the loader's common part.
+
+A command from the tree (`Backup`, `Load`) is kept in flight here and submitted to the stream;
+the stream's callback posts `StreamDone` into this inbox (from its thread, or the loop for
+inline and virtual streams) with `threadsafe_sender`, and the job's end is logged and reported
+up with a non-blocking send (the tree's credit guarantees room). Subclasses say how a job is
+submitted and how its end is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar, Union
+
+from hicache.messages import Backup, Load, StreamDone
+from hicache.runtime import Actor, Mailbox
+from hicache.types import OpId
+
+J = TypeVar("J", Backup, Load)
+
+
+def describe(error: BaseException | None) -> str:
+    return "" if error is None else f"{type(error).__name__}: {error}"
+
+
+class StreamWorker(Actor[Union[J, StreamDone]]):
+    job_type: type[J]  # the command this direction takes: Backup or Load
+    done_event: str  # the event logged when a job ends, e.g. "writer.backup_done"
+
+    def __init__(self, name: str, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int,
+                 reserve: int) -> None:
+        super().__init__(name, capacity=capacity, reserve=reserve)
+        self._streams = streams
+        self._tree = tree
+        self._bytes_per_token = bytes_per_token
+        self._inflight: dict[OpId, J] = {}  # owned here alone
+        self._started: dict[OpId, float] = {}  # when each job arrived (kernel clock): `seconds`
+        self._deliver: Callable[[StreamDone], None] | None = None
+
+    async def on_start(self) -> None:
+        self._deliver = self.inbox.threadsafe_sender()
+
+    async def handle(self, msg: J | StreamDone) -> None:
+        if isinstance(msg, StreamDone):
+            job = self._inflight.pop(msg.op)
+            tokens = len(job.device_slots)
+            seconds = round(self.kernel.now() - self._started.pop(msg.op), 6)
+            self.log.info(
+                self.done_event, op=msg.op, tokens=tokens,
+                bytes=tokens * self._bytes_per_token, ok=not msg.error, error=msg.error or None,
+                seconds=seconds,
+            )
+            self._finished(job, msg.error)
+        elif isinstance(msg, self.job_type):
+            self._inflight[msg.op] = msg
+            self._started[msg.op] = self.kernel.now()
+            deliver = self._deliver
+            assert deliver is not None
+            self._submit(msg, lambda err, op=msg.op: deliver(StreamDone(op=op, error=describe(err))))
+        else:
+            raise TypeError(f"{self.name} takes {self.job_type.__name__} and StreamDone, "
+                            f"not {type(msg).__name__}")
+
+    def _submit(self, job: J, on_done: Callable[[BaseException | None], None]) -> None:
+        """Queue the job's copy on the stream; `on_done(error or None)` fires once it ends."""
+        raise NotImplementedError
+
+    def _finished(self, job: J, error: str) -> None:
+        """Report the job's end up (`error` is empty on success)."""
+        raise NotImplementedError
