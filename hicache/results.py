@@ -64,7 +64,9 @@ class MatchOutcome:
 @_result
 class LoadBackOutcome:
     """The request's full cached prefix in device slots, and the handle to wait on per layer
-    before attention reads layer i (None when nothing had to be loaded)."""
+    before attention reads layer i (None when nothing is landing). The prefix is taken from
+    the tree at load_back, so it may be longer than the match said (others loaded or cached
+    more of it meanwhile); the handle then also covers their loads still landing on it."""
 
     rid: RequestId
     device_slots: np.ndarray
@@ -75,11 +77,14 @@ class LoadBackOutcome:
 @_result
 class CacheOutcome:
     """After caching a request (or a chunk): the device slots now backing its prefix (the
-    tree's own slots; duplicates the caller passed were freed) and how many tokens were new."""
+    tree's own slots; duplicates the caller passed were freed) and how many tokens were new.
+    After `cache_unfinished`, `pending` lists loads still landing on that prefix (the tree
+    already held some of the chunk's tokens, being loaded): wait on them before reading."""
 
     rid: RequestId
     device_slots: np.ndarray
     new_tokens: int
+    pending: tuple = ()
 
 
 @_result

@@ -934,23 +934,20 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
         ctx.violate(f"load_back({rid}) answered for {lb.rid!r}")
     if lb.loaded_tokens < 0 or lb.loaded_tokens % page:
         ctx.violate(f"load_back({rid}): loaded_tokens={lb.loaded_tokens}")
-    if (lb.handle is None) != (lb.loaded_tokens == 0):
-        ctx.violate(f"load_back({rid}): loaded_tokens={lb.loaded_tokens} with handle "
-                    f"{'None' if lb.handle is None else 'set'} (a handle iff something was loaded)")
+    if lb.loaded_tokens and lb.handle is None:
+        ctx.violate(f"load_back({rid}): loaded_tokens={lb.loaded_tokens} with no handle "
+                    "(a load needs one; a handle may also cover others' loads on the prefix)")
     if len(prefix) > len(matched) // page * page:
         ctx.violate(f"load_back({rid}): a prefix of {len(prefix)} tokens for {len(matched)} matched")
     if not prefetched:
         if not np.array_equal(prefix[: m.device_len], m.device_slots):
             ctx.violate(f"load_back({rid}): the prefix does not start with the matched slots",
                         detail=f"match={_short(m.device_slots)} load_back={_short(prefix)}")
-        loaded_all = lb.loaded_tokens == 0 or lb.loaded_tokens == m.host_len
-        if not loaded_all and "load_back_stale_prefix" in ctx.workarounds:
-            # its milder symptom (a shorter prefix than the tree holds); the KV check below
-            # tells its worse one (a misaligned prefix) from other bugs
-            ctx.counts["known_bug_load_back_stale_prefix"] += 1
-            loaded_all = True
-        if (len(prefix) != m.device_len + lb.loaded_tokens or lb.loaded_tokens > m.host_len
-                or not loaded_all):
+        # load_back takes the prefix as the tree has it then: others may have loaded or
+        # cached more of it since the match, so it can be longer, never shorter than what the
+        # match found once something was loaded (the request's lock kept its L2 part).
+        short = lb.loaded_tokens and len(prefix) < m.device_len + m.host_len
+        if len(prefix) < m.device_len + lb.loaded_tokens or short:
             ctx.violate(f"load_back({rid}): {len(prefix)} prefix slots after a match of "
                         f"{m.device_len} on L1 + {m.host_len} on L2 and {lb.loaded_tokens} loaded")
     ctx.note_handle(lb.handle)
@@ -1087,8 +1084,12 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray,
             if out.new_tokens < 0 or out.new_tokens > aligned:
                 ctx.violate(f"cache_unfinished({rid}): new_tokens={out.new_tokens} of {aligned}")
             slots = np.concatenate([tree, slots[aligned:]])
-            if not await ctx.settle_loads("unfinished_returns_loading_slots",
-                                          f"cache_unfinished({rid})", tokens, slots):
+            landed = True
+            for h in out.pending:  # the tree's copy of some tokens may still be landing
+                ctx.note_handle(h)
+                landed = await ctx.wait_handle(h, f"the loads under {rid}'s prefix") and landed
+            if not landed or not await ctx.settle_loads("unfinished_returns_loading_slots",
+                                                        f"cache_unfinished({rid})", tokens, slots):
                 ctx.counts["released_after_failed_load"] += 1
                 await ctx.call(f"release({rid})", cache.release, rid)
                 return

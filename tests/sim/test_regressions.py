@@ -1,9 +1,7 @@
 """Minimal reproductions of the library bugs the simulation found, one test each.
 
-Each is marked xfail(strict) while its bug is open: once fixed it passes, the strict marker
-turns that into a failure, and whoever fixed it removes the marker here and the matching
-name from `KNOWN_BUG_WORKAROUNDS` in test_simulation.py (so the simulation checks it again
-on every seed).
+Each failed before its fix; the simulation no longer works around any of them, so it checks
+them again on every seed.
 
 `LateLandingStreams` are deterministic streams that move each layer's bytes when the layer
 lands, as CPU and CUDA streams do; the default virtual streams copy at submit, which hides
@@ -33,7 +31,6 @@ async def _only_in_l2(cache: HiCache, tokens: np.ndarray) -> None:
     await cache.flush()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug: match_split_misses_pending")
 def test_a_match_that_splits_a_node_still_loading_reports_the_load():
     async def main():
         streams = LateLandingStreams(bandwidth=1e3)  # slow: the load takes virtual seconds
@@ -55,7 +52,6 @@ def test_a_match_that_splits_a_node_still_loading_reports_the_load():
     run_virtual(main)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug: match_split_misses_pending")
 def test_a_match_that_splits_a_node_still_loading_reports_the_load_on_cpu_threads():
     """The same with real CPU transfer threads: a gate stalls the load on its worker."""
     plan = FaultPlan()
@@ -82,7 +78,6 @@ def test_a_match_that_splits_a_node_still_loading_reports_the_load_on_cpu_thread
     assert m.pending or not not_landed, f"{not_landed} pages not landed, pending=()"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug: unfinished_returns_loading_slots")
 def test_cache_unfinished_never_hands_back_slots_still_loading():
     async def main():
         streams = LateLandingStreams(bandwidth=1e3)
@@ -98,16 +93,20 @@ def test_cache_unfinished_never_hands_back_slots_still_loading():
             mine = await cache.allocate("writer", 16)
             fill_kv(cache.device_pool, mine, kv_seeds(a, PAGE), page_size=PAGE, first=0)
             out = await cache.cache_unfinished("writer", a, mine)
-            # the tree's copy wins: here, the slots of a load that has not landed
-            assert bad_prefix_pages(cache, a, out.device_slots) == 0, (
+            # The tree's copy wins: here, the slots of a load that has not landed. Then the
+            # outcome names that load, like a match would, and after it the pages are right.
+            not_landed = bad_prefix_pages(cache, a, out.device_slots)
+            assert out.pending or not not_landed, (
                 f"cache_unfinished handed back {list(out.device_slots)}: not landed, no handle")
+            for handle in out.pending:
+                await handle.wait_async(1)
+            assert bad_prefix_pages(cache, a, out.device_slots) == 0
             await lb.handle.wait_async(1)
             await cache.release_many(["writer", "loader"])
 
     run_virtual(main)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug: load_back_stale_prefix")
 def test_load_back_after_another_load_brought_up_the_top_of_the_prefix():
     async def main():
         cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_through",
@@ -131,7 +130,6 @@ def test_load_back_after_another_load_brought_up_the_top_of_the_prefix():
     run_virtual(main)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known bug: load_back_stale_prefix")
 def test_load_back_after_another_request_cached_the_top_of_the_prefix():
     async def main():
         cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_through",
@@ -156,8 +154,6 @@ def test_load_back_after_another_request_cached_the_top_of_the_prefix():
     run_virtual(main)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,  # InvalidRequest from cache_unfinished
-                   reason="known bug: prefetch_settle_moves_prefix")
 def test_a_prefetch_landing_after_load_back_leaves_the_prefix_alone():
     from hicache.backends.memory import MemoryBackend, MemoryStore
     from hicache.testing.simulation import cache_namespace
@@ -190,10 +186,6 @@ def test_a_prefetch_landing_after_load_back_leaves_the_prefix_alone():
     run_virtual(main)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known bug (found reading the code, not by the simulation): "
-                          "cache_finished returns the slots it was passed, duplicates it freed "
-                          "included, not the tree's own as docs/api.md says")
 def test_cache_finished_returns_the_trees_own_slots():
     async def main():
         async with HiCache(virtual_config()) as cache:

@@ -24,6 +24,7 @@ from hicache.components.tree.records import (
 )
 from hicache.config import CacheConfig
 from hicache.components.tree.results import TreeError
+from hicache.kernels.streams.base import AllLoads
 from hicache.messages import (
     Alloc, AllocBatch, CacheBatch, ClearStorage, Drain, DumpTree, Flush, Free, GetStats,
     LedgerStats, Load, LoadBackBatch, LoadDone, MatchBatch, PrefetchBatch, PrefetchPoll,
@@ -263,6 +264,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         state.host_len = result.host_len
         state.tokens = tokens
         state.failed_load = False
+        state.loaded_back = False
         self.counters.device_hit_tokens += len(result.device_slots)
         state.loads = self._loads_under(result.last_node) if self._loads else []
         pending = tuple(self._loads[op].handle for op in state.loads)
@@ -275,21 +277,34 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         )
 
     def _loads_under(self, node: NodeId) -> list[OpId]:
-        """The loads still landing on the path root..node (wait before reading)."""
+        """The loads still landing on the path root..node (wait before reading). A load fills
+        the nodes between its anchor and its lock, however a match or insert split them since
+        (a split keeps the lower piece's id), so walk that stretch, not the plan's node ids."""
+        if not self._loads:
+            return []
         path = set()
         while node is not None:
             path.add(node)
             node = self._tree.parent(node)
-        return [op_id for op_id, op in self._loads.items()
-                if any(n in path for n in op.plan.nodes)]
+        pending = []
+        for op_id, op in self._loads.items():
+            x = op.lock
+            while x != op.anchor:
+                if x in path:
+                    pending.append(op_id)
+                    break
+                x = self._tree.parent(x)
+        return pending
 
     def _rematch(self, state: RequestState) -> None:
-        """Refresh a request's view after its prefix grew in the tree (a prefetch landed)."""
+        """Refresh a request's view from the tree: its prefix may have grown since its match
+        (a prefetch landed, another request loaded or cached part of it)."""
         result = self._tree.match(state.tokens, now=self._now())
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
         state.host_len = result.host_len
+        state.loads = self._loads_under(result.last_node)
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
         if node is not None:
@@ -313,22 +328,25 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
 
     async def _load_back(self, rid: RequestId) -> LoadBackOutcome:
         state = self._state(rid, "load_back")
-        if state.host_len < max(1, self._cfg.load_back_threshold) or state.last_node is None:
-            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
         if state.failed_load:  # its prefix is not in L1 any more: release or match again
-            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+            return self._loaded(rid, state, 0)
+        if not state.loaded_back and not state.owned:
+            # What the match saw may be stale: another request may have loaded or cached part
+            # of the L2-only stretch since. Take the prefix as the tree has it now.
+            self._rematch(state)
+        state.loaded_back = True
+        if state.host_len < max(1, self._cfg.load_back_threshold) or state.last_node is None:
+            return self._loaded(rid, state, 0)
         if self._load_credits == 0:
             self.counters.skipped_loads += 1
             self.log.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
-            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+            return self._loaded(rid, state, 0)
         plan = self._tree.plan_load_back(state.last_node)
-        if not plan.nodes:  # another request's load brought it up meanwhile: recompute it
-            state.host_len = 0
-            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
         device_slots = await self._alloc_device(plan.num_tokens)
         if device_slots is None:
             self.log.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
-            return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=0)
+            return self._loaded(rid, state, 0)
+        anchor = self._tree.parent(plan.nodes[0])
         self._tree.commit_load_back(plan, device_slots)
         # The load holds its own lock on its nodes (and so on their device slots) until it
         # has landed or failed: whatever its request does meanwhile (release, match again),
@@ -341,16 +359,22 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             lambda reply: Load(op=op, host_slots=plan.host_slots, device_slots=device_slots,
                                reply=reply),
         )
-        self._loads[op] = LoadOp(plan=plan, handle=handle, lock=plan.nodes[-1])
+        self._loads[op] = LoadOp(plan=plan, handle=handle, lock=plan.nodes[-1], anchor=anchor)
         state.loads.append(op)
         state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
         state.host_len = 0
         self.counters.host_hit_tokens += plan.num_tokens
         self.counters.h2d_bytes += plan.num_tokens * self._bpt
         self.log.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
-        return LoadBackOutcome(
-            rid=rid, device_slots=state.prefix_slots, loaded_tokens=plan.num_tokens, handle=handle
-        )
+        return self._loaded(rid, state, plan.num_tokens)
+
+    def _loaded(self, rid: RequestId, state: RequestState, tokens: int) -> LoadBackOutcome:
+        """A load_back's answer: the prefix, and one handle over every load still landing on
+        it (its own and others')."""
+        handles = [self._loads[op].handle for op in state.loads if op in self._loads]
+        handle = None if not handles else handles[0] if len(handles) == 1 else AllLoads(handles)
+        return LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=tokens,
+                               handle=handle)
 
     async def _finish_load(self, op_id: OpId, ok: bool, error: str) -> None:
         op = self._loads.pop(op_id)
@@ -550,11 +574,14 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         await self._free("device", slots[own:max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
         candidates.extend(result.backup_candidates)  # backed up for the whole step at once
+        pending: tuple = ()
         if item.finished:
             await self._free("device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self._requests[item.rid]
             prefix = slots[:aligned]
+            if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
+                prefix = self._tree.match(tokens[:aligned], now=self._now()).device_slots
         else:
             again = self._tree.match(tokens[:aligned], now=self._now())
             self._relock(state, again.last_node)
@@ -564,11 +591,16 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             state.tokens = tokens
             state.owned = [slots[aligned:]] if len(tokens) > aligned else []
             prefix = again.device_slots
+            # Tokens the tree already held may still be landing (another request's load):
+            # the request must wait for those before reading its prefix.
+            state.loads = self._loads_under(again.last_node)
+            pending = tuple(self._loads[op].handle for op in state.loads)
         self.log.info(
             "tree.insert", rid=item.rid, tokens=aligned, new=new_tokens,
             finished=item.finished, backups=len(result.backup_candidates),
         )
-        return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens)
+        return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens,
+                            pending=pending)
 
     async def _release_batch(self, rids) -> None:
         self._check_rids(rids, "release")

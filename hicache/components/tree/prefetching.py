@@ -165,6 +165,9 @@ class PrefetchFlows:
             state.prefetch = outcome
             if done:
                 self.counters.storage_hit_tokens += used_tokens
+            # Lock what arrived for the request, unless it is past load_back (or allocated):
+            # then its prefix is fixed, and moving it would misalign what it holds.
+            if done and not state.loaded_back and not state.owned:
                 self._rematch(state)
         for reply in op.waiters:
             reply.set(outcome)

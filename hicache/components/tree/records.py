@@ -25,6 +25,7 @@ class RequestState:
     prefetch: object = None  # the last prefetch's outcome once it ended
     loads: list = field(default_factory=list)  # OpIds of the loads its prefix waits on
     failed_load: bool = False  # one of them failed: its prefix slots are no longer its
+    loaded_back: bool = False  # load_back ran since the last match: its prefix is fixed now
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class LoadOp:
     plan: object  # the core's LoadPlan
     handle: object
     lock: NodeId  # the load's own lock (the plan's deepest node), held until it lands or fails
+    anchor: NodeId  # the deepest node already on the device above it (the root if none): the
+    # nodes the load fills are those between anchor and lock, however they are split meanwhile
 
 
 @dataclass(slots=True)

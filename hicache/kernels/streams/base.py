@@ -88,3 +88,27 @@ class TransferStreams(Protocol):
 def check_layer(layers: int, layer: int) -> None:
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
         raise ValueError(f"layer {layer!r} out of range [0, {layers})")
+
+
+class AllLoads:
+    """A LoadHandle over several loads: a layer is usable once it has landed in every one
+    (a request's prefix can span its own load and loads other requests started)."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, handles) -> None:
+        self.handles = tuple(handles)
+
+    def wait(self, layer: int) -> None:
+        for handle in self.handles:
+            handle.wait(layer)
+
+    async def wait_async(self, layer: int) -> None:
+        for handle in self.handles:
+            await handle.wait_async(layer)
+
+    def done(self) -> bool:
+        return all(handle.done() for handle in self.handles)
+
+    def layer_done(self, layer: int) -> bool:
+        return all(handle.layer_done(layer) for handle in self.handles)
