@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--events", default=None, help="write the event log (JSON lines) here")
     r.add_argument("--json", default=None, help="write the summary as JSON here")
     r.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="check every page that reaches L1 from a lower tier")
+                   help="write synthetic KV for every computed token and check every page "
+                        "that reaches L1 from a lower tier (--no-verify: neither; bytes still move)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (/metrics) while replaying")

@@ -384,10 +384,11 @@ class _ScrapeCollector:
                                  labels=["cache", "tier"])
         total = GaugeMetricFamily("hicache_capacity_tokens", "Token slots in a tier",
                                   labels=["cache", "tier"])
-        ledgers = getattr(actors.get("allocator"), "_ledgers", None) or {}
+        tree = actors.get("tree")
+        ledgers = tree.ledgers() if tree is not None else {}  # the tree's leased ledgers
         for tier, ledger in ledgers.items():
-            used.add_metric([i, tier], ledger.used)
-            total.add_metric([i, tier], ledger.size)
+            used.add_metric([i, tier], ledger["used"])
+            total.add_metric([i, tier], ledger["size"])
         yield used
         yield total
         inflight = GaugeMetricFamily("hicache_inflight_ops", "Ops in flight or queued in the "

@@ -67,34 +67,10 @@ FATES = ("finish", "finish_then_poke", "wrong_tokens", "rematch", "release_after
 
 FAULT_KINDS = ("load_fail", "backup_fail", "load_delay", "backup_delay", "latency", "slow_call",
                "outage", "fail_get", "fail_set", "fail_exists", "hang", "corrupt")
-"""Fault kinds a seed may draw; `skip=` removes some (e.g. while a known bug is open)."""
+"""Fault kinds a seed may draw; `skip=` removes some (e.g. to narrow a failure down)."""
 
 SKIPPABLE = FAULT_KINDS + FATES + ("late_landing",)
 
-WORKAROUNDS = {
-    "match_split_misses_pending":
-        "a match that splits a node whose load-back is still landing returns pending=() "
-        "(the load's plan names the node before the split); workaround: before reading, wait "
-        "for every load the run has started",
-    "unfinished_returns_loading_slots":
-        "cache_unfinished dedups onto a node whose load-back is still landing and hands back "
-        "its slots with no handle to wait on; workaround: as above",
-    "prefetch_settle_moves_prefix":
-        "a prefetch that lands after its request's load_back (the request polled or did not "
-        "wait) re-matches the request, changing its prefix slots under it: its next cache_* "
-        "fails with InvalidRequest; workaround: that error, for a request whose prefetch was "
-        "still running at load_back, is counted and the request released",
-    "load_back_stale_prefix":
-        "load_back builds the prefix from the request's match; when part of its L2-only "
-        "prefix reached L1 meanwhile (another request's load_back or cache_*), the returned "
-        "slots skip those tokens and hold the KV of later positions (or, when the lower part "
-        "went up, stop short of the prefix the tree holds); workaround: a prefix whose wrong "
-        "pages have exactly that shifted signature is counted and released, a short one "
-        "counted",
-}
-"""Known library bugs the simulation can work around (`workarounds=`), so the rest of a seed
-is still exercised while a fix is under way. Each is a finding, not a feature: remove it from
-the test suite's list once fixed."""
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -630,7 +606,6 @@ class SimContext:
         self.faulty: FaultyBackend | None = None
         self.close_started = math.inf
         self.trace: list[str] | None = None  # every call and its answer, when asked for
-        self.workarounds: set[str] = set()
 
     # -- violations
     def violate(self, what: str, detail: str = "") -> None:
@@ -779,43 +754,20 @@ class SimContext:
             self.violate(f"hung: {what}: a load handle did not land within {self.call_deadline} s")
         return True
 
-    async def settle_loads(self, bug: str, what: str, tokens, slots) -> bool:
-        """Known-bug workaround (`bug` in `workarounds`): wait for every load the run started
-        before reading `slots` (False if one failed: the caller must not read, its prefix may
-        hold that load's slots). Counts a hit of the bug when the pages were wrong before the
-        wait and right after it."""
-        if bug not in self.workarounds:
-            return True
-        flying = [h for h in self.handles if not h.done()]
-        if not flying:
-            return True
-        wrong_before = bool(len(slots)) and self.bad_pages(tokens, slots) > 0
-        ok = True
-        for h in flying:
-            ok = await self.wait_handle(h, what) and ok
-        if ok and wrong_before and not self.bad_pages(tokens, slots):
-            self.counts[f"known_bug_{bug}"] += 1
-        return ok
-
     async def read_prefix(self, rid, tokens: np.ndarray, prefix: np.ndarray, waits=()) -> bool:
         """What an engine does before its model reads a request's prefix (`load_back`'s
         device slots): wait on `waits` (its load handle, `MatchOutcome.pending`), then check
-        every page and `hold` them. False when the request must not read them (a load failed,
-        or a known bug under a workaround hit): the caller releases it (an engine would
-        recompute). A wrong page is a violation."""
+        every page and `hold` them. False when the request must not read them (a load
+        failed): the caller releases it (an engine would recompute). A wrong page is a
+        violation."""
         for h in waits:
             self.note_handle(h)
         ok = True
         for h in waits:
             if h is not None:
                 ok = await self.wait_handle(h, f"the loads under {rid}'s prefix") and ok
-        ok = ok and await self.settle_loads("match_split_misses_pending",
-                                            f"the loads under {rid}'s prefix", tokens, prefix)
         if not ok:
             self.counts["released_after_failed_load"] += 1
-            return False
-        if "load_back_stale_prefix" in self.workarounds and _shifted_prefix(self, tokens, prefix):
-            self.counts["known_bug_load_back_stale_prefix"] += 1
             return False
         self.check_reads(rid, tokens, prefix, "in its prefix after load_back")
         self.hold(rid, tokens, prefix)
@@ -911,7 +863,6 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
         ctx.abandoned(rid)
         return
     prefetched = False
-    prefetch_left_running = False
     if spec.prefetch != "none":
         p = await ctx.call(f"prefetch({rid})", cache.prefetch, rid, tokens[:spec.prompt_len])
         _check_prefetch(ctx, rid, p, "prefetch")
@@ -927,7 +878,6 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
         elif spec.prefetch == "poll":
             p = await ctx.call(f"prefetch_poll({rid})", cache.prefetch_poll, rid)
             _check_prefetch(ctx, rid, p, "prefetch_poll")
-        prefetch_left_running = p.state == "running"
     lb = await ctx.call(f"load_back({rid})", cache.load_back, rid)
     prefix = _check_slots(ctx, f"load_back({rid})", lb.device_slots, whole_pages=True)
     if lb.rid != rid:
@@ -968,7 +918,7 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
     if not await ctx.read_prefix(rid, tokens, prefix, (lb.handle, *m.pending)):
         await ctx.call(f"release({rid})", cache.release, rid)
         return
-    await _compute(ctx, spec, prefix, prefetch_left_running)
+    await _compute(ctx, spec, prefix)
 
 
 async def _squeeze(ctx: SimContext, released, handle) -> None:
@@ -999,44 +949,9 @@ async def _squeeze(ctx: SimContext, released, handle) -> None:
     await ctx.call(f"release({rid})", cache.release, rid)
 
 
-def _shifted_prefix(ctx: SimContext, tokens: np.ndarray, prefix: np.ndarray) -> bool:
-    """Whether `prefix` is wrong in the way of the known stale-prefix bug: right up to some
-    page, then a run that holds the KV of positions further on (a gap of whole pages)."""
-    from hicache.testing.kvfill import count_bad_pages
-
-    if not len(prefix) or not ctx.bad_pages(tokens, prefix):
-        return False
-    page, pool, seeds = ctx.sim.page_size, ctx.cache.device_pool, ctx.seeds(tokens)
-    for split in range(0, len(prefix), page):
-        if count_bad_pages(pool, prefix[:split], seeds, page_size=page, first=0):
-            return False
-        rest = prefix[split:]
-        for gap in range(page, len(tokens) // page * page - split - len(rest) + 1, page):
-            if not count_bad_pages(pool, rest, seeds, page_size=page, first=split + gap):
-                return True
-    return False
-
-
-async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray,
-                   prefetch_left_running: bool = False) -> None:
+async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> None:
     """Allocate and compute chunk by chunk (cache_unfinished between), then the fate."""
     cache = ctx.cache
-    known = ()
-    if prefetch_left_running and "prefetch_settle_moves_prefix" in ctx.workarounds:
-        from hicache import results
-
-        known = tuple(e for e in (getattr(results, "InvalidRequest", None),) if e is not None)
-
-    async def cache_call(what: str, fn, *args):
-        try:
-            return await ctx.call(what, fn, *args, allowed=known)
-        except known as exc:
-            if "prefix slots" not in str(exc) and "its prefix was matched for" not in str(exc):
-                ctx.violate(f"{what} raised {type(exc).__name__}: {exc}")
-            ctx.counts["known_bug_prefetch_settle_moves_prefix"] += 1
-            await ctx.call(f"release({rid})", cache.release, rid)
-            return None
-
     rid, tokens, page = spec.rid, spec.tokens, ctx.sim.page_size
     slots = prefix
     pos = len(prefix)
@@ -1075,10 +990,8 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray,
         if end in spec.unfinished_at:
             ctx.check_reads(rid, tokens, slots, "before cache_unfinished")
             ctx.drop(rid)  # the call may free slots it passed (duplicates)
-            out = await cache_call(f"cache_unfinished({rid})", cache.cache_unfinished, rid,
-                                   tokens[:pos], slots)
-            if out is None:
-                return
+            out = await ctx.call(f"cache_unfinished({rid})", cache.cache_unfinished, rid,
+                                 tokens[:pos], slots)
             aligned = pos // page * page
             tree = _check_slots(ctx, f"cache_unfinished({rid})", out.device_slots, n=aligned)
             if out.new_tokens < 0 or out.new_tokens > aligned:
@@ -1088,8 +1001,7 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray,
             for h in out.pending:  # the tree's copy of some tokens may still be landing
                 ctx.note_handle(h)
                 landed = await ctx.wait_handle(h, f"the loads under {rid}'s prefix") and landed
-            if not landed or not await ctx.settle_loads("unfinished_returns_loading_slots",
-                                                        f"cache_unfinished({rid})", tokens, slots):
+            if not landed:
                 ctx.counts["released_after_failed_load"] += 1
                 await ctx.call(f"release({rid})", cache.release, rid)
                 return
@@ -1110,9 +1022,7 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray,
             ctx.violate(f"cache_finished({rid}) accepted tokens that differ from the ones its "
                         "prefix was matched for")
         ctx.check_reads(rid, tokens, slots, "after a refused cache_finished")
-    out = await cache_call(f"cache_finished({rid})", cache.cache_finished, rid, tokens, slots)
-    if out is None:
-        return
+    out = await ctx.call(f"cache_finished({rid})", cache.cache_finished, rid, tokens, slots)
     aligned = len(tokens) // page * page
     _check_slots(ctx, f"cache_finished({rid})", out.device_slots, n=aligned)
     ctx.counts["finished"] += 1
@@ -1160,7 +1070,7 @@ async def builtin_clients(ctx: SimContext) -> None:
 
 
 # ---------------------------------------------------------------------------------- the run
-_NOT_TABLES = {"_cfg", "_actors", "counters", "_ledgers"}
+_NOT_TABLES = {"_cfg", "_actors", "counters", "_ledgers", "_slots"}
 
 
 def leftover_tables(cache: HiCache) -> list[str]:
@@ -1392,8 +1302,7 @@ async def _quiesce(ctx: SimContext) -> None:
 
 def run_simulation(seed: int, *, mode: str = "virtual", config: SimConfig | None = None,
                    hooks: SimHooks | None = None, skip: Iterable[str] = (),
-                   repro: str | None = None, log=None, trace: list | None = None,
-                   workarounds: Iterable[str] = ()) -> SimReport:
+                   repro: str | None = None, log=None, trace: list | None = None) -> SimReport:
     """Run one seed; return its `SimReport`, or raise `SimViolation`.
 
     `mode`: "virtual" (deterministic: the same seed replays exactly) or "thread" (asyncio,
@@ -1409,13 +1318,8 @@ def run_simulation(seed: int, *, mode: str = "virtual", config: SimConfig | None
     line = (repro or REPRO).format(seed=seed, mode=sim.mode)
     if repro is None and sim.mode != "virtual":
         line += f" --sim-mode {sim.mode}"
-    workarounds = set(workarounds)
-    unknown = workarounds - set(WORKAROUNDS)
-    if unknown:
-        raise ValueError(f"unknown workarounds {sorted(unknown)}; known: {', '.join(WORKAROUNDS)}")
     ctx = SimContext(sim, workload, hooks or SimHooks(), line)
     ctx.trace = trace
-    ctx.workarounds = workarounds
     started = time.perf_counter()
     clock: list[float] = [0.0]
 
@@ -1442,5 +1346,5 @@ __all__ = [
     "cache_namespace", "FATES", "FAULT_KINDS", "LateLandingStreams", "REPRO", "RequestSpec", "SKIPPABLE",
     "SimConfig", "SimContext", "SimFaultPlan", "SimFaults", "SimHooks", "SimReport",
     "SimViolation", "Workload", "builtin_clients", "generate_workload", "leftover_tables",
-    "random_config", "run_simulation", "WORKAROUNDS",
+    "random_config", "run_simulation",
 ]

@@ -52,9 +52,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"  {name:<16} {values}")
     tr.write_line("faults injected: " + (", ".join(f"{k}={v:,}" for k, v in sorted(faults.items()))
                                          or "none"))
-    known = {k[len("known_bug_"):]: v for k, v in counts.items() if k.startswith("known_bug_")}
-    if known:
-        tr.write_line("known library bugs hit (worked around): "
-                      + ", ".join(f"{k}={v}" for k, v in sorted(known.items())))
     for line in VIOLATIONS:
         tr.write_line("VIOLATION " + line)

@@ -16,8 +16,6 @@ import pytest
 from hicache.results import CapacityError
 from hicache.testing.simulation import SimContext, SimHooks, SimViolation, run_simulation
 
-from test_simulation import KNOWN_BUG_WORKAROUNDS
-
 
 async def batched_engine(ctx: SimContext, batch_size: int = 3, shift: int = 0) -> None:
     cache = ctx.cache
@@ -76,8 +74,7 @@ async def batched_engine(ctx: SimContext, batch_size: int = 3, shift: int = 0) -
 @pytest.mark.parametrize("seed", range(12))
 def test_a_batched_engine_passes_the_simulation(seed):
     try:
-        report = run_simulation(seed, hooks=SimHooks(driver=batched_engine),
-                                workarounds=KNOWN_BUG_WORKAROUNDS)
+        report = run_simulation(seed, hooks=SimHooks(driver=batched_engine))
     except SimViolation as violation:
         pytest.fail(str(violation), pytrace=False)
     assert report.requests and report.pages_verified
@@ -86,8 +83,7 @@ def test_a_batched_engine_passes_the_simulation(seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_a_batched_engine_passes_with_thread_transfers(seed):
     try:
-        run_simulation(seed, mode="thread", hooks=SimHooks(driver=batched_engine),
-                       workarounds=KNOWN_BUG_WORKAROUNDS)
+        run_simulation(seed, mode="thread", hooks=SimHooks(driver=batched_engine))
     except SimViolation as violation:
         pytest.fail(str(violation), pytrace=False)
 
@@ -102,7 +98,7 @@ def test_an_engine_with_an_off_by_one_in_its_slots_is_caught():
     caught = 0
     for seed in range(10):
         try:
-            run_simulation(seed, hooks=SimHooks(driver=off_by_one), workarounds=KNOWN_BUG_WORKAROUNDS)
+            run_simulation(seed, hooks=SimHooks(driver=off_by_one))
         except SimViolation as violation:
             assert "wrong KV" in violation.what
             caught += 1

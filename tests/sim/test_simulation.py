@@ -23,13 +23,6 @@ from hicache.testing.simulation import (
 SEEDS = 1000
 THREAD_SEEDS = 10
 
-KNOWN_BUG_WORKAROUNDS: tuple[str, ...] = (
-    # Library bugs this suite found and works around until they are fixed, so that every
-    # other check keeps running on every seed (hicache.testing.simulation.WORKAROUNDS says
-    # what each is; tests/sim/test_regressions.py holds a minimal reproduction of each).
-    # None open: the four it found are fixed and checked on every seed again.
-)
-
 
 def pytest_generate_tests(metafunc):
     opt = metafunc.config.getoption
@@ -50,7 +43,7 @@ def pytest_generate_tests(metafunc):
 
 def _run(sim_results, seed: int, mode: str):
     try:
-        report = run_simulation(seed, mode=mode, workarounds=KNOWN_BUG_WORKAROUNDS)
+        report = run_simulation(seed, mode=mode)
     except SimViolation as violation:
         sim_results["violations"].append(f"{violation.what} ({violation.repro})")
         pytest.fail(str(violation), pytrace=False)
@@ -75,8 +68,8 @@ def test_a_seed_replays_exactly():
     seed = next(s for s in range(100) if random_config(s).storage != "none"
                 and len(random_config(s).faults.kinds()) >= 3)
     first, second = [], []
-    a = run_simulation(seed, trace=first, workarounds=KNOWN_BUG_WORKAROUNDS)
-    b = run_simulation(seed, trace=second, workarounds=KNOWN_BUG_WORKAROUNDS)
+    a = run_simulation(seed, trace=first)
+    b = run_simulation(seed, trace=second)
     assert first == second and len(first) == a.steps
     assert a.counts == b.counts and a.faults == b.faults
 
@@ -127,8 +120,7 @@ def test_a_compute_that_writes_wrong_kv_is_caught():
         fill(cache.device_pool, slots, seeds, page_size=page, first=first)
 
     with pytest.raises(SimViolation) as info:
-        run_simulation(3, hooks=SimHooks(compute=wrong_compute),
-                       workarounds=KNOWN_BUG_WORKAROUNDS)
+        run_simulation(3, hooks=SimHooks(compute=wrong_compute))
     message = str(info.value)
     assert "wrong KV" in message and "--sim-seed 3" in message
 
@@ -178,8 +170,7 @@ def test_a_backend_that_returns_another_keys_value_is_caught():
     for seed in range(40):
         try:
             run_simulation(seed, config=_storage_config(seed),
-                           hooks=SimHooks(wrap_backend=_LyingBackend),
-                           workarounds=KNOWN_BUG_WORKAROUNDS)
+                           hooks=SimHooks(wrap_backend=_LyingBackend))
         except SimViolation as violation:
             assert "wrong KV" in violation.what, violation
             caught.append(seed)
@@ -196,7 +187,7 @@ def test_a_storage_call_past_its_deadline_is_reported_as_hung():
         if "hang" in sim.faults.kinds():
             sim.cache["storage_timeout"] = 1e9
             try:
-                run_simulation(seed, config=sim, workarounds=KNOWN_BUG_WORKAROUNDS)
+                run_simulation(seed, config=sim)
             except SimViolation as violation:
                 assert violation.what.startswith("hung"), violation
                 return
@@ -205,14 +196,11 @@ def test_a_storage_call_past_its_deadline_is_reported_as_hung():
 
 def test_slots_leaked_behind_the_trees_back_are_reported():
     """Planted bug: a driver takes device slots from the ledger that nobody gives back."""
-    from hicache.messages import Alloc
     from hicache.testing.simulation import builtin_clients
 
     async def leaky(ctx):
         await builtin_clients(ctx)
-        kernel = ctx.cache.kernel
-        await kernel.request(kernel.actors["allocator"].inbox,
-                             lambda r: Alloc(tier="device", num_tokens=ctx.sim.page_size, reply=r))
+        ctx.cache.kernel.actors["tree"]._slots["device"].alloc(ctx.sim.page_size)
 
     with pytest.raises(SimViolation, match="leak at close"):
-        run_simulation(5, hooks=SimHooks(driver=leaky), workarounds=KNOWN_BUG_WORKAROUNDS)
+        run_simulation(5, hooks=SimHooks(driver=leaky))

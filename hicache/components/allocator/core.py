@@ -134,6 +134,13 @@ class SlotLedger:
         self._free_pages[top : top + pages.size] = pages[::-1]
         self._num_free = top + pages.size
 
+    def free_slots(self) -> np.ndarray:
+        """Every free slot, as a new int64 array (pages in free-stack order). Does not mutate."""
+        pages = self._free_pages[: self._num_free]
+        if self.page_size == 1:
+            return pages.copy()
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
     def is_held(self, slots: np.ndarray) -> bool:
         """True if every slot's page is currently held. Does not mutate."""
         arr = np.asarray(slots, dtype=np.int64)

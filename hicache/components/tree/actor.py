@@ -14,6 +14,7 @@ from collections import deque
 import numpy as np
 from typing_extensions import assert_never
 
+from hicache.components.allocator.core import SlotLedger
 from hicache.components.tree.agreement import RankAgreement, SingleRank
 from hicache.components.tree.backups import BackupFlows
 from hicache.components.tree.completions import CompletionFlows
@@ -86,7 +87,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         self._timers_fired: set[OpId] = set()
         self._flush_waiters: list = []  # answered when no write is pending
         self._drain_waiters: list = []  # answered when nothing at all is in flight
-        self._frees: dict[str, list[np.ndarray]] = {"device": [], "host": []}  # not yet sent
+        self._slots: dict[str, SlotLedger] = {}  # both tiers, leased at start (on_start)
+        self._lease_returned = False
         self._next_op = 0
         self._tick = 0  # frontend calls so far: the tree's clock across TP ranks
         self.counters = Counters()
@@ -113,7 +115,6 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             await self._sync_point()  # frontend calls reach every rank in the same order
             await self._dispatch(msg)
         await self._settle()
-        await self._send_frees()
 
     async def _dispatch(self, msg: TreeInbox) -> None:
         match msg:
@@ -243,7 +244,6 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             "arrived_uploads": len(self._arrived_uploads),
             "prefetch_reports": len(self._prefetch_reports),
             "timers_fired": len(self._timers_fired), "flush_waiters": len(self._flush_waiters),
-            "unsent_frees": sum(len(parts) for parts in self._frees.values()),
         }
 
     # ------------------------------------------------------------------ match
@@ -382,7 +382,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         self._tree.unlock(op.lock)
         if not ok:
             freed, kept = self._tree.revert_load_back(op.plan)
-            await self._free("device", freed)
+            self._free("device", freed)
             # Requests that counted on this load may not cache what they hold: their prefix
             # slots were freed (their handle raised; they must release or match again).
             for state in self._requests.values():
@@ -392,7 +392,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                            kept_nodes=list(kept))
         elif self._cfg.exclusive:
             freed = self._tree.drop_host(op.plan)
-            await self._free("host", freed)
+            self._free("host", freed)
 
     # ------------------------------------------------------------------ allocation
     async def _alloc_batch(self, sizes) -> tuple[np.ndarray, ...]:
@@ -426,8 +426,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                     for st, padding, new in reversed(undo):
                         st.owned.pop()
                         st.padding = padding
-                        await self._free("device", new)
-                    ledger = await self._ledgers()
+                        self._free("device", new)
+                    ledger = self.ledgers()
                     raise CapacityError("device", n, ledger["device"]["available"], rid=rid)
             state.padding = np.concatenate([before[n:], fresh[rest:]]) if rest else before[n:]
             slots = np.concatenate([reuse, fresh[:rest]])
@@ -436,28 +436,38 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             out.append(slots)
         return tuple(out)
 
-    async def _alloc(self, tier: str, n: int) -> np.ndarray | None:
-        await self._send_frees()  # the ledger must see what was freed before it allocates
-        return await self.kernel.request(
-            self._allocator, lambda reply: Alloc(tier=tier, num_tokens=n, reply=reply)
-        )
+    async def on_start(self) -> None:
+        """Lease every slot of both tiers from the allocator, once: from then on the tree
+        allocates and frees on its own ledgers, with no round trip per step (the allocator
+        keeps the record of what is leased and takes it back at close)."""
+        page = self._cfg.page_size
+        for tier, size in (("device", self._cfg.device_tokens), ("host", self._cfg.host_capacity)):
+            lease = await self.kernel.request(
+                self._allocator, lambda r, t=tier, n=size: Alloc(tier=t, num_tokens=n, reply=r))
+            if lease is None or not np.array_equal(lease, np.arange(size)):
+                raise RuntimeError(f"the allocator did not lease the whole {tier} tier")
+            self._slots[tier] = SlotLedger(size=size, page_size=page, tier=tier)
 
-    async def _free(self, tier: str, slots: np.ndarray) -> None:
-        """Give slots back to the ledger. Batched: sent as one Free per tier before the next
-        allocation or at the end of the message being handled."""
+    def _alloc(self, tier: str, n: int) -> np.ndarray | None:
+        return self._slots[tier].alloc(n)
+
+    def _free(self, tier: str, slots: np.ndarray) -> None:
         if len(slots):
-            self._frees[tier].append(slots)
+            self._slots[tier].free(slots)
 
-    async def _ledgers(self) -> dict:
-        await self._send_frees()
+    def ledgers(self) -> dict:
+        """Each tier's size, used and available tokens (the tree's own ledgers)."""
+        return {tier: {"size": led.size, "used": led.used, "available": led.available}
+                for tier, led in self._slots.items()}
+
+    async def _return_lease(self) -> dict:
+        """Close: give the allocator back every slot the tree's ledgers hold free; what is
+        still held (a leak) stays leased and shows as used in the allocator's report."""
+        if not self._lease_returned:
+            self._lease_returned = True
+            for tier, led in self._slots.items():
+                await self._allocator.send(Free(tier=tier, slots=led.free_slots()))
         return await self.kernel.request(self._allocator, lambda r: LedgerStats(reply=r))
-
-    async def _send_frees(self) -> None:
-        for tier, parts in self._frees.items():
-            if parts:
-                slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                parts.clear()
-                await self._allocator.send(Free(tier=tier, slots=slots))
 
     async def _alloc_device(self, n: int) -> np.ndarray | None:
         """Device slots for n tokens: evict L1 (backing up first where the policy says so),
@@ -466,7 +476,7 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         if n == 0:
             return EMPTY_SLOTS
         while True:
-            slots = await self._alloc("device", n)
+            slots = self._alloc("device", n)
             if slots is not None:
                 return slots
             if await self._evict_device(n):
@@ -479,8 +489,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         """Evict about n tokens from L1; start the backups the policy wants first. Returns
         whether any device slot was freed."""
         ev = self._tree.evict_device(n, now=self._now(), require_host_copy=self._cfg.exclusive)
-        await self._free("device", ev.freed)
-        await self._free("host", ev.freed_host)
+        self._free("device", ev.freed)
+        self._free("host", ev.freed_host)
         if len(ev.freed):
             self.counters.device_evictions += len(ev.freed)
             self.log.info("tree.evict_device", tokens=len(ev.freed), demoted=len(ev.demoted),
@@ -491,8 +501,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
                 gone = self._tree.discard_device(node)
-                await self._free("device", gone.freed)
-                await self._free("host", gone.freed_host)
+                self._free("device", gone.freed)
+                self._free("host", gone.freed_host)
                 self.counters.device_evictions += len(gone.freed)
                 self.log.info("tree.evict_device", tokens=len(gone.freed), demoted=0,
                               removed=len(gone.removed), reason="older_than_l2")
@@ -504,14 +514,14 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
     async def _alloc_host(self, n: int) -> np.ndarray | None:
         """Host slots for n tokens, evicting L2; waits for uploads that pin the only candidates."""
         while True:
-            slots = await self._alloc("host", n)
+            slots = self._alloc("host", n)
             if slots is not None:
                 return slots
             ev = self._tree.evict_host(n)
             if len(ev.freed):
                 self.counters.host_evictions += len(ev.freed)
                 self.log.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
-                await self._free("host", ev.freed)
+                self._free("host", ev.freed)
                 continue
             # Wait for an upload that pins the candidates, never for one past its deadline.
             waiting = next((op for op, job in self._uploads.items() if not job.timed_out), None)
@@ -571,12 +581,12 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         )
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
         # cached meanwhile are duplicates and go back to the ledger.
-        await self._free("device", slots[own:max(own, result.prefix_len)])
+        self._free("device", slots[own:max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
         candidates.extend(result.backup_candidates)  # backed up for the whole step at once
         pending: tuple = ()
         if item.finished:
-            await self._free("device", np.concatenate([slots[aligned:], state.padding]))
+            self._free("device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self._requests[item.rid]
             prefix = slots[:aligned]
@@ -609,11 +619,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         for rid in rids:
             state = self._requests.pop(rid)
             self._relock(state, None)
-            await self._free("device", np.concatenate([*state.owned, state.padding]))
+            self._free("device", np.concatenate([*state.owned, state.padding]))
 
     # ------------------------------------------------------------------ stats and close
     async def _stats(self) -> CacheStats:
-        ledgers = await self._ledgers()
+        ledgers = self.ledgers()
         c = self.counters
         dev, host = ledgers["device"], ledgers["host"]
         return CacheStats(
@@ -637,9 +647,9 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         the bookkeeping tables (every one must be empty now)."""
         await self._release_batch(tuple(self._requests))
         freed = self._tree.clear()
-        await self._free("device", freed.device)
-        await self._free("host", freed.host)
-        ledgers = await self._ledgers()
+        self._free("device", freed.device)
+        self._free("host", freed.host)
+        ledgers = await self._return_lease()
         return ledgers, self.bookkeeping()
 
     async def _abandon_in_flight(self) -> None:

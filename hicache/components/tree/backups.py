@@ -30,7 +30,7 @@ class BackupFlows:
         length = self._tree.device_len(node)
         host = await self._alloc_host(length)
         if host is None or not self._tree.needs_backup(node):
-            await self._free("host", EMPTY_SLOTS if host is None else host)
+            self._free("host", EMPTY_SLOTS if host is None else host)
             if host is None:
                 self.log.warning("tree.backup_skipped", node=node, tokens=length,
                                  reason="host_full")
@@ -45,7 +45,7 @@ class BackupFlows:
         lengths = [self._tree.device_len(n) for n in todo]
         pooled = None
         if len(todo) > 1 and len(todo) <= self._write_credits:
-            pooled = await self._alloc("host", sum(lengths))
+            pooled = self._alloc("host", sum(lengths))
         if pooled is None:
             for node in todo:
                 await self._start_backup(node, evicting=False)
@@ -80,7 +80,7 @@ class BackupFlows:
         self._write_credits += 1
         pieces = self._tree.backup_pieces(op.node)  # the node may have been split meanwhile
         freed = self._tree.end_backup(op.node, ok=ok)
-        await self._free("host", freed)
+        self._free("host", freed)
         if not ok:
             self.log.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._uploader is not None:

@@ -130,7 +130,7 @@ class PrefetchFlows:
         op = self._prefetches[op_id]
         host = await self._alloc_host(op.hit_pages * self._cfg.page_size)
         if host is None or op.state != "running" or op.stopping:
-            await self._free("host", EMPTY_SLOTS if host is None else host)
+            self._free("host", EMPTY_SLOTS if host is None else host)
             if op.state == "running":
                 self.log.info("tree.prefetch_skipped", rid=op.rid, reason="host_full",
                               tokens=op.hit_pages * self._cfg.page_size)
@@ -154,7 +154,7 @@ class PrefetchFlows:
                 op.anchor, op.tokens[:used_tokens], op.host_slots[:used_tokens],
                 op.hashes[:done], now=self._now(),
             )
-            await self._free("host", inserted.duplicate_slots)
+            self._free("host", inserted.duplicate_slots)
         self._tree.release_host(op.anchor)
         op.state = "revoked" if revoked else "done"
         self.log.info("tree.prefetch_done", rid=op.rid, op=op_id, state=op.state,
@@ -182,6 +182,6 @@ class PrefetchFlows:
         if op.timer is not None:
             op.timer.cancel()
         page = self._cfg.page_size
-        await self._free("host", op.host_slots[op.done_pages * page:])
+        self._free("host", op.host_slots[op.done_pages * page:])
         self._prefetch_tokens -= len(op.hashes) * page
         self._prefetch_credits += 1
