@@ -18,12 +18,13 @@ really returned, since a call in a thread may still be writing into them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
+from hicache.components.deadline import CallDeadline
 from hicache.messages import (
     IoDeadline, IoDone, PrefetcherInbox, PrefetchProgress, ReadPrefetch, StartPrefetch,
     StopPrefetch,
@@ -40,9 +41,7 @@ class _Op:
     stop: bool = False
     host_slots: object = None  # set by ReadPrefetch; until then the op waits after its probe
     busy: bool = False  # a probe or read is in flight
-    call: int = 0  # storage steps started, for matching a deadline to its step
-    scope: anyio.CancelScope | None = None  # the running step's, cancelled at its deadline
-    timer: object = None  # the running step's deadline timer
+    deadline: CallDeadline = field(default_factory=CallDeadline)  # of the step in flight
 
 
 class PrefetcherActor(Actor[PrefetcherInbox]):
@@ -75,10 +74,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     self._stop(op, state)
             case IoDeadline(op=op, call=call):
                 state = self._ops.get(op)
-                if state is None or not state.busy or state.call != call:
+                if state is None or not state.deadline.expire(call):
                     return  # that step already returned
-                assert state.scope is not None
-                state.scope.cancel()
                 self.log.warning("prefetcher.timeout", op=op, timeout=self._timeout,
                                  step="probe" if state.hit_pages < 0 else "read")
                 if not state.stop:
@@ -102,19 +99,13 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
     def _spawn(self, op: OpId) -> None:
         state = self._ops[op]
         state.busy = True
-        state.call += 1
-        state.scope = anyio.CancelScope()
-        deliver, call = self.inbox.send_nowait, state.call
-        state.timer = self.kernel.call_later(  # reserved room: one pending deadline per op
-            self._timeout, lambda: deliver(IoDeadline(op=op, call=call)))
-        self.kernel.start_soon(self._io, op, state.scope, name=f"prefetch-{op}")
+        scope = state.deadline.arm(self.kernel, self.inbox, op, self._timeout)
+        self.kernel.start_soon(self._io, op, scope, name=f"prefetch-{op}")
 
     async def _io_done(self, op: OpId, pages: int, error: str) -> None:
         state = self._ops[op]
         state.busy = False
-        state.scope = None
-        if state.timer is not None:
-            state.timer.cancel()
+        state.deadline.disarm()
         probed = state.hit_pages < 0
         if probed:
             state.hit_pages = pages

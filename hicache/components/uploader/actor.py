@@ -14,12 +14,13 @@ they stay protected until then. A timed-out upload is not retried.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
+from hicache.components.deadline import CallDeadline
 from hicache.messages import (
     IoDeadline, IoDone, Upload, UploadDone, UploaderInbox, UploadTimedOut,
 )
@@ -31,9 +32,7 @@ from hicache.types import OpId
 class _Job:
     msg: Upload
     attempt: int = 0
-    call: int = 0  # storage calls started, for matching a deadline to its call
-    scope: anyio.CancelScope | None = None  # the running call's, cancelled at its deadline
-    timer: object = None  # the running call's deadline timer
+    deadline: CallDeadline = field(default_factory=CallDeadline)  # of the call in flight
     timed_out: bool = False
     started: float = 0.0  # when the Upload arrived (kernel clock), for the events' `seconds`
 
@@ -59,10 +58,9 @@ class UploaderActor(Actor[UploaderInbox]):
                 self._start(op)
             case IoDeadline(op=op, call=call):
                 job = self._jobs.get(op)
-                if job is None or job.call != call or job.scope is None:
+                if job is None or not job.deadline.expire(call):
                     return  # that call already returned
                 job.timed_out = True
-                job.scope.cancel()
                 self.log.warning("uploader.timeout", op=op, pages=len(job.msg.hashes),
                                  timeout=self._timeout)
                 if job.msg.reply is not None and not job.msg.reply.done:
@@ -70,9 +68,7 @@ class UploaderActor(Actor[UploaderInbox]):
                 self._tree.send_nowait(UploadTimedOut(op=op))  # reserved room: one per op
             case IoDone(op=op, pages=pages, error=error):
                 job = self._jobs[op]
-                job.scope = None
-                if job.timer is not None:
-                    job.timer.cancel()
+                job.deadline.disarm()
                 wanted = len(job.msg.hashes)
                 if pages < wanted and job.attempt < self._retries and not job.timed_out:
                     job.attempt += 1
@@ -97,13 +93,8 @@ class UploaderActor(Actor[UploaderInbox]):
                 assert_never(msg)
 
     def _start(self, op: OpId) -> None:
-        job = self._jobs[op]
-        job.call += 1
-        job.scope = anyio.CancelScope()
-        deliver, call = self.inbox.send_nowait, job.call
-        job.timer = self.kernel.call_later(  # reserved room: one pending deadline per op
-            self._timeout, lambda: deliver(IoDeadline(op=op, call=call)))
-        self.kernel.start_soon(self._upload, op, job.scope, name=f"upload-{op}")
+        scope = self._jobs[op].deadline.arm(self.kernel, self.inbox, op, self._timeout)
+        self.kernel.start_soon(self._upload, op, scope, name=f"upload-{op}")
 
     async def _upload(self, op: OpId, scope: anyio.CancelScope) -> None:
         job = self._jobs[op].msg
