@@ -1,6 +1,6 @@
-"""`HiCache`: the facade a serving loop calls. An async context manager that builds the pools,
-the cores and the actors, starts the kernel, and on exit drains in-flight work and checks that
-every ledger balances.
+"""`HiCache`: the facade a serving loop calls. An async context manager that has
+`hicache.assembly` build the pools, cores and actors, starts the kernel, and on exit drains
+in-flight work and checks that every ledger balances and every table is empty.
 
 Every call is a request to the tree actor; the batched forms (`*_many`) carry a whole scheduler
 step in one message, which is what keeps the actor path cheap.
@@ -13,31 +13,18 @@ from collections.abc import Iterable, Sequence
 import anyio
 import numpy as np
 
-from hicache.components.allocator.actor import AllocatorActor
-from hicache.components.allocator.core import SlotLedger
-from hicache.components.topology import Topology
-from hicache.components.tree.agreement import SingleRank, TorchDistributedAgreement
-from hicache.components.loader.actor import LoaderActor
-from hicache.components.tree.actor import TreeActor
-from hicache.components.tree.core import RadixTree
-from hicache.components.writer.actor import WriterActor
+from contextlib import AsyncExitStack
+
+from hicache.assembly import Parts, assemble
+from hicache.components.tree.agreement import SingleRank
 from hicache.config import CacheConfig
-from hicache.kernels.geometry import parse_geometry
-from hicache.kernels.native import native_rows, unavailable_reason
-from hicache.kernels.pools import DevicePool, HostPool
-from hicache.kernels.streams import make_streams
-from hicache.backends.keys import Namespace
-from hicache.backends.registry import connect_backend
-from hicache.components.prefetcher.actor import PrefetcherActor
-from hicache.components.uploader.actor import UploaderActor
+from hicache.kernels.pools import DevicePool
 from hicache.messages import (
     AllocBatch, CacheBatch, CacheItem, ClearStorage, Drain, DumpTree, Flush, GetStats,
     LoadBackBatch, MatchBatch, MatchItem, PrefetchBatch, PrefetchPoll, PrefetchWait,
     ReleaseBatch,
 )
 from hicache.observability import EventLog
-from hicache.policies.eviction import make_strategy
-from hicache.policies.write import write_policy
 from hicache.results import (
     CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
 )
@@ -82,139 +69,34 @@ class HiCache:
         self.backend = None
         self._kernel: Kernel | None = None
         self._streams = None
+        self._resources = AsyncExitStack()
+        self._metrics = None
         self._tree_inbox = None
         self.close_report: dict | None = None  # the ledgers after close
         self.close_tables: dict[str, int] | None = None  # the tree's tables after close
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> HiCache:
+        parts = Parts(device_pool=self._device_pool, log=self._log, streams=self._streams_override,
+                      backend=self._backend_override, transfer_faults=self._transfer_faults,
+                      tp_group=self._tp_group)
+        built = await assemble(self.config, self.rewrites, parts)  # undoes itself on failure
+        self._resources = built.resources
         try:
-            await self._open()
+            self.device_pool, self.host_pool = built.device_pool, built.host_pool
+            self._kernel, self._streams = built.kernel, built.streams
+            self.topology, self._agreement = built.topology, built.agreement
+            self._tree_inbox, self.backend = built.tree_inbox, built.backend
+            if self.config.metrics_port is not None:  # Prometheus /metrics, fed by the log
+                from hicache.observability.metrics import serve_cache_metrics
+
+                self._metrics = serve_cache_metrics(self, self.config.metrics_port)
+                self._resources.callback(self._metrics.close)
+            await built.kernel.__aenter__()
         except BaseException:
-            # A later step failed (a bad spec, an unreachable server, no process group): undo
-            # what the earlier ones started, so no stream thread or connection is left behind.
-            if self._streams is not None:  # closed on exit too, as __aexit__ does
-                self._streams.close()
-            if self.backend is not None and self._backend_override is None:
-                await self.backend.aclose()
+            await self._resources.aclose()
             raise
         return self
-
-    async def _open(self) -> None:
-        cfg = self.config
-        geometry = parse_geometry(cfg.kv)
-        device = self._device_pool or DevicePool.allocate(
-            geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device)
-        )
-        if device.size != cfg.device_tokens:
-            raise ValueError(
-                f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
-            )
-        host = HostPool(device, cfg.host_capacity, cfg.layout)
-        self.device_pool, self.host_pool = device, host
-        kernel = Kernel(log=self._log, deterministic=cfg.deterministic, seed=cfg.seed)
-        self._kernel = kernel
-        for rw in self.rewrites:
-            kernel.log.emit("config.rewritten", component="cache", level="warning",
-                            field=rw.field, old=rw.old, new=rw.new, reason=rw.reason)
-
-        if self._streams_override is not None:
-            streams, selection = self._streams_override, None
-        else:
-            inline = cfg.cpu_transfers == "inline" and device.device.type == "cpu"
-            # Inline CPU copies are the virtual streams with no modelled time: bytes move at
-            # submit, completion is reported on the next turn of the loop.
-            streams, selection = make_streams(
-                device, host, io=cfg.io_backend,
-                prefer="virtual" if cfg.deterministic or inline else "auto",
-                schedule=kernel.call_later,
-                bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
-                fault=self._transfer_faults,
-            )
-        self._streams = streams
-        if selection is not None:
-            copier: dict[str, str] = {}
-            if selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes
-                reason = None if native_rows() is not None else unavailable_reason()
-                copier = {"copier": "compiled"} if reason is None else {"copier": "numpy", "copier_reason": reason}
-            kernel.log.emit("streams.selected", component="cache", kind=selection.kind,
-                            reason=selection.reason, **copier)
-
-        topo = Topology.for_capacity(cfg.channel_capacity)
-        self.topology = topo
-        edges = topo.edges()  # every inbox's bounds, declared in one place
-        bpt = geometry.bytes_per_token
-        tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
-                         write_policy=write_policy(cfg.write_policy))
-        allocator = AllocatorActor(
-            device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
-            host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
-            capacity=edges["allocator"].capacity,
-        )
-        agreement = SingleRank()
-        if cfg.tp_size > 1:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                from hicache.config import ConfigError
-
-                raise ConfigError(
-                    f"tp_size={cfg.tp_size} (tp_rank={cfg.tp_rank}) needs torch.distributed: call "
-                    "torch.distributed.init_process_group on every rank before opening the cache "
-                    "(and pass a gloo group as HiCache(..., tp_group=)); without it the ranks' "
-                    "trees drift apart")
-            agreement = TorchDistributedAgreement(self._tp_group)
-        self._agreement = agreement
-        tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
-                               bytes_per_token=bpt, topology=topo, agreement=agreement)
-        writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                             capacity=edges["writer"].capacity, reserve=edges["writer"].reserve)
-        loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                             capacity=edges["loader"].capacity, reserve=edges["loader"].reserve)
-        actors = [tree_actor, allocator, writer, loader]
-        storage = {}
-        if self._backend_override is not None or cfg.storage:
-            namespace = Namespace(
-                model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, tenant=cfg.tenant,
-                rank=cfg.tp_rank, tp_size=cfg.tp_size, layout=cfg.layout,
-            )
-            emit = kernel.log.bind("storage").warning
-            backend = self._backend_override
-            if backend is None:
-                options = dict(cfg.extra)
-                if cfg.deterministic and cfg.storage.startswith("file:"):
-                    options.setdefault("threads", 0)  # no real threads on virtual time
-                backend = await connect_backend(cfg.storage, namespace=namespace,
-                                                emit=lambda event, **kw: emit(event, **kw),
-                                                **options)
-                # Backends that move registered memory zero-copy (Mooncake) get the host pool.
-                # Only for a backend this cache owns: the pool must outlive its registration.
-                if hasattr(backend, "register_host_memory"):
-                    backend.register_host_memory(host.buffer.data_ptr(), host.nbytes)
-            self.backend = backend
-            uploader = UploaderActor(
-                backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-                retries=cfg.upload_retries, backoff=cfg.upload_backoff,
-                timeout=cfg.storage_timeout,
-                capacity=edges["uploader"].capacity, reserve=edges["uploader"].reserve,
-            )
-            prefetcher = PrefetcherActor(
-                backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-                batch_pages=cfg.storage_batch_pages, timeout=cfg.storage_timeout,
-                capacity=edges["prefetcher"].capacity, reserve=edges["prefetcher"].reserve,
-            )
-            actors += [uploader, prefetcher]
-            storage = dict(uploader=uploader.inbox, prefetcher=prefetcher.inbox,
-                           namespace=namespace, clear_storage=backend.clear)
-        tree_actor.connect(writer=writer.inbox, loader=loader.inbox, **storage)
-        for actor in actors:
-            kernel.add(actor)
-        self._tree_inbox = tree_actor.inbox
-        if cfg.metrics_port is not None:  # Prometheus /metrics, fed by this kernel's log
-            from hicache.observability.metrics import serve_cache_metrics
-
-            self._metrics = serve_cache_metrics(self, cfg.metrics_port)
-        await kernel.__aenter__()
 
     async def __aexit__(self, *exc_info) -> bool | None:
         kernel = self._kernel
@@ -234,11 +116,7 @@ class HiCache:
             try:
                 suppress = await kernel.__aexit__(*exc_info)
             finally:
-                if getattr(self, "_metrics", None) is not None:  # stop the exporter
-                    self._metrics.close()
-                self._streams.close()
-                if self.backend is not None and self._backend_override is None:
-                    await self.backend.aclose()
+                await self._resources.aclose()  # exporter, an owned backend, the streams
         if leak is not None:
             raise leak
         return suppress
@@ -379,12 +257,3 @@ def _tokens(tokens) -> np.ndarray | tuple:
     if seq and isinstance(seq[0], tuple):
         return tuple(seq)  # bigram keys
     return np.asarray(seq, dtype=np.int64)
-
-
-def _device(spec: str) -> str:
-    if spec != "auto":
-        return spec
-    from hicache.kernels.streams import cuda_driver_status
-
-    usable, _why = cuda_driver_status()
-    return "cuda" if usable else "cpu"

@@ -12,6 +12,12 @@ Opening: a backend may have an optional `async def connect(self) -> None`, which
 `registry.connect_backend` (hence the cache, at open) awaits once before any other call; it
 raises `BackendUnavailable` when the store cannot be reached or refuses the credentials, so a
 misconfigured store fails the open instead of turning into a silent 0% hit rate.
+
+Two more optional hooks let a backend own its quirks: `attach_host_pool(pool)`, called once by
+the cache that opened it, with the host pool whose pages it will move (Mooncake registers the
+buffer for zero-copy transfers); and a class attribute `VIRTUAL_TIME_OPTIONS`, options the
+registry fills in when a deterministic (virtual-time) cache opens it (the file store runs its
+calls inline there: no real threads on a virtual clock).
 """
 
 from __future__ import annotations

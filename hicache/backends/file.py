@@ -60,6 +60,9 @@ class FileBackend:
     """StorageBackend over a directory. Owns its counters, its size index and its temporary
     files; shares value files with any other instance over the same directory."""
 
+    # Under a virtual clock (deterministic caches) its file calls run inline, not in threads.
+    VIRTUAL_TIME_OPTIONS = {"threads": 0}
+
     def __init__(
         self,
         root: str | os.PathLike[str],

@@ -106,6 +106,11 @@ class MooncakeBackend:
             raise ValueError(f"namespace must be a hicache.backends.keys.Namespace, got {namespace!r}")
         return cls(parse_spec(spec, options), namespace=namespace, emit=emit)
 
+    def attach_host_pool(self, pool) -> None:
+        """The cache that owns this backend hands it its host pool: register the pool's buffer
+        so pages move zero-copy. The pool outlives the backend (the cache closes it last)."""
+        self.register_host_memory(pool.buffer.data_ptr(), pool.nbytes)
+
     def register_host_memory(self, ptr: int, nbytes: int) -> None:
         """Let pieces inside [ptr, ptr+nbytes) move zero-copy. Call once per host pool buffer
         before traffic; the memory must outlive the backend. Registration with the client

@@ -71,9 +71,12 @@ def resolve(spec: str) -> str:
 
 
 def open_backend(
-    spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+    spec: str, *, namespace: Namespace, emit: EventSink | None = None,
+    virtual_time: bool = False, **options: Any
 ) -> StorageBackend:
-    """Build the backend `spec` names for `namespace`. Raises ValueError for an unknown or
+    """Build the backend `spec` names for `namespace`. With `virtual_time` (a deterministic
+    cache), the class's own `VIRTUAL_TIME_OPTIONS` (e.g. the file store's `threads=0`: no real
+    threads on a virtual clock) fill in options not given. Raises ValueError for an unknown or
     malformed spec, ImportError (with the spec) when the backend's module cannot load."""
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
@@ -91,6 +94,8 @@ def open_backend(
     from_spec = getattr(cls, "from_spec", None)
     if not callable(from_spec):
         raise TypeError(f"storage spec {spec!r}: {target} has no from_spec classmethod")
+    if virtual_time:
+        options = {**getattr(cls, "VIRTUAL_TIME_OPTIONS", {}), **options}
     backend = from_spec(spec, namespace=namespace, emit=emit, **options)
     if not isinstance(backend, StorageBackend):
         raise TypeError(f"storage spec {spec!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend")
@@ -98,13 +103,15 @@ def open_backend(
 
 
 async def connect_backend(
-    spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+    spec: str, *, namespace: Namespace, emit: EventSink | None = None,
+    virtual_time: bool = False, **options: Any
 ) -> StorageBackend:
     """`open_backend`, then the backend's `connect()` coroutine where it has one (base.py: a
     network store checks there that its server answers and accepts the credentials). Raises
     what `open_backend` raises, and what `connect` raises (`BackendUnavailable` for an
     unreachable or refusing store), after closing the backend."""
-    backend = open_backend(spec, namespace=namespace, emit=emit, **options)
+    backend = open_backend(spec, namespace=namespace, emit=emit, virtual_time=virtual_time,
+                           **options)
     connect = getattr(backend, "connect", None)
     if callable(connect):
         try:

@@ -1,0 +1,200 @@
+"""Building one cache: pools, streams, cores, actors, storage, in order, each step undone if a
+later one fails.
+
+`assemble` returns an `Assembly` whose `resources` (an `AsyncExitStack`) closes, in reverse
+order, everything the steps started: the transfer streams' threads, a backend the cache
+opened, the metrics exporter. The facade enters the kernel last and closes `resources` after
+the kernel has stopped; if any step raises, `assemble` closes what the earlier ones started
+before the error propagates, so a failed open leaves no thread or connection behind.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+
+from hicache.backends.keys import Namespace
+from hicache.backends.registry import connect_backend
+from hicache.components.allocator.actor import AllocatorActor
+from hicache.components.allocator.core import SlotLedger
+from hicache.components.loader.actor import LoaderActor
+from hicache.components.prefetcher.actor import PrefetcherActor
+from hicache.components.topology import Topology
+from hicache.components.tree.actor import TreeActor
+from hicache.components.tree.agreement import RankAgreement, SingleRank, TorchDistributedAgreement
+from hicache.components.tree.core import RadixTree
+from hicache.components.uploader.actor import UploaderActor
+from hicache.components.writer.actor import WriterActor
+from hicache.config import CacheConfig, ConfigError
+from hicache.kernels.geometry import parse_geometry
+from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.pools import DevicePool, HostPool
+from hicache.kernels.streams import make_streams
+from hicache.observability import EventLog
+from hicache.policies.eviction import make_strategy
+from hicache.policies.write import write_policy
+from hicache.runtime import Kernel, Mailbox
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What the caller may hand in instead of letting the cache build it."""
+
+    device_pool: DevicePool | None = None
+    log: EventLog | None = None
+    streams: Any = None
+    backend: Any = None  # the caller's: not closed here, not given the host pool
+    transfer_faults: Any = None
+    tp_group: Any = None
+
+
+@dataclass(slots=True)
+class Assembly:
+    device_pool: DevicePool
+    host_pool: HostPool
+    kernel: Kernel
+    streams: Any
+    topology: Topology
+    agreement: RankAgreement
+    tree_inbox: Mailbox
+    backend: Any  # None without storage
+    resources: AsyncExitStack  # closes streams, an owned backend; the caller adds more
+
+
+async def assemble(cfg: CacheConfig, rewrites, parts: Parts) -> Assembly:
+    """Build every piece of one cache (the kernel not yet entered). `cfg` is resolved."""
+    resources = AsyncExitStack()
+    try:
+        return await _assemble(cfg, rewrites, parts, resources)
+    except BaseException:
+        await resources.aclose()
+        raise
+
+
+async def _assemble(cfg: CacheConfig, rewrites, parts: Parts,
+                    resources: AsyncExitStack) -> Assembly:
+    geometry = parse_geometry(cfg.kv)
+    device = parts.device_pool or DevicePool.allocate(
+        geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device))
+    if device.size != cfg.device_tokens:
+        raise ValueError(
+            f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}")
+    host = HostPool(device, cfg.host_capacity, cfg.layout)
+    kernel = Kernel(log=parts.log, deterministic=cfg.deterministic, seed=cfg.seed)
+    for rw in rewrites:
+        kernel.log.emit("config.rewritten", component="cache", level="warning",
+                        field=rw.field, old=rw.old, new=rw.new, reason=rw.reason)
+    agreement = _agreement(cfg, parts.tp_group)
+    streams = await _streams(cfg, device, host, kernel, parts)
+    resources.callback(streams.close)
+
+    topo = Topology.for_capacity(cfg.channel_capacity)
+    edges = topo.edges()  # every inbox's bounds, declared in one place
+    bpt = geometry.bytes_per_token
+    tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
+                     write_policy=write_policy(cfg.write_policy))
+    allocator = AllocatorActor(
+        device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
+        host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
+        capacity=edges["allocator"].capacity,
+    )
+    tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
+                           bytes_per_token=bpt, topology=topo, agreement=agreement)
+    writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
+                         capacity=edges["writer"].capacity, reserve=edges["writer"].reserve)
+    loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
+                         capacity=edges["loader"].capacity, reserve=edges["loader"].reserve)
+    actors: list[Any] = [tree_actor, allocator, writer, loader]
+    storage: dict[str, Any] = {}
+    backend = None
+    if parts.backend is not None or cfg.storage:
+        namespace = Namespace(model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size,
+                              tenant=cfg.tenant, rank=cfg.tp_rank, tp_size=cfg.tp_size,
+                              layout=cfg.layout)
+        backend = parts.backend
+        if backend is None:
+            backend = await _open_backend(cfg, namespace, kernel, host, resources)
+        uploader = UploaderActor(
+            backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
+            retries=cfg.upload_retries, backoff=cfg.upload_backoff, timeout=cfg.storage_timeout,
+            capacity=edges["uploader"].capacity, reserve=edges["uploader"].reserve)
+        prefetcher = PrefetcherActor(
+            backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
+            batch_pages=cfg.storage_batch_pages, timeout=cfg.storage_timeout,
+            capacity=edges["prefetcher"].capacity, reserve=edges["prefetcher"].reserve)
+        actors += [uploader, prefetcher]
+        storage = dict(uploader=uploader.inbox, prefetcher=prefetcher.inbox,
+                       namespace=namespace, clear_storage=backend.clear)
+    tree_actor.connect(writer=writer.inbox, loader=loader.inbox, **storage)
+    for actor in actors:
+        kernel.add(actor)
+    return Assembly(device_pool=device, host_pool=host, kernel=kernel, streams=streams,
+                    topology=topo, agreement=agreement, tree_inbox=tree_actor.inbox,
+                    backend=backend, resources=resources)
+
+
+def _agreement(cfg: CacheConfig, tp_group) -> RankAgreement:
+    if cfg.tp_size == 1:
+        return SingleRank()
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"tp_size={cfg.tp_size} (tp_rank={cfg.tp_rank}) needs torch.distributed: call "
+            "torch.distributed.init_process_group on every rank before opening the cache "
+            "(and pass a gloo group as HiCache(..., tp_group=)); without it the ranks' "
+            "trees drift apart")
+    return TorchDistributedAgreement(tp_group)
+
+
+async def _streams(cfg: CacheConfig, device: DevicePool, host: HostPool, kernel: Kernel,
+                   parts: Parts):
+    if parts.streams is not None:
+        return parts.streams
+    if device.device.type == "cpu" and not cfg.deterministic:
+        # The compiled row copier is built (once per machine, by `cc`) off the event loop.
+        await anyio.to_thread.run_sync(native_rows)
+    inline = cfg.cpu_transfers == "inline" and device.device.type == "cpu"
+    # Inline CPU copies are the virtual streams with no modelled time: bytes move at submit,
+    # completion is reported on the next turn of the loop.
+    streams, selection = make_streams(
+        device, host, io=cfg.io_backend,
+        prefer="virtual" if cfg.deterministic or inline else "auto",
+        schedule=kernel.call_later,
+        bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
+        fault=parts.transfer_faults,
+    )
+    copier: dict[str, str] = {}
+    if selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes
+        reason = None if native_rows() is not None else unavailable_reason()
+        copier = ({"copier": "compiled"} if reason is None
+                  else {"copier": "numpy", "copier_reason": reason})
+    kernel.log.emit("streams.selected", component="cache", kind=selection.kind,
+                    reason=selection.reason, **copier)
+    return streams
+
+
+async def _open_backend(cfg: CacheConfig, namespace: Namespace, kernel: Kernel,
+                        host: HostPool, resources: AsyncExitStack):
+    emit = kernel.log.bind("storage").warning
+    assert cfg.storage is not None
+    backend = await connect_backend(cfg.storage, namespace=namespace,
+                                    emit=lambda event, **kw: emit(event, **kw),
+                                    virtual_time=cfg.deterministic, **dict(cfg.extra))
+    resources.push_async_callback(backend.aclose)
+    attach = getattr(backend, "attach_host_pool", None)
+    if callable(attach):  # only for a backend this cache owns: the pool outlives it
+        attach(host)
+    return backend
+
+
+def _device(spec: str) -> str:
+    if spec != "auto":
+        return spec
+    from hicache.kernels.streams import cuda_driver_status
+
+    usable, _why = cuda_driver_status()
+    return "cuda" if usable else "cpu"
