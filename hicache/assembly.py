@@ -158,11 +158,11 @@ async def _streams(cfg: CacheConfig, device: DevicePool, host: HostPool, kernel:
         # The compiled row copier is built (once per machine, by `cc`) off the event loop.
         await anyio.to_thread.run_sync(native_rows)
     inline = cfg.cpu_transfers == "inline" and device.device.type == "cpu"
-    # Inline CPU copies are the virtual streams with no modelled time: bytes move at submit,
-    # completion is reported on the next turn of the loop.
+    # Inline CPU copies: bytes move at submit, completion is reported on the next turn of the
+    # loop (the virtual streams' machinery, with no modelled time).
     streams, selection = make_streams(
         device, host, io=cfg.io_backend,
-        prefer="virtual" if cfg.deterministic or inline else "auto",
+        prefer="virtual" if cfg.deterministic else "inline" if inline else "auto",
         schedule=kernel.call_later,
         bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
         fault=parts.transfer_faults,

@@ -29,7 +29,7 @@ class LayerNotReady(RuntimeError):
 class StreamSelection:
     """Which implementation `make_streams` chose and why (the caller turns it into an event)."""
 
-    kind: Literal["cuda", "cpu", "virtual"]
+    kind: Literal["cuda", "cpu", "inline", "virtual"]
     requested: str
     reason: str
 

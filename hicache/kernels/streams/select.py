@@ -5,7 +5,7 @@ from __future__ import annotations
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import FaultHook, StreamSelection, TransferStreams
 
-PREFERENCES = ("auto", "cuda", "cpu", "virtual")
+PREFERENCES = ("auto", "cuda", "cpu", "inline", "virtual")
 
 
 def cuda_driver_status() -> tuple[bool, str]:
@@ -32,11 +32,22 @@ def make_streams(device_pool: DevicePool, host_pool: HostPool, *, io: str, prefe
                  fault: FaultHook | None = None) -> tuple[TransferStreams, StreamSelection]:
     """Build transfer streams for these pools.
 
-    prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "cuda" or "auto"
+    prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "inline" (CPU
+    copies on the event loop at submit: the virtual streams' machinery with no modelled time;
+    needs `schedule`), "cuda" or "auto"
     (CUDA when the device pool is on a CUDA device and the driver answers, else CPU with the
     reason), "cpu". Raises ValueError for an unknown preference or missing virtual arguments."""
     if prefer not in PREFERENCES:
         raise ValueError(f"unknown stream preference {prefer!r}; expected one of {list(PREFERENCES)}")
+    if prefer == "inline":
+        if schedule is None:
+            raise ValueError("inline streams need schedule=(delay, callback)")
+        from hicache.kernels.streams.virtual import VirtualStreams
+
+        streams = VirtualStreams(device_pool, host_pool, io=io, schedule=schedule,
+                                 bandwidth=float("inf"), fault=fault)
+        return streams, StreamSelection(
+            "inline", prefer, "CPU copies on the event loop at submit (cpu_transfers='inline')")
     if prefer == "virtual":
         if schedule is None or bandwidth is None:
             raise ValueError("virtual streams need schedule=(delay, callback) and bandwidth=bytes/s")
