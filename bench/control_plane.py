@@ -146,7 +146,7 @@ def direct_path(cfg: CacheConfig, requests, batch: int) -> tuple[float, int, int
             for cand in res.backup_candidates:
                 if not tree.needs_backup(cand):
                     continue
-                hs = alloc_host(tree.device_len(cand))
+                hs = alloc_host(tree.num_tokens(cand))
                 if hs is None:
                     continue
                 tree.begin_backup(cand, hs)

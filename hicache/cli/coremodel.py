@@ -443,7 +443,7 @@ class CoreModel:
             self._await_write(next(iter(self._writes)))
         if not tree.needs_backup(node):
             return False
-        length = tree.device_len(node)
+        length = tree.num_tokens(node)
         host = self._alloc_host(length)
         if host is None or not tree.needs_backup(node):
             self._free("host", _EMPTY if host is None else host)
@@ -454,7 +454,7 @@ class CoreModel:
     def _start_backups(self, nodes) -> None:
         tree = self.tree
         todo = [n for n in dict.fromkeys(nodes) if tree.needs_backup(n)]
-        lengths = [tree.device_len(n) for n in todo]
+        lengths = [tree.num_tokens(n) for n in todo]
         pooled = None
         if 1 < len(todo) <= self._write_credits:
             pooled = self._alloc("host", sum(lengths))

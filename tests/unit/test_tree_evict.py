@@ -8,7 +8,7 @@ from tests.unit.tree_helpers import SlotSource, make_tree
 
 def backed_up(tree, src, key, now):
     node = tree.insert(key, src.take(len(key)), now=now).last_node
-    tree.begin_backup(node, src.take(tree.device_len(node)) + 10_000)
+    tree.begin_backup(node, src.take(tree.num_tokens(node)) + 10_000)
     tree.end_backup(node, ok=True)
     return node
 

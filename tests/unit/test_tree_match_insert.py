@@ -66,7 +66,7 @@ def test_match_of_a_key_shorter_than_the_node_splits_at_its_end():
     leaf = tree.insert(np.arange(6), np.arange(6), now=1).last_node
     m = tree.match(np.arange(3), now=2)
     assert m.device_slots.tolist() == [0, 1, 2]
-    assert tree.device_len(m.last_node) == 3 and tree.device_len(leaf) == 3
+    assert tree.num_tokens(m.last_node) == 3 and tree.num_tokens(leaf) == 3
     assert len(tree) == 3
 
 
@@ -94,7 +94,7 @@ def test_insert_that_diverges_inside_a_node_splits_and_branches():
     r = tree.insert(np.r_[np.arange(4), [9, 9]], np.arange(20, 26), now=2)
     assert r.prefix_len == 4
     upper = tree.parent(a)
-    assert tree.parent(r.last_node) == upper and tree.device_len(upper) == 4
+    assert tree.parent(r.last_node) == upper and tree.num_tokens(upper) == 4
     assert tree.match(np.r_[np.arange(4), [9, 9]], now=3).device_slots.tolist() == [0, 1, 2, 3, 24, 25]
     tree.check_integrity()
 
@@ -103,7 +103,7 @@ def test_insert_of_an_existing_key_prefix_splits_and_adds_nothing():
     tree = make_tree(1)
     tree.insert(np.arange(6), np.arange(6), now=1)
     r = tree.insert(np.arange(3), np.arange(30, 33), now=2)
-    assert r.prefix_len == 3 and tree.device_len(r.last_node) == 3
+    assert r.prefix_len == 3 and tree.num_tokens(r.last_node) == 3
     assert len(tree) == 3
 
 

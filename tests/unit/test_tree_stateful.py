@@ -150,7 +150,7 @@ class TreeMachine(RuleBasedStateMachine):
         node = self.pick(i)
         if node is None or self.tree.state(node) != NodeState.DEVICE_ONLY:
             return
-        n = self.tree.device_len(node)
+        n = self.tree.num_tokens(node)
         host = self.alloc_host(n)
         if host is None:
             return

@@ -27,7 +27,7 @@ class BackupFlows:
             await self._await_write(next(iter(self._writes)))
         if not self._tree.needs_backup(node):
             return False
-        length = self._tree.device_len(node)
+        length = self._tree.num_tokens(node)
         host = await self._alloc_host(length)
         if host is None or not self._tree.needs_backup(node):
             self._free("host", EMPTY_SLOTS if host is None else host)
@@ -42,7 +42,7 @@ class BackupFlows:
         """Write-through backups for a whole step: one host allocation for all of them when
         credits and free slots allow, else one by one."""
         todo = [n for n in dict.fromkeys(nodes) if self._tree.needs_backup(n)]
-        lengths = [self._tree.device_len(n) for n in todo]
+        lengths = [self._tree.num_tokens(n) for n in todo]
         pooled = None
         if len(todo) > 1 and len(todo) <= self._write_credits:
             pooled = self._alloc("host", sum(lengths))

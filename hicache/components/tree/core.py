@@ -624,7 +624,7 @@ class RadixTree:
             return NodeState.HOST_ONLY
         return NodeState.DEVICE_ONLY if x.host is None else NodeState.BOTH
 
-    def device_len(self, node: NodeId) -> int:
+    def num_tokens(self, node: NodeId) -> int:
         """Tokens of the node itself (not its path)."""
         return self._node(node).num_tokens
 
