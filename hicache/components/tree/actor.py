@@ -200,9 +200,13 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
                 raise InvalidRequest(f"{action}: request {rid!r} appears twice in one batch")
             seen.add(rid)
 
-    def _check_tokens(self, tokens) -> None:
+    def _check_tokens(self, tokens):
+        """The tokens converted once to the tree's encoding where that is a plain uint32 array
+        (so every later match or insert of them skips the conversion), else as given.
+        InvalidRequest for a malformed key."""
         try:
-            self._tree.check_key(tokens)
+            encoded = self._tree.check_key(tokens)
+            return encoded if encoded.dtype == np.uint32 else tokens
         except TreeError as exc:
             raise InvalidRequest(str(exc)) from None
 
@@ -249,9 +253,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
     # ------------------------------------------------------------------ match
     async def _match_batch(self, items) -> tuple[MatchOutcome, ...]:
         self._check_rids([item.rid for item in items], "match")
-        for item in items:  # check every key before any lock moves
-            self._check_tokens(item.tokens)
-        return tuple(self._match(item.rid, item.tokens) for item in items)
+        keys = [self._check_tokens(item.tokens) for item in items]  # all, before any lock moves
+        return tuple(self._match(item.rid, key) for item, key in zip(items, keys))
 
     def _match(self, rid: RequestId, tokens) -> MatchOutcome:
         result = self._tree.match(tokens, now=self._now())
@@ -535,15 +538,17 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         checked = [self._check_cache(item) for item in items]  # the whole batch, before any change
         candidates: list[NodeId] = []
         try:
-            return tuple([await self._cache(item, slots, candidates)
-                          for item, slots in zip(items, checked)])
+            return tuple([await self._cache(item, tokens, slots, candidates)
+                          for item, (tokens, slots) in zip(items, checked)])
         finally:  # what was inserted is backed up at once for the whole step
             await self._start_backups(candidates)
 
-    def _check_cache(self, item) -> np.ndarray:
-        """A cache_* item's mistakes, found before anything changes; returns its slots."""
+    def _check_cache(self, item) -> tuple[object, np.ndarray]:
+        """A cache_* item's mistakes, found before anything changes; returns its tokens (in
+        the tree's encoding) and slots."""
         state = self._state(item.rid, "cache")
-        tokens, slots = item.tokens, np.asarray(item.device_slots, dtype=np.int64)
+        tokens = self._check_tokens(item.tokens)
+        slots = np.asarray(item.device_slots, dtype=np.int64)
         rid = item.rid
         if len(slots) != len(tokens):
             raise InvalidRequest(f"request {rid!r}: {len(tokens)} tokens but {len(slots)} device slots")
@@ -567,12 +572,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             raise InvalidRequest(f"request {rid!r}: after its {own}-token prefix, the device slots "
                                  f"must be the {len(allocated)} slots allocated to it, in order; got "
                                  f"{len(slots) - own}")
-        self._check_tokens(tokens[:len(tokens) // self._cfg.page_size * self._cfg.page_size])
-        return slots
+        return tokens, slots
 
-    async def _cache(self, item, slots: np.ndarray, candidates: list[NodeId]) -> CacheOutcome:
+    async def _cache(self, item, tokens, slots: np.ndarray,
+                     candidates: list[NodeId]) -> CacheOutcome:
         state = self._requests[item.rid]
-        tokens = item.tokens
         page = self._cfg.page_size
         aligned = len(tokens) // page * page
         own = len(state.prefix_slots)

@@ -11,11 +11,13 @@ Rules (see docs/tree.md):
 - Evicted-suffix invariant: along every root-to-leaf path the nodes without a device copy form a
   suffix. L1 eviction is leaf-first; inserts give device slots top-down.
 - ``lock_ref`` and ``host_ref`` count along the whole path node..root; a split piece copies both.
+- An optional ``observer`` (``TreeObserver``) is told where a node's pages enter or leave a tier.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -36,7 +38,31 @@ from hicache.policies.eviction import EvictionStrategy, evict_in_order
 from hicache.policies.write import WritePolicy
 from hicache.types import EMPTY_SLOTS, NodeId, PageHash
 
-__all__ = ["RadixTree"]
+__all__ = ["RadixTree", "TreeObserver"]
+
+Tier = Literal["device", "host"]
+
+
+class TreeObserver(Protocol):
+    """Told where a node's pages enter or leave a tier (``RadixTree.observer``; docs/tree.md).
+
+    Called synchronously inside the mutating call, once per node and tier, with the tree
+    consistent and the node still in it: ``key``, ``parent``, ``num_tokens`` and
+    ``page_hashes`` read the pages that moved (a later split does not change which pages those
+    were). A host copy counts from the end of its backup (``end_backup(ok=True)``), not from
+    ``begin_backup``; a failed backup is never reported. A node leaving the tree is reported
+    as losing what it still holds, before it goes. ``clear`` reports ``tree_cleared`` alone.
+    An observer must not raise and must not change the tree, except ``set_page_hashes`` (a
+    cache fill).
+    """
+
+    def node_gained(self, node: NodeId, tier: Tier, how: str) -> None:
+        """``how``: ``insert`` (a new device leaf, or a host-only node adopting device slots),
+        ``load_back``, ``backup`` (the host copy is complete) or ``insert_host`` (prefetched)."""
+
+    def node_lost(self, node: NodeId, tier: Tier) -> None: ...
+
+    def tree_cleared(self) -> None: ...
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
@@ -82,6 +108,7 @@ class RadixTree:
         eviction: EvictionStrategy,
         write_policy: WritePolicy,
         bigram: bool = False,
+        observer: TreeObserver | None = None,
     ) -> None:
         if page_size < 1:
             raise TreeError(f"page_size must be >= 1, got {page_size}")
@@ -89,6 +116,7 @@ class RadixTree:
         self.eviction = eviction
         self.write_policy = write_policy
         self._codec = KeyCodec(page_size=page_size, bigram=bigram)
+        self.observer = observer  # told where pages enter or leave a tier (TreeObserver)
         self._next_id = 0
         self._nodes: dict[int, Node] = {}  # live nodes by id
         root = self._new_node(None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0)
@@ -137,7 +165,7 @@ class RadixTree:
             elif node.host_ref == 0:
                 self._evictable_host += node.num_tokens
 
-    def _set_device(self, node: Node, slots: np.ndarray | None) -> None:
+    def _set_device(self, node: Node, slots: np.ndarray | None, how: str = "") -> None:
         parent = node.parent
         self._untrack(node)
         self._untrack(parent)
@@ -146,6 +174,12 @@ class RadixTree:
         parent.device_children += (slots is not None) - was
         self._track(node)
         self._track(parent)
+        obs = self.observer
+        if obs is not None and was != (slots is not None):
+            if slots is None:
+                obs.node_lost(NodeId(node.id), "device")
+            else:
+                obs.node_gained(NodeId(node.id), "device", how)
 
     def _attach(self, node: Node) -> None:
         parent = node.parent
@@ -155,9 +189,21 @@ class RadixTree:
             parent.device_children += 1
         self._track(node)
         self._track(parent)
+        obs = self.observer
+        if obs is not None:  # a new leaf: device-only from insert, host-only from insert_host
+            if node.device is not None:
+                obs.node_gained(NodeId(node.id), "device", "insert")
+            else:
+                obs.node_gained(NodeId(node.id), "host", "insert_host")
 
     def _remove(self, node: Node) -> None:
         """Detach a childless node and retire its id. Its slots are the caller's to return."""
+        obs = self.observer
+        if obs is not None:  # told while the node can still be read
+            if node.device is not None:
+                obs.node_lost(NodeId(node.id), "device")
+            if node.host is not None and node.backup is None:
+                obs.node_lost(NodeId(node.id), "host")
         parent = node.parent
         self._untrack(node)
         self._untrack(parent)
@@ -314,7 +360,7 @@ class RadixTree:
             if x.device is None:
                 # Recomputed KV for a host-only node: adopt the caller's slots (top-down, so the
                 # evicted-suffix invariant holds).
-                self._set_device(x, slots[pos : pos + x.num_tokens])
+                self._set_device(x, slots[pos : pos + x.num_tokens], "insert")
             else:
                 prefix_len = pos + x.num_tokens
                 x.hit_count += hit
@@ -477,6 +523,10 @@ class RadixTree:
                 freed.append(piece.host)
                 piece.host = None
             self._track(piece)
+        obs = self.observer
+        if ok and obs is not None:  # the host copies are complete now, root first
+            for piece in reversed(pieces):
+                obs.node_gained(NodeId(piece.id), "host", "backup")
         return _concat(freed) if not ok else EMPTY_SLOTS
 
     # ----------------------------------------------------------------------------- load back (L2 -> L1)
@@ -511,7 +561,7 @@ class RadixTree:
         offset = 0
         for i in current.nodes:
             c = self._nodes[i]
-            self._set_device(c, slots[offset : offset + c.num_tokens])
+            self._set_device(c, slots[offset : offset + c.num_tokens], "load_back")
             offset += c.num_tokens
 
     # ----------------------------------------------------------------------------- eviction
@@ -668,9 +718,11 @@ class RadixTree:
             )
         x.hashes = hashes
 
-    def check_key(self, key: Sequence | np.ndarray) -> None:
-        """Raise TreeError if ``key`` is not a well-formed key for this tree. Does not mutate."""
-        self._codec.encode(key)
+    def check_key(self, key: Sequence | np.ndarray) -> np.ndarray:
+        """The key encoded for this tree (a uint32 array of token ids; uint64 pairs for bigram
+        keys); TreeError if it is not well-formed. Passing the encoded array of a non-bigram key
+        back to `match`/`insert` skips their own conversion. Does not mutate."""
+        return self._codec.encode(key)
 
     def needs_backup(self, node: NodeId) -> bool:
         """True if the node is on the device with no host copy and no backup in flight (a
@@ -756,6 +808,8 @@ class RadixTree:
             freed.append(x.host)
             x.host = None
             self._track(x)
+            if self.observer is not None:
+                self.observer.node_lost(NodeId(x.id), "host")
         return _concat(freed)
 
     def clear(self) -> ClearedSlots:
@@ -767,8 +821,14 @@ class RadixTree:
             raise TreeError(f"clear: nodes {busy[:8]} are locked, protected or in flight")
         device = [x.device for x in self._nodes.values() if x.device is not None]
         host = [x.host for x in self._nodes.values() if x.host is not None]
-        for child in list(self._root.children.values()):
-            self._remove_subtree_all(child)
+        obs, self.observer = self.observer, None  # one tree_cleared, not one call per node
+        try:
+            for child in list(self._root.children.values()):
+                self._remove_subtree_all(child)
+        finally:
+            self.observer = obs
+        if obs is not None:
+            obs.tree_cleared()
         return ClearedSlots(device=_concat(device), host=_concat(host))
 
     def _remove_subtree_all(self, x: Node) -> None:

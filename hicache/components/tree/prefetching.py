@@ -20,10 +20,12 @@ from hicache.types import EMPTY_SLOTS, OpId, RequestId
 class PrefetchFlows:
     async def _prefetch_batch(self, items) -> tuple[PrefetchOutcome, ...]:
         self._check_rids([item.rid for item in items], "prefetch")
+        keys = []
         for item in items:
             self._state(item.rid, "prefetch")
-            self._check_tokens(item.tokens)
-        return tuple([await self._start_prefetch(item.rid, item.tokens) for item in items])
+            keys.append(self._check_tokens(item.tokens))
+        return tuple([await self._start_prefetch(item.rid, key)
+                      for item, key in zip(items, keys)])
 
     async def _start_prefetch(self, rid: RequestId, tokens) -> PrefetchOutcome:
         state = self._state(rid, "prefetch")
