@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test bench services gpu-wheels clean
+.PHONY: run test lint bench services gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -35,8 +35,15 @@ services: $(STAMP)
 	  $(VPY) -m pip install -q 'mooncake-transfer-engine-non-cuda' || \
 	  echo "mooncake client not installable; its tests will skip"
 
-# The whole test suite, slow and service-backed tests included.
-test: $(STAMP) services
+# The static gates (docs/decisions.md, "Static gates"): lint, formatting, types. `make test`
+# runs them first; any finding fails it. `ruff check --fix .` and `ruff format .` fix most.
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+	$(VPY) -m mypy
+
+# The whole test suite, slow and service-backed tests included, after the static gates.
+test: $(STAMP) lint services
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
@@ -50,4 +57,4 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux_2_28_x86_64 -d .gpu-wheels structlog trio outcome isal
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -61,10 +61,12 @@ async def actor_path(cfg: CacheConfig, requests, batch: int) -> tuple[float, int
                 if lb.handle is not None:
                     await lb.handle.wait_async(layers - 1)
             news = await cache.allocate_many(
-                (lb.rid, len(t) - len(lb.device_slots)) for (_, t), lb in zip(toks, loads))
+                (lb.rid, len(t) - len(lb.device_slots)) for (_, t), lb in zip(toks, loads)
+            )
             await cache.cache_many(
                 (lb.rid, t, np.concatenate([lb.device_slots, new]), True)
-                for (_, t), lb, new in zip(toks, loads, news))
+                for (_, t), lb, new in zip(toks, loads, news)
+            )
             elapsed += time.perf_counter() - t0
         t0 = time.perf_counter()
         await cache.flush()
@@ -78,8 +80,11 @@ def direct_path(cfg: CacheConfig, requests, batch: int) -> tuple[float, int, int
     geometry = parse_geometry(cfg.kv)
     device = DevicePool.allocate(geometry, cfg.device_tokens, cfg.page_size)
     host = HostPool(device, cfg.host_capacity, cfg.layout)
-    tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
-                     write_policy=write_policy(cfg.write_policy))
+    tree = RadixTree(
+        page_size=cfg.page_size,
+        eviction=make_strategy(cfg.eviction),
+        write_policy=write_policy(cfg.write_policy),
+    )
     dled = SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device")
     hled = SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host")
     page = cfg.page_size
@@ -137,7 +142,7 @@ def direct_path(cfg: CacheConfig, requests, batch: int) -> tuple[float, int, int
             slots = np.concatenate([prefix, new[:n]])
             aligned = len(t) // page * page
             res = tree.insert(t[:aligned], slots[:aligned], now=now)
-            dup = slots[len(prefix):max(len(prefix), res.prefix_len)]
+            dup = slots[len(prefix) : max(len(prefix), res.prefix_len)]
             if len(dup):
                 dled.free(dup)
             tail = np.concatenate([slots[aligned:], new[n:]])
@@ -167,17 +172,31 @@ def main() -> None:
     ap.add_argument("--device-tokens", type=int, default=200_000)
     ap.add_argument("--host-tokens", type=int, default=400_000)
     ap.add_argument("--kv", default="mha:2:1:32:float16")
-    ap.add_argument("--cpu-transfers", choices=("thread", "inline"), default="inline",
-                    help="the cache's CPU copies: a worker thread per direction, or inline")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="runs of each path, alternating; the best of each is reported")
+    ap.add_argument(
+        "--cpu-transfers",
+        choices=("thread", "inline"),
+        default="inline",
+        help="the cache's CPU copies: a worker thread per direction, or inline",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of each path, alternating; the best of each is reported",
+    )
     args = ap.parse_args()
     requests = read_trace(args.trace, limit=args.limit)
     device_tokens = args.device_tokens // args.page_size * args.page_size
     host_tokens = args.host_tokens // args.page_size * args.page_size
-    cfg = CacheConfig(kv=args.kv, page_size=args.page_size, device_tokens=device_tokens,
-                      host_tokens=host_tokens, write_policy="write_through", eviction="lru",
-                      cpu_transfers=args.cpu_transfers)
+    cfg = CacheConfig(
+        kv=args.kv,
+        page_size=args.page_size,
+        device_tokens=device_tokens,
+        host_tokens=host_tokens,
+        write_policy="write_through",
+        eviction="lru",
+        cpu_transfers=args.cpu_transfers,
+    )
     direct_runs, actor_runs = [], []
     for _ in range(args.repeat):  # alternate, so drift on a shared machine hits both alike
         direct_runs.append(direct_path(cfg, requests, args.batch))
@@ -186,12 +205,18 @@ def main() -> None:
     actor_s, a_dev, a_host = min(actor_runs)
     n = len(requests)
     tokens = sum(r.input_length for r in requests)
-    print(f"trace {Path(args.trace).name}: {n} requests, batch {args.batch}, page {args.page_size}, "
-          f"{device_tokens} device + {host_tokens} host tokens, kv {args.kv}, "
-          f"cache CPU transfers: {args.cpu_transfers}")
+    print(
+        f"trace {Path(args.trace).name}: {n} requests, batch {args.batch}, page {args.page_size}, "
+        f"{device_tokens} device + {host_tokens} host tokens, kv {args.kv}, "
+        f"cache CPU transfers: {args.cpu_transfers}"
+    )
     print(f"{'path':<8} {'us/request':>11} {'L1 hit':>8} {'L2 hit':>8}")
-    print(f"{'direct':<8} {direct_s / n * 1e6:>11.1f} {d_dev / tokens:>8.4f} {d_host / tokens:>8.4f}")
-    print(f"{'actors':<8} {actor_s / n * 1e6:>11.1f} {a_dev / tokens:>8.4f} {a_host / tokens:>8.4f}")
+    print(
+        f"{'direct':<8} {direct_s / n * 1e6:>11.1f} {d_dev / tokens:>8.4f} {d_host / tokens:>8.4f}"
+    )
+    print(
+        f"{'actors':<8} {actor_s / n * 1e6:>11.1f} {a_dev / tokens:>8.4f} {a_host / tokens:>8.4f}"
+    )
     print(f"ratio actors/direct: {actor_s / direct_s:.2f}  (target <= 1.5)")
 
 

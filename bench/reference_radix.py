@@ -53,7 +53,9 @@ class ReferenceRadixCache:
         return i
 
     def _split(self, child: RefNode, n: int) -> RefNode:
-        new = RefNode(self._next_id, child.parent, child.key[:n], child.value[:n], child.last_access)
+        new = RefNode(
+            self._next_id, child.parent, child.key[:n], child.value[:n], child.last_access
+        )
         self._next_id += 1
         new.lock_ref = child.lock_ref
         new.children = {self._child_key(child.key[n:]): child}

@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from importlib.metadata import version
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hicache.runtime import Actor, Kernel, Reply, run_deterministic  # noqa: E402
+from hicache.runtime import Actor, Kernel, Reply, run_deterministic
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     n, repeats = args.n, args.repeats
-    print(f"python {sys.version.split()[0]}, anyio {version('anyio')}, trio {version('trio')}, n={n}, best of {repeats}")
+    print(
+        f"python {sys.version.split()[0]}, anyio {version('anyio')}, trio {version('trio')}, n={n}, best of {repeats}"
+    )
     print(f"{'backend':<14} {'path':<26} {'ops/s':>12} {'direct ops/s':>13} {'ratio':>7}")
     runs = [
         ("asyncio", lambda f: anyio.run(f, backend="asyncio")),
@@ -122,12 +124,16 @@ def main() -> None:
             ("request/reply", lambda: round_trip_rate(n // 4)),
         ):
             rate = best(lambda: runner(fn), repeats)
-            print(f"{backend:<14} {label:<26} {rate:>12,.0f} {direct:>13,.0f} {rate / direct:>7.4f}")
+            print(
+                f"{backend:<14} {label:<26} {rate:>12,.0f} {direct:>13,.0f} {rate / direct:>7.4f}"
+            )
     # Deterministic mode pays for its sequencer; shown for scale, not a production path.
     m = max(n // 50, 100)
     direct = best(lambda: run_deterministic(lambda: direct_rate(m)), repeats)
     rate = best(lambda: run_deterministic(lambda: round_trip_rate(m)), repeats)
-    print(f"{'deterministic':<14} {'request/reply':<26} {rate:>12,.0f} {direct:>13,.0f} {rate / direct:>7.4f}")
+    print(
+        f"{'deterministic':<14} {'request/reply':<26} {rate:>12,.0f} {direct:>13,.0f} {rate / direct:>7.4f}"
+    )
 
 
 if __name__ == "__main__":

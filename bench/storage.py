@@ -37,9 +37,9 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache.backends.base import StorageBackend  # noqa: E402
-from hicache.backends.file import FileBackend  # noqa: E402
-from hicache.backends.keys import Namespace, chain_page_hashes  # noqa: E402
+from hicache.backends.base import StorageBackend
+from hicache.backends.file import FileBackend
+from hicache.backends.keys import Namespace, chain_page_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,19 +95,25 @@ class CaseResult:
     get_gbps: float
 
 
-async def run_case(backend: StorageBackend, layout: BenchLayout, *, round_: int = 0, batch: int = 16) -> CaseResult:
+async def run_case(
+    backend: StorageBackend, layout: BenchLayout, *, round_: int = 0, batch: int = 16
+) -> CaseResult:
     """Upload every page of `layout`, read it all back into the target, verify the bytes."""
     keys = layout.keys(round_)
     layout.target[:] = 0
     t0 = time.perf_counter()
     for s in range(0, len(keys), batch):
         part = keys[s : s + batch]
-        stored = await backend.set_from(part, [layout.pieces(layout.source, s + i) for i in range(len(part))])
+        stored = await backend.set_from(
+            part, [layout.pieces(layout.source, s + i) for i in range(len(part))]
+        )
         assert stored == len(part), f"stored {stored} of {len(part)}"
     t1 = time.perf_counter()
     for s in range(0, len(keys), batch):
         part = keys[s : s + batch]
-        got = await backend.get_into(part, [layout.pieces(layout.target, s + i) for i in range(len(part))])
+        got = await backend.get_into(
+            part, [layout.pieces(layout.target, s + i) for i in range(len(part))]
+        )
         assert got == len(part), f"read {got} of {len(part)}"
     t2 = time.perf_counter()
     assert np.array_equal(layout.source, layout.target), "bytes read back differ"
@@ -123,8 +129,7 @@ def plain_python(directory: str, layout: BenchLayout, *, fsync: bool) -> CaseRes
     t0 = time.perf_counter()
     for i, path in enumerate(paths):
         with open(path, "wb") as f:
-            for piece in layout.pieces(layout.source, i):
-                f.write(piece)
+            f.writelines(layout.pieces(layout.source, i))
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -140,7 +145,9 @@ def plain_python(directory: str, layout: BenchLayout, *, fsync: bool) -> CaseRes
     return CaseResult(layout.total_bytes / (t1 - t0) / 1e9, layout.total_bytes / (t2 - t1) / 1e9)
 
 
-async def compare_file(root: str, layout: BenchLayout, *, fsync: bool, threads: int, repeats: int) -> dict[str, float]:
+async def compare_file(
+    root: str, layout: BenchLayout, *, fsync: bool, threads: int, repeats: int
+) -> dict[str, float]:
     """Alternate reference and backend rounds; medians of each."""
     backend = FileBackend(root, namespace=layout.namespace, fsync=fsync, threads=threads)
     ref, ours = [], []
@@ -148,7 +155,7 @@ async def compare_file(root: str, layout: BenchLayout, *, fsync: bool, threads: 
         ref.append(plain_python(root, layout, fsync=fsync))
         ours.append(await run_case(backend, layout, round_=r))
         await backend.clear()
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     out = {
         "plain_set": med([x.set_gbps for x in ref]),
         "plain_get": med([x.get_gbps for x in ref]),
@@ -165,16 +172,24 @@ def run_file(args: argparse.Namespace) -> dict[str, float]:
     shape = Shape()
     layout = BenchLayout(shape, args.pages)
     root = tempfile.mkdtemp(prefix="hicache-bench-", dir=args.dir)
-    print(f"page {shape.page_bytes / 2**20:.1f} MiB ({shape.tokens} tokens x {shape.layers} layers x K/V x "
-          f"{shape.heads} heads x {shape.head_dim} x {shape.itemsize} B, {2 * shape.layers} pieces); "
-          f"{args.pages} pages per pass, batches of 16, median of {args.repeats}; dir {root}")
+    print(
+        f"page {shape.page_bytes / 2**20:.1f} MiB ({shape.tokens} tokens x {shape.layers} layers x K/V x "
+        f"{shape.heads} heads x {shape.head_dim} x {shape.itemsize} B, {2 * shape.layers} pieces); "
+        f"{args.pages} pages per pass, batches of 16, median of {args.repeats}; dir {root}"
+    )
     ratios: dict[str, float] = {}
     try:
         for fsync in (False, True):
-            r = anyio.run(lambda: compare_file(root, layout, fsync=fsync, threads=args.threads, repeats=args.repeats))
-            print(f"fsync={fsync!s:5}  upload {r['file_set']:6.2f} GB/s vs plain {r['plain_set']:6.2f}  "
-                  f"ratio {r['set_ratio']:.2f} | prefetch {r['file_get']:6.2f} GB/s vs plain "
-                  f"{r['plain_get']:6.2f}  ratio {r['get_ratio']:.2f}")
+            r = anyio.run(
+                lambda: compare_file(
+                    root, layout, fsync=fsync, threads=args.threads, repeats=args.repeats
+                )
+            )
+            print(
+                f"fsync={fsync!s:5}  upload {r['file_set']:6.2f} GB/s vs plain {r['plain_set']:6.2f}  "
+                f"ratio {r['set_ratio']:.2f} | prefetch {r['file_get']:6.2f} GB/s vs plain "
+                f"{r['plain_get']:6.2f}  ratio {r['get_ratio']:.2f}"
+            )
             ratios[f"upload fsync={fsync}"] = r["set_ratio"]
             ratios[f"prefetch fsync={fsync}"] = r["get_ratio"]
     finally:
@@ -184,7 +199,9 @@ def run_file(args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", nargs="+", choices=("file", "redis", "mooncake"), default=["file"])
+    ap.add_argument(
+        "--backends", nargs="+", choices=("file", "redis", "mooncake"), default=["file"]
+    )
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4)
@@ -209,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             summary += [("mooncake", op, r, 0.9) for op, r in (ratios or {}).items()]
     print("== ratio to the raw client / plain Python, same run")
     for backend, case, ratio, target in summary:
-        print(f"  {backend:9s} {case:22s} {ratio:5.2f}  {'ok' if ratio >= target else 'MISSED'} (target >= {target})")
+        print(
+            f"  {backend:9s} {case:22s} {ratio:5.2f}  {'ok' if ratio >= target else 'MISSED'} (target >= {target})"
+        )
     return 0
 
 

@@ -25,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("GLOG_minloglevel", "2")
 
-import anyio  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import anyio
+import numpy as np
+import torch
 
-from hicache.backends.mooncake import MooncakeBackend, connect_client  # noqa: E402
-from hicache.backends.mooncake_spec import parse_spec  # noqa: E402
-from hicache.backends.mooncake_memory import address_of  # noqa: E402
-from hicache.testing.mooncake_store import import_error, start_store  # noqa: E402
+from hicache.backends.mooncake import MooncakeBackend, connect_client
+from hicache.backends.mooncake_memory import address_of
+from hicache.backends.mooncake_spec import parse_spec
+from hicache.testing.mooncake_store import import_error, start_store
 
 
 class BenchNamespace:
@@ -49,10 +49,18 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--page-mib", type=float, default=2)
     ap.add_argument("--rounds", type=int, default=101)
-    ap.add_argument("--clients", choices=("shared", "separate"), default="shared",
-                    help="the backend drives the raw way's client (default) or its own")
-    ap.add_argument("--room", type=int, default=None,
-                    help="host pool header room in bytes (default: the pool's choice; 0: none)")
+    ap.add_argument(
+        "--clients",
+        choices=("shared", "separate"),
+        default="shared",
+        help="the backend drives the raw way's client (default) or its own",
+    )
+    ap.add_argument(
+        "--room",
+        type=int,
+        default=None,
+        help="host pool header room in bytes (default: the pool's choice; 0: none)",
+    )
     args = ap.parse_args(argv)
     reason = import_error()
     if reason:
@@ -63,7 +71,9 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     segment = 4 * batch_bytes + (64 << 20)
     store = start_store(Path(tempfile.mkdtemp(prefix="mc-bench-")), segment=segment)
     try:
-        return anyio.run(run, store, args.pages, page, args.rounds, segment, args.room, args.clients)
+        return anyio.run(
+            run, store, args.pages, page, args.rounds, segment, args.room, args.clients
+        )
     finally:
         store.stop()
 
@@ -75,23 +85,35 @@ def host_pool(pages: int, page: int, room: int | None):
     geometry = MHAGeometry(layers=16, heads=8, head_dim=128, dtype=torch.float16)
     page_size, rest = divmod(page, geometry.bytes_per_token)
     if rest or page_size == 0:
-        raise SystemExit(f"--page-mib must be a multiple of {geometry.bytes_per_token >> 10} KiB here")
+        raise SystemExit(
+            f"--page-mib must be a multiple of {geometry.bytes_per_token >> 10} KiB here"
+        )
     device = DevicePool.allocate(geometry, page_size, page_size)
     return HostPool(device, pages * page_size, "page_first", header_room=room)
 
 
-async def run(store, pages: int, page: int, rounds: int, segment: int, room: int | None,
-              clients: str) -> dict[str, float]:
+async def run(
+    store, pages: int, page: int, rounds: int, segment: int, room: int | None, clients: str
+) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore
 
     raw = MooncakeDistributedStore()
-    assert raw.setup("127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}") == 0
+    assert (
+        raw.setup(
+            "127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}"
+        )
+        == 0
+    )
     # With `shared`, the backend drives the very client the raw way uses: two clients are two
     # transfer engines whose threads and connections can differ for a whole run (separate
     # clients measured upload ratios from 0.83 to 1.04 between runs of this script).
     factory = (lambda _spec: raw) if clients == "shared" else connect_client
-    backend = MooncakeBackend(parse_spec(store.spec, {"batch": pages}), namespace=BenchNamespace(),
-                              emit=lambda name, **f: print(name, f), client_factory=factory)
+    backend = MooncakeBackend(
+        parse_spec(store.spec, {"batch": pages}),
+        namespace=BenchNamespace(),
+        emit=lambda name, **f: print(name, f),
+        client_factory=factory,
+    )
     # Both move the same page bytes of the same two host pools, laid out as the cache has them
     # (page_first, with the header room the pool picks unless --room says otherwise): raw from
     # the pages themselves, hicache as framed values (header in the room: one piece a value).
@@ -100,7 +122,9 @@ async def run(store, pages: int, page: int, rounds: int, segment: int, room: int
         if clients != "shared":
             raw.register_buffer(host.buffer.data_ptr(), host.nbytes)
         backend.register_host_memory(host.buffer.data_ptr(), host.nbytes)
-    await backend.exists(["connect-and-register"])  # the backend registers the pools (shared: for both)
+    await backend.exists(
+        ["connect-and-register"]
+    )  # the backend registers the pools (shared: for both)
     slots = np.arange(host_src.size)
     srcs, dsts = host_src.page_buffers(slots), host_dst.page_buffers(slots)
     rng = np.random.default_rng(0)
@@ -123,11 +147,17 @@ async def run(store, pages: int, page: int, rounds: int, segment: int, room: int
 
     async def raw_round(keys: list[str]) -> tuple[float, float]:
         t = time.perf_counter()
-        assert all(c == 0 for c in await anyio.to_thread.run_sync(raw.batch_put_from, keys, src_ptrs, sizes))
+        assert all(
+            c == 0
+            for c in await anyio.to_thread.run_sync(raw.batch_put_from, keys, src_ptrs, sizes)
+        )
         put = nbytes / (time.perf_counter() - t)
         host_dst.buffer.fill_(1)
         t = time.perf_counter()
-        assert all(c == page for c in await anyio.to_thread.run_sync(raw.batch_get_into, keys, dst_ptrs, sizes))
+        assert all(
+            c == page
+            for c in await anyio.to_thread.run_sync(raw.batch_get_into, keys, dst_ptrs, sizes)
+        )
         get = nbytes / (time.perf_counter() - t)
         assert same_pages()
         raw.batch_remove(keys, True)
@@ -149,7 +179,12 @@ async def run(store, pages: int, page: int, rounds: int, segment: int, room: int
     # Each round runs both ways on fresh keys, the same steps for each (put, dirty the
     # destination, get, check, remove); which goes first alternates, so neither always
     # inherits the other's cache and store state.
-    rates: dict[str, list[float]] = {"raw put": [], "raw get": [], "hicache set": [], "hicache get": []}
+    rates: dict[str, list[float]] = {
+        "raw put": [],
+        "raw get": [],
+        "hicache set": [],
+        "hicache get": [],
+    }
     for r in range(rounds + 1):  # round 0 warms up
         keys = [hashlib.sha256(f"{r}-{i}".encode()).hexdigest() for i in range(pages)]
         ways = [("raw put", "raw get", raw_round), ("hicache set", "hicache get", hicache_round)]
@@ -161,15 +196,28 @@ async def run(store, pages: int, page: int, rounds: int, segment: int, room: int
     med = {k: statistics.median(v) / 1e9 for k, v in rates.items()}
     # The ratio of each round's back-to-back pair, then the median over rounds: drift between
     # rounds (other processes, the store's own housekeeping) cancels within a pair.
-    ratios = {op: statistics.median(h / r for h, r in zip(rates[hc], rates[rw]))
-              for op, hc, rw in (("upload", "hicache set", "raw put"), ("prefetch", "hicache get", "raw get"))}
-    print(f"Mooncake Store, tcp on loopback: {pages} pages x {page / (1 << 20):g} MiB per batch, "
-          f"median of {rounds} rounds, ways alternating first; host pool header room {host_src.header_room} B; "
-          f"{clients} client(s)")
+    ratios = {
+        op: statistics.median(h / r for h, r in zip(rates[hc], rates[rw]))
+        for op, hc, rw in (
+            ("upload", "hicache set", "raw put"),
+            ("prefetch", "hicache get", "raw get"),
+        )
+    }
+    print(
+        f"Mooncake Store, tcp on loopback: {pages} pages x {page / (1 << 20):g} MiB per batch, "
+        f"median of {rounds} rounds, ways alternating first; host pool header room {host_src.header_room} B; "
+        f"{clients} client(s)"
+    )
     for k in rates:
-        print(f"  {k:12s} {med[k]:6.2f} GB/s  (range {min(rates[k]) / 1e9:.2f}-{max(rates[k]) / 1e9:.2f})")
-    print(f"  upload ratio   (hicache set / raw put, median of per-round ratios) {ratios['upload']:.2f}")
-    print(f"  prefetch ratio (hicache get / raw get, median of per-round ratios) {ratios['prefetch']:.2f}")
+        print(
+            f"  {k:12s} {med[k]:6.2f} GB/s  (range {min(rates[k]) / 1e9:.2f}-{max(rates[k]) / 1e9:.2f})"
+        )
+    print(
+        f"  upload ratio   (hicache set / raw put, median of per-round ratios) {ratios['upload']:.2f}"
+    )
+    print(
+        f"  prefetch ratio (hicache get / raw get, median of per-round ratios) {ratios['prefetch']:.2f}"
+    )
     await backend.aclose()  # closes `raw` too when shared
     if clients != "shared":
         raw.close()

@@ -33,10 +33,10 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache.backends.keys import Namespace  # noqa: E402
-from hicache.backends.redis import RedisBackend  # noqa: E402
-from hicache.backends.redis_spec import DEFAULT_PIPELINE_BYTES  # noqa: E402
-from hicache.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from hicache.backends.keys import Namespace
+from hicache.backends.redis import RedisBackend
+from hicache.backends.redis_spec import DEFAULT_PIPELINE_BYTES
+from hicache.testing.redis_server import RedisServer, redis_server_binary
 
 Call = Callable[[range], Awaitable[None]]
 
@@ -51,7 +51,9 @@ def _raw_calls(client: aioredis.Redis, keys, pages, pool: int) -> dict[str, tupl
     async def pipe(chunk: range, write: bool) -> None:
         p = client.pipeline(transaction=False)
         for i in chunk:
-            p.execute_command("SET", keys[i], pages[i]) if write else p.execute_command("GET", keys[i])
+            p.execute_command("SET", keys[i], pages[i]) if write else p.execute_command(
+                "GET", keys[i]
+            )
         await p.execute()
 
     async def conc(chunk: range, write: bool) -> None:
@@ -91,9 +93,11 @@ async def run(url: str, args: argparse.Namespace) -> list[tuple[int, str, float]
         aioredis.BlockingConnectionPool.from_url(url, max_connections=pool, timeout=10)
     )
     strategies = {f"hc {b}": b for b in args.strategies.split(",")} | {"hc auto": None}
-    print(f"redis-server {url}; {args.mib} MiB per size and op, calls of {args.batch} pages, "
-          f"pool {pool}, {args.rounds} interleaved rounds (GB/s: best; ratio: median per round); "
-          f"default pipeline_bytes={DEFAULT_PIPELINE_BYTES}")
+    print(
+        f"redis-server {url}; {args.mib} MiB per size and op, calls of {args.batch} pages, "
+        f"pool {pool}, {args.rounds} interleaved rounds (GB/s: best; ratio: median per round); "
+        f"default pipeline_bytes={DEFAULT_PIPELINE_BYTES}"
+    )
     names = ["raw pipe", "raw conc", *strategies]
     print(f"{'page':>7} | {'op':>8} | " + " | ".join(f"{n:>9}" for n in names) + " | ratio")
     ratios: list[tuple[int, str, float]] = []
@@ -104,12 +108,20 @@ async def run(url: str, args: argparse.Namespace) -> list[tuple[int, str, float]
         pages = [memoryview(blobs[i % len(blobs)]) for i in range(count)]
         targets = [[memoryview(bytearray(size))] for _ in range(count)]
         chunks = [range(i, min(i + args.batch, count)) for i in range(0, count, args.batch)]
-        raw_ns = Namespace(model="bench", kv="mha:1:1:8:uint8", page_size=1, tenant=f"raw/{size_kib}")
+        raw_ns = Namespace(
+            model="bench", kv="mha:1:1:8:uint8", page_size=1, tenant=f"raw/{size_kib}"
+        )
         ways = _raw_calls(raw, _keys(raw_ns, count), pages, pool)
         backends = []
         for name, setting in strategies.items():
-            options = {} if setting is None else {"pipeline_bytes": 1 << 50 if setting == "inf" else int(setting)}
-            ns = Namespace(model="bench", kv="mha:1:1:8:uint8", page_size=1, tenant=f"{name}/{size_kib}")
+            options = (
+                {}
+                if setting is None
+                else {"pipeline_bytes": 1 << 50 if setting == "inf" else int(setting)}
+            )
+            ns = Namespace(
+                model="bench", kv="mha:1:1:8:uint8", page_size=1, tenant=f"{name}/{size_kib}"
+            )
             backend = RedisBackend.from_spec(url, namespace=ns, pool=pool, timeout=10, **options)
             backends.append(backend)
             ways[name] = _backend_calls(backend, _keys(ns, count), pages, targets)
@@ -125,12 +137,19 @@ async def run(url: str, args: argparse.Namespace) -> list[tuple[int, str, float]
             gbs = {name: size * count / min(t) / 1e9 for name, t in times.items()}
             # per round: the faster raw way's time over hc auto's, then the median over rounds
             # (drift between rounds cancels within a round; one lucky round cannot decide it)
-            ratio = statistics.median(min(p, c) / h for p, c, h in
-                                      zip(times["raw pipe"], times["raw conc"], times["hc auto"]))
+            ratio = statistics.median(
+                min(p, c) / h
+                for p, c, h in zip(times["raw pipe"], times["raw conc"], times["hc auto"])
+            )
             ratios.append((size_kib, op, ratio))
-            print(f"{size_kib:>5}Ki | {op:>8} | " + " | ".join(f"{gbs[n]:9.2f}" for n in names)
-                  + f" | {ratio:5.2f}")
-        assert all(bytes(targets[i][0]) == bytes(pages[i]) for i in range(0, count, max(1, count // 8)))
+            print(
+                f"{size_kib:>5}Ki | {op:>8} | "
+                + " | ".join(f"{gbs[n]:9.2f}" for n in names)
+                + f" | {ratio:5.2f}"
+            )
+        assert all(
+            bytes(targets[i][0]) == bytes(pages[i]) for i in range(0, count, max(1, count // 8))
+        )
         for backend in backends:
             await backend.aclose()
         await raw.flushdb()
@@ -140,7 +159,9 @@ async def run(url: str, args: argparse.Namespace) -> list[tuple[int, str, float]
 
 def main(argv: list[str] | None = None) -> list[tuple[int, str, float]]:
     """Run the comparison (bench/storage.py --backends redis calls this); returns run()'s rows."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--sizes", default="16,64,256,1024,4096", help="page sizes in KiB")
     parser.add_argument("--mib", type=int, default=16, help="MiB moved per size, op and way")
     parser.add_argument("--batch", type=int, default=32, help="pages per call")
@@ -150,9 +171,11 @@ def main(argv: list[str] | None = None) -> list[tuple[int, str, float]]:
     args = parser.parse_args(argv)
     if redis_server_binary() is None:
         sys.exit("redis-server is not installed (apt-get install redis-server)")
-    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
-        with RedisServer(Path(tmp)) as server:
-            return anyio.run(run, server.url, args)
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp,
+        RedisServer(Path(tmp)) as server,
+    ):
+        return anyio.run(run, server.url, args)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 # torch's OpenMP threads spin after every parallel region (the reference copy is one) and took
 # the cores from the CPU engine's copy threads in the transfer timed next: per-layer page_first
@@ -32,12 +32,22 @@ import time
 # reference as fast and the transfers undisturbed (set OMP_WAIT_POLICY to override).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run from a checkout without installing
 
-from hicache.kernels import DevicePool, HostPool, parse_geometry, plan_transfer, run_backup, run_load_all, run_load_layer
+from hicache.kernels import (
+    DevicePool,
+    HostPool,
+    parse_geometry,
+    plan_transfer,
+    run_backup,
+    run_load_all,
+    run_load_layer,
+)
 from hicache.kernels.engines import CpuEngine, engine_for
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -67,16 +77,29 @@ def best_interleaved(reps: int, fn, reference, sync) -> tuple[float, float, floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--geometry", default="mha:16:8:128:float16")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per transfer (default: 256 MiB)")
+    parser.add_argument(
+        "--tokens", type=int, default=4096, help="tokens per transfer (default: 256 MiB)"
+    )
     parser.add_argument("--page-sizes", default="1,16,64")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--io", default="kernel,direct")
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
-    parser.add_argument("--copy-threads", type=int, default=0, help="CPU engine copy threads per move (0: its default)")
-    parser.add_argument("--numpy", action="store_true", help="CPU engine without the compiled row copier")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)"
+    )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=0,
+        help="CPU engine copy threads per move (0: its default)",
+    )
+    parser.add_argument(
+        "--numpy", action="store_true", help="CPU engine without the compiled row copier"
+    )
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -87,6 +110,7 @@ def main() -> None:
     nbytes = args.tokens * g.bytes_per_token
     sync = torch.cuda.synchronize if device_kind.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
+
     def cpu_engine() -> CpuEngine:
         return CpuEngine(threads=args.copy_threads or None, native=False if args.numpy else None)
 
@@ -94,8 +118,10 @@ def main() -> None:
     if device_kind.type == "cpu":
         probe = cpu_engine()
         copier = f"{'compiled' if probe.native else 'numpy'} rows, {probe.threads} thread(s)"
-    print(f"geometry {g.spec()}  tokens {args.tokens}  bytes {nbytes / 2**20:.0f} MiB  device {device_kind}  "
-          f"torch threads {torch.get_num_threads()}  CPU copies: {copier}")
+    print(
+        f"geometry {g.spec()}  tokens {args.tokens}  bytes {nbytes / 2**20:.0f} MiB  device {device_kind}  "
+        f"torch threads {torch.get_num_threads()}  CPU copies: {copier}"
+    )
     # reference: one contiguous copy of the same bytes (host->device and device->host on CUDA)
     pinned = device_kind.type == "cuda"
     host_ref = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
@@ -105,8 +131,12 @@ def main() -> None:
         "backup": lambda: host_ref.copy_(dev_ref, non_blocking=True),
         "loadall": lambda: dev_ref.copy_(host_ref, non_blocking=True),
     }
-    print("reference: one contiguous copy of the same bytes, timed alternately with every row (shared machines drift)")
-    print(f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'best':>6} {'paired':>6}")
+    print(
+        "reference: one contiguous copy of the same bytes, timed alternately with every row (shared machines drift)"
+    )
+    print(
+        f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'best':>6} {'paired':>6}"
+    )
     for ps in [int(p) for p in args.page_sizes.split(",")]:
         device = DevicePool.allocate(g, args.tokens, ps, device=device_kind)
         for layout in args.layouts.split(","):
@@ -115,8 +145,14 @@ def main() -> None:
             host = HostPool(device, 2 * args.tokens, layout)
             host.buffer.fill_(1)  # touch every page so the timing excludes first-touch faults
             pages = args.tokens // ps
-            dev_slots = (rng.permutation(pages)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
-            host_slots = (rng.choice(2 * pages, pages, replace=False)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
+            dev_slots = (
+                (rng.permutation(pages)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
+            )
+            host_slots = (
+                (rng.choice(2 * pages, pages, replace=False)[:, None] * ps + np.arange(ps))
+                .ravel()
+                .astype(np.int64)
+            )
             for io in args.io.split(","):
                 engine = cpu_engine() if device_kind.type == "cpu" else engine_for(device_kind)
 
@@ -134,10 +170,15 @@ def main() -> None:
                     run_backup(plan, device, host, io, engine)
 
                 for direction, fn in (("load", load), ("loadall", load_all), ("backup", back)):
-                    seconds, reference, paired = best_interleaved(args.reps, fn, copies[direction], sync)
-                    print(f"{layout:<18} {io:<7} {direction:<7} {ps:>4} {nbytes / seconds / 1e9:>7.2f} "
-                          f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f} {paired:>6.2f}", flush=True)
-            del host
+                    seconds, reference, paired = best_interleaved(
+                        args.reps, fn, copies[direction], sync
+                    )
+                    print(
+                        f"{layout:<18} {io:<7} {direction:<7} {ps:>4} {nbytes / seconds / 1e9:>7.2f} "
+                        f"{nbytes / reference / 1e9:>7.2f} {reference / seconds:>6.2f} {paired:>6.2f}",
+                        flush=True,
+                    )
+            host = None  # free this pool before the next layout allocates its own
     if device_kind.type == "cpu" and not args.numpy and g.kind == "mha":
         print_bounds(g, nbytes, args.reps, copies["load"], cpu_engine().threads)
 
@@ -162,8 +203,10 @@ def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
         "page_head": g.row_dim * item,  # one head row of one token
     }
     pool = ThreadPoolExecutor(max(1, threads - 1))
-    print("bounds: one layer's pieces read from each block of host memory, per layer, nothing else "
-          "(the per-layer load's access pattern alone)")
+    print(
+        "bounds: one layer's pieces read from each block of host memory, per layer, nothing else "
+        "(the per-layer load's access pattern alone)"
+    )
     for layout, piece in patterns.items():
         layers, block = g.layers, g.layers * piece
         src = cpu_bytes(nbytes).numpy().reshape(-1, piece)
@@ -180,15 +223,19 @@ def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
         def run() -> None:
             for layer in range(layers):
                 cuts = [blocks * i // threads for i in range(threads + 1)]
-                helping = [pool.submit(one_pass, layer, cuts[i], cuts[i + 1]) for i in range(1, threads)]
+                helping = [
+                    pool.submit(one_pass, layer, cuts[i], cuts[i + 1]) for i in range(1, threads)
+                ]
                 one_pass(layer, cuts[0], cuts[1])
                 for future in helping:
                     future.result()
 
         seconds, ref, paired = best_interleaved(reps, run, reference, lambda: None)
-        print(f"{'bound ' + layout:<18} {piece:>5} B per {block >> 10:>3} KiB block    "
-              f"{nbytes / seconds / 1e9:>7.2f} {nbytes / ref / 1e9:>7.2f} {ref / seconds:>6.2f} {paired:>6.2f}",
-              flush=True)
+        print(
+            f"{'bound ' + layout:<18} {piece:>5} B per {block >> 10:>3} KiB block    "
+            f"{nbytes / seconds / 1e9:>7.2f} {nbytes / ref / 1e9:>7.2f} {ref / seconds:>6.2f} {paired:>6.2f}",
+            flush=True,
+        )
     pool.shutdown()
 
 

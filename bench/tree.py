@@ -27,12 +27,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reference_radix import ReferenceRadixCache  # noqa: E402
+from reference_radix import ReferenceRadixCache
 
-from hicache.components.allocator.core import SlotLedger  # noqa: E402
-from hicache.components.tree.core import RadixTree  # noqa: E402
-from hicache.policies.eviction import LRU  # noqa: E402
-from hicache.policies.write import WRITE_THROUGH_SELECTIVE  # noqa: E402
+from hicache.components.allocator.core import SlotLedger
+from hicache.components.tree.core import RadixTree
+from hicache.policies.eviction import LRU
+from hicache.policies.write import WRITE_THROUGH_SELECTIVE
 
 BLOCK = 512
 INFINITE_CAPACITY_HIT_RATE = 0.651  # of this trace, from the issue
@@ -145,23 +145,29 @@ def fmt(stats: tuple[float, float, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     default = REPO_TRACE if REPO_TRACE.exists() else SHARED_TRACE
     ap.add_argument("--trace", type=Path, default=default)
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--capacities", type=int, nargs="+", default=[200_000, 1_000_000])
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc replays")
-    ap.add_argument("--reference-memory", action="store_true", help="also measure the reference's memory (slow)")
+    ap.add_argument(
+        "--reference-memory", action="store_true", help="also measure the reference's memory (slow)"
+    )
     args = ap.parse_args(argv)
     trace = load_trace(args.trace, args.limit)
     print(f"trace {args.trace} ({len(trace)} requests); times in µs; ratio = reference / core")
     for ps in args.page_sizes:
-        for cap in args.capacities:
-            cap -= cap % ps
+        for requested in args.capacities:
+            cap = requested - requested % ps
             print(f"\npage_size={ps} capacity={cap} tokens")
-            print(f"  {'':10} {'match mean':>10} {'p50':>8} {'p99':>9} | {'insert mean':>11} {'p50':>8} {'p99':>9} "
-                  f"| {'evict mean':>10} | hit rate (bound {INFINITE_CAPACITY_HIT_RATE}) | bytes/page")
+            print(
+                f"  {'':10} {'match mean':>10} {'p50':>8} {'p99':>9} | {'insert mean':>11} {'p50':>8} {'p99':>9} "
+                f"| {'evict mean':>10} | hit rate (bound {INFINITE_CAPACITY_HIT_RATE}) | bytes/page"
+            )
             rows = {}
             for name, replay in (("core", replay_core), ("reference", replay_reference)):
                 gc.collect()
@@ -180,17 +186,21 @@ def main(argv: list[str] | None = None) -> None:
                     mem = f"{used / max(1, ledger2.used // ps):10.0f}"
                     del structure2
                 rows[name] = t
-                print(f"  {name:10} {fmt(t.stats(t.match))} | {' ' * 3}{fmt(t.stats(t.insert))} "
-                      f"| {t.stats(t.evict)[0]:10.1f} | {t.hit / max(1, t.total):6.3f} ({pages} pages cached)"
-                      f"{' ' * 4}| {mem}")
+                print(
+                    f"  {name:10} {fmt(t.stats(t.match))} | {' ' * 3}{fmt(t.stats(t.insert))} "
+                    f"| {t.stats(t.evict)[0]:10.1f} | {t.hit / max(1, t.total):6.3f} ({pages} pages cached)"
+                    f"{' ' * 4}| {mem}"
+                )
             c, r = rows["core"], rows["reference"]
             ratio = lambda a, b: b / a if a else float("nan")  # noqa: E731
             cm, rm = c.stats(c.match), r.stats(r.match)
             ci, ri = c.stats(c.insert), r.stats(r.insert)
-            print(f"  ratio      match mean x{ratio(cm[0], rm[0]):.1f} p50 x{ratio(cm[1], rm[1]):.1f} "
-                  f"p99 x{ratio(cm[2], rm[2]):.1f} | insert mean x{ratio(ci[0], ri[0]):.1f} "
-                  f"p50 x{ratio(ci[1], ri[1]):.1f} p99 x{ratio(ci[2], ri[2]):.1f} "
-                  f"| evict mean x{ratio(c.stats(c.evict)[0], r.stats(r.evict)[0]):.1f}")
+            print(
+                f"  ratio      match mean x{ratio(cm[0], rm[0]):.1f} p50 x{ratio(cm[1], rm[1]):.1f} "
+                f"p99 x{ratio(cm[2], rm[2]):.1f} | insert mean x{ratio(ci[0], ri[0]):.1f} "
+                f"p50 x{ratio(ci[1], ri[1]):.1f} p99 x{ratio(ci[2], ri[2]):.1f} "
+                f"| evict mean x{ratio(c.stats(c.evict)[0], r.stats(r.evict)[0]):.1f}"
+            )
 
 
 if __name__ == "__main__":

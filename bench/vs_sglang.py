@@ -33,34 +33,74 @@ DEVICE, HOST, PAGE = 200_000, 400_000, 64
 
 
 def run_sglang(trace: Path, limit: int | None, out: Path) -> dict:
-    cmd = [str(PEER_PYTHON), str(PEERS / "sglang_bench.py"), "--trace", str(trace),
-           "--cache", "hicache", "--capacity", str(DEVICE), "--page-size", str(PAGE),
-           "--write-policy", "write_through", "--json", str(out)]
+    cmd = [
+        str(PEER_PYTHON),
+        str(PEERS / "sglang_bench.py"),
+        "--trace",
+        str(trace),
+        "--cache",
+        "hicache",
+        "--capacity",
+        str(DEVICE),
+        "--page-size",
+        str(PAGE),
+        "--write-policy",
+        "write_through",
+        "--json",
+        str(out),
+    ]
     if limit:
         cmd += ["--limit", str(limit)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     row = json.loads(out.read_text().strip().splitlines()[-1])
     total = row["input_tokens"]
-    return {"wall": row["wall_s"], "requests": row["reqs"],
-            "l1": (row["hit_rate"] - row.get("l2_hit_rate", 0.0)), "l2": row.get("l2_hit_rate", 0.0),
-            "tokens": total}
+    return {
+        "wall": row["wall_s"],
+        "requests": row["reqs"],
+        "l1": (row["hit_rate"] - row.get("l2_hit_rate", 0.0)),
+        "l2": row.get("l2_hit_rate", 0.0),
+        "tokens": total,
+    }
 
 
 def run_hicache(trace: Path, limit: int | None, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "hicache.cli.main", "replay", "--trace", str(trace),
-           "--storage", "none", "--no-verify", "--kv", "mha:1:1:8:float16",
-           "--device-tokens", str(DEVICE), "--host-tokens", str(HOST),
-           "--write-policy", "write_through", "--page-size", str(PAGE), "--batch", "1",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hicache.cli.main",
+        "replay",
+        "--trace",
+        str(trace),
+        "--storage",
+        "none",
+        "--no-verify",
+        "--kv",
+        "mha:1:1:8:float16",
+        "--device-tokens",
+        str(DEVICE),
+        "--host-tokens",
+        str(HOST),
+        "--write-policy",
+        "write_through",
+        "--page-size",
+        str(PAGE),
+        "--batch",
+        "1",
+        "--json",
+        str(out),
+    ]
     if limit:
         cmd += ["--limit", str(limit)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   cwd=ROOT)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     s = json.loads(out.read_text())
     tokens = s["input_tokens"]
-    return {"wall": s["wall_s"], "requests": s["requests"],
-            "control_us": s["control_us_per_request"],
-            "l1": s["hit_tokens"]["device"] / tokens, "l2": s["hit_tokens"]["host"] / tokens}
+    return {
+        "wall": s["wall_s"],
+        "requests": s["requests"],
+        "control_us": s["control_us_per_request"],
+        "l1": s["hit_tokens"]["device"] / tokens,
+        "l2": s["hit_tokens"]["host"] / tokens,
+    }
 
 
 def main() -> int:
@@ -81,24 +121,35 @@ def main() -> int:
             for side in order:
                 out = Path(tmp) / f"{side}{i}.json"
                 got[side] = (run_sglang if side == "sglang" else run_hicache)(
-                    args.trace, args.limit, out)
+                    args.trace, args.limit, out
+                )
             sg, hc = got["sglang"], got["hicache"]
             sg_per_req_us = sg["wall"] / sg["requests"] * 1e6
-            row = {"round": i, "sglang_wall": sg["wall"], "hicache_wall": hc["wall"],
-                   "wall_ratio": hc["wall"] / sg["wall"],
-                   "sglang_us_per_req": sg_per_req_us, "hicache_control_us": hc["control_us"],
-                   "control_ratio": hc["control_us"] / sg_per_req_us,
-                   "l1": (hc["l1"], sg["l1"]), "l2": (hc["l2"], sg["l2"])}
+            row = {
+                "round": i,
+                "sglang_wall": sg["wall"],
+                "hicache_wall": hc["wall"],
+                "wall_ratio": hc["wall"] / sg["wall"],
+                "sglang_us_per_req": sg_per_req_us,
+                "hicache_control_us": hc["control_us"],
+                "control_ratio": hc["control_us"] / sg_per_req_us,
+                "l1": (hc["l1"], sg["l1"]),
+                "l2": (hc["l2"], sg["l2"]),
+            }
             rows.append(row)
-            print(f"round {i}: wall hicache {hc['wall']:.2f} s / SGLang {sg['wall']:.2f} s "
-                  f"= {row['wall_ratio']:.2f}; control {hc['control_us']:.0f} us/req / SGLang "
-                  f"{sg_per_req_us:.0f} us/req = {row['control_ratio']:.2f}; "
-                  f"L1 {hc['l1']:.4f}/{sg['l1']:.4f} L2 {hc['l2']:.4f}/{sg['l2']:.4f}",
-                  flush=True)
+            print(
+                f"round {i}: wall hicache {hc['wall']:.2f} s / SGLang {sg['wall']:.2f} s "
+                f"= {row['wall_ratio']:.2f}; control {hc['control_us']:.0f} us/req / SGLang "
+                f"{sg_per_req_us:.0f} us/req = {row['control_ratio']:.2f}; "
+                f"L1 {hc['l1']:.4f}/{sg['l1']:.4f} L2 {hc['l2']:.4f}/{sg['l2']:.4f}",
+                flush=True,
+            )
     med = statistics.median
-    print(f"median of {len(rows)}: wall ratio {med(r['wall_ratio'] for r in rows):.2f} "
-          f"(target <= 1.0), control ratio {med(r['control_ratio'] for r in rows):.2f} "
-          f"(target <= 0.5)")
+    print(
+        f"median of {len(rows)}: wall ratio {med(r['wall_ratio'] for r in rows):.2f} "
+        f"(target <= 1.0), control ratio {med(r['control_ratio'] for r in rows):.2f} "
+        f"(target <= 0.5)"
+    )
     return 0
 
 

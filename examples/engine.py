@@ -60,7 +60,9 @@ class Request:
     max_new_tokens: int
     done: anyio.Event = field(default_factory=anyio.Event)
     tokens: list[int] = field(default_factory=list)  # prompt + generated so far
-    slots: np.ndarray = field(default_factory=lambda: EMPTY)  # device slots; the first `computed` hold this request's K/V
+    slots: np.ndarray = field(
+        default_factory=lambda: EMPTY
+    )  # device slots; the first `computed` hold this request's K/V
     computed: int = 0
     prefix_len: int = 0
     device_hit: int = 0
@@ -102,13 +104,26 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, cache: HiCache, model: TinyDecoder, *, max_running: int = 8,
-                 step_tokens: int = 256, chunk_tokens: int = 64, eos: int | None = None,
-                 keep_logits: bool = False, queue_size: int = 64) -> None:
+    def __init__(
+        self,
+        cache: HiCache,
+        model: TinyDecoder,
+        *,
+        max_running: int = 8,
+        step_tokens: int = 256,
+        chunk_tokens: int = 64,
+        eos: int | None = None,
+        keep_logits: bool = False,
+        queue_size: int = 64,
+    ) -> None:
         if chunk_tokens <= 0 or step_tokens < chunk_tokens or max_running <= 0:
             raise ValueError("need 0 < chunk_tokens <= step_tokens and max_running > 0")
         self.cache, self.model = cache, model
-        self.max_running, self.step_tokens, self.chunk_tokens = max_running, step_tokens, chunk_tokens
+        self.max_running, self.step_tokens, self.chunk_tokens = (
+            max_running,
+            step_tokens,
+            chunk_tokens,
+        )
         self.eos, self.keep_logits = eos, keep_logits
         self.stats = EngineStats()
         self._send, self._inbox = anyio.create_memory_object_stream[Request](queue_size)
@@ -181,8 +196,12 @@ class Engine:
         if not batch:
             return
         chunks = [
-            Chunk(tokens=req.tokens[req.computed:req.computed + n], start=req.computed,
-                  slots=torch.from_numpy(req.slots[:req.computed + n]), waits=req.waits)
+            Chunk(
+                tokens=req.tokens[req.computed : req.computed + n],
+                start=req.computed,
+                slots=torch.from_numpy(req.slots[: req.computed + n]),
+                waits=req.waits,
+            )
             for req, n in batch
         ]
         outputs = await self.model.forward(self.cache.device_pool, chunks)
@@ -197,19 +216,23 @@ class Engine:
             if self.keep_logits:
                 req.logits.append(logits)
             if req.prefilling:  # chunked prefill: insert progress, keep running
-                to_cache.append((req.rid, req.tokens[:req.computed], req.slots[:req.computed], False))
+                to_cache.append(
+                    (req.rid, req.tokens[: req.computed], req.slots[: req.computed], False)
+                )
                 continue
             token = int(logits[-1].argmax())
             req.tokens.append(token)
             self.stats.generated_tokens += 1
             if len(req.tokens) - len(req.prompt) >= req.max_new_tokens or token == self.eos:
-                to_cache.append((req.rid, req.tokens[:req.computed], req.slots[:req.computed], True))
+                to_cache.append(
+                    (req.rid, req.tokens[: req.computed], req.slots[: req.computed], True)
+                )
                 finished.append(req)
         outcomes = await self.cache.cache_many(to_cache) if to_cache else ()
-        for (rid, tokens, slots, done), out in zip(to_cache, outcomes):
+        for (rid, _tokens, _slots, done), out in zip(to_cache, outcomes):
             if not done:  # the tree's slots now back the inserted prefix; duplicates were freed
                 req = next(r for r in self._running if r.rid == rid)
-                req.slots = np.concatenate([out.device_slots, req.slots[len(out.device_slots):]])
+                req.slots = np.concatenate([out.device_slots, req.slots[len(out.device_slots) :]])
         for req in finished:
             self._running.remove(req)
             self._complete(req)
@@ -251,7 +274,11 @@ class Engine:
         for req, match, load in zip(new, matches, loads):
             req.slots = np.asarray(load.device_slots, dtype=np.int64)
             req.computed = req.prefix_len = len(req.slots)
-            req.device_hit, req.host_hit, req.loaded = match.device_len, match.host_len, load.loaded_tokens
+            req.device_hit, req.host_hit, req.loaded = (
+                match.device_len,
+                match.host_len,
+                load.loaded_tokens,
+            )
             req.waits = tuple(match.pending) + ((load.handle,) if load.handle is not None else ())
             self.stats.device_hit_tokens += match.device_len
             self.stats.loaded_tokens += load.loaded_tokens
@@ -261,7 +288,11 @@ class Engine:
         """Pick this step's work per running request and give it device slots."""
         budget, plan = self.step_tokens, []
         for req in sorted(self._running, key=lambda r: r.prefilling):  # decodes first
-            n = min(self.chunk_tokens, len(req.prompt) - req.computed, budget) if req.prefilling else 1
+            n = (
+                min(self.chunk_tokens, len(req.prompt) - req.computed, budget)
+                if req.prefilling
+                else 1
+            )
             if n <= 0:
                 continue
             budget -= n
@@ -316,9 +347,16 @@ class Engine:
         stats.aborted += aborted
         stats.prompt_tokens += len(req.prompt)
         req.result = Completion(
-            rid=req.rid, tokens=tuple(req.tokens), prompt_len=len(req.prompt),
-            generated=tuple(req.tokens[len(req.prompt):]), prefix_len=req.prefix_len,
-            device_hit=req.device_hit, host_hit=req.host_hit, loaded=req.loaded, preempted=req.preempted,
-            aborted=aborted, logits=torch.cat(req.logits) if req.logits else None,
+            rid=req.rid,
+            tokens=tuple(req.tokens),
+            prompt_len=len(req.prompt),
+            generated=tuple(req.tokens[len(req.prompt) :]),
+            prefix_len=req.prefix_len,
+            device_hit=req.device_hit,
+            host_hit=req.host_hit,
+            loaded=req.loaded,
+            preempted=req.preempted,
+            aborted=aborted,
+            logits=torch.cat(req.logits) if req.logits else None,
         )
         req.done.set()

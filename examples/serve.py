@@ -38,7 +38,9 @@ class Workload:
     system_tokens: int = 48  # shared by every conversation
     user_tokens: tuple[int, int] = (16, 40)  # length range of a user message
     new_tokens: int = 12  # generated per turn
-    think_time: float = 0.05  # seconds between a reply and the next turn (virtual when deterministic)
+    think_time: float = (
+        0.05  # seconds between a reply and the next turn (virtual when deterministic)
+    )
     seed: int = 0
 
 
@@ -53,30 +55,47 @@ class Report:
 
 def cache_config(model: DecoderConfig, **overrides) -> CacheConfig:
     """The example's cache: L1 holds about three conversations, L2 eight times as much."""
-    base = dict(kv=model.kv_spec, page_size=16, device_tokens=512, host_tokens=4096,
-                write_policy="write_through", device="cpu")
+    base = dict(
+        kv=model.kv_spec,
+        page_size=16,
+        device_tokens=512,
+        host_tokens=4096,
+        write_policy="write_through",
+        device="cpu",
+    )
     return CacheConfig(**{**base, **overrides})
 
 
-async def conversation(engine: Engine, workload: Workload, index: int, out: list[Completion]) -> None:
+async def conversation(
+    engine: Engine, workload: Workload, index: int, out: list[Completion]
+) -> None:
     """One user: a turn, a pause, the next turn with the whole history as its prompt."""
     rng = np.random.default_rng([workload.seed, index])
     vocab = engine.model.config.vocab
-    history = np.random.default_rng(workload.seed).integers(0, vocab, workload.system_tokens).tolist()
+    history = (
+        np.random.default_rng(workload.seed).integers(0, vocab, workload.system_tokens).tolist()
+    )
     # Seeded, distinct pauses: no two arrivals share a virtual instant, so the order in which
     # the engine sees requests does not depend on how the event loop orders ready tasks.
     await anyio.sleep(workload.think_time * rng.random())
     for turn in range(workload.turns):
         user = rng.integers(0, vocab, int(rng.integers(*workload.user_tokens, endpoint=True)))
-        done = await engine.generate(history + user.tolist(), workload.new_tokens,
-                                     rid=f"c{index}-t{turn}")
+        done = await engine.generate(
+            history + user.tolist(), workload.new_tokens, rid=f"c{index}-t{turn}"
+        )
         out.append(done)
         history = list(done.tokens)
         await anyio.sleep(workload.think_time * (0.5 + rng.random()))
 
 
-async def serve(config: CacheConfig, workload: Workload = Workload(), *, model: TinyDecoder | None = None,
-                keep_logits: bool = False, **engine_options) -> Report:
+async def serve(
+    config: CacheConfig,
+    workload: Workload = Workload(),
+    *,
+    model: TinyDecoder | None = None,
+    keep_logits: bool = False,
+    **engine_options,
+) -> Report:
     """Run the workload through a fresh cache and engine; return what happened."""
     model = model or TinyDecoder(DecoderConfig(seed=workload.seed))
     report = Report()
@@ -100,15 +119,23 @@ async def serve(config: CacheConfig, workload: Workload = Workload(), *, model: 
 def summary(report: Report) -> str:
     e, c = report.engine, report.cache
     assert e is not None and c is not None
-    return "\n".join([
-        f"requests     {e.requests} ({e.aborted} aborted, {e.preemptions} preemptions) in {e.steps} steps",
-        f"prompt       {e.prompt_tokens} tokens: {e.device_hit_tokens} hit in L1, "
-        f"{e.loaded_tokens} loaded back from L2, {e.prefill_tokens} computed",
-        f"cache        L1 {c.device.cached_tokens}/{c.device.size} tokens, {c.device.evictions} evicted; "
-        f"L2 {c.host.cached_tokens}/{c.host.size} tokens, {c.host.evictions} evicted",
-        f"throughput   {(e.prefill_tokens + e.decode_tokens) / report.seconds:,.0f} tokens/s computed, "
-        f"{e.generated_tokens / report.seconds:,.0f} generated/s ({report.seconds:.2f} s wall)",
-    ])
+    return "\n".join(
+        [
+            f"requests     {e.requests} ({e.aborted} aborted, {e.preemptions} preemptions) in {e.steps} steps",
+            (
+                f"prompt       {e.prompt_tokens} tokens: {e.device_hit_tokens} hit in L1, "
+                f"{e.loaded_tokens} loaded back from L2, {e.prefill_tokens} computed"
+            ),
+            (
+                f"cache        L1 {c.device.cached_tokens}/{c.device.size} tokens, {c.device.evictions} evicted; "
+                f"L2 {c.host.cached_tokens}/{c.host.size} tokens, {c.host.evictions} evicted"
+            ),
+            (
+                f"throughput   {(e.prefill_tokens + e.decode_tokens) / report.seconds:,.0f} tokens/s computed, "
+                f"{e.generated_tokens / report.seconds:,.0f} generated/s ({report.seconds:.2f} s wall)"
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,9 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the model's per-token matmuls are tiny: threads only add overhead
     model_config = DecoderConfig(seed=args.seed)
     config = cache_config(
-        model_config, device_tokens=args.device_tokens, page_size=args.page_size,
-        host_tokens=8 * args.device_tokens, write_policy=args.write_policy,
-        deterministic=args.deterministic, seed=args.seed,
+        model_config,
+        device_tokens=args.device_tokens,
+        page_size=args.page_size,
+        host_tokens=8 * args.device_tokens,
+        write_policy=args.write_policy,
+        deterministic=args.deterministic,
+        seed=args.seed,
     )
     workload = Workload(conversations=args.conversations, turns=args.turns, seed=args.seed)
 

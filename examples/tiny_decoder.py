@@ -94,14 +94,19 @@ class TinyDecoder:
         self.embed = torch.randn(cfg.vocab, d, generator=gen)
         self.positions = 0.1 * torch.randn(cfg.max_positions, d, generator=gen)
         self.blocks = [
-            dict(attn_norm=1 + 0.1 * torch.randn(d, generator=gen), wqkv=weight(d, 3 * d),
-                 wo=weight(d, d), mlp_norm=1 + 0.1 * torch.randn(d, generator=gen),
-                 w1=weight(d, f), w2=weight(f, d))
+            dict(
+                attn_norm=1 + 0.1 * torch.randn(d, generator=gen),
+                wqkv=weight(d, 3 * d),
+                wo=weight(d, d),
+                mlp_norm=1 + 0.1 * torch.randn(d, generator=gen),
+                w1=weight(d, f),
+                w2=weight(f, d),
+            )
             for _ in range(cfg.layers)
         ]
         self.final_norm = 1 + 0.1 * torch.randn(d, generator=gen)
         self.lm_head = weight(d, cfg.vocab)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
     @torch.inference_mode()
     async def forward(self, pool, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
@@ -115,7 +120,9 @@ class TinyDecoder:
             if end > cfg.max_positions:
                 raise ValueError(f"position {end - 1} exceeds max_positions={cfg.max_positions}")
             if len(chunk.slots) < end:
-                raise ValueError(f"chunk needs {end} slots (prefix + tokens), got {len(chunk.slots)}")
+                raise ValueError(
+                    f"chunk needs {end} slots (prefix + tokens), got {len(chunk.slots)}"
+                )
         hidden = [
             [self.embed[t] + self.positions[chunk.start + i] for i, t in enumerate(chunk.tokens)]
             for chunk in chunks
@@ -126,14 +133,23 @@ class TinyDecoder:
                 for handle in chunk.waits:
                     await handle.wait_async(layer)
                 for i in range(len(states)):
-                    states[i] = self._block(block, states[i], chunk.start + i, chunk.slots, k_buf, v_buf)
+                    states[i] = self._block(
+                        block, states[i], chunk.start + i, chunk.slots, k_buf, v_buf
+                    )
         return [
             torch.cat([_rms_norm(h, self.final_norm) @ self.lm_head for h in states])
             for states in hidden
         ]
 
-    def _block(self, block: dict, h: torch.Tensor, pos: int, slots: torch.Tensor,
-               k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+    def _block(
+        self,
+        block: dict,
+        h: torch.Tensor,
+        pos: int,
+        slots: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+    ) -> torch.Tensor:
         """One token through one block; writes its K/V at slots[pos]. h: (1, hidden)."""
         cfg = self.config
         h = h.reshape(1, cfg.hidden)

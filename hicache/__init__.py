@@ -7,15 +7,37 @@ from hicache.backends.base import BackendUnavailable
 from hicache.cache import BookkeepingLeak, HiCache, LedgerImbalance
 from hicache.config import CacheConfig, ConfigError
 from hicache.results import (
-    CacheError, CacheOutcome, CacheStats, CapacityError, InvalidRequest, LoadBackOutcome,
-    MatchOutcome, PrefetchOutcome, StorageTimeout, TierStats, UnknownRequest,
+    CacheError,
+    CacheOutcome,
+    CacheStats,
+    CapacityError,
+    InvalidRequest,
+    LoadBackOutcome,
+    MatchOutcome,
+    PrefetchOutcome,
+    StorageTimeout,
+    TierStats,
+    UnknownRequest,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendUnavailable", "BookkeepingLeak", "CacheConfig", "CacheError", "CacheOutcome", "CacheStats",
-    "CapacityError", "ConfigError", "HiCache", "InvalidRequest", "LedgerImbalance",
-    "LoadBackOutcome", "MatchOutcome", "PrefetchOutcome", "StorageTimeout", "TierStats",
+    "BackendUnavailable",
+    "BookkeepingLeak",
+    "CacheConfig",
+    "CacheError",
+    "CacheOutcome",
+    "CacheStats",
+    "CapacityError",
+    "ConfigError",
+    "HiCache",
+    "InvalidRequest",
+    "LedgerImbalance",
+    "LoadBackOutcome",
+    "MatchOutcome",
+    "PrefetchOutcome",
+    "StorageTimeout",
+    "TierStats",
     "UnknownRequest",
 ]

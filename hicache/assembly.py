@@ -10,12 +10,14 @@ before the error propagates, so a failed open leaves no thread or connection beh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
+from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend
 from hicache.components.allocator.actor import AllocatorActor
@@ -28,15 +30,19 @@ from hicache.components.tree.agreement import RankAgreement, SingleRank, TorchDi
 from hicache.components.tree.core import RadixTree
 from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
-from hicache.config import CacheConfig, ConfigError
+from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.native import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
-from hicache.kernels.streams import make_streams
+from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
+from hicache.messages import TreeInbox
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.runtime import Kernel, Mailbox
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +51,10 @@ class Parts:
 
     device_pool: DevicePool | None = None
     log: EventLog | None = None
-    streams: Any = None
-    backend: Any = None  # the caller's: not closed here, not given the host pool
-    transfer_faults: Any = None
-    tp_group: Any = None
+    streams: TransferStreams | None = None
+    backend: StorageBackend | None = None  # the caller's: not closed here, not given the host pool
+    transfer_faults: FaultHook | None = None
+    tp_group: ProcessGroup | None = None
 
 
 @dataclass(slots=True)
@@ -56,15 +62,16 @@ class Assembly:
     device_pool: DevicePool
     host_pool: HostPool
     kernel: Kernel
-    streams: Any
+    streams: TransferStreams
     topology: Topology
     agreement: RankAgreement
-    tree_inbox: Mailbox
-    backend: Any  # None without storage
+    tree_inbox: Mailbox[TreeInbox]
+    tree: RadixTree  # the tree actor's core, for observers (KV events) to read
+    backend: StorageBackend | None  # None without storage
     resources: AsyncExitStack  # closes streams, an owned backend; the caller adds more
 
 
-async def assemble(cfg: CacheConfig, rewrites, parts: Parts) -> Assembly:
+async def assemble(cfg: CacheConfig, rewrites: Sequence[Rewrite], parts: Parts) -> Assembly:
     """Build every piece of one cache (the kernel not yet entered). `cfg` is resolved."""
     resources = AsyncExitStack()
     try:
@@ -74,19 +81,29 @@ async def assemble(cfg: CacheConfig, rewrites, parts: Parts) -> Assembly:
         raise
 
 
-async def _assemble(cfg: CacheConfig, rewrites, parts: Parts,
-                    resources: AsyncExitStack) -> Assembly:
+async def _assemble(
+    cfg: CacheConfig, rewrites: Sequence[Rewrite], parts: Parts, resources: AsyncExitStack
+) -> Assembly:
     geometry = parse_geometry(cfg.kv)
     device = parts.device_pool or DevicePool.allocate(
-        geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device))
+        geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device)
+    )
     if device.size != cfg.device_tokens:
         raise ValueError(
-            f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}")
+            f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
+        )
     host = HostPool(device, cfg.host_capacity, cfg.layout)
     kernel = Kernel(log=parts.log, deterministic=cfg.deterministic, seed=cfg.seed)
     for rw in rewrites:
-        kernel.log.emit("config.rewritten", component="cache", level="warning",
-                        field=rw.field, old=rw.old, new=rw.new, reason=rw.reason)
+        kernel.log.emit(
+            "config.rewritten",
+            component="cache",
+            level="warning",
+            field=rw.field,
+            old=rw.old,
+            new=rw.new,
+            reason=rw.reason,
+        )
     agreement = _agreement(cfg, parts.tp_group)
     streams = await _streams(cfg, device, host, kernel, parts)
     resources.callback(streams.close)
@@ -94,49 +111,100 @@ async def _assemble(cfg: CacheConfig, rewrites, parts: Parts,
     topo = Topology.for_capacity(cfg.channel_capacity)
     edges = topo.edges()  # every inbox's bounds, declared in one place
     bpt = geometry.bytes_per_token
-    tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
-                     write_policy=write_policy(cfg.write_policy))
+    tree = RadixTree(
+        page_size=cfg.page_size,
+        eviction=make_strategy(cfg.eviction),
+        write_policy=write_policy(cfg.write_policy),
+    )
     allocator = AllocatorActor(
         device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
         host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
         capacity=edges["allocator"].capacity,
     )
-    tree_actor = TreeActor(config=cfg, tree=tree, allocator=allocator.inbox,
-                           bytes_per_token=bpt, topology=topo, agreement=agreement)
-    writer = WriterActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                         capacity=edges["writer"].capacity, reserve=edges["writer"].reserve)
-    loader = LoaderActor(streams=streams, tree=tree_actor.inbox, bytes_per_token=bpt,
-                         capacity=edges["loader"].capacity, reserve=edges["loader"].reserve)
+    tree_actor = TreeActor(
+        config=cfg,
+        tree=tree,
+        allocator=allocator.inbox,
+        bytes_per_token=bpt,
+        topology=topo,
+        agreement=agreement,
+    )
+    writer = WriterActor(
+        streams=streams,
+        tree=tree_actor.inbox,
+        bytes_per_token=bpt,
+        capacity=edges["writer"].capacity,
+        reserve=edges["writer"].reserve,
+    )
+    loader = LoaderActor(
+        streams=streams,
+        tree=tree_actor.inbox,
+        bytes_per_token=bpt,
+        capacity=edges["loader"].capacity,
+        reserve=edges["loader"].reserve,
+    )
     actors: list[Any] = [tree_actor, allocator, writer, loader]
     storage: dict[str, Any] = {}
-    backend = None
+    backend: StorageBackend | None = None
     if parts.backend is not None or cfg.storage:
-        namespace = Namespace(model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size,
-                              tenant=cfg.tenant, rank=cfg.tp_rank, tp_size=cfg.tp_size,
-                              layout=cfg.layout)
+        namespace = Namespace(
+            model=cfg.model_id,
+            kv=cfg.kv,
+            page_size=cfg.page_size,
+            tenant=cfg.tenant,
+            rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            layout=cfg.layout,
+        )
         backend = parts.backend
         if backend is None:
             backend = await _open_backend(cfg, namespace, kernel, host, resources)
         uploader = UploaderActor(
-            backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-            retries=cfg.upload_retries, backoff=cfg.upload_backoff, timeout=cfg.storage_timeout,
-            capacity=edges["uploader"].capacity, reserve=edges["uploader"].reserve)
+            backend=backend,
+            namespace=namespace,
+            host_pool=host,
+            tree=tree_actor.inbox,
+            retries=cfg.upload_retries,
+            backoff=cfg.upload_backoff,
+            timeout=cfg.storage_timeout,
+            capacity=edges["uploader"].capacity,
+            reserve=edges["uploader"].reserve,
+        )
         prefetcher = PrefetcherActor(
-            backend=backend, namespace=namespace, host_pool=host, tree=tree_actor.inbox,
-            batch_pages=cfg.storage_batch_pages, timeout=cfg.storage_timeout,
-            capacity=edges["prefetcher"].capacity, reserve=edges["prefetcher"].reserve)
+            backend=backend,
+            namespace=namespace,
+            host_pool=host,
+            tree=tree_actor.inbox,
+            batch_pages=cfg.storage_batch_pages,
+            timeout=cfg.storage_timeout,
+            capacity=edges["prefetcher"].capacity,
+            reserve=edges["prefetcher"].reserve,
+        )
         actors += [uploader, prefetcher]
-        storage = dict(uploader=uploader.inbox, prefetcher=prefetcher.inbox,
-                       namespace=namespace, clear_storage=backend.clear)
+        storage = dict(
+            uploader=uploader.inbox,
+            prefetcher=prefetcher.inbox,
+            namespace=namespace,
+            clear_storage=backend.clear,
+        )
     tree_actor.connect(writer=writer.inbox, loader=loader.inbox, **storage)
     for actor in actors:
         kernel.add(actor)
-    return Assembly(device_pool=device, host_pool=host, kernel=kernel, streams=streams,
-                    topology=topo, agreement=agreement, tree_inbox=tree_actor.inbox,
-                    backend=backend, resources=resources)
+    return Assembly(
+        device_pool=device,
+        host_pool=host,
+        kernel=kernel,
+        streams=streams,
+        topology=topo,
+        agreement=agreement,
+        tree_inbox=tree_actor.inbox,
+        tree=tree,
+        backend=backend,
+        resources=resources,
+    )
 
 
-def _agreement(cfg: CacheConfig, tp_group) -> RankAgreement:
+def _agreement(cfg: CacheConfig, tp_group: ProcessGroup | None) -> RankAgreement:
     if cfg.tp_size == 1:
         return SingleRank()
     import torch.distributed as dist
@@ -146,12 +214,14 @@ def _agreement(cfg: CacheConfig, tp_group) -> RankAgreement:
             f"tp_size={cfg.tp_size} (tp_rank={cfg.tp_rank}) needs torch.distributed: call "
             "torch.distributed.init_process_group on every rank before opening the cache "
             "(and pass a gloo group as HiCache(..., tp_group=)); without it the ranks' "
-            "trees drift apart")
+            "trees drift apart"
+        )
     return TorchDistributedAgreement(tp_group)
 
 
-async def _streams(cfg: CacheConfig, device: DevicePool, host: HostPool, kernel: Kernel,
-                   parts: Parts):
+async def _streams(
+    cfg: CacheConfig, device: DevicePool, host: HostPool, kernel: Kernel, parts: Parts
+) -> TransferStreams:
     if parts.streams is not None:
         return parts.streams
     if device.device.type == "cpu" and not cfg.deterministic:
@@ -161,7 +231,9 @@ async def _streams(cfg: CacheConfig, device: DevicePool, host: HostPool, kernel:
     # Inline CPU copies: bytes move at submit, completion is reported on the next turn of the
     # loop (the virtual streams' machinery, with no modelled time).
     streams, selection = make_streams(
-        device, host, io=cfg.io_backend,
+        device,
+        host,
+        io=cfg.io_backend,
         prefer="virtual" if cfg.deterministic else "inline" if inline else "auto",
         schedule=kernel.call_later,
         bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
@@ -170,20 +242,37 @@ async def _streams(cfg: CacheConfig, device: DevicePool, host: HostPool, kernel:
     copier: dict[str, str] = {}
     if selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes
         reason = None if native_rows() is not None else unavailable_reason()
-        copier = ({"copier": "compiled"} if reason is None
-                  else {"copier": "numpy", "copier_reason": reason})
-    kernel.log.emit("streams.selected", component="cache", kind=selection.kind,
-                    reason=selection.reason, **copier)
+        copier = (
+            {"copier": "compiled"}
+            if reason is None
+            else {"copier": "numpy", "copier_reason": reason}
+        )
+    kernel.log.emit(
+        "streams.selected",
+        component="cache",
+        kind=selection.kind,
+        reason=selection.reason,
+        **copier,
+    )
     return streams
 
 
-async def _open_backend(cfg: CacheConfig, namespace: Namespace, kernel: Kernel,
-                        host: HostPool, resources: AsyncExitStack):
+async def _open_backend(
+    cfg: CacheConfig,
+    namespace: Namespace,
+    kernel: Kernel,
+    host: HostPool,
+    resources: AsyncExitStack,
+) -> StorageBackend:
     emit = kernel.log.bind("storage").warning
     assert cfg.storage is not None
-    backend = await connect_backend(cfg.storage, namespace=namespace,
-                                    emit=lambda event, **kw: emit(event, **kw),
-                                    virtual_time=cfg.deterministic, **dict(cfg.extra))
+    backend = await connect_backend(
+        cfg.storage,
+        namespace=namespace,
+        emit=emit,
+        virtual_time=cfg.deterministic,
+        **dict(cfg.extra),
+    )
     resources.push_async_callback(backend.aclose)
     attach = getattr(backend, "attach_host_pool", None)
     if callable(attach):  # only for a backend this cache owns: the pool outlives it

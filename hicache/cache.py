@@ -8,28 +8,43 @@ step in one message, which is what keeps the actor path cheap.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import numpy as np
-
-from contextlib import AsyncExitStack
+from typing_extensions import Self
 
 from hicache.assembly import Parts, assemble
-from hicache.components.tree.agreement import SingleRank
+from hicache.components.tree.agreement import RankAgreement, SingleRank
 from hicache.config import CacheConfig
 from hicache.kernels.pools import DevicePool
 from hicache.messages import (
-    AllocBatch, CacheBatch, CacheItem, ClearStorage, Drain, DumpTree, Flush, GetStats,
+    AllocBatch, Asks, CacheBatch, CacheItem, ClearStorage, Drain, DumpTree, Flush, GetStats,
     LoadBackBatch, MatchBatch, MatchItem, PrefetchBatch, PrefetchPoll, PrefetchWait,
-    ReleaseBatch,
+    ReleaseBatch, TreeInbox,
 )
 from hicache.observability import EventLog
 from hicache.results import (
     CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
 )
-from hicache.runtime import Kernel
+from hicache.runtime import Kernel, Mailbox, Reply
 from hicache.types import RequestId
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from hicache.backends.base import StorageBackend
+    from hicache.kernels.streams.base import FaultHook, TransferStreams
+    from hicache.observability.kv_events import TreeKVEvents
+    from hicache.observability.metrics import CacheMetrics
+
+T = TypeVar("T")
+
+Ledgers = dict[str, dict[str, int]]
+"""tier -> {"size", "used", "available"}: a ledger's balance (`close_report`)."""
 
 
 _POLL_INTERVAL = 0.002  # seconds between polls of TP ranks waiting for in-flight work
@@ -52,10 +67,10 @@ class HiCache:
         *,
         device_pool: DevicePool | None = None,
         log: EventLog | None = None,
-        streams=None,
-        backend=None,
-        transfer_faults=None,
-        tp_group=None,
+        streams: TransferStreams | None = None,
+        backend: StorageBackend | None = None,
+        transfer_faults: FaultHook | None = None,
+        tp_group: ProcessGroup | None = None,
     ) -> None:
         self.requested_config = config or CacheConfig()
         self.config, self.rewrites = self.requested_config.resolve()
@@ -65,18 +80,19 @@ class HiCache:
         self._backend_override = backend
         self._transfer_faults = transfer_faults
         self._tp_group = tp_group
-        self._agreement = SingleRank()
-        self.backend = None
+        self._agreement: RankAgreement = SingleRank()
+        self.backend: StorageBackend | None = None
         self._kernel: Kernel | None = None
-        self._streams = None
+        self._streams: TransferStreams | None = None
         self._resources = AsyncExitStack()
-        self._metrics = None
-        self._tree_inbox = None
-        self.close_report: dict | None = None  # the ledgers after close
+        self._metrics: CacheMetrics | None = None
+        self.kv_events: TreeKVEvents | None = None  # the KV event publisher, with `kv_events=` set
+        self._tree_inbox: Mailbox[TreeInbox] | None = None
+        self.close_report: Ledgers | None = None  # the ledgers after close
         self.close_tables: dict[str, int] | None = None  # the tree's tables after close
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> HiCache:
+    async def __aenter__(self) -> Self:
         parts = Parts(device_pool=self._device_pool, log=self._log, streams=self._streams_override,
                       backend=self._backend_override, transfer_faults=self._transfer_faults,
                       tp_group=self._tp_group)
@@ -90,20 +106,27 @@ class HiCache:
             if self.config.metrics_port is not None:  # Prometheus /metrics, fed by the log
                 from hicache.observability.metrics import serve_cache_metrics
 
-                self._metrics = serve_cache_metrics(self, self.config.metrics_port)
-                self._resources.callback(self._metrics.close)
+                metrics = self._metrics = serve_cache_metrics(self, self.config.metrics_port)
+                self._resources.callback(metrics.close)
+            if self.config.kv_events is not None:  # vLLM-format KV events (docs/kv-events.md)
+                from hicache.observability.kv_events import start_kv_events
+
+                self.kv_events = start_kv_events(self.config, built.tree, built.kernel.log)
+                if self.kv_events is not None:
+                    self._resources.callback(self.kv_events.close)
             await built.kernel.__aenter__()
         except BaseException:
             await self._resources.aclose()
             raise
         return self
 
-    async def __aexit__(self, *exc_info) -> bool | None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
         kernel = self._kernel
         assert kernel is not None
         leak: LedgerImbalance | None = None
         try:
-            if exc_info[0] is None and kernel.failure is None:
+            if exc_type is None and kernel.failure is None:
                 report, tables = await self._drain(kernel)
                 self.close_report, self.close_tables = report, tables
                 leaked = {t: v["used"] for t, v in report.items() if v["used"]}
@@ -114,28 +137,34 @@ class HiCache:
                     leak = BookkeepingLeak(f"tables not empty after close: {left}")
         finally:
             try:
-                suppress = await kernel.__aexit__(*exc_info)
+                suppress = await kernel.__aexit__(exc_type, exc, tb)
             finally:
                 await self._resources.aclose()  # exporter, an owned backend, the streams
         if leak is not None:
             raise leak
         return suppress
 
-    async def _drain(self, kernel: Kernel):
+    async def _drain(self, kernel: Kernel) -> tuple[Ledgers, dict[str, int]]:
         """Let in-flight work finish, for at most `close_timeout`; then abandon what is left
         (an event says what), so a hung backend cannot hold close forever."""
         timeout = self.config.close_timeout
         with kernel.clock.move_on_after(timeout):
-            return await self._until(lambda r: Drain(reply=r, poll=self._polling))
+            drained = await self._until(lambda r: Drain(reply=r, poll=self._polling))
+            assert drained is not None  # answered once nothing is in flight
+            return drained
         kernel.log.emit("cache.close_timeout", component="cache", level="warning",
                         timeout=timeout)
-        return await self._call(lambda r: Drain(reply=r, abandon=True))
+        abandoned = await self._call(lambda r: Drain(reply=r, abandon=True))
+        assert abandoned is not None  # `abandon` ends what is in flight, then answers
+        return abandoned
 
     # ------------------------------------------------------------------ plumbing
-    async def _call(self, make, timeout: float | None = None):
-        if self._kernel is None:
+    async def _call(self, make: Callable[[Reply[T]], Asks[T]], timeout: float | None = None) -> T:
+        """Send the tree the request `make(reply)` builds; its answer (typed by the message)."""
+        if self._kernel is None or self._tree_inbox is None:
             raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
-        return await self._kernel.request(self._tree_inbox, make, timeout=timeout)
+        inbox: Mailbox[Any] = self._tree_inbox  # every `Asks` the facade builds is a TreeInbox
+        return await self._kernel.request(inbox, make, timeout=timeout)
 
     @property
     def _polling(self) -> bool:
@@ -143,7 +172,8 @@ class HiCache:
         the tree: it polls, and every rank polls the same number of times."""
         return not self._agreement.trivial
 
-    async def _until(self, make, *, done=lambda value: value is not None):
+    async def _until(self, make: Callable[[Reply[T]], Asks[T]], *,
+                     done: Callable[[T], bool] = lambda value: value is not None) -> T:
         """One call; with TP, repeat it (a short real-time pause between) until `done`."""
         value = await self._call(make)
         while self._polling and not done(value):
@@ -162,7 +192,9 @@ class HiCache:
         (out,) = await self.match_many([(rid, tokens)])
         return out
 
-    async def match_many(self, items: Iterable[tuple[RequestId, object]]) -> tuple[MatchOutcome, ...]:
+    async def match_many(
+        self, items: Iterable[tuple[RequestId, Sequence[int] | np.ndarray]]
+    ) -> tuple[MatchOutcome, ...]:
         batch = tuple(MatchItem(rid=rid, tokens=_tokens(t)) for rid, t in items)
         return await self._call(lambda r: MatchBatch(items=batch, reply=r))
 
@@ -184,17 +216,22 @@ class HiCache:
         batch = tuple((rid, int(n)) for rid, n in sizes)
         return await self._call(lambda r: AllocBatch(sizes=batch, reply=r))
 
-    async def cache_finished(self, rid: RequestId, tokens, device_slots) -> CacheOutcome:
+    async def cache_finished(self, rid: RequestId, tokens: Sequence[int] | np.ndarray,
+                             device_slots: Sequence[int] | np.ndarray) -> CacheOutcome:
         """Insert a finished request's KV, free duplicates, count hits, release its lock."""
         (out,) = await self.cache_many([(rid, tokens, device_slots, True)])
         return out
 
-    async def cache_unfinished(self, rid: RequestId, tokens, device_slots) -> CacheOutcome:
+    async def cache_unfinished(self, rid: RequestId, tokens: Sequence[int] | np.ndarray,
+                               device_slots: Sequence[int] | np.ndarray) -> CacheOutcome:
         """Insert a chunk of a running request (no hit count); the lock moves to the new end."""
         (out,) = await self.cache_many([(rid, tokens, device_slots, False)])
         return out
 
-    async def cache_many(self, items) -> tuple[CacheOutcome, ...]:
+    async def cache_many(
+        self,
+        items: Iterable[tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool]],
+    ) -> tuple[CacheOutcome, ...]:
         batch = tuple(
             CacheItem(rid=rid, tokens=_tokens(t), device_slots=np.asarray(s, dtype=np.int64),
                       finished=bool(f))
@@ -210,13 +247,15 @@ class HiCache:
         batch = tuple(rids)
         await self._call(lambda r: ReleaseBatch(rids=batch, reply=r))
 
-    async def prefetch(self, rid: RequestId, tokens) -> PrefetchOutcome:
+    async def prefetch(self, rid: RequestId, tokens: Sequence[int] | np.ndarray) -> PrefetchOutcome:
         """Start fetching, from L3 into L2, the part of `tokens` past the request's last match.
         Admission checks may skip it (see the outcome's `reason`)."""
         (out,) = await self.prefetch_many([(rid, tokens)])
         return out
 
-    async def prefetch_many(self, items) -> tuple[PrefetchOutcome, ...]:
+    async def prefetch_many(
+        self, items: Iterable[tuple[RequestId, Sequence[int] | np.ndarray]]
+    ) -> tuple[PrefetchOutcome, ...]:
         batch = tuple(MatchItem(rid=rid, tokens=_tokens(t)) for rid, t in items)
         return await self._call(lambda r: PrefetchBatch(items=batch, reply=r))
 
@@ -246,11 +285,11 @@ class HiCache:
     async def stats(self) -> CacheStats:
         return await self._call(lambda r: GetStats(reply=r))
 
-    async def dump(self) -> list[dict]:
+    async def dump(self) -> list[dict[str, Any]]:
         return await self._call(lambda r: DumpTree(reply=r))
 
 
-def _tokens(tokens) -> np.ndarray | tuple:
+def _tokens(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | tuple[Any, ...]:
     if isinstance(tokens, np.ndarray):
         return tokens
     seq = list(tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeGuard
 
 # The names come from the registries that implement them (all four modules are torch-free).
 from hicache.kernels.names import IO_BACKENDS, LAYOUTS
@@ -85,6 +85,14 @@ class CacheConfig:
     # Serve Prometheus metrics on this port (/metrics; 0: any free port); needs the `metrics`
     # extra (prometheus_client). docs/metrics.md.
     metrics_port: int | None = None
+    # Publish KV events in vLLM's wire format (ZMQ PUB; binds "tcp://*:5557"-style wildcards and
+    # ipc/inproc, connects to anything else, as vLLM does); needs the `kv-events` extra.
+    # docs/kv-events.md.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None  # ROUTER endpoint answering replays (always binds)
+    kv_events_topic: str = ""  # first frame of every message
+    kv_events_buffer: int = 10_000  # batches kept for replay
+    kv_events_format: Literal["map", "array"] = "map"  # events as vLLM >= #42892, or positional
 
     extra: dict[str, object] = field(default_factory=dict)  # backend options
 
@@ -119,13 +127,20 @@ class CacheConfig:
         _check_int("upload_retries", self.upload_retries, minimum=0)
         _check_int("max_upload_backlog", self.max_upload_backlog, minimum=0)
         _check_int("seed", self.seed)
-        if self.metrics_port is not None and not (_is_int(self.metrics_port) and 0 <= self.metrics_port <= 65535):
-            raise ConfigError(f"metrics_port={self.metrics_port!r} must be None or a port in [0, 65535]")
+        if self.metrics_port is not None and not (
+            _is_int(self.metrics_port) and 0 <= self.metrics_port <= 65535
+        ):
+            raise ConfigError(
+                f"metrics_port={self.metrics_port!r} must be None or a port in [0, 65535]"
+            )
+        _check_kv_events(self)
         _check_int("tp_size", self.tp_size, minimum=1)
         _check_int("tp_rank", self.tp_rank, minimum=0)
         _check_seconds("upload_backoff", self.upload_backoff, zero_ok=True)
         _check_seconds("prefetch_timeout_base", self.prefetch_timeout_base, zero_ok=True)
-        _check_seconds("prefetch_timeout_per_ki_token", self.prefetch_timeout_per_ki_token, zero_ok=True)
+        _check_seconds(
+            "prefetch_timeout_per_ki_token", self.prefetch_timeout_per_ki_token, zero_ok=True
+        )
         _check_seconds("storage_timeout", self.storage_timeout, zero_ok=False)
         _check_seconds("close_timeout", self.close_timeout, zero_ok=False)
         if not _is_number(self.transfer_bandwidth) or not self.transfer_bandwidth > 0:  # NaN too
@@ -169,14 +184,28 @@ class CacheConfig:
         rewrites: list[Rewrite] = []
         cfg = self
         if cfg.io_backend == "direct" and cfg.layout == "page_first":
-            rewrites.append(Rewrite("layout", "page_first", "page_first_direct",
-                                    "direct io copies whole per-layer page runs; page_first has none"))
+            rewrites.append(
+                Rewrite(
+                    "layout",
+                    "page_first",
+                    "page_first_direct",
+                    "direct io copies whole per-layer page runs; page_first has none",
+                )
+            )
             cfg = replace(cfg, layout="page_first_direct")
         if cfg.kv.startswith("mla") and cfg.layout == "page_head":
-            raise ConfigError("layout='page_head' splits by head and needs MHA; MLA has one latent head")
+            raise ConfigError(
+                "layout='page_head' splits by head and needs MHA; MLA has one latent head"
+            )
         if cfg.exclusive and cfg.write_policy != "write_back":
-            rewrites.append(Rewrite("write_policy", cfg.write_policy, "write_back",
-                                    "an exclusive L2 only takes what L1 drops"))
+            rewrites.append(
+                Rewrite(
+                    "write_policy",
+                    cfg.write_policy,
+                    "write_back",
+                    "an exclusive L2 only takes what L1 drops",
+                )
+            )
             cfg = replace(cfg, write_policy="write_back")
         return cfg, tuple(rewrites)
 
@@ -186,11 +215,11 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -204,6 +233,40 @@ def _check_int(name: str, value: object, minimum: int | None = None) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _check_kv_events(cfg: CacheConfig) -> None:
+    for name in ("kv_events", "kv_events_replay"):
+        value = getattr(cfg, name)
+        if value is not None and (
+            not isinstance(value, str)
+            or not value.startswith(_ZMQ_SCHEMES)
+            or len(value) <= value.index("://") + 3
+        ):
+            raise ConfigError(
+                f"{name}={value!r} must be None or a ZMQ endpoint "
+                "(tcp://HOST:PORT, ipc://PATH or inproc://NAME)"
+            )
+    if cfg.kv_events_replay is not None and cfg.kv_events is None:
+        raise ConfigError(
+            "kv_events_replay is set but kv_events is not: replays answer for a publisher"
+        )
+    if (
+        cfg.kv_events_replay is not None
+        and cfg.kv_events_replay == cfg.kv_events
+        and not cfg.kv_events.endswith(":*")
+    ):  # "...:*" binds any free port, each its own
+        raise ConfigError(
+            f"kv_events_replay={cfg.kv_events_replay!r} is kv_events' endpoint: "
+            "the replay socket needs its own"
+        )
+    if not isinstance(cfg.kv_events_topic, str):
+        raise ConfigError(f"kv_events_topic={cfg.kv_events_topic!r} must be a string")
+    _check_positive("kv_events_buffer", cfg.kv_events_buffer)
+    _check_choice("kv_events_format", cfg.kv_events_format, ("map", "array"))
 
 
 def _check_seconds(name: str, value: object, *, zero_ok: bool) -> None:

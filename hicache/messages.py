@@ -9,44 +9,60 @@ is a fire-and-forget completion that the sender's credits guarantee room for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from hicache.types import NodeId, OpId, PageHash, RequestId
+from hicache.types import OpId, PageHash, RequestId
 
 if TYPE_CHECKING:
+    from hicache.kernels.streams.base import LoadHandle
+    from hicache.results import (
+        CacheOutcome,
+        CacheStats,
+        LoadBackOutcome,
+        MatchOutcome,
+        PrefetchOutcome,
+    )
     from hicache.runtime import Reply
 
-_msg = dataclass(frozen=True, slots=True, kw_only=True)
+_T = TypeVar("_T")
+
+
+class Asks(Protocol[_T]):
+    """A request: a message carrying the reply its sender waits on. A sender that builds one
+    with `make(reply)` gets the reply's type from the message (`Kernel.request`, the facade)."""
+
+    @property
+    def reply(self) -> Reply[_T]: ...
 
 
 # ---------------------------------------------------------------- frontend -> tree (requests)
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MatchItem:
     rid: RequestId
     tokens: Any  # sequence or int ndarray of token ids (tuples for bigram keys)
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MatchBatch:
     items: tuple[MatchItem, ...]
-    reply: Reply
+    reply: Reply[tuple[MatchOutcome, ...]]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadBackBatch:
     rids: tuple[RequestId, ...]
-    reply: Reply
+    reply: Reply[tuple[LoadBackOutcome, ...]]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AllocBatch:
     sizes: tuple[tuple[RequestId, int], ...]
-    reply: Reply
+    reply: Reply[tuple[np.ndarray, ...]]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheItem:
     rid: RequestId
     tokens: Any
@@ -54,63 +70,65 @@ class CacheItem:
     finished: bool  # False: a chunk of an unfinished request (no hit count, lock moves)
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheBatch:
     items: tuple[CacheItem, ...]
-    reply: Reply
+    reply: Reply[tuple[CacheOutcome, ...]]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReleaseBatch:
     rids: tuple[RequestId, ...]
-    reply: Reply
+    reply: Reply[None]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Flush:
-    reply: Reply
+    reply: Reply[bool | None]  # None once flushed; with `poll`, whether flushed
     poll: bool = False  # answer at once whether nothing is pending (TP ranks poll)
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GetStats:
-    reply: Reply
+    reply: Reply[CacheStats]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DumpTree:
-    reply: Reply
+    reply: Reply[list[dict[str, Any]]]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchBatch:
     items: tuple[MatchItem, ...]
-    reply: Reply
+    reply: Reply[tuple[PrefetchOutcome, ...]]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchWait:
     rid: RequestId
-    reply: Reply  # answered when the prefetch may terminate by the policy
+    reply: Reply[PrefetchOutcome]  # answered when the prefetch may terminate by the policy
     poll: bool = False  # answer at once with the outcome so far (TP ranks poll)
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchPoll:
     rid: RequestId
-    reply: Reply
+    reply: Reply[PrefetchOutcome]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClearStorage:
-    reply: Reply
+    reply: Reply[bool]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Drain:
     """Close: finish in-flight work, then answer with the final ledger balance."""
 
-    reply: Reply
+    # The ledgers (tier -> size, used, ...) and the bookkeeping tables (name -> entries) once
+    # nothing is in flight; None while something is (with `poll`).
+    reply: Reply[tuple[dict[str, dict[str, int]], dict[str, int]] | None]
     poll: bool = False  # answer None at once while work is in flight (TP ranks poll)
     # Past the close deadline: end every op still in flight as abandoned (with an event) and
     # answer at once. Only for close: the workers are stopped right after.
@@ -118,27 +136,27 @@ class Drain:
 
 
 # ---------------------------------------------------------------- workers -> tree (completions)
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WriteDone:
     op: OpId
     ok: bool
     error: str = ""
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadDone:
     op: OpId
     ok: bool
     error: str = ""
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UploadDone:
     op: OpId
     stored_pages: int
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchProgress:
     op: OpId
     hit_pages: int  # pages present in storage (consecutive prefix), known after the probe
@@ -147,12 +165,12 @@ class PrefetchProgress:
     stopped: bool = False  # sent after the prefetcher took a StopPrefetch
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TimerFired:
     op: OpId
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UploadTimedOut:
     """The upload's storage call passed `storage_timeout` and was given up: it no longer
     counts as pending for flushes or host allocations. Its `UploadDone` still follows once the
@@ -162,53 +180,69 @@ class UploadTimedOut:
     op: OpId
 
 
-TreeInbox = Union[
-    MatchBatch, LoadBackBatch, AllocBatch, CacheBatch, ReleaseBatch, Flush, GetStats, DumpTree,
-    PrefetchBatch, PrefetchWait, PrefetchPoll, ClearStorage, Drain,
-    WriteDone, LoadDone, UploadDone, UploadTimedOut, PrefetchProgress, TimerFired,
-]
+TreeInbox = (
+    MatchBatch
+    | LoadBackBatch
+    | AllocBatch
+    | CacheBatch
+    | ReleaseBatch
+    | Flush
+    | GetStats
+    | DumpTree
+    | PrefetchBatch
+    | PrefetchWait
+    | PrefetchPoll
+    | ClearStorage
+    | Drain
+    | WriteDone
+    | LoadDone
+    | UploadDone
+    | UploadTimedOut
+    | PrefetchProgress
+    | TimerFired
+)
 
 
 # ---------------------------------------------------------------- tree -> allocator (requests)
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Alloc:
     tier: str  # "device" | "host"
     num_tokens: int
-    reply: Reply  # -> np.ndarray | None
+    reply: Reply[np.ndarray | None]
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Free:
     tier: str
     slots: np.ndarray
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LedgerStats:
-    reply: Reply
+    reply: Reply[dict[str, dict[str, int]]]  # tier -> size, used, available
 
 
-AllocatorInbox = Union[Alloc, Free, LedgerStats]
+AllocatorInbox = Alloc | Free | LedgerStats
 
 
 # ---------------------------------------------------------------- tree -> writer / loader
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Backup:
     op: OpId
     device_slots: np.ndarray
     host_slots: np.ndarray
-    reply: Reply | None = None  # answered ok: bool (besides WriteDone); an eviction may wait
+    reply: Reply[bool] | None = None  # answered ok (besides WriteDone); an eviction may wait
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Load:
     op: OpId
     host_slots: np.ndarray
     device_slots: np.ndarray
-    reply: Reply  # -> LoadHandle, answered as soon as the copy is queued
+    reply: Reply[LoadHandle]  # answered as soon as the copy is queued
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StreamDone:
     """A transfer stream finished a job (delivered from the stream's thread or timer)."""
 
@@ -216,20 +250,20 @@ class StreamDone:
     error: str = ""
 
 
-WriterInbox = Union[Backup, StreamDone]
-LoaderInbox = Union[Load, StreamDone]
+WriterInbox = Backup | StreamDone
+LoaderInbox = Load | StreamDone
 
 
 # ---------------------------------------------------------------- tree -> uploader / prefetcher
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Upload:
     op: OpId
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
-    reply: Reply | None = None  # answered with the pages stored (besides UploadDone)
+    reply: Reply[int] | None = None  # answered with the pages stored (besides UploadDone)
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StartPrefetch:
     """Probe storage for these pages; report how many are there, then wait for a ReadPrefetch."""
 
@@ -237,7 +271,7 @@ class StartPrefetch:
     hashes: tuple[PageHash, ...]  # pages wanted, in order
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReadPrefetch:
     """Read the probed pages into these host slots (page-aligned, one page per hit)."""
 
@@ -245,12 +279,12 @@ class ReadPrefetch:
     host_slots: np.ndarray
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StopPrefetch:
     op: OpId
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IoDone:
     """A storage call made by a worker's helper task finished."""
 
@@ -259,7 +293,7 @@ class IoDone:
     error: str = ""
 
 
-@_msg
+@dataclass(frozen=True, slots=True, kw_only=True)
 class IoDeadline:
     """The deadline of an op's storage call `call` (a per-op count) has passed."""
 
@@ -267,7 +301,7 @@ class IoDeadline:
     call: int
 
 
-UploaderInbox = Union[Upload, IoDone, IoDeadline]
-PrefetcherInbox = Union[StartPrefetch, ReadPrefetch, StopPrefetch, IoDone, IoDeadline]
+UploaderInbox = Upload | IoDone | IoDeadline
+PrefetcherInbox = StartPrefetch | ReadPrefetch | StopPrefetch | IoDone | IoDeadline
 
 __all__ = [name for name in dir() if name[0].isupper()]

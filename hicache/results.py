@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hicache.types import RequestId
 
-_result = dataclass(frozen=True, slots=True, kw_only=True)
+if TYPE_CHECKING:
+    from hicache.kernels.streams.base import LoadHandle
 
 
 class CacheError(Exception):
@@ -19,7 +21,9 @@ class CapacityError(CacheError):
     """Not enough device or host slots even after evicting everything that may be evicted:
     what is left is locked by running requests or protected by in-flight transfers."""
 
-    def __init__(self, tier: str, wanted: int, available: int, rid: RequestId | None = None) -> None:
+    def __init__(
+        self, tier: str, wanted: int, available: int, rid: RequestId | None = None
+    ) -> None:
         who = f" for request {rid!r}" if rid is not None else ""
         super().__init__(
             f"{tier} capacity{who}: wanted {wanted} tokens, {available} free after eviction "
@@ -44,7 +48,7 @@ class StorageTimeout(CacheError, TimeoutError):
     """A storage call the caller waits on (`clear_storage`) passed `storage_timeout`."""
 
 
-@_result
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MatchOutcome:
     """The prefix the cache holds for a request. `device_slots` index the device pool for the
     L1-resident prefix; `host_len` more tokens exist in L2 only (load them with load_back).
@@ -54,14 +58,14 @@ class MatchOutcome:
     rid: RequestId
     device_slots: np.ndarray
     host_len: int
-    pending: tuple = ()
+    pending: tuple[LoadHandle, ...] = ()
 
     @property
     def device_len(self) -> int:
         return len(self.device_slots)
 
 
-@_result
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadBackOutcome:
     """The request's full cached prefix in device slots, and the handle to wait on per layer
     before attention reads layer i (None when nothing is landing). The prefix is taken from
@@ -71,10 +75,10 @@ class LoadBackOutcome:
     rid: RequestId
     device_slots: np.ndarray
     loaded_tokens: int
-    handle: object | None = None
+    handle: LoadHandle | None = None
 
 
-@_result
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheOutcome:
     """After caching a request (or a chunk): the device slots now backing its prefix (the
     tree's own slots; duplicates the caller passed were freed) and how many tokens were new.
@@ -84,10 +88,10 @@ class CacheOutcome:
     rid: RequestId
     device_slots: np.ndarray
     new_tokens: int
-    pending: tuple = ()
+    pending: tuple[LoadHandle, ...] = ()
 
 
-@_result
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchOutcome:
     """Where a request's L3 prefetch stands. `state`: none (never started), skipped (an
     admission check said no; see `reason`), running, done (what arrived is in the tree as
@@ -105,7 +109,7 @@ class PrefetchOutcome:
         return self.state != "running"
 
 
-@_result
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TierStats:
     size: int  # slots (tokens) in the tier
     used: int  # slots held: by the tree, by running requests, by transfers in flight
@@ -115,10 +119,10 @@ class TierStats:
     hit_tokens: int  # tokens served from this tier so far
 
 
-@_result
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheStats:
     device: TierStats
     host: TierStats
     storage_hit_tokens: int = 0
-    bytes: dict = field(default_factory=dict)
-    inflight: dict = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)  # "d2h", "h2d": bytes moved so far
+    inflight: dict[str, int] = field(default_factory=dict)  # ops and requests in flight, by kind

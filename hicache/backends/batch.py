@@ -36,7 +36,9 @@ def check_buffers(
             try:
                 view = memoryview(piece)
             except TypeError:
-                raise TypeError(f"page {i} piece {j}: {type(piece).__name__} is not a buffer") from None
+                raise TypeError(
+                    f"page {i} piece {j}: {type(piece).__name__} is not a buffer"
+                ) from None
             if not view.c_contiguous:
                 raise ValueError(f"page {i} piece {j} is not C-contiguous")
             if writable and view.readonly:

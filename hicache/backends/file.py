@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from hicache.backends.base import PageBuffer
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
@@ -61,7 +61,7 @@ class FileBackend:
     files; shares value files with any other instance over the same directory."""
 
     # Under a virtual clock (deterministic caches) its file calls run inline, not in threads.
-    VIRTUAL_TIME_OPTIONS = {"threads": 0}
+    VIRTUAL_TIME_OPTIONS: ClassVar[Mapping[str, object]] = {"threads": 0}
 
     def __init__(
         self,
@@ -76,12 +76,20 @@ class FileBackend:
         failure_streak: int = 8,
     ) -> None:
         if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise TypeError(
+                f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
+            )
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0
+        ):
             raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         if not isinstance(stale_temp_s, (int, float)) or stale_temp_s < 0:
             raise ValueError(f"stale_temp_s must be a number >= 0, got {stale_temp_s!r}")
-        if isinstance(failure_streak, bool) or not isinstance(failure_streak, int) or failure_streak < 1:
+        if (
+            isinstance(failure_streak, bool)
+            or not isinstance(failure_streak, int)
+            or failure_streak < 1
+        ):
             raise ValueError(f"failure_streak must be a positive int, got {failure_streak!r}")
         self.namespace = namespace
         self.root = os.fspath(root)
@@ -121,7 +129,9 @@ class FileBackend:
             raise ValueError(f"file backend spec must be file:DIR, got {spec!r}")
         known = {"fsync", "max_bytes", "threads", "stale_temp_s", "failure_streak"}
         if set(options) - known:
-            raise TypeError(f"unknown file backend options {sorted(set(options) - known)}; known: {sorted(known)}")
+            raise TypeError(
+                f"unknown file backend options {sorted(set(options) - known)}; known: {sorted(known)}"
+            )
         return cls(spec[len("file:") :], namespace=namespace, emit=emit, **options)
 
     # -- protocol ------------------------------------------------------------------------
@@ -171,7 +181,11 @@ class FileBackend:
             if self.max_bytes is not None:
                 self._remember(key, mtime_ns, size)
             oks.append(True)
-        if self.max_bytes is not None and self._indexed_bytes > self.max_bytes and not self._evicting:
+        if (
+            self.max_bytes is not None
+            and self._indexed_bytes > self.max_bytes
+            and not self._evicting
+        ):
             self._evicting = True
             try:
                 evicted = await self._runner.run(self._enforce_cap)
@@ -199,7 +213,7 @@ class FileBackend:
             self._indexed_bytes = 0
 
     def stats(self) -> Mapping[str, int | float]:
-        out: dict[str, int | float] = self._counters.as_dict()
+        out: dict[str, int | float] = dict(self._counters.as_dict())
         out["write_failure_streaks"] = self._streaks
         if self.max_bytes is not None:
             out["stored_bytes"] = self._indexed_bytes
@@ -227,12 +241,18 @@ class FileBackend:
         self._failed_writes += 1
         if self._failed_writes == self.failure_streak:
             self._streaks += 1
-            self._emit("storage.writes_failing", directory=self._dir, failures=self._failed_writes,
-                       error=f"{type(exc).__name__}: {exc}")
+            self._emit(
+                "storage.writes_failing",
+                directory=self._dir,
+                failures=self._failed_writes,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     def _write_succeeded(self) -> None:
         if self._failed_writes >= self.failure_streak:
-            self._emit("storage.writes_recovered", directory=self._dir, failures=self._failed_writes)
+            self._emit(
+                "storage.writes_recovered", directory=self._dir, failures=self._failed_writes
+            )
         self._failed_writes = 0
 
     def _remember(self, key: str, mtime_ns: int, size: int) -> None:
@@ -277,7 +297,7 @@ class FileBackend:
                 return 0
             excess = self._indexed_bytes - target
             victims = []
-            for mtime_ns, page_hash, size in heapq.nsmallest(
+            for _mtime_ns, page_hash, size in heapq.nsmallest(
                 len(self._index), ((m, h, s) for h, (m, s) in self._index.items())
             ):
                 if excess <= 0:
@@ -316,7 +336,7 @@ def _count_existing(paths: list[str]) -> int:
     return prefix_count(os.path.exists(p) for p in paths)
 
 
-def _read_value(job: tuple[str, str, list[memoryview]]) -> int | None | CorruptValue | OSError:
+def _read_value(job: tuple[str, str, list[memoryview]]) -> int | CorruptValue | OSError | None:
     """Read and verify one value into its pieces: payload size, None (absent), the
     CorruptValue (file already deleted), or the OSError. The payload is read and checksummed
     a chunk at a time, so the checksum reads bytes still in the CPU cache."""
@@ -336,7 +356,10 @@ def _read_value(job: tuple[str, str, list[memoryview]]) -> int | None | CorruptV
         header = decode_header(head[: min(got, head.nbytes)], key)
         want = sum(p.nbytes for p in pieces)
         if file_size - header.size != header.payload_len:
-            raise CorruptValue("truncated", f"{file_size - header.size} payload bytes, header says {header.payload_len}")
+            raise CorruptValue(
+                "truncated",
+                f"{file_size - header.size} payload bytes, header says {header.payload_len}",
+            )
         if header.payload_len != want:
             raise CorruptValue("length", f"value holds {header.payload_len} bytes, page has {want}")
         crc = checksum(first)
@@ -357,7 +380,9 @@ def _read_value(job: tuple[str, str, list[memoryview]]) -> int | None | CorruptV
         os.close(fd)
 
 
-def _write_value(job: tuple[str, str, str, list[memoryview], bool]) -> tuple[int, int, int] | OSError:
+def _write_value(
+    job: tuple[str, str, str, list[memoryview], bool],
+) -> tuple[int, int, int] | OSError:
     """Write one value through a temporary file and rename: (file size, mtime_ns, payload)
     or the OSError (the temporary file then removed). The payload goes first, a chunk at a
     time right after checksumming it; the header, which needs the checksum, goes last."""

@@ -12,6 +12,7 @@ the bottleneck of reads from the page cache.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import threading
@@ -67,10 +68,12 @@ _pool_lock = threading.Lock()
 
 
 def _checksum_pool() -> ThreadPoolExecutor:
-    global _pool
+    global _pool  # noqa: PLW0603 - one checksum pool per process, started on first use
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, CHECKSUM_THREADS - 1), thread_name_prefix="hicache-crc")
+            _pool = ThreadPoolExecutor(
+                max(1, CHECKSUM_THREADS - 1), thread_name_prefix="hicache-crc"
+            )
         return _pool
 
 
@@ -94,7 +97,7 @@ def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
         return [checksum(value) for value in values[lo:hi]]
 
     pool = _checksum_pool()
-    helpers = [pool.submit(run, lo, hi) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+    helpers = [pool.submit(run, lo, hi) for lo, hi in itertools.pairwise(cuts[1:])]
     out = run(cuts[0], cuts[1])
     for future in helpers:
         out.extend(future.result())
@@ -139,7 +142,9 @@ def decode_header(buf: bytes | memoryview, expected_key: str) -> Header:
     return Header(key=key, payload_len=payload_len, crc32=crc, size=end)
 
 
-def verify_payload(header: Header, pieces: Sequence[memoryview | bytes], crc: int | None = None) -> None:
+def verify_payload(
+    header: Header, pieces: Sequence[memoryview | bytes], crc: int | None = None
+) -> None:
     """Check that `pieces` (the payload as read) match the header's length and checksum; `crc`:
     their checksum when the caller already has it (`checksums`)."""
     length = sum(memoryview(p).nbytes for p in pieces)

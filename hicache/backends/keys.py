@@ -60,7 +60,7 @@ def chain_page_hashes(
     if pages == 0:
         return []
     # One conversion for the whole run; each page is then a zero-copy slice of it.
-    raw = memoryview(np.ascontiguousarray(ids[: pages * page_size], dtype="<u4")).cast("B")
+    raw = np.ascontiguousarray(ids[: pages * page_size], dtype="<u4").data.cast("B")
     stride = raw.nbytes // pages
     out: list[PageHash] = []
     prev = prior_bytes
@@ -106,7 +106,7 @@ def check_kv_spec(spec: str) -> str:
             f"kv spec {spec!r} must look like mha:LAYERS:HEADS:DIM:DTYPE or "
             "mla:LAYERS:RANK:ROPE:DTYPE (lowercase, e.g. mha:32:8:128:bfloat16)"
         )
-    kind, *dims, dtype = m.groups()
+    _kind, *dims, dtype = m.groups()
     if any(int(d) <= 0 for d in dims):
         raise ValueError(f"kv spec {spec!r}: layers and dimensions must be positive")
     if dtype not in KV_DTYPES:
@@ -138,7 +138,11 @@ class Namespace:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         check_kv_spec(self.kv)
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size <= 0:
+        if (
+            isinstance(self.page_size, bool)
+            or not isinstance(self.page_size, int)
+            or self.page_size <= 0
+        ):
             raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
         if not isinstance(self.tenant, str):
             raise ValueError(f"tenant salt must be a string, got {self.tenant!r}")
@@ -154,8 +158,16 @@ class Namespace:
             raise ValueError(f"rank={self.rank!r} is outside tp_size={self.tp_size!r}")
         if not isinstance(self.layout, str):
             raise ValueError(f"layout must be a string, got {self.layout!r}")
-        fields = (KEY_SCHEME_VERSION, self.model, self.kv, self.page_size, self.tenant,
-                  self.key_rank, self.key_tp_size, self.layout)
+        fields = (
+            KEY_SCHEME_VERSION,
+            self.model,
+            self.kv,
+            self.page_size,
+            self.tenant,
+            self.key_rank,
+            self.key_tp_size,
+            self.layout,
+        )
         # Length-prefixed fields so no two field tuples serialise alike.
         h = hashlib.sha256()
         for f in fields:
@@ -165,7 +177,7 @@ class Namespace:
 
     @property
     def attention(self) -> str:
-        """"mha" or "mla"."""
+        """ "mha" or "mla"."""
         return self.kv.split(":", 1)[0]
 
     @property

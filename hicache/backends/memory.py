@@ -27,9 +27,13 @@ class MemoryStore:
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes <= 0
         ):
-            raise ValueError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
+            raise ValueError(
+                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
+            )
         self.capacity_bytes = capacity_bytes
         self._values: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
@@ -91,6 +95,8 @@ class MemoryStore:
 class MemoryBackend(SimpleStoreBackend):
     """The in-process backend: a SimpleStoreBackend over a MemoryStore, inline."""
 
+    store: MemoryStore
+
     def __init__(
         self,
         *,
@@ -100,8 +106,15 @@ class MemoryBackend(SimpleStoreBackend):
         capacity_bytes: int | None = None,
     ) -> None:
         if store is not None and capacity_bytes is not None:
-            raise ValueError("give either store or capacity_bytes, not both (the store has its own capacity)")
-        super().__init__(store if store is not None else MemoryStore(capacity_bytes), namespace=namespace, emit=emit, threads=0)
+            raise ValueError(
+                "give either store or capacity_bytes, not both (the store has its own capacity)"
+            )
+        super().__init__(
+            store if store is not None else MemoryStore(capacity_bytes),
+            namespace=namespace,
+            emit=emit,
+            threads=0,
+        )
 
     @classmethod
     def from_spec(
@@ -112,7 +125,9 @@ class MemoryBackend(SimpleStoreBackend):
             raise ValueError(f"memory backend spec is exactly 'memory', got {spec!r}")
         unknown = set(options) - {"store", "capacity_bytes"}
         if unknown:
-            raise TypeError(f"unknown memory backend options {sorted(unknown)}; known: capacity_bytes, store")
+            raise TypeError(
+                f"unknown memory backend options {sorted(unknown)}; known: capacity_bytes, store"
+            )
         return cls(namespace=namespace, emit=emit, **options)
 
     def stats(self) -> dict[str, int | float]:

@@ -15,9 +15,9 @@ answers a miss at once instead of waiting on the network again).
 from __future__ import annotations
 
 import os
-import socket
 import queue
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +28,14 @@ import anyio
 import anyio.to_thread
 
 from hicache.backends.base import PageBuffer
-from hicache.backends.mooncake_io import ChunkResult, get_chunk, is_unreachable, page_plan, put_chunk, split_chunks
+from hicache.backends.mooncake_io import (
+    ChunkResult,
+    get_chunk,
+    is_unreachable,
+    page_plan,
+    put_chunk,
+    split_chunks,
+)
 from hicache.backends.mooncake_memory import Arena, Lane, RegisteredRegions
 from hicache.backends.mooncake_spec import MooncakeSpec, parse_spec
 
@@ -36,6 +43,7 @@ _T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from hicache.backends.keys import Namespace
+    from hicache.kernels.pools import HostPool
 
 EventSink = Callable[..., None]
 ClientFactory = Callable[[MooncakeSpec], Any]
@@ -64,8 +72,15 @@ def connect_client(spec: MooncakeSpec) -> Any:
     local = spec.local_address()
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", local)
     client = MooncakeDistributedStore()
-    rc = client.setup(local, spec.metadata, spec.segment, spec.local_buffer, spec.protocol,
-                      spec.device, spec.master)
+    rc = client.setup(
+        local,
+        spec.metadata,
+        spec.segment,
+        spec.local_buffer,
+        spec.protocol,
+        spec.device,
+        spec.master,
+    )
     if rc != 0:
         raise ConnectionError(f"Mooncake setup against master {spec.master} failed with code {rc}")
     return client
@@ -76,9 +91,15 @@ class MooncakeBackend:
     worker thread), so construction never blocks. Safe for concurrent awaits from one loop;
     at most `spec.lanes` client calls run at once, each with its own registered lane."""
 
-    def __init__(self, spec: MooncakeSpec, *, namespace: Namespace, emit: EventSink | None = None,
-                 client_factory: ClientFactory = connect_client,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        spec: MooncakeSpec,
+        *,
+        namespace: Namespace,
+        emit: EventSink | None = None,
+        client_factory: ClientFactory = connect_client,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.spec = spec
         self.namespace = namespace
         self._emit = emit if emit is not None else _noop
@@ -94,19 +115,35 @@ class MooncakeBackend:
         self._down_until = float("-inf")
         self._closed = False
         self._stats: dict[str, int] = dict.fromkeys(
-            ("gets", "get_hits", "sets", "set_pages", "bytes_read", "bytes_written", "corrupt",
-             "staged_pages", "errors", "unreachable", "skipped"), 0)
+            (
+                "gets",
+                "get_hits",
+                "sets",
+                "set_pages",
+                "bytes_read",
+                "bytes_written",
+                "corrupt",
+                "staged_pages",
+                "errors",
+                "unreachable",
+                "skipped",
+            ),
+            0,
+        )
 
     @classmethod
-    def from_spec(cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None,
-                  **options: object) -> MooncakeBackend:
+    def from_spec(
+        cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: object
+    ) -> MooncakeBackend:
         """Validate `spec` (mooncake://MASTER_HOST:PORT?…, see mooncake_spec) and build a
         backend; keyword options override the query. Raises ValueError; connects later."""
         if not isinstance(getattr(namespace, "prefix", None), str):
-            raise ValueError(f"namespace must be a hicache.backends.keys.Namespace, got {namespace!r}")
+            raise ValueError(
+                f"namespace must be a hicache.backends.keys.Namespace, got {namespace!r}"
+            )
         return cls(parse_spec(spec, options), namespace=namespace, emit=emit)
 
-    def attach_host_pool(self, pool) -> None:
+    def attach_host_pool(self, pool: HostPool) -> None:
         """The cache that owns this backend hands it its host pool: register the pool's buffer
         so pages move zero-copy. The pool outlives the backend (the cache closes it last)."""
         self.register_host_memory(pool.buffer.data_ptr(), pool.nbytes)
@@ -121,7 +158,9 @@ class MooncakeBackend:
         with self._lock:
             for p, n in self._wanted:
                 if p < ptr + nbytes and ptr < p + n and not (p <= ptr and ptr + nbytes <= p + n):
-                    raise ValueError(f"region [{ptr:#x}, +{nbytes}) partly overlaps a registered one")
+                    raise ValueError(
+                        f"region [{ptr:#x}, +{nbytes}) partly overlaps a registered one"
+                    )
             self._wanted.append((ptr, nbytes))
 
     # ---- worker-thread side -------------------------------------------------------------
@@ -131,10 +170,14 @@ class MooncakeBackend:
         with self._lock:
             if self._client is None:
                 client = self._factory(self.spec)
-                arena = Arena(lanes=self.spec.lanes, batch=self.spec.batch, staging=self.spec.staging)
+                arena = Arena(
+                    lanes=self.spec.lanes, batch=self.spec.batch, staging=self.spec.staging
+                )
                 rc = client.register_buffer(arena.ptr, arena.nbytes)
                 if rc != 0:
-                    raise ConnectionError(f"Mooncake refused to register the staging arena: code {rc}")
+                    raise ConnectionError(
+                        f"Mooncake refused to register the staging arena: code {rc}"
+                    )
                 self._client, self._arena = client, arena
                 for lane in arena.lanes:
                     self._lanes.put(lane)
@@ -158,6 +201,7 @@ class MooncakeBackend:
                 return fn(client, lane)
             finally:
                 self._lanes.put(lane)
+
         return run
 
     # ---- event-loop side ----------------------------------------------------------------
@@ -242,13 +286,22 @@ class MooncakeBackend:
             # cost more than planning. Chunks run one after another: on few cores, concurrent
             # transfers of one batch measured slower, and after a short chunk the rest are useless.
             plans = [page_plan(self._regions, page) for page in pages]
-            chunks = split_chunks([sum(p[1]) for p in plans], [p[2] for p in plans], batch=self.spec.batch,
-                                  staging=self.spec.staging // self.spec.lanes)
+            chunks = split_chunks(
+                [sum(p[1]) for p in plans],
+                [p[2] for p in plans],
+                batch=self.spec.batch,
+                staging=self.spec.staging // self.spec.lanes,
+            )
             results: list[ChunkResult] = []
             for chunk in chunks:
                 try:
-                    result = chunk_fn(client, lane, self._regions, keys[chunk.start : chunk.stop],
-                                      pages[chunk.start : chunk.stop])
+                    result = chunk_fn(
+                        client,
+                        lane,
+                        self._regions,
+                        keys[chunk.start : chunk.stop],
+                        pages[chunk.start : chunk.stop],
+                    )
                 except (ConnectionError, OSError) as exc:
                     return results, exc
                 results.append(result)

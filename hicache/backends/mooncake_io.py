@@ -60,7 +60,9 @@ def page_plan(regions: RegisteredRegions, page: PageBuffer) -> tuple[list[int], 
     return ptrs, sizes, staged
 
 
-def split_chunks(payloads: Sequence[int], staged: Sequence[bool], *, batch: int, staging: int) -> list[range]:
+def split_chunks(
+    payloads: Sequence[int], staged: Sequence[bool], *, batch: int, staging: int
+) -> list[range]:
     """Consecutive index ranges of at most `batch` pages whose staged payloads fit `staging`.
     Raises ValueError for a staged page larger than `staging` (a configuration error). Pure."""
     chunks: list[range] = []
@@ -81,8 +83,9 @@ def split_chunks(payloads: Sequence[int], staged: Sequence[bool], *, batch: int,
     return chunks
 
 
-def _in_room(regions: RegisteredRegions, page: PageBuffer, ptrs: list[int], sizes: list[int],
-             size: int) -> int | None:
+def _in_room(
+    regions: RegisteredRegions, page: PageBuffer, ptrs: list[int], sizes: list[int], size: int
+) -> int | None:
     """Where a `size`-byte header goes so that header and page are one registered piece: just
     before the page, in its header room (`PagePieces`); None when the page has no such room."""
     if getattr(page, "header_room", 0) < size or len(ptrs) != 1:
@@ -97,12 +100,21 @@ def _room_view(at: int, size: int) -> memoryview:
 
 def _header_slot(lane: Lane, i: int, size: int) -> tuple[memoryview, int]:
     if size > HEADER_SLOT:
-        raise ValueError(f"key too long: header of {size} bytes exceeds the {HEADER_SLOT}-byte slot")
-    return lane.headers[i * HEADER_SLOT : i * HEADER_SLOT + size], lane.headers_ptr + i * HEADER_SLOT
+        raise ValueError(
+            f"key too long: header of {size} bytes exceeds the {HEADER_SLOT}-byte slot"
+        )
+    return lane.headers[
+        i * HEADER_SLOT : i * HEADER_SLOT + size
+    ], lane.headers_ptr + i * HEADER_SLOT
 
 
-def put_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequence[str],
-              pages: Sequence[PageBuffer]) -> ChunkResult:
+def put_chunk(
+    client: Any,
+    lane: Lane,
+    regions: RegisteredRegions,
+    keys: Sequence[str],
+    pages: Sequence[PageBuffer],
+) -> ChunkResult:
     """Store each page under its key (an existing key counts as stored: keys name content)."""
     all_ptrs: list[list[int]] = []
     all_sizes: list[list[int]] = []
@@ -147,8 +159,13 @@ def put_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequenc
     return result
 
 
-def get_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequence[str],
-              pages: Sequence[PageBuffer]) -> ChunkResult:
+def get_chunk(
+    client: Any,
+    lane: Lane,
+    regions: RegisteredRegions,
+    keys: Sequence[str],
+    pages: Sequence[PageBuffer],
+) -> ChunkResult:
     """Read each key into its page, verify it, and delete values that fail verification.
     Stops verifying at the first page that is not read: later pages are of no use."""
     all_ptrs: list[list[int]] = []
@@ -222,7 +239,7 @@ def get_chunk(client: Any, lane: Lane, regions: RegisteredRegions, keys: Sequenc
 
 
 def _classify_failure(client: Any, key: str, expected: int, code: int) -> str | None:
-    """"length" when the key holds a value of another size (foreign or torn: it can never be
+    """ "length" when the key holds a value of another size (foreign or torn: it can never be
     read into this page), else None (a transient failure, left in place)."""
     if is_unreachable(code):
         return None

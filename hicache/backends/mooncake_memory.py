@@ -49,7 +49,9 @@ class RegisteredRegions:
         if self.covers(ptr, nbytes):
             return False
         i = bisect.bisect_right(self._starts, ptr)
-        if (i > 0 and self._ends[i - 1] > ptr) or (i < len(self._starts) and self._starts[i] < ptr + nbytes):
+        if (i > 0 and self._ends[i - 1] > ptr) or (
+            i < len(self._starts) and self._starts[i] < ptr + nbytes
+        ):
             raise ValueError(f"region [{ptr:#x}, +{nbytes}) overlaps a registered region")
         self._starts = self._starts[:i] + (ptr,) + self._starts[i:]
         self._ends = self._ends[:i] + (ptr + nbytes,) + self._ends[i:]
@@ -95,11 +97,13 @@ class Arena:
         self._buf = np.ones(lanes * per_lane, dtype=np.uint8)  # ones, not zeros: touches pages
         self.ptr = int(self._buf.ctypes.data)
         self.nbytes = int(self._buf.nbytes)
-        view = memoryview(self._buf).cast("B")
+        view = self._buf.data.cast("B")
         lanes_list = []
         for i in range(lanes):
             base = i * per_lane
             hdr = view[base : base + batch * HEADER_SLOT]
             stg = view[base + batch * HEADER_SLOT : base + per_lane]
-            lanes_list.append(Lane(hdr, stg, self.ptr + base, self.ptr + base + batch * HEADER_SLOT))
+            lanes_list.append(
+                Lane(hdr, stg, self.ptr + base, self.ptr + base + batch * HEADER_SLOT)
+            )
         self.lanes: tuple[Lane, ...] = tuple(lanes_list)

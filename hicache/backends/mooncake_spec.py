@@ -16,9 +16,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 _SIZE_RE = re.compile(r"\s*(\d+)\s*([a-zA-Z]*)\s*")
 PROTOCOLS = ("tcp", "rdma")
 HTTP_METADATA_PORT = 8080  # mooncake_master's default --http_metadata_server_port
@@ -88,13 +101,25 @@ class MooncakeSpec:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
                 s.connect((self.master_host, self.master_port))
-                return s.getsockname()[0]
+                address: str = s.getsockname()[0]
+                return address
             except OSError:
                 return "127.0.0.1"
 
 
-_OPTION_NAMES = ("metadata", "protocol", "device", "host", "segment", "local_buffer", "staging",
-                 "lanes", "batch", "probe_timeout", "retry")
+_OPTION_NAMES = (
+    "metadata",
+    "protocol",
+    "device",
+    "host",
+    "segment",
+    "local_buffer",
+    "staging",
+    "lanes",
+    "batch",
+    "probe_timeout",
+    "retry",
+)
 
 
 def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> MooncakeSpec:
@@ -115,7 +140,9 @@ def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> Moonca
     merged: dict[str, object] = {**query, **dict(options or {})}
     unknown = sorted(set(merged) - set(_OPTION_NAMES))
     if unknown:
-        raise ValueError(f"Mooncake spec: unknown option(s) {unknown}; known: {list(_OPTION_NAMES)}")
+        raise ValueError(
+            f"Mooncake spec: unknown option(s) {unknown}; known: {list(_OPTION_NAMES)}"
+        )
     protocol = str(merged.get("protocol", "tcp"))
     if protocol not in PROTOCOLS:
         raise ValueError(f"Mooncake spec: protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -124,12 +151,16 @@ def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> Moonca
         raise ValueError("Mooncake spec: protocol=rdma needs device=NAME (e.g. mlx5_0)")
     metadata = str(merged.get("metadata", f"http://{host}:{HTTP_METADATA_PORT}/metadata"))
     if metadata != "P2PHANDSHAKE" and not re.match(r"(https?|etcd|redis)://", metadata):
-        raise ValueError(f"Mooncake spec: metadata must be a http://, etcd:// or redis:// URL "
-                         f"or P2PHANDSHAKE, got {metadata!r}")
+        raise ValueError(
+            f"Mooncake spec: metadata must be a http://, etcd:// or redis:// URL "
+            f"or P2PHANDSHAKE, got {metadata!r}"
+        )
     lanes = _positive_int(merged.get("lanes", 4), "lanes")
     staging = parse_size(merged.get("staging", "64MiB"), "staging")
     if staging < lanes:
-        raise ValueError(f"Mooncake spec: staging of {staging} bytes cannot be split into {lanes} lanes")
+        raise ValueError(
+            f"Mooncake spec: staging of {staging} bytes cannot be split into {lanes} lanes"
+        )
     return MooncakeSpec(
         master_host=host,
         master_port=port,

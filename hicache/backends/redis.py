@@ -39,9 +39,14 @@ import anyio
 from hicache.backends.base import BackendUnavailable, PageBuffer
 from hicache.backends.framing import CorruptValue, encode_header, header_size
 from hicache.backends.redis_client import FAILURES, RedisLink, is_unreachable, is_wrong_type
-from hicache.backends.redis_spec import RedisSpec, parse_redis_spec
 from hicache.backends.redis_direct import Landed, Target, WrongLength
-from hicache.backends.redis_values import byte_views, explain_wrong_length, read_value_into, verify_landed
+from hicache.backends.redis_spec import RedisSpec, parse_redis_spec
+from hicache.backends.redis_values import (
+    byte_views,
+    explain_wrong_length,
+    read_value_into,
+    verify_landed,
+)
 from hicache.backends.redis_wire import Parts
 
 if TYPE_CHECKING:
@@ -90,7 +95,9 @@ def _glob_escape(text: str) -> str:
 class RedisBackend:
     """StorageBackend over a Redis/Valkey server or cluster; see the module docstring."""
 
-    def __init__(self, spec: RedisSpec, *, namespace: Namespace, emit: EventSink | None = None) -> None:
+    def __init__(
+        self, spec: RedisSpec, *, namespace: Namespace, emit: EventSink | None = None
+    ) -> None:
         self.spec = spec
         self.namespace = namespace
         self._emit = emit or _no_events
@@ -104,7 +111,8 @@ class RedisBackend:
         ttl_ms = None if spec.ttl_s is None else max(1, round(spec.ttl_s * 1000))
         self._set_tail: tuple[Any, ...] = () if ttl_ms is None else ("PX", ttl_ms)
         refresh = ttl_ms is not None and spec.refresh_ttl
-        self._get_head, self._get_tail = ("GETEX", ("PX", ttl_ms)) if refresh else ("GET", ())
+        self._get_head: str = "GETEX" if refresh else "GET"
+        self._get_tail: tuple[Any, ...] = ("PX", ttl_ms) if refresh else ()
 
     @classmethod
     def from_spec(
@@ -135,7 +143,9 @@ class RedisBackend:
             elif replies[0] not in (True, b"PONG", "PONG"):
                 failure = ValueError(f"unexpected PING reply {replies[0]!r}")
         if failure is not None:
-            detail = f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
+            detail = (
+                f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
+            )
             if spec.password:
                 detail = detail.replace(spec.password, "***")
             raise BackendUnavailable(
@@ -169,7 +179,9 @@ class RedisBackend:
         self._check_keys(keys)
         if len(targets) != len(keys):
             raise ValueError(f"get_into: {len(keys)} keys but {len(targets)} targets")
-        pages = [byte_views(t, writable=True, what=f"get_into target {i}") for i, t in enumerate(targets)]
+        pages = [
+            byte_views(t, writable=True, what=f"get_into target {i}") for i, t in enumerate(targets)
+        ]
         if not keys:
             return 0
         ok = [False] * len(keys)
@@ -183,7 +195,12 @@ class RedisBackend:
                 if isinstance(value, BaseException):
                     raise CorruptValue("foreign", str(value))
                 if isinstance(value, WrongLength):
-                    raise explain_wrong_length(key, value.prefix, value.length, targets[index].total - targets[index].header_size)
+                    raise explain_wrong_length(
+                        key,
+                        value.prefix,
+                        value.length,
+                        in_place[index].total - in_place[index].header_size,
+                    )
                 if isinstance(value, Landed):  # received in place: verify the page where it lies
                     self._counters.bytes_read += verify_landed(key, value.header, pages[index])
                 else:
@@ -195,11 +212,18 @@ class RedisBackend:
                 corrupt.append(key)
 
         commands = [(self._get_head, key, *self._get_tail) for key in keys]
-        targets = [Target(header_size(key), page) for key, page in zip(keys, pages)]
-        await self._run("get", commands, [sum(p.nbytes for p in page) for page in pages], take,
-                        targets=targets if self._link.reads_in_place else None)
+        in_place = [Target(header_size(key), page) for key, page in zip(keys, pages)]
+        await self._run(
+            "get",
+            commands,
+            [sum(p.nbytes for p in page) for page in pages],
+            take,
+            targets=in_place if self._link.reads_in_place else None,
+        )
         if corrupt:
-            await self._run("delete", [("UNLINK", key) for key in corrupt], [0] * len(corrupt), _ignore)
+            await self._run(
+                "delete", [("UNLINK", key) for key in corrupt], [0] * len(corrupt), _ignore
+            )
         hits = _prefix_count(ok)
         self._counters.gets += len(keys)
         self._counters.get_hits += hits
@@ -210,7 +234,10 @@ class RedisBackend:
         self._check_keys(keys)
         if len(sources) != len(keys):
             raise ValueError(f"set_from: {len(keys)} keys but {len(sources)} sources")
-        pages = [byte_views(s, writable=False, what=f"set_from source {i}") for i, s in enumerate(sources)]
+        pages = [
+            byte_views(s, writable=False, what=f"set_from source {i}")
+            for i, s in enumerate(sources)
+        ]
         if not keys:
             return 0
         sizes = [sum(p.nbytes for p in page) for page in pages]
@@ -224,8 +251,13 @@ class RedisBackend:
             ("SET", key, Parts((encode_header(key, page), *page)), *self._set_tail)
             for key, page in zip(keys, pages)
         ]
-        await self._run("set", commands, sizes, take,
-                        targets=[None] * len(commands) if self._link.reads_in_place else None)
+        await self._run(
+            "set",
+            commands,
+            sizes,
+            take,
+            targets=[None] * len(commands) if self._link.reads_in_place else None,
+        )
         stored = _prefix_count(ok)
         self._counters.sets += len(keys)
         self._counters.set_ok += stored
@@ -312,11 +344,14 @@ class RedisBackend:
                     if targets is None:
                         replies = await self._link.send([commands[i] for i in group])
                     else:
-                        replies = await self._link.read_into([commands[i] for i in group],
-                                                             [targets[i] for i in group])
+                        replies = await self._link.read_into(
+                            [commands[i] for i in group], [targets[i] for i in group]
+                        )
                 except FAILURES as error:
                     replies = [error] * len(group)
-            failure = next((r for r in replies if isinstance(r, BaseException) and not is_wrong_type(r)), None)
+            failure = next(
+                (r for r in replies if isinstance(r, BaseException) and not is_wrong_type(r)), None
+            )
             if failure is None:
                 self._succeeded()
             else:
@@ -344,7 +379,13 @@ class RedisBackend:
         elif self._reachable:
             self._reachable = False
             self._counters.unavailable += 1
-            self._emit("storage.unavailable", backend="redis", server=self.spec.redacted(), op=op, error=message)
+            self._emit(
+                "storage.unavailable",
+                backend="redis",
+                server=self.spec.redacted(),
+                op=op,
+                error=message,
+            )
 
     def _succeeded(self) -> None:
         if not self._reachable:

@@ -9,7 +9,7 @@ every connect, read, write and pool wait is bounded by the spec's timeouts.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -82,7 +82,9 @@ def _client(spec: RedisSpec) -> aioredis.Redis | RedisCluster:
             **common,
         )
     if spec.path is not None:
-        where: dict[str, Any] = dict(connection_class=aioredis.UnixDomainSocketConnection, path=spec.path)
+        where: dict[str, Any] = dict(
+            connection_class=aioredis.UnixDomainSocketConnection, path=spec.path
+        )
     else:
         host, port = spec.endpoints[0]
         connection_class = aioredis.SSLConnection if spec.tls else aioredis.Connection
@@ -106,7 +108,9 @@ class RedisLink:
         """Whether `read_into` is available (standalone servers; not through the cluster client)."""
         return self._direct is not None
 
-    async def read_into(self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None]) -> list[Any]:
+    async def read_into(
+        self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None]
+    ) -> list[Any]:
         """Like `send`, over the in-place connections (redis_direct): each GET reply that has a
         Target is received straight into its pieces; a None target is a plain reply. Standalone
         servers only."""
@@ -129,7 +133,7 @@ class RedisLink:
             pipe.execute_command(*map(joined, command))
         return await pipe.execute(raise_on_error=False)
 
-    async def scan(self, match: str, count: int):
+    async def scan(self, match: str, count: int) -> AsyncIterator[str]:
         """Every key matching the glob `match` (on every primary of a cluster), as str."""
         async for key in self.client.scan_iter(match=match, count=count):
             yield key.decode() if isinstance(key, bytes) else key

@@ -91,7 +91,9 @@ class _Replies(asyncio.BufferedProtocol):
 
     # --- used by DirectConnection -------------------------------------------------------------
 
-    def expect(self, targets: Sequence[Target | None], loop: asyncio.AbstractEventLoop) -> asyncio.Future[list[Any]]:
+    def expect(
+        self, targets: Sequence[Target | None], loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[list[Any]]:
         if self._lost is not None:
             raise RedisConnectionError(f"connection lost: {self._lost}")
         if self._pending or self._windows:
@@ -195,8 +197,12 @@ class _Replies(asyncio.BufferedProtocol):
             if eol < 0:
                 return
             kind, text = buf[self._start], bytes(buf[self._start + 1 : eol])
-            if kind == ord("$") and self._pending[0] is None and int(text) >= 0 \
-                    and self._end - (eol + 2) < int(text) + 2:
+            if (
+                kind == ord("$")
+                and self._pending[0] is None
+                and int(text) >= 0
+                and self._end - (eol + 2) < int(text) + 2
+            ):
                 return  # a plain command's bulk reply, not all here yet: parse it whole later
             self._start = eol + 2
             if kind == ord("+"):
@@ -238,7 +244,9 @@ class _Replies(asyncio.BufferedProtocol):
             while self._windows and self._start < self._end:
                 window = self._windows[self._window]
                 step = min(window.nbytes - self._offset, self._end - self._start)
-                window[self._offset : self._offset + step] = scratch[self._start : self._start + step]
+                window[self._offset : self._offset + step] = scratch[
+                    self._start : self._start + step
+                ]
                 self._start += step
                 self._advance_body(step)
         if self._windows:
@@ -253,7 +261,7 @@ def error_reply(text: str) -> Exception:
         from redis._parsers.base import BaseParser
 
         error = BaseParser.parse_error(text)
-    except Exception:  # another redis-py's internals
+    except Exception:  # noqa: BLE001 - another redis-py's internals
         return ResponseError(text)
     return error if isinstance(error, Exception) else ResponseError(text)
 
@@ -310,27 +318,35 @@ class DirectConnection:
             else:
                 host, port = spec.endpoints[0]
                 tls = _ssl_context(spec) if spec.tls else None
-                _, replies = await loop.create_connection(_Replies, host, port, ssl=tls,
-                                                          server_hostname=host if tls else None)
+                _, replies = await loop.create_connection(
+                    _Replies, host, port, ssl=tls, server_hostname=host if tls else None
+                )
         connection = cls(replies)
         try:
             hello: list[tuple[Arg, ...]] = []
             if spec.password is not None:
-                hello.append(("AUTH", spec.username, spec.password) if spec.username else ("AUTH", spec.password))
+                hello.append(
+                    ("AUTH", spec.username, spec.password)
+                    if spec.username
+                    else ("AUTH", spec.password)
+                )
             if spec.db:
                 hello.append(("SELECT", spec.db))
             hello.append(("CLIENT", "SETNAME", "hicache"))
-            answers = await connection.call(hello, [None] * len(hello), timeout=spec.connect_timeout_s)
+            answers = await connection.call(
+                hello, [None] * len(hello), timeout=spec.connect_timeout_s
+            )
             for command, answer in zip(hello, answers):
                 if isinstance(answer, Exception) and command[0] != "CLIENT":
-                    raise AuthenticationError(f"{command[0]} refused: {answer}")
+                    raise AuthenticationError(f"{command[0]!s} refused: {answer}")
         except BaseException:
             connection.abort()
             raise
         return connection
 
-    async def call(self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None], *,
-                   timeout: float) -> list[Any]:
+    async def call(
+        self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None], *, timeout: float
+    ) -> list[Any]:
         """Replies to `commands` in order (error replies as ResponseError, a GET with a target
         as Landed / WrongLength / None). On any failure, timeout or cancellation the
         connection is aborted (and `broken`) before this returns or raises."""
@@ -367,27 +383,34 @@ class DirectPool:
         self._idle: list[DirectConnection] = []
         self._closed = False
 
-    async def call(self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None]) -> list[Any]:
+    async def call(
+        self, commands: Sequence[Sequence[Arg]], targets: Sequence[Target | None]
+    ) -> list[Any]:
         """`DirectConnection.call` on an idle connection or a new one. A pooled connection
         that turns out dropped (a restarted server) is replaced and the batch resent once:
         the commands sent here are reads."""
         if self._closed:
             raise RedisConnectionError("pool closed")
-        for attempt in (1, 2):
+        resent = False
+        while True:
             fresh = not self._idle
             connection = self._idle.pop() if self._idle else await DirectConnection.open(self.spec)
             try:
                 replies = await connection.call(commands, targets, timeout=self.spec.timeout_s)
             except RedisConnectionError:
-                if fresh or attempt == 2:
+                if fresh or resent:
                     raise
+                resent = True
                 continue
-            if self._closed:
+            if self.closed:  # close() may have run while this call was in flight
                 connection.abort()
             else:
                 self._idle.append(connection)
             return replies
-        raise AssertionError("unreachable")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True

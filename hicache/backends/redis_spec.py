@@ -21,7 +21,9 @@ from urllib.parse import parse_qsl, unquote
 DEFAULT_PORT = 6379
 DEFAULT_POOL = 16
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_PIPELINE_BYTES = 4 * 1024 * 1024  # best or near it for 16 KiB..4 MiB pages (bench/storage_redis.py)
+DEFAULT_PIPELINE_BYTES = (
+    4 * 1024 * 1024
+)  # best or near it for 16 KiB..4 MiB pages (bench/storage_redis.py)
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
@@ -46,7 +48,9 @@ class RedisSpec:
     tls_key: str | None
     tls_verify: bool
     tls_check_hostname: bool
-    lazy_connect: bool = False  # open without checking the server (misses + events until it answers)
+    lazy_connect: bool = (
+        False  # open without checking the server (misses + events until it answers)
+    )
 
     @property
     def tls(self) -> bool:
@@ -58,7 +62,7 @@ class RedisSpec:
 
     def redacted(self) -> str:
         """The spec without credentials, for logs and events."""
-        where = self.path if self.path else ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        where = self.path or ",".join(f"{h}:{p}" for h, p in self.endpoints)
         user = f"{self.username}@" if self.username else ""
         return f"{self.scheme}://{user}{where}/{self.db}"
 
@@ -134,7 +138,7 @@ def parse_redis_spec(spec: str, options: Mapping[str, Any] | None = None) -> Red
             raise ValueError(f"{spec!r}: unix:// needs an absolute socket path, as unix:///path")
         path = unquote(where)
     else:
-        netloc, slash, db_text = rest.partition("/")
+        netloc, _slash, db_text = rest.partition("/")
         userinfo, at, hosts = netloc.rpartition("@")
         if not at:
             userinfo, hosts = "", netloc

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hicache.backends.base import PageBuffer
-from hicache.backends.framing import CorruptValue, checksum, decode_header, encode_header, verify_payload
+from hicache.backends.framing import (
+    CorruptValue,
+    checksum,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
 
 _CHUNK = 256 * 1024  # bytes checksummed then copied at a time; fits in L2
 
@@ -79,5 +85,7 @@ def explain_wrong_length(key: str, prefix: bytes, length: int, wanted: int) -> C
     except CorruptValue as error:
         return error
     if length - header.size != header.payload_len:
-        return CorruptValue("truncated", f"{length - header.size} payload bytes, header says {header.payload_len}")
+        return CorruptValue(
+            "truncated", f"{length - header.size} payload bytes, header says {header.payload_len}"
+        )
     return CorruptValue("length", f"value of {header.payload_len} bytes, page is {wanted}")

@@ -20,16 +20,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 
-class Parts(tuple):
+class Parts(tuple[bytes | memoryview, ...]):
     """One bulk-string argument made of several buffers, sent without joining them."""
 
     __slots__ = ()
 
 
-Arg = bytes | str | int | memoryview | Parts
+Plain = bytes | str | int | memoryview
+"""One argument as redis-py takes it."""
+Arg = Plain | Parts
 
 
-def joined(arg: Arg) -> Arg:
+def joined(arg: Arg) -> Plain:
     """`arg` as one buffer, for clients that take values whole (the cluster client)."""
     return b"".join(arg) if isinstance(arg, Parts) else arg
 

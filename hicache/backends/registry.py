@@ -36,7 +36,9 @@ _SCHEMES: tuple[tuple[str, str], ...] = (
 )
 _IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)(\?.*)?")
 
-_RESERVED = frozenset({"memory", "file", "redis", "rediss", "unix", "mooncake"})  # typos, not modules
+_RESERVED = frozenset(
+    {"memory", "file", "redis", "rediss", "unix", "mooncake"}
+)  # typos, not modules
 
 KNOWN_FORMS = (
     "memory",
@@ -54,7 +56,9 @@ KNOWN_FORMS = (
 def resolve(spec: str) -> str:
     """The `module:Class` that serves `spec`. Raises ValueError listing the known forms."""
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"storage spec must be a non-empty string; known forms: {', '.join(KNOWN_FORMS)}")
+        raise ValueError(
+            f"storage spec must be a non-empty string; known forms: {', '.join(KNOWN_FORMS)}"
+        )
     if spec == "memory":
         return "hicache.backends.memory:MemoryBackend"
     if spec.startswith("file:"):
@@ -71,15 +75,21 @@ def resolve(spec: str) -> str:
 
 
 def open_backend(
-    spec: str, *, namespace: Namespace, emit: EventSink | None = None,
-    virtual_time: bool = False, **options: Any
+    spec: str,
+    *,
+    namespace: Namespace,
+    emit: EventSink | None = None,
+    virtual_time: bool = False,
+    **options: Any,
 ) -> StorageBackend:
     """Build the backend `spec` names for `namespace`. With `virtual_time` (a deterministic
     cache), the class's own `VIRTUAL_TIME_OPTIONS` (e.g. the file store's `threads=0`: no real
     threads on a virtual clock) fill in options not given. Raises ValueError for an unknown or
     malformed spec, ImportError (with the spec) when the backend's module cannot load."""
     if not isinstance(namespace, Namespace):
-        raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
+        raise TypeError(
+            f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
+        )
     target = resolve(spec)
     module_name, class_name = target.split(":")
     try:
@@ -98,20 +108,27 @@ def open_backend(
         options = {**getattr(cls, "VIRTUAL_TIME_OPTIONS", {}), **options}
     backend = from_spec(spec, namespace=namespace, emit=emit, **options)
     if not isinstance(backend, StorageBackend):
-        raise TypeError(f"storage spec {spec!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend")
+        raise TypeError(
+            f"storage spec {spec!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend"
+        )
     return backend
 
 
 async def connect_backend(
-    spec: str, *, namespace: Namespace, emit: EventSink | None = None,
-    virtual_time: bool = False, **options: Any
+    spec: str,
+    *,
+    namespace: Namespace,
+    emit: EventSink | None = None,
+    virtual_time: bool = False,
+    **options: Any,
 ) -> StorageBackend:
     """`open_backend`, then the backend's `connect()` coroutine where it has one (base.py: a
     network store checks there that its server answers and accepts the credentials). Raises
     what `open_backend` raises, and what `connect` raises (`BackendUnavailable` for an
     unreachable or refusing store), after closing the backend."""
-    backend = open_backend(spec, namespace=namespace, emit=emit, virtual_time=virtual_time,
-                           **options)
+    backend = open_backend(
+        spec, namespace=namespace, emit=emit, virtual_time=virtual_time, **options
+    )
     connect = getattr(backend, "connect", None)
     if callable(connect):
         try:

@@ -1,6 +1,7 @@
 """The generic bytes path: a full StorageBackend over a store that only gets and puts bytes.
 
-An out-of-tree store needs just `get(key) -> bytes | None` and `put(key, value) -> None`;
+An out-of-tree store needs just `get(key) -> bytes | None` and `put(key, value)` (returning
+False when it did not store the value);
 `delete(key)`, `contains(key) -> bool` and `scan(prefix) -> Iterable[str]` are used when
 present (`clear` needs `delete` and `scan`). The adapter frames every value with
 `framing.py`'s header, so a torn or foreign value is a miss, a `storage.corrupt` event and a
@@ -10,7 +11,7 @@ on write and copies out of the returned bytes on read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from hicache.backends.base import PageBuffer
@@ -33,7 +34,9 @@ class SimpleStore(Protocol):
 
     def get(self, key: str) -> bytes | bytearray | memoryview | None: ...
 
-    def put(self, key: str, value: bytes) -> None: ...
+    def put(self, key: str, value: bytes) -> bool | None:
+        """Store `value`; return False when it was not stored (None and True: stored)."""
+        ...
 
 
 class SimpleStoreBackend:
@@ -48,9 +51,13 @@ class SimpleStoreBackend:
         threads: int = 4,
     ) -> None:
         if not callable(getattr(store, "get", None)) or not callable(getattr(store, "put", None)):
-            raise TypeError(f"{type(store).__name__} is not a simple store: it needs get(key) and put(key, value)")
+            raise TypeError(
+                f"{type(store).__name__} is not a simple store: it needs get(key) and put(key, value)"
+            )
         if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}")
+            raise TypeError(
+                f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
+            )
         self.store = store
         self.namespace = namespace
         self._emit = emit or _no_events
@@ -123,7 +130,9 @@ class SimpleStoreBackend:
     async def clear(self) -> None:
         delete, scan = getattr(self.store, "delete", None), getattr(self.store, "scan", None)
         if not (callable(delete) and callable(scan)):
-            raise NotImplementedError(f"{type(self.store).__name__} needs delete(key) and scan(prefix) for clear")
+            raise NotImplementedError(
+                f"{type(self.store).__name__} needs delete(key) and scan(prefix) for clear"
+            )
         prefix = self.namespace.prefix
 
         def clear_all() -> list[tuple[str, Exception]]:
@@ -146,7 +155,7 @@ class SimpleStoreBackend:
 
     # -- worker-thread side: no counters, no events ---------------------------------------
 
-    def _fetch(self, key: str) -> bytes | bytearray | memoryview | None | Exception:
+    def _fetch(self, key: str) -> bytes | bytearray | memoryview | Exception | None:
         try:
             return self.store.get(key)
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
@@ -192,7 +201,9 @@ def _unframe_into(key: str, value: bytes | bytearray | memoryview, pieces: list[
     payload = view[header.size :]
     want = sum(p.nbytes for p in pieces)
     if payload.nbytes != header.payload_len:
-        raise CorruptValue("truncated", f"{payload.nbytes} payload bytes, header says {header.payload_len}")
+        raise CorruptValue(
+            "truncated", f"{payload.nbytes} payload bytes, header says {header.payload_len}"
+        )
     if header.payload_len != want:
         raise CorruptValue("length", f"value holds {header.payload_len} bytes, page has {want}")
     verify_payload(header, [payload])
@@ -201,5 +212,3 @@ def _unframe_into(key: str, value: bytes | bytearray | memoryview, pieces: list[
         p[:] = payload[offset : offset + p.nbytes]
         offset += p.nbytes
     return want
-
-

@@ -25,17 +25,20 @@ and the fields that would):
 - requests: a `tree.insert`, a load-back or prefetch (started or skipped) follows a
   `tree.match` of its request (since its last finished insert); a load-back never loads more tokens than the request's last match found in L2
   plus what its prefetches since brought (no load from a tier that does not hold the page);
-- L1: the device tokens the tree holds, re-derived (inserted `new` + loaded − evicted − freed
+- L1: the device tokens the tree holds, re-derived (inserted `new` + loaded - evicted - freed
   by failed loads), never go below 0 or below a match's device hit, and with
   `--device-tokens N` (the L1 size the log was written with) never above N.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn
 
 _WORKERS = ("tree", "writer", "loader", "uploader", "prefetcher")
 
@@ -43,7 +46,7 @@ _WORKERS = ("tree", "writer", "loader", "uploader", "prefetcher")
 class Violation(Exception):
     """The first invariant the log breaks: where, and what."""
 
-    def __init__(self, line: int, event: dict | None, message: str) -> None:
+    def __init__(self, line: int, event: dict[str, Any] | None, message: str) -> None:
         where = f"line {line}"
         if event is not None:
             where += f" (seq {event.get('seq')}, {event.get('event')})"
@@ -53,8 +56,8 @@ class Violation(Exception):
 
 @dataclass
 class _Run:
-    actors: list
-    stopped: set = field(default_factory=set)
+    actors: list[str]
+    stopped: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -79,7 +82,7 @@ class LogChecker:
         self.device_capacity = device_tokens
         self.report = Report()
         self._line = 0
-        self._event: dict | None = None
+        self._event: dict[str, Any] | None = None
         self._seq = 0
         self._t = float("-inf")
         self._run: _Run | None = None
@@ -90,18 +93,20 @@ class LogChecker:
         self._loads: dict[int, str] = {}  # op -> started | done | failed_copy
         self._last_load_done = 0
         self._last_backup_done = 0
-        self._backups: dict[int, bool] = {}  # op -> ok (awaiting tree.backup_failed if False)
+        self._backups: dict[
+            int, bool | None
+        ] = {}  # op -> ok (False: awaiting tree.backup_failed; None: reported)
         self._uploads: dict[int, str] = {}  # op -> open | ended
-        self._prefetches: dict[int, dict] = {}
+        self._prefetches: dict[int, dict[str, Any]] = {}
         self._open_matches: dict[object, int] = {}  # rid -> L2 tokens it may still load
         self._device = 0  # tokens the tree holds in L1, re-derived
         self._abandoned = False
 
     # ------------------------------------------------------------------ helpers
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         raise Violation(self._line, self._event, message)
 
-    def _op_kind(self, op, kind: str) -> int:
+    def _op_kind(self, op: object, kind: str) -> int:
         if not isinstance(op, int) or isinstance(op, bool) or op < 1:
             self._fail(f"op {op!r} is not an op id")
         seen = self._kind.setdefault(op, kind)
@@ -109,7 +114,7 @@ class LogChecker:
             self._fail(f"op {op} is a {kind} here but was a {seen} before")
         return op
 
-    def _count(self, e: dict, name: str) -> int:
+    def _count(self, e: dict[str, Any], name: str) -> int:
         value = e.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             self._fail(f"field {name!r} is {value!r}, not a count")
@@ -118,12 +123,16 @@ class LogChecker:
     def _add_device(self, delta: int, why: str) -> None:
         self._device += delta
         if self._device < 0:
-            self._fail(f"{why}: the tree would hold {self._device} device tokens (< 0): an "
-                       "insert or load is missing, or tokens left L1 twice")
+            self._fail(
+                f"{why}: the tree would hold {self._device} device tokens (< 0): an "
+                "insert or load is missing, or tokens left L1 twice"
+            )
         cap = self.device_capacity
         if cap is not None and self._device > cap:
-            self._fail(f"{why}: the tree would hold {self._device} device tokens, more than "
-                       f"L1's {cap}: an eviction is missing")
+            self._fail(
+                f"{why}: the tree would hold {self._device} device tokens, more than "
+                f"L1's {cap}: an eviction is missing"
+            )
         self.report.max_device_tokens = max(self.report.max_device_tokens, self._device)
 
     # ------------------------------------------------------------------ feeding
@@ -140,7 +149,7 @@ class LogChecker:
             self._fail("not a JSON object")
         self.feed(event)
 
-    def feed(self, e: dict) -> None:
+    def feed(self, e: dict[str, Any]) -> None:
         self._event = e
         for name in ("event", "seq", "t", "component", "level"):
             if name not in e:
@@ -162,10 +171,11 @@ class LogChecker:
             handler(e)
 
     # ------------------------------------------------------------------ kernel
-    def _on_kernel_started(self, e: dict) -> None:
+    def _on_kernel_started(self, e: dict[str, Any]) -> None:
         if self._run is not None:
-            self._fail("a kernel started while another run in this log had not stopped "
-                       "(one cache per log)")
+            self._fail(
+                "a kernel started while another run in this log had not stopped (one cache per log)"
+            )
         actors = e.get("actors")
         if not isinstance(actors, list):
             self._fail("kernel.started without its list of actors")
@@ -173,7 +183,7 @@ class LogChecker:
         self._reset_run_state()
         self.report.runs += 1
 
-    def _on_actor_stopped(self, e: dict) -> None:
+    def _on_actor_stopped(self, e: dict[str, Any]) -> None:
         run = self._need_run()
         actor = e["component"]
         if actor not in run.actors:
@@ -182,10 +192,12 @@ class LogChecker:
             self._fail(f"actor {actor!r} stopped twice")
         run.stopped.add(actor)
         if e.get("handled") != e.get("delivered"):
-            self._fail(f"actor {actor!r} stopped having handled {e.get('handled')} of the "
-                       f"{e.get('delivered')} messages delivered to it")
+            self._fail(
+                f"actor {actor!r} stopped having handled {e.get('handled')} of the "
+                f"{e.get('delivered')} messages delivered to it"
+            )
 
-    def _on_kernel_stopped(self, e: dict) -> None:
+    def _on_kernel_stopped(self, e: dict[str, Any]) -> None:
         run = self._need_run()
         reason = e.get("reason")
         if reason != "exit":
@@ -196,7 +208,7 @@ class LogChecker:
         self._end_of_run()
         self._run = None
 
-    def _on_kernel_actor_failed(self, e: dict) -> None:
+    def _on_kernel_actor_failed(self, e: dict[str, Any]) -> None:
         self._fail(f"actor {e.get('actor')!r} failed: {e.get('error')}: {e.get('message')}")
 
     def _need_run(self) -> _Run:
@@ -220,23 +232,27 @@ class LogChecker:
         if not self._abandoned:
             for op, state in self._uploads.items():
                 if state == "open":
-                    self._fail(f"upload op {op} was retried or timed out but never ended "
-                               "(uploader.stored or uploader.failed)")
+                    self._fail(
+                        f"upload op {op} was retried or timed out but never ended "
+                        "(uploader.stored or uploader.failed)"
+                    )
 
     # ------------------------------------------------------------------ tree: requests
-    def _on_tree_match(self, e: dict) -> None:
+    def _on_tree_match(self, e: dict[str, Any]) -> None:
         self._need_run()
         tokens = self._count(e, "tokens")
         dev, host = self._count(e, "device_hit"), self._count(e, "host_hit")
         if dev + host > tokens:
             self._fail(f"a match of {tokens} tokens found {dev} in L1 and {host} in L2")
         if dev > self._device:
-            self._fail(f"a match found {dev} tokens in L1, which holds {self._device}: an "
-                       "insert or load is missing before it")
+            self._fail(
+                f"a match found {dev} tokens in L1, which holds {self._device}: an "
+                "insert or load is missing before it"
+            )
         self._open_matches[_rid(e)] = host
         self.report.matches += 1
 
-    def _on_tree_insert(self, e: dict) -> None:
+    def _on_tree_insert(self, e: dict[str, Any]) -> None:
         self._need_run()
         rid = _rid(e)
         if rid not in self._open_matches:
@@ -252,12 +268,12 @@ class LogChecker:
         self.report.inserts += 1
 
     # ------------------------------------------------------------------ tree: L1
-    def _on_tree_evict_device(self, e: dict) -> None:
+    def _on_tree_evict_device(self, e: dict[str, Any]) -> None:
         self._need_run()
         self._add_device(-self._count(e, "tokens"), "L1 eviction")
 
     # ------------------------------------------------------------------ loads
-    def _on_tree_load_started(self, e: dict) -> None:
+    def _on_tree_load_started(self, e: dict[str, Any]) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "load")
         if op in self._loads:
@@ -267,14 +283,16 @@ class LogChecker:
         if rid not in self._open_matches:
             self._fail(f"load-back for request {rid!r}, which has no match open")
         if tokens > self._open_matches[rid]:
-            self._fail(f"request {rid!r} loads {tokens} tokens from L2, but its match found "
-                       f"{self._open_matches[rid]} there (prefetched pages included)")
+            self._fail(
+                f"request {rid!r} loads {tokens} tokens from L2, but its match found "
+                f"{self._open_matches[rid]} there (prefetched pages included)"
+            )
         self._open_matches[rid] -= tokens
         self._loads[op] = "started"
         self._add_device(tokens, "load-back")
         self.report.loads += 1
 
-    def _on_loader_load_done(self, e: dict) -> None:
+    def _on_loader_load_done(self, e: dict[str, Any]) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "load")
         state = self._loads.get(op)
@@ -285,12 +303,13 @@ class LogChecker:
         if state != "started":
             self._fail(f"load op {op} done twice")
         if op <= self._last_load_done:
-            self._fail(f"load op {op} done after op {self._last_load_done}: loads complete in "
-                       "issue order")
+            self._fail(
+                f"load op {op} done after op {self._last_load_done}: loads complete in issue order"
+            )
         self._last_load_done = op
         self._loads[op] = "done" if e.get("ok", True) else "failed_copy"
 
-    def _on_tree_load_failed(self, e: dict) -> None:
+    def _on_tree_load_failed(self, e: dict[str, Any]) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "load")
         state = self._loads.get(op)
@@ -301,19 +320,21 @@ class LogChecker:
         self._add_device(-self._count(e, "tokens"), "failed load")
 
     # ------------------------------------------------------------------ backups
-    def _on_writer_backup_done(self, e: dict) -> None:
+    def _on_writer_backup_done(self, e: dict[str, Any]) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "write")
         if op in self._backups:
             self._fail(f"backup op {op} done twice")
         if op <= self._last_backup_done:
-            self._fail(f"backup op {op} done after op {self._last_backup_done}: writes complete "
-                       "in issue order")
+            self._fail(
+                f"backup op {op} done after op {self._last_backup_done}: writes complete "
+                "in issue order"
+            )
         self._last_backup_done = op
         self._backups[op] = bool(e.get("ok", True))
         self.report.backups += 1
 
-    def _on_tree_backup_failed(self, e: dict) -> None:
+    def _on_tree_backup_failed(self, e: dict[str, Any]) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "write")
         if self._backups.get(op) is False:
@@ -322,7 +343,7 @@ class LogChecker:
             self._fail(f"tree.backup_failed for backup op {op}, whose copy did not fail")
 
     # ------------------------------------------------------------------ uploads
-    def _upload_event(self, e: dict, *, end: bool) -> None:
+    def _upload_event(self, e: dict[str, Any], *, end: bool) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "upload")
         if self._uploads.get(op) == "ended":
@@ -333,20 +354,20 @@ class LogChecker:
         else:
             self._uploads.setdefault(op, "open")
 
-    def _on_uploader_stored(self, e: dict) -> None:
+    def _on_uploader_stored(self, e: dict[str, Any]) -> None:
         self._upload_event(e, end=True)
 
-    def _on_uploader_failed(self, e: dict) -> None:
+    def _on_uploader_failed(self, e: dict[str, Any]) -> None:
         self._upload_event(e, end=True)
 
-    def _on_uploader_retry(self, e: dict) -> None:
+    def _on_uploader_retry(self, e: dict[str, Any]) -> None:
         self._upload_event(e, end=False)
 
-    def _on_uploader_timeout(self, e: dict) -> None:
+    def _on_uploader_timeout(self, e: dict[str, Any]) -> None:
         self._upload_event(e, end=False)
 
     # ------------------------------------------------------------------ prefetches
-    def _on_tree_prefetch_started(self, e: dict) -> None:
+    def _on_tree_prefetch_started(self, e: dict[str, Any]) -> None:
         self._need_run()
         op = self._op_kind(e.get("op"), "prefetch")
         if op in self._prefetches:
@@ -357,7 +378,7 @@ class LogChecker:
         self._prefetches[op] = {"rid": rid, "tokens": self._count(e, "tokens"), "done": False}
         self.report.prefetches += 1
 
-    def _needs_match(self, e: dict) -> None:
+    def _needs_match(self, e: dict[str, Any]) -> None:
         self._need_run()
         if _rid(e) not in self._open_matches:
             self._fail(f"{e['event']} for request {_rid(e)!r}, which has no match open")
@@ -366,14 +387,14 @@ class LogChecker:
     _on_tree_load_deferred = _needs_match
     _on_tree_load_skipped = _needs_match
 
-    def _prefetch(self, e: dict) -> dict:
+    def _prefetch(self, e: dict[str, Any]) -> dict[str, Any]:
         op = self._op_kind(e.get("op"), "prefetch")
         p = self._prefetches.get(op)
         if p is None:
             self._fail(f"prefetch op {op}: {e['event']} but it never started")
         return p
 
-    def _on_tree_prefetch_done(self, e: dict) -> None:
+    def _on_tree_prefetch_done(self, e: dict[str, Any]) -> None:
         self._need_run()
         p = self._prefetch(e)
         if p["done"]:
@@ -390,12 +411,12 @@ class LogChecker:
         if rid in self._open_matches:  # what arrived may now be loaded back
             self._open_matches[rid] += read
 
-    def _on_tree_prefetch_timeout(self, e: dict) -> None:
+    def _on_tree_prefetch_timeout(self, e: dict[str, Any]) -> None:
         self._need_run()
         if self._prefetch(e)["done"]:
             self._fail(f"prefetch op {e['op']} timed out after it settled")
 
-    def _on_prefetcher_done(self, e: dict) -> None:
+    def _on_prefetcher_done(self, e: dict[str, Any]) -> None:
         self._need_run()
         p = self._prefetch(e)
         if p.get("ended"):
@@ -403,7 +424,7 @@ class LogChecker:
         p["ended"] = True
 
     # ------------------------------------------------------------------ close
-    def _on_tree_abandoned(self, e: dict) -> None:
+    def _on_tree_abandoned(self, e: dict[str, Any]) -> None:
         self._need_run()
         self._abandoned = True
 
@@ -414,12 +435,12 @@ class LogChecker:
         return self.report
 
 
-def _rid(e: dict):
+def _rid(e: dict[str, Any]) -> Any:
     rid = e.get("rid")
     return tuple(rid) if isinstance(rid, list) else rid
 
 
-def check_events(events, *, device_tokens: int | None = None) -> Report:
+def check_events(events: Iterable[dict[str, Any]], *, device_tokens: int | None = None) -> Report:
     """Check a sequence of event dicts (e.g. `EventLog(capture=True).events`)."""
     checker = LogChecker(device_tokens=device_tokens)
     for i, e in enumerate(events, 1):
@@ -436,7 +457,7 @@ def check_file(path: str | Path, *, device_tokens: int | None = None) -> Report:
     return checker.finish()
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         report = check_file(args.events, device_tokens=args.device_tokens)
     except Violation as v:
@@ -447,8 +468,10 @@ def run(args) -> int:
         return 2
     if not args.quiet:
         r = report
-        print(f"{args.events}: ok: {r.events} events, {r.runs} run(s); {r.matches} matches, "
-              f"{r.inserts} inserts, {r.loads} loads, {r.backups} backups, {r.uploads} "
-              f"uploads, {r.prefetches} prefetches; L1 held at most {r.max_device_tokens} "
-              "tokens")
+        print(
+            f"{args.events}: ok: {r.events} events, {r.runs} run(s); {r.matches} matches, "
+            f"{r.inserts} inserts, {r.loads} loads, {r.backups} backups, {r.uploads} "
+            f"uploads, {r.prefetches} prefetches; L1 held at most {r.max_device_tokens} "
+            "tokens"
+        )
     return 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class PageIds:
     def __init__(self, page_size: int, block_tokens: int) -> None:
         self.page = page_size
         self.block = block_tokens
-        self._ids: dict[tuple, int] = {}  # (previous page id, key tokens) -> id
+        self._ids: dict[tuple[Any, ...], int] = {}  # (previous page id, key tokens) -> id
         self._index: dict[int, int] = {0: -1}  # id -> its page's index in the sequence
         self._requests: dict[int, list[int]] = {}
         # where, inside a page that starts at a multiple of P, blocks may start
@@ -71,7 +72,7 @@ class PageIds:
         pages = len(tokens) // page
         if not pages:
             return []
-        firsts = np.asarray(tokens[:pages * page:page]).tolist()
+        firsts = np.asarray(tokens[: pages * page : page]).tolist()
         ids, table, index = [], self._ids, self._index
         prev = prior
         if self._aligned:
@@ -89,8 +90,9 @@ class PageIds:
         start = (index[prior] + 1) * page  # where `tokens` starts in its sequence
         for k in range(pages):
             s = start + k * page
-            inner = tuple(arr[j - start] for j in range(-(-(s + 1) // block) * block,
-                                                          s + page, block))
+            inner = tuple(
+                arr[j - start] for j in range(-(-(s + 1) // block) * block, s + page, block)
+            )
             key = (prev, int(arr[k * page]), inner)
             nxt = table.get(key)
             if nxt is None:
@@ -148,10 +150,14 @@ class Tally:
 
     def summary(self) -> dict:
         tokens = self.input_tokens or 1
-        hits = {"device": self.device_hit, "host": self.host_hit - self.storage_hit,
-                "storage": self.storage_hit}
+        hits = {
+            "device": self.device_hit,
+            "host": self.host_hit - self.storage_hit,
+            "storage": self.storage_hit,
+        }
         return {
-            "requests": self.requests, "input_tokens": self.input_tokens,
+            "requests": self.requests,
+            "input_tokens": self.input_tokens,
             "hit_tokens": hits,
             "hit_rate": (self.device_hit + self.host_hit) / tokens,
             "evictions": {"device": self.device_evictions, "host": self.host_evictions},
@@ -165,16 +171,27 @@ class CoreModel:
     `storage`: an unbounded L3 or none. Supports the `wait_complete` prefetch policy (the
     replay's): the others stop prefetches at times only a clock decides."""
 
-    def __init__(self, config: CacheConfig, *, storage: bool, block_tokens: int = 512,
-                 pages: PageIds | None = None) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        storage: bool,
+        block_tokens: int = 512,
+        pages: PageIds | None = None,
+    ) -> None:
         cfg, _ = config.resolve()
         if storage and cfg.prefetch_policy != "wait_complete":
-            raise ValueError("the core model replays prefetch_policy='wait_complete' only "
-                             f"(got {cfg.prefetch_policy!r}): the others depend on timing")
+            raise ValueError(
+                "the core model replays prefetch_policy='wait_complete' only "
+                f"(got {cfg.prefetch_policy!r}): the others depend on timing"
+            )
         self.cfg = cfg
         self.page = cfg.page_size
-        self.tree = RadixTree(page_size=cfg.page_size, eviction=make_strategy(cfg.eviction),
-                              write_policy=write_policy(cfg.write_policy))
+        self.tree = RadixTree(
+            page_size=cfg.page_size,
+            eviction=make_strategy(cfg.eviction),
+            write_policy=write_policy(cfg.write_policy),
+        )
         self.ledgers = {
             "device": SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
             "host": SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
@@ -183,6 +200,7 @@ class CoreModel:
         self.storage: set[int] | None = set() if storage else None
         self._requests: dict[object, _Request] = {}
         self._writes: dict[int, int] = {}  # op -> node, issue order
+        self._evicting: dict[int, int] = {}  # op -> tokens, for the eviction backups in flight
         self._loads: dict[int, tuple] = {}  # op -> (plan, lock node)
         self._uploads: dict[int, tuple] = {}  # op -> (node, page ids)
         self._prefetches: dict[int, _Prefetch] = {}
@@ -332,8 +350,9 @@ class CoreModel:
     def allocate(self, sizes: list[tuple[object, int]]) -> list[np.ndarray]:
         out, undo = [], []
         page = self.page
-        wanted = [-(-max(0, n - len(self._requests[rid].padding)) // page) * page
-                  for rid, n in sizes]
+        wanted = [
+            -(-max(0, n - len(self._requests[rid].padding)) // page) * page for rid, n in sizes
+        ]
         pooled = self._alloc_device(sum(wanted)) if sum(wanted) else None
         offset = 0
         for (rid, n), want in zip(sizes, wanted):
@@ -343,7 +362,7 @@ class CoreModel:
             rest = n - len(reuse)
             fresh = _EMPTY
             if rest and pooled is not None:
-                fresh, offset = pooled[offset:offset + want], offset + want
+                fresh, offset = pooled[offset : offset + want], offset + want
             elif rest:
                 fresh = self._alloc_device(want)
                 if fresh is None:
@@ -366,7 +385,12 @@ class CoreModel:
             slots = self._alloc("device", n)
             if slots is not None:
                 return slots
-            if self._evict_device(n):
+            short = (
+                n
+                - self.ledgers["device"].available
+                - sum(self._evicting.get(op, 0) for op in self._writes)
+            )
+            if short > 0 and self._evict_device(short):
                 continue
             if not self._writes:
                 return None
@@ -395,7 +419,9 @@ class CoreModel:
             slots = self._alloc("host", n)
             if slots is not None:
                 return slots
-            ev = self.tree.evict_host(n)
+            ev = self.tree.evict_host(
+                n - self.ledgers["host"].available, by_pages=self.cfg.exclusive
+            )
             if len(ev.freed):
                 self.host_evictions += len(ev.freed)
                 self._free("host", ev.freed)
@@ -421,7 +447,7 @@ class CoreModel:
         aligned = len(tokens) // page * page
         own = len(state.prefix_slots)
         result = self.tree.insert(tokens[:aligned], slots[:aligned], now=self._now())
-        self._free("device", slots[own:max(own, result.prefix_len)])
+        self._free("device", slots[own : max(own, result.prefix_len)])
         candidates.extend(result.backup_candidates)
         self._free("device", np.concatenate([slots[aligned:], state.padding]))
         self._relock(state, None)
@@ -448,7 +474,7 @@ class CoreModel:
         if host is None or not tree.needs_backup(node):
             self._free("host", _EMPTY if host is None else host)
             return False
-        self._issue_backup(node, host)
+        self._issue_backup(node, host, evicting=evicting)
         return True
 
     def _start_backups(self, nodes) -> None:
@@ -464,14 +490,16 @@ class CoreModel:
             return
         offset = 0
         for node, length in zip(todo, lengths):
-            self._issue_backup(node, pooled[offset:offset + length])
+            self._issue_backup(node, pooled[offset : offset + length])
             offset += length
 
-    def _issue_backup(self, node: int, host) -> None:
+    def _issue_backup(self, node: int, host, *, evicting: bool = False) -> None:
         self.tree.begin_backup(node, host)
         op = self._op()
         self._write_credits -= 1
         self._writes[op] = node
+        if evicting:
+            self._evicting[op] = len(host)
         self.d2h_tokens += len(host)
 
     def _await_write(self, op: int) -> None:
@@ -481,6 +509,7 @@ class CoreModel:
 
     def _finish_write(self, op: int) -> None:
         node = self._writes.pop(op)
+        self._evicting.pop(op, None)
         self._write_credits += 1
         pieces = self.tree.backup_pieces(node)
         self._free("host", self.tree.end_backup(node, ok=True))
@@ -536,18 +565,21 @@ class CoreModel:
         if length < self.cfg.effective_prefetch_threshold:
             return
         spare = self.cfg.host_capacity - self.cfg.device_tokens
-        if (self._prefetch_tokens + length > int(self.cfg.prefetch_rate_fraction * spare)
-                or self._prefetch_credits == 0):
+        if (
+            self._prefetch_tokens + length > int(self.cfg.prefetch_rate_fraction * spare)
+            or self._prefetch_credits == 0
+        ):
             return
         if page_ids is not None:
-            hashes = tuple(page_ids[matched // page:end // page])
+            hashes = tuple(page_ids[matched // page : end // page])
         else:
             prior = 0 if anchor == tree.root else self._node_hashes(anchor)[-1]
             hashes = tuple(self.pages.chain(tokens[matched:end], prior))
         op = self._op()
         tree.protect_host(anchor)
-        self._prefetches[op] = _Prefetch(rid=rid, anchor=anchor, tokens=tokens[matched:end],
-                                         hashes=hashes)
+        self._prefetches[op] = _Prefetch(
+            rid=rid, anchor=anchor, tokens=tokens[matched:end], hashes=hashes
+        )
         self._prefetch_by_rid[rid] = op
         self._prefetch_credits -= 1
         self._prefetch_tokens += length
@@ -572,11 +604,19 @@ class CoreModel:
             return
         if p.read_sent and not p.finished:
             p.finished = True
-            self._prefetch_agreed(op, hit=p.hit_pages, done=p.hit_pages, finished=True,
-                                  stopped=False)
+            self._prefetch_agreed(
+                op, hit=p.hit_pages, done=p.hit_pages, finished=True, stopped=False
+            )
 
-    def _prefetch_agreed(self, op: int, *, hit: int | None = None, done: int | None = None,
-                         finished: bool, stopped: bool) -> None:
+    def _prefetch_agreed(
+        self,
+        op: int,
+        *,
+        hit: int | None = None,
+        done: int | None = None,
+        finished: bool,
+        stopped: bool,
+    ) -> None:
         p = self._prefetches[op]
         if p.state == "running":
             if hit is not None:
@@ -621,8 +661,9 @@ class CoreModel:
         p.done_pages = done
         used = done * page
         if done:
-            inserted = self.tree.insert_host(p.anchor, p.tokens[:used], p.host_slots[:used],
-                                             p.hashes[:done], now=self._now())
+            inserted = self.tree.insert_host(
+                p.anchor, p.tokens[:used], p.host_slots[:used], p.hashes[:done], now=self._now()
+            )
             self._free("host", inserted.duplicate_slots)
         self.tree.release_host(p.anchor)
         p.state = "revoked" if revoked else "done"
@@ -634,7 +675,7 @@ class CoreModel:
 
     def _end_prefetch(self, op: int) -> None:
         p = self._prefetches.pop(op)
-        self._free("host", p.host_slots[p.done_pages * self.page:])
+        self._free("host", p.host_slots[p.done_pages * self.page :])
         self._prefetch_tokens -= len(p.hashes) * self.page
         self._prefetch_credits += 1
 
@@ -679,16 +720,26 @@ def _run_step(model: CoreModel, step: list[TraceRequest], tally: Tally, tokens_o
     tally.input_tokens += sum(len(t) for t in toks.values())
 
 
-def replay_trace(config: CacheConfig, requests: list[TraceRequest], *, storage: bool,
-                 block_tokens: int = 512, batch: int = 8, progress=None,
-                 tokens_of=None, pages: PageIds | None = None) -> Tally:
+def replay_trace(
+    config: CacheConfig,
+    requests: list[TraceRequest],
+    *,
+    storage: bool,
+    block_tokens: int = 512,
+    batch: int = 8,
+    progress=None,
+    tokens_of=None,
+    pages: PageIds | None = None,
+) -> Tally:
     """The whole trace through a `CoreModel`, in the replay's scheduler steps. `tokens_of`
     (request -> uint32 tokens) and `pages` may be shared by the runs of one sweep."""
     model = CoreModel(config, storage=storage, block_tokens=block_tokens, pages=pages)
     tally = Tally()
     if tokens_of is None:
+
         def tokens_of(r):
             return r.tokens(block_tokens).astype(np.uint32)
+
     for step in scheduler_steps(requests, batch, budget=model.cfg.device_tokens // 2):
         try:
             _run_step(model, step, tally, tokens_of)

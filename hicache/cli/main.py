@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hicache.config import EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
+from hicache.config import EVICTION_POLICIES, WRITE_POLICIES
+from hicache.policies.prefetch import PREFETCH_POLICIES
 
 _REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -14,67 +15,106 @@ _REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV cache tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("replay", help="replay a Mooncake-format trace through L1+L2+L3",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r = sub.add_parser(
+        "replay",
+        help="replay a Mooncake-format trace through L1+L2+L3",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     r.add_argument("--trace", default=str(_REPO_TRACE), help="JSONL trace (Mooncake format)")
     r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     r.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")
     r.add_argument("--page-size", type=int, default=64)
     r.add_argument("--device-tokens", type=int, default=200_000)
     r.add_argument("--host-tokens", type=int, default=400_000)
-    r.add_argument("--storage", default="file",
-                   help="none | memory | file (a temporary directory) | file:DIR | SPEC")
-    r.add_argument("--model-id", default="replay",
-                   help="the model id in the L3 keys (replays of other traces or geometries "
-                        "sharing one store should differ)")
+    r.add_argument(
+        "--storage",
+        default="file",
+        help="none | memory | file (a temporary directory) | file:DIR | SPEC",
+    )
+    r.add_argument(
+        "--model-id",
+        default="replay",
+        help="the model id in the L3 keys (replays of other traces or geometries "
+        "sharing one store should differ)",
+    )
     r.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
     r.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
-    r.add_argument("--exclusive", action="store_true",
-                   help="L2 as a victim tier of L1 (implies write_back)")
+    r.add_argument(
+        "--exclusive", action="store_true", help="L2 as a victim tier of L1 (implies write_back)"
+    )
     r.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="wait_complete")
-    r.add_argument("--kv", default="mha:2:1:32:float16",
-                   help="mha:LAYERS:HEADS:DIM:DTYPE or mla:LAYERS:RANK:ROPE:DTYPE")
+    r.add_argument(
+        "--kv",
+        default="mha:2:1:32:float16",
+        help="mha:LAYERS:HEADS:DIM:DTYPE or mla:LAYERS:RANK:ROPE:DTYPE",
+    )
     r.add_argument("--layout", default="page_first")
     r.add_argument("--io", default="kernel", choices=("kernel", "direct"))
-    r.add_argument("--cpu-transfers", default=None, choices=("thread", "inline"),
-                   help="without CUDA: copies on worker threads or inline (default: the config's)")
+    r.add_argument(
+        "--cpu-transfers",
+        default=None,
+        choices=("thread", "inline"),
+        help="without CUDA: copies on worker threads or inline (default: the config's)",
+    )
     r.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
-    r.add_argument("--deterministic", action="store_true",
-                   help="virtual time and simulated transfers: identical runs, identical logs")
+    r.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="virtual time and simulated transfers: identical runs, identical logs",
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--events", default=None, help="write the event log (JSON lines) here")
     r.add_argument("--json", default=None, help="write the summary as JSON here")
-    r.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="write synthetic KV for every computed token and check every page "
-                        "that reaches L1 from a lower tier (--no-verify: neither; bytes still move)")
+    r.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write synthetic KV for every computed token and check every page "
+        "that reaches L1 from a lower tier (--no-verify: neither; bytes still move)",
+    )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    r.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (/metrics) while replaying")
+    r.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (/metrics) while replaying",
+    )
 
-    s = sub.add_parser("sweep", help="hit rate per tier against capacity, from the cores alone "
-                                     "(no bytes, no actors): a CSV and a PNG",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser(
+        "sweep",
+        help="hit rate per tier against capacity, from the cores alone "
+        "(no bytes, no actors): a CSV and a PNG",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     s.add_argument("--trace", default=str(_REPO_TRACE), help="JSONL trace (Mooncake format)")
     s.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     s.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")
     s.add_argument("--page-size", type=int, default=64)
-    s.add_argument("--device", default="100k,200k,400k,1M",
-                   help="L1 sizes in tokens (100k, 1.5M, 65536), rounded down to whole pages")
+    s.add_argument(
+        "--device",
+        default="100k,200k,400k,1M",
+        help="L1 sizes in tokens (100k, 1.5M, 65536), rounded down to whole pages",
+    )
     s.add_argument("--host", default="2x,4x", help="L2 sizes: multiples of L1 (2x) or tokens")
     s.add_argument("--storage", default="0,inf", help="L3: 0 (none) and/or inf (unbounded)")
     s.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
     s.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
-    s.add_argument("--exclusive", action="store_true",
-                   help="L2 as a victim tier of L1 (implies write_back)")
+    s.add_argument(
+        "--exclusive", action="store_true", help="L2 as a victim tier of L1 (implies write_back)"
+    )
     s.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
     s.add_argument("--out", default=".", help="directory for sweep.csv and sweep.png")
     s.add_argument("--quiet", action="store_true", help="no line per point")
 
     c = sub.add_parser("check-log", help="check an event log (JSON lines) for broken invariants")
     c.add_argument("events", help="the event log, as written by --events or configure_logging")
-    c.add_argument("--device-tokens", type=int, default=None,
-                   help="the L1 size the log was written with: also check that the tree never "
-                        "holds more device tokens")
+    c.add_argument(
+        "--device-tokens",
+        type=int,
+        default=None,
+        help="the L1 size the log was written with: also check that the tree never "
+        "holds more device tokens",
+    )
     c.add_argument("--quiet", action="store_true", help="print nothing when the log holds")
     return parser
 

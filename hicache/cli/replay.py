@@ -8,25 +8,30 @@ checked against what it must be (`--verify`).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
+from typing_extensions import Self
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.cache import HiCache
-from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
-from hicache.cli.trace import bound_hit_rate, read_trace, scheduler_steps
-from hicache.results import CapacityError
+from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace, scheduler_steps
 from hicache.config import CacheConfig
 from hicache.observability import EventLog
+from hicache.results import CapacityError
 from hicache.runtime import run_deterministic
+from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId
 
 
@@ -42,7 +47,7 @@ class Tally:
     corrupt_pages: int = 0
     loaded: int = 0  # tokens loaded back so far (the live hit rate; host_hit is the cache's)
     control_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Timer:
@@ -54,12 +59,19 @@ class _Timer:
     def __enter__(self) -> None:
         self._t0 = time.perf_counter()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._tally.control_s += time.perf_counter() - self._t0
 
 
-async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int, verify: bool,
-                    storage_on: bool) -> None:
+async def _run_step(
+    cache: HiCache,
+    step: list[TraceRequest],
+    tally: Tally,
+    timer: _Timer,
+    block_tokens: int,
+    verify: bool,
+    storage_on: bool,
+) -> None:
     """One scheduler step: match, prefetch, load back (verified), allocate, compute, insert."""
     page = cache.config.page_size
     pool = cache.device_pool
@@ -67,8 +79,14 @@ async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int
     # One seed per whole page, plus one for a partial last page (computed, never cached).
     # Without verification nothing reads the KV's content: the stand-in model writes none
     # (the transfers still move every byte).
-    seeds = {rid: np.append(page_seeds(chain_page_hashes(t[: len(t) // page * page], page)), 0)
-             for rid, t in toks.items()} if verify else {}
+    seeds = (
+        {
+            rid: np.append(page_seeds(chain_page_hashes(t[: len(t) // page * page], page)), 0)
+            for rid, t in toks.items()
+        }
+        if verify
+        else {}
+    )
     with timer:
         matches = await cache.match_many(toks.items())
     if storage_on:
@@ -85,8 +103,9 @@ async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int
             await lb.handle.wait_async(pool.geometry.layers - 1)
             first = len(lb.device_slots) - lb.loaded_tokens
             if verify:
-                bad += count_bad_pages(pool, lb.device_slots[first:], seeds[lb.rid],
-                                       page_size=page, first=first)
+                bad += count_bad_pages(
+                    pool, lb.device_slots[first:], seeds[lb.rid], page_size=page, first=first
+                )
                 verified += lb.loaded_tokens // page
     with timer:
         news = await cache.allocate_many(
@@ -106,19 +125,30 @@ async def _run_step(cache: HiCache, step, tally: Tally, timer, block_tokens: int
     tally.input_tokens += sum(len(t) for t in toks.values())
 
 
-async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, verify: bool,
-                 log: EventLog | None, progress, on_step=None) -> tuple[Tally, dict]:
+async def replay(
+    cfg: CacheConfig,
+    requests: list[TraceRequest],
+    *,
+    block_tokens: int,
+    batch: int,
+    verify: bool,
+    log: EventLog | None,
+    progress: Callable[[int], object],
+    on_step: Callable[[Tally], object] | None = None,
+) -> tuple[Tally, dict[str, Any]]:
     """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
     running counts: the live hit rate is (device_hit + loaded) / input_tokens)."""
     tally = Tally()
     timer = _Timer(tally)
-    page = cfg.page_size
     async with HiCache(cfg, log=log) as cache:
-        storage_on = cache.backend is not None
+        backend = cache.backend
+        storage_on = backend is not None
         exporter = getattr(cache, "_metrics", None)
         if exporter is not None:
-            print(f"hicache replay: Prometheus metrics on http://localhost:{exporter.port}"
-                  "/metrics", file=sys.stderr)
+            print(
+                f"hicache replay: Prometheus metrics on http://localhost:{exporter.port}/metrics",
+                file=sys.stderr,
+            )
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
             try:
                 await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on)
@@ -127,8 +157,9 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
                 await cache.release_many(RequestId(f"r{r.index}") for r in step)
                 for req in step:
                     try:
-                        await _run_step(cache, [req], tally, timer, block_tokens, verify,
-                                        storage_on)
+                        await _run_step(
+                            cache, [req], tally, timer, block_tokens, verify, storage_on
+                        )
                     except CapacityError:
                         await cache.release(RequestId(f"r{req.index}"))
                         tally.rejected += 1
@@ -142,12 +173,12 @@ async def replay(cfg: CacheConfig, requests, *, block_tokens: int, batch: int, v
             stats = await cache.stats()
         tally.host_hit = stats.host.hit_tokens
         tally.storage_hit = stats.storage_hit_tokens
-        extra = {
+        extra: dict[str, Any] = {
             "bytes": {**stats.bytes},
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
         }
-        if storage_on:
-            backend_stats = dict(cache.backend.stats())
+        if backend is not None:
+            backend_stats = dict(backend.stats())
             extra["backend"] = backend_stats
             extra["bytes"]["h2s"] = int(backend_stats.get("bytes_written", 0))
             extra["bytes"]["s2h"] = int(backend_stats.get("bytes_read", 0))
@@ -166,10 +197,10 @@ class _PlainProgress:
         self.total = total
         self._start = time.perf_counter()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         sys.stderr.write("\n")
         sys.stderr.flush()
 
@@ -177,8 +208,10 @@ class _PlainProgress:
         done, total, width = tally.requests, self.total, 30
         filled = width * done // max(total, 1)
         rate = done / max(time.perf_counter() - self._start, 1e-9)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                         f"requests  {rate:6.1f} req/s  hit rate {live_hit_rate(tally):.4f}")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+            f"requests  {rate:6.1f} req/s  hit rate {live_hit_rate(tally):.4f}"
+        )
         sys.stderr.flush()
 
 
@@ -188,50 +221,65 @@ class _RichProgress:
     def __init__(self, total: int) -> None:
         from rich.console import Console
         from rich.progress import (
-            BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
             TimeRemainingColumn,
         )
 
         self._progress = Progress(
-            TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("requests  hit rate [bold]{task.fields[hit]:.4f}[/]"
-                       "  ({task.fields[rate]:.1f} req/s)"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=Console(file=sys.stdout), auto_refresh=False,
+            TextColumn("[bold]replay"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "requests  hit rate [bold]{task.fields[hit]:.4f}[/]"
+                "  ({task.fields[rate]:.1f} req/s)"
+            ),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=Console(file=sys.stdout),
+            auto_refresh=False,
         )
         self._task = self._progress.add_task("replay", total=total, hit=0.0, rate=0.0)
         self._start = time.perf_counter()
         self._shown = 0.0
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         self._progress.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._progress.refresh()
         self._progress.stop()
 
     def __call__(self, tally: Tally) -> None:
         now = time.perf_counter()
-        self._progress.update(self._task, completed=tally.requests, hit=live_hit_rate(tally),
-                              rate=tally.requests / max(now - self._start, 1e-9))
+        self._progress.update(
+            self._task,
+            completed=tally.requests,
+            hit=live_hit_rate(tally),
+            rate=tally.requests / max(now - self._start, 1e-9),
+        )
         if now - self._shown >= 0.1:  # redraw at most ten times a second
             self._shown = now
             self._progress.refresh()
 
 
 class _NoProgress:
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
     def __call__(self, tally: Tally) -> None:
         pass
 
 
-def _progress_display(total: int, quiet: bool):
+def _progress_display(total: int, quiet: bool) -> _PlainProgress | _RichProgress | _NoProgress:
     """rich's live bar when stdout is a terminal and rich is installed; else a plain line on
     stderr when that is a terminal; else nothing."""
     if quiet:
@@ -254,60 +302,90 @@ def _scratch_dir() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=_scratch_dir()) as tmp:
         storage = args.storage
         if storage == "file":
             storage = f"file:{tmp}/store"
         cfg = CacheConfig(
-            kv=args.kv, page_size=args.page_size, device_tokens=args.device_tokens,
-            host_tokens=args.host_tokens, eviction=args.eviction, write_policy=args.write_policy,
-            exclusive=args.exclusive, storage=None if storage == "none" else storage,
-            model_id=args.model_id, metrics_port=getattr(args, "metrics_port", None),
-            prefetch_policy=args.prefetch_policy, deterministic=args.deterministic,
-            seed=args.seed, layout=args.layout, io_backend=args.io,
+            kv=args.kv,
+            page_size=args.page_size,
+            device_tokens=args.device_tokens,
+            host_tokens=args.host_tokens,
+            eviction=args.eviction,
+            write_policy=args.write_policy,
+            exclusive=args.exclusive,
+            storage=None if storage == "none" else storage,
+            model_id=args.model_id,
+            metrics_port=getattr(args, "metrics_port", None),
+            prefetch_policy=args.prefetch_policy,
+            deterministic=args.deterministic,
+            seed=args.seed,
+            layout=args.layout,
+            io_backend=args.io,
             **({"cpu_transfers": args.cpu_transfers} if args.cpu_transfers else {}),
         )
-        events_file = open(args.events, "w", encoding="utf-8") if args.events else None
-        try:
+        with contextlib.ExitStack() as files:
+            events_file = (
+                files.enter_context(open(args.events, "w", encoding="utf-8"))
+                if args.events
+                else None
+            )
             log = EventLog(sink=events_file) if events_file else None
             t0 = time.perf_counter()
             with _progress_display(len(requests), args.quiet) as show:
 
-                async def main():
-                    return await replay(cfg, requests, block_tokens=args.block_tokens,
-                                        batch=args.batch, verify=args.verify, log=log,
-                                        progress=lambda done: None, on_step=show)
+                async def main() -> tuple[Tally, dict[str, Any]]:
+                    return await replay(
+                        cfg,
+                        requests,
+                        block_tokens=args.block_tokens,
+                        batch=args.batch,
+                        verify=args.verify,
+                        log=log,
+                        progress=lambda done: None,
+                        on_step=show,
+                    )
 
                 if args.deterministic:
                     tally, extra = run_deterministic(main, seed=args.seed)
                 else:
                     tally, extra = anyio.run(main)
             wall = time.perf_counter() - t0
-        finally:
-            if events_file:
-                events_file.close()
-    summary = summarize(tally, extra, cfg, requests, block_tokens=args.block_tokens,
-                        storage=args.storage, wall=wall)
+    summary = summarize(
+        tally, extra, cfg, requests, block_tokens=args.block_tokens, storage=args.storage, wall=wall
+    )
     _print_table(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 1 if summary["corrupt_pages"] else 0
 
 
-def summarize(tally: Tally, extra: dict, cfg: CacheConfig, requests, *, block_tokens: int,
-              storage: str, wall: float) -> dict:
+def summarize(
+    tally: Tally,
+    extra: dict[str, Any],
+    cfg: CacheConfig,
+    requests: list[TraceRequest],
+    *,
+    block_tokens: int,
+    storage: str,
+    wall: float,
+) -> dict[str, Any]:
     """The summary `--json` writes (and the table shows)."""
     hits = tally.device_hit + tally.host_hit
-    summary = {
+    summary: dict[str, Any] = {
         "requests": tally.requests,
         "input_tokens": tally.input_tokens,
-        "hit_tokens": {"device": tally.device_hit, "host": tally.host_hit - tally.storage_hit,
-                       "storage": tally.storage_hit},
+        "hit_tokens": {
+            "device": tally.device_hit,
+            "host": tally.host_hit - tally.storage_hit,
+            "storage": tally.storage_hit,
+        },
         "hit_rate": hits / tally.input_tokens if tally.input_tokens else 0.0,
-        "bound_hit_rate": bound_hit_rate(requests, block_tokens=block_tokens,
-                                         page_size=cfg.page_size),
+        "bound_hit_rate": bound_hit_rate(
+            requests, block_tokens=block_tokens, page_size=cfg.page_size
+        ),
         "bytes": {"d2h": 0, "h2d": 0, "h2s": 0, "s2h": 0, **extra.get("bytes", {})},
         "evictions": extra.get("evictions", {}),
         "rejected_requests": tally.rejected,
@@ -315,17 +393,24 @@ def summarize(tally: Tally, extra: dict, cfg: CacheConfig, requests, *, block_to
         "corrupt_pages": tally.corrupt_pages,
         "wall_s": round(wall, 3),
         "control_us_per_request": round(tally.control_s / max(tally.requests, 1) * 1e6, 1),
-        "config": {"kv": cfg.kv, "page_size": cfg.page_size, "device_tokens": cfg.device_tokens,
-                   "host_tokens": cfg.host_capacity, "storage": storage,
-                   "write_policy": cfg.write_policy, "eviction": cfg.eviction,
-                   "exclusive": cfg.exclusive, "prefetch_policy": cfg.prefetch_policy},
+        "config": {
+            "kv": cfg.kv,
+            "page_size": cfg.page_size,
+            "device_tokens": cfg.device_tokens,
+            "host_tokens": cfg.host_capacity,
+            "storage": storage,
+            "write_policy": cfg.write_policy,
+            "eviction": cfg.eviction,
+            "exclusive": cfg.exclusive,
+            "prefetch_policy": cfg.prefetch_policy,
+        },
     }
     if "backend" in extra:
         summary["storage_stats"] = extra["backend"]
     return summary
 
 
-def _print_table(s: dict) -> None:
+def _print_table(s: dict[str, Any]) -> None:
     tok = s["input_tokens"] or 1
     rows = [
         ("requests", f"{s['requests']}"),
@@ -336,8 +421,10 @@ def _print_table(s: dict) -> None:
         ("  from L3 (storage)", f"{s['hit_tokens']['storage'] / tok:.4f}"),
         ("bytes d2h / h2d", f"{s['bytes']['d2h']:,} / {s['bytes']['h2d']:,}"),
         ("bytes h2s / s2h", f"{s['bytes']['h2s']:,} / {s['bytes']['s2h']:,}"),
-        ("evictions device / host", f"{s['evictions'].get('device', 0):,} / "
-                                    f"{s['evictions'].get('host', 0):,} tokens"),
+        (
+            "evictions device / host",
+            (f"{s['evictions'].get('device', 0):,} / {s['evictions'].get('host', 0):,} tokens"),
+        ),
         ("verified / corrupt pages", f"{s['verified_pages']:,} / {s['corrupt_pages']}"),
         ("wall", f"{s['wall_s']:.2f} s"),
         ("control plane", f"{s['control_us_per_request']:.0f} us/request"),

@@ -13,26 +13,45 @@ multiple of the L1 size (`2x`). L3: `0` (none) or `inf` (an unbounded store).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hicache.cli.coremodel import PageIds, replay_trace
-from hicache.cli.trace import bound_hit_rate, read_trace
+from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace
 from hicache.config import CacheConfig
 
 _SUFFIX = {"k": 1_000, "K": 1_000, "m": 1_000_000, "M": 1_000_000, "g": 10**9, "G": 10**9}
 
 CSV_FIELDS = (
-    "device_tokens", "host_tokens", "storage", "write_policy", "eviction", "exclusive",
-    "page_size", "requests", "input_tokens", "hit_rate", "device_hit_rate", "host_hit_rate",
-    "storage_hit_rate", "bound_hit_rate", "device_hit_tokens", "host_hit_tokens",
-    "storage_hit_tokens", "device_evicted_tokens", "host_evicted_tokens", "rejected_requests",
+    "device_tokens",
+    "host_tokens",
+    "storage",
+    "write_policy",
+    "eviction",
+    "exclusive",
+    "page_size",
+    "requests",
+    "input_tokens",
+    "hit_rate",
+    "device_hit_rate",
+    "host_hit_rate",
+    "storage_hit_rate",
+    "bound_hit_rate",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "storage_hit_tokens",
+    "device_evicted_tokens",
+    "host_evicted_tokens",
+    "rejected_requests",
     "seconds",
 )
 
@@ -71,23 +90,24 @@ class Point:
 
 def grid(device: str, host: str, storage: str, *, page_size: int) -> list[Point]:
     """The points of a sweep, from the comma-separated flags."""
-    points = []
+    points: list[Point] = []
     stores = []
-    for s in storage.split(","):
-        s = s.strip().lower()
+    for item in storage.split(","):
+        s = item.strip().lower()
         if s in ("0", "none", "off"):
             stores.append(False)
         elif s in ("inf", "infinite", "unbounded", "on"):
             stores.append(True)
         else:
-            raise ValueError(f"--storage {s!r}: the sweep models L3 as 0 (none) or inf "
-                             "(an unbounded store)")
+            raise ValueError(
+                f"--storage {s!r}: the sweep models L3 as 0 (none) or inf (an unbounded store)"
+            )
     for d in device.split(","):
         dev = _pages(parse_tokens(d), page_size)
         if dev <= 0 or math.isinf(parse_tokens(d)):
             raise ValueError(f"--device {d!r}: needs at least one page ({page_size} tokens)")
-        for h in host.split(","):
-            h = h.strip()
+        for item in host.split(","):
+            h = item.strip()
             if h.endswith(("x", "X")):
                 try:
                     factor = float(h[:-1])
@@ -97,44 +117,77 @@ def grid(device: str, host: str, storage: str, *, page_size: int) -> list[Point]
             else:
                 hst = _pages(parse_tokens(h), page_size)
             if hst <= dev:
-                raise ValueError(f"--host {h!r}: L2 ({hst} tokens) must be larger than L1 "
-                                 f"({dev} tokens)")
-            for st in stores:
-                points.append(Point(dev, hst, st))
+                raise ValueError(
+                    f"--host {h!r}: L2 ({hst} tokens) must be larger than L1 ({dev} tokens)"
+                )
+            points.extend(Point(dev, hst, st) for st in stores)
     return list(dict.fromkeys(points))
 
 
-def run_point(point: Point, requests, *, page_size: int, block_tokens: int, batch: int,
-              write_policy: str, eviction: str, exclusive: bool, bound: float,
-              tokens_of=None, pages: PageIds | None = None) -> dict:
-    cfg = CacheConfig(page_size=page_size, device_tokens=point.device_tokens,
-                      host_tokens=point.host_tokens, write_policy=write_policy,
-                      eviction=eviction, exclusive=exclusive, prefetch_policy="wait_complete")
+def run_point(
+    point: Point,
+    requests: list[TraceRequest],
+    *,
+    page_size: int,
+    block_tokens: int,
+    batch: int,
+    write_policy: str,
+    eviction: str,
+    exclusive: bool,
+    bound: float,
+    tokens_of: Callable[[TraceRequest], np.ndarray] | None = None,
+    pages: PageIds | None = None,
+) -> dict[str, Any]:
+    cfg = CacheConfig(
+        page_size=page_size,
+        device_tokens=point.device_tokens,
+        host_tokens=point.host_tokens,
+        write_policy=write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        prefetch_policy="wait_complete",
+    )
     t0 = time.perf_counter()
-    tally = replay_trace(cfg, requests, storage=point.storage, block_tokens=block_tokens,
-                         batch=batch, tokens_of=tokens_of, pages=pages)
+    tally = replay_trace(
+        cfg,
+        requests,
+        storage=point.storage,
+        block_tokens=block_tokens,
+        batch=batch,
+        tokens_of=tokens_of,
+        pages=pages,
+    )
     seconds = time.perf_counter() - t0
     s = tally.summary()
     tokens = s["input_tokens"] or 1
     hits = s["hit_tokens"]
     resolved, _ = cfg.resolve()
     return {
-        "device_tokens": point.device_tokens, "host_tokens": point.host_tokens,
-        "storage": point.storage_label, "write_policy": resolved.write_policy,
-        "eviction": eviction, "exclusive": exclusive, "page_size": page_size,
-        "requests": s["requests"], "input_tokens": s["input_tokens"],
-        "hit_rate": s["hit_rate"], "device_hit_rate": hits["device"] / tokens,
-        "host_hit_rate": hits["host"] / tokens, "storage_hit_rate": hits["storage"] / tokens,
+        "device_tokens": point.device_tokens,
+        "host_tokens": point.host_tokens,
+        "storage": point.storage_label,
+        "write_policy": resolved.write_policy,
+        "eviction": eviction,
+        "exclusive": exclusive,
+        "page_size": page_size,
+        "requests": s["requests"],
+        "input_tokens": s["input_tokens"],
+        "hit_rate": s["hit_rate"],
+        "device_hit_rate": hits["device"] / tokens,
+        "host_hit_rate": hits["host"] / tokens,
+        "storage_hit_rate": hits["storage"] / tokens,
         "bound_hit_rate": bound,
-        "device_hit_tokens": hits["device"], "host_hit_tokens": hits["host"],
+        "device_hit_tokens": hits["device"],
+        "host_hit_tokens": hits["host"],
         "storage_hit_tokens": hits["storage"],
         "device_evicted_tokens": s["evictions"]["device"],
         "host_evicted_tokens": s["evictions"]["host"],
-        "rejected_requests": s["rejected_requests"], "seconds": round(seconds, 3),
+        "rejected_requests": s["rejected_requests"],
+        "seconds": round(seconds, 3),
     }
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
@@ -142,12 +195,12 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
 
 
-def read_csv(path: Path) -> list[dict]:
+def read_csv(path: Path) -> list[dict[str, Any]]:
     """Rows of a sweep CSV with numbers parsed back."""
-    out = []
+    out: list[dict[str, Any]] = []
     with open(path, newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
-            parsed: dict = {}
+            parsed: dict[str, Any] = {}
             for k, v in row.items():
                 if k in ("storage", "write_policy", "eviction"):
                     parsed[k] = v
@@ -169,7 +222,7 @@ def _fmt_tokens(n: float) -> str:
     return f"{n:g}"
 
 
-def plot(rows: list[dict], path: Path, *, title: str, by_ratio: bool = True) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, *, title: str, by_ratio: bool = True) -> None:
     """Stacked L1/L2/L3 hit rates against the L1 size: one panel per (L2 size, L3); L2 sizes
     are multiples of L1 (`by_ratio`) or token counts."""
     import matplotlib
@@ -178,7 +231,7 @@ def plot(rows: list[dict], path: Path, *, title: str, by_ratio: bool = True) -> 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    def host_key(row):
+    def host_key(row: dict[str, Any]) -> tuple[str, float]:
         if by_ratio:
             return ("x", round(row["host_tokens"] / row["device_tokens"], 2))
         return ("abs", row["host_tokens"])
@@ -186,27 +239,44 @@ def plot(rows: list[dict], path: Path, *, title: str, by_ratio: bool = True) -> 
     hosts = sorted({host_key(r) for r in rows}, key=lambda k: k[1])
     stores = sorted({r["storage"] for r in rows})
     bound = rows[0]["bound_hit_rate"]
-    fig, axes = plt.subplots(len(stores), len(hosts), squeeze=False, sharex=True, sharey=True,
-                             figsize=(4.2 * len(hosts) + 0.8, 3.4 * len(stores) + 0.9))
+    fig, axes = plt.subplots(
+        len(stores),
+        len(hosts),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+        figsize=(4.2 * len(hosts) + 0.8, 3.4 * len(stores) + 0.9),
+    )
     colors = {"device": "#1f77b4", "host": "#ff7f0e", "storage": "#2ca02c"}
-    labels = {"device": "from L1 (device)", "host": "from L2 (host)",
-              "storage": "from L3 (storage)"}
+    labels = {
+        "device": "from L1 (device)",
+        "host": "from L2 (host)",
+        "storage": "from L3 (storage)",
+    }
     xs_all = sorted({r["device_tokens"] for r in rows})
     for i, store in enumerate(stores):
         for j, hk in enumerate(hosts):
             ax = axes[i][j]
-            pts = sorted((r for r in rows if r["storage"] == store and host_key(r) == hk),
-                         key=lambda r: r["device_tokens"])
+            pts = sorted(
+                (r for r in rows if r["storage"] == store and host_key(r) == hk),
+                key=lambda r: r["device_tokens"],
+            )
             if not pts:
                 ax.set_visible(False)
                 continue
             x = [r["device_tokens"] for r in pts]
             layers = [[r[f"{t}_hit_rate"] for r in pts] for t in ("device", "host", "storage")]
-            ax.stackplot(x, *layers, colors=[colors[t] for t in colors],
-                         labels=[labels[t] for t in labels], alpha=0.75)
+            ax.stackplot(
+                x,
+                *layers,
+                colors=[colors[t] for t in colors],
+                labels=[labels[t] for t in labels],
+                alpha=0.75,
+            )
             ax.plot(x, [r["hit_rate"] for r in pts], "k.-", lw=1, label="total hit rate")
-            ax.axhline(bound, color="k", ls="--", lw=1,
-                       label=f"bound (unlimited capacity) {bound:.3f}")
+            ax.axhline(
+                bound, color="k", ls="--", lw=1, label=f"bound (unlimited capacity) {bound:.3f}"
+            )
             ax.set_xscale("log")
             ax.xaxis.set_major_locator(FixedLocator(xs_all))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _fmt_tokens(v)))
@@ -214,15 +284,16 @@ def plot(rows: list[dict], path: Path, *, title: str, by_ratio: bool = True) -> 
             ax.tick_params(axis="x", labelrotation=45)
             ax.set_ylim(0, max(1.05 * bound, 0.05))
             ax.grid(True, alpha=0.3)
-            l2 = (f"L2 = {hk[1]:g} x L1" if hk[0] == "x"
-                  else f"L2 = {_fmt_tokens(hk[1])} tokens")
+            l2 = f"L2 = {hk[1]:g} x L1" if hk[0] == "x" else f"L2 = {_fmt_tokens(hk[1])} tokens"
             l3 = "L3 unbounded" if store == "inf" else "no L3"
             ax.set_title(f"{l2}, {l3}", fontsize=10)
             if i == len(stores) - 1:
                 ax.set_xlabel("L1 (device) capacity, tokens")
             if j == 0:
                 ax.set_ylabel("token hit rate")
-    handles, names = next(ax for row in axes for ax in row if ax.get_visible()).get_legend_handles_labels()
+    handles, names = next(
+        ax for row in axes for ax in row if ax.get_visible()
+    ).get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=5, fontsize=9, frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.07, 1, 0.96))
@@ -230,14 +301,14 @@ def plot(rows: list[dict], path: Path, *, title: str, by_ratio: bool = True) -> 
     plt.close(fig)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     points = grid(args.device, args.host, args.storage, page_size=args.page_size)
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     bound = bound_hit_rate(requests, block_tokens=args.block_tokens, page_size=args.page_size)
-    tokens = {}
+    tokens: dict[int, np.ndarray] = {}
 
-    def tokens_of(r):
+    def tokens_of(r: TraceRequest) -> np.ndarray:
         t = tokens.get(r.index)
         if t is None:
             t = tokens[r.index] = r.tokens(args.block_tokens).astype(np.uint32)
@@ -247,17 +318,30 @@ def run(args) -> int:
     rows = []
     show = not args.quiet
     for n, point in enumerate(points, 1):
-        row = run_point(point, requests, page_size=args.page_size,
-                        block_tokens=args.block_tokens, batch=args.batch,
-                        write_policy=args.write_policy, eviction=args.eviction,
-                        exclusive=args.exclusive, bound=bound, tokens_of=tokens_of, pages=pages)
+        row = run_point(
+            point,
+            requests,
+            page_size=args.page_size,
+            block_tokens=args.block_tokens,
+            batch=args.batch,
+            write_policy=args.write_policy,
+            eviction=args.eviction,
+            exclusive=args.exclusive,
+            bound=bound,
+            tokens_of=tokens_of,
+            pages=pages,
+        )
         rows.append(row)
         if show:
-            print(f"[{n}/{len(points)}] L1 {_fmt_tokens(point.device_tokens):>6}  "
-                  f"L2 {_fmt_tokens(point.host_tokens):>6}  L3 {point.storage_label:>3}  "
-                  f"hit rate {row['hit_rate']:.4f} (L1 {row['device_hit_rate']:.4f}, "
-                  f"L2 {row['host_hit_rate']:.4f}, L3 {row['storage_hit_rate']:.4f})  "
-                  f"{row['seconds']:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"[{n}/{len(points)}] L1 {_fmt_tokens(point.device_tokens):>6}  "
+                f"L2 {_fmt_tokens(point.host_tokens):>6}  L3 {point.storage_label:>3}  "
+                f"hit rate {row['hit_rate']:.4f} (L1 {row['device_hit_rate']:.4f}, "
+                f"L2 {row['host_hit_rate']:.4f}, L3 {row['storage_hit_rate']:.4f})  "
+                f"{row['seconds']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "sweep.csv")
@@ -265,15 +349,22 @@ def run(args) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("hicache sweep: matplotlib is not installed (pip install 'hicache[plot]'); "
-              "wrote the CSV only", file=sys.stderr)
+        print(
+            "hicache sweep: matplotlib is not installed (pip install 'hicache[plot]'); "
+            "wrote the CSV only",
+            file=sys.stderr,
+        )
     else:
-        title = (f"{Path(args.trace).name}: {len(requests)} requests, page {args.page_size}, "
-                 f"{rows[0]['write_policy']}{', exclusive L2' if args.exclusive else ''}, "
-                 f"{args.eviction}")
+        title = (
+            f"{Path(args.trace).name}: {len(requests)} requests, page {args.page_size}, "
+            f"{rows[0]['write_policy']}{', exclusive L2' if args.exclusive else ''}, "
+            f"{args.eviction}"
+        )
         by_ratio = all(h.strip().lower().endswith("x") for h in args.host.split(","))
         plot(rows, out / "sweep.png", title=title, by_ratio=by_ratio)
         written.append(out / "sweep.png")
-    print(f"{len(points)} points in {time.perf_counter() - t_start:.1f} s; bound "
-          f"{bound:.4f}; wrote {', '.join(str(p) for p in written)}")
+    print(
+        f"{len(points)} points in {time.perf_counter() - t_start:.1f} s; bound "
+        f"{bound:.4f}; wrote {', '.join(str(p) for p in written)}"
+    )
     return 0

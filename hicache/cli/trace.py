@@ -6,7 +6,7 @@ up to and including that block). Block id h stands for token ids h*B .. h*B+B-1.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +32,9 @@ class TraceRequest:
         return (ids[:, None] * block_tokens + offsets[None, :]).reshape(-1)[: self.input_length]
 
 
-def read_trace(path: str | Path, *, limit: int | None = None,
-               block_tokens: int = 512) -> list[TraceRequest]:
+def read_trace(
+    path: str | Path, *, limit: int | None = None, block_tokens: int = 512
+) -> list[TraceRequest]:
     out: list[TraceRequest] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -88,15 +89,18 @@ def bound_hit_rate(requests: list[TraceRequest], *, block_tokens: int, page_size
     return hit / total if total else 0.0
 
 
-def scheduler_steps(requests, batch: int, *, budget: int) -> Iterator[list[TraceRequest]]:
+def scheduler_steps(
+    requests: Iterable[TraceRequest], batch: int, *, budget: int
+) -> Iterator[list[TraceRequest]]:
     """Scheduler steps: up to `batch` requests whose inputs together fit in `budget` tokens.
     A request that shares its first block with one already in the step starts the next step,
     as a prefix-aware scheduler would, so it can hit what the earlier one computes."""
-    step, tokens, firsts = [], 0, set()
+    step: list[TraceRequest] = []
+    tokens = 0
+    firsts: set[int | None] = set()
     for req in requests:
         first = req.hash_ids[0] if req.hash_ids else None
-        if step and (len(step) == batch or tokens + req.input_length > budget
-                     or first in firsts):
+        if step and (len(step) == batch or tokens + req.input_length > budget or first in firsts):
             yield step
             step, tokens, firsts = [], 0, set()
         step.append(req)
@@ -108,4 +112,4 @@ def scheduler_steps(requests, batch: int, *, budget: int) -> Iterator[list[Trace
 
 def iter_batches(requests: list[TraceRequest], size: int) -> Iterator[list[TraceRequest]]:
     for start in range(0, len(requests), size):
-        yield requests[start:start + size]
+        yield requests[start : start + size]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
 from hicache.messages import IoDeadline
+from hicache.runtime import Mailbox, TimerHandle
+from hicache.runtime.actor import KernelServices
 from hicache.types import OpId
 
 
@@ -17,9 +20,11 @@ class CallDeadline:
 
     call: int = 0
     scope: anyio.CancelScope | None = None
-    timer: object = None
+    timer: TimerHandle | None = None
 
-    def arm(self, kernel, inbox, op: OpId, timeout: float) -> anyio.CancelScope:
+    def arm(
+        self, kernel: KernelServices, inbox: Mailbox[Any], op: OpId, timeout: float
+    ) -> anyio.CancelScope:
         """Start a call: its scope, and a timer posting `IoDeadline` to the worker's inbox
         (reserved room: one pending deadline per op)."""
         self.call += 1

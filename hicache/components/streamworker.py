@@ -10,9 +10,10 @@ submitted and how its end is reported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, Union
+from typing import TypeVar
 
-from hicache.messages import Backup, Load, StreamDone
+from hicache.kernels.streams.base import TransferStreams
+from hicache.messages import Backup, Load, StreamDone, TreeInbox
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
 
@@ -23,12 +24,20 @@ def describe(error: BaseException | None) -> str:
     return "" if error is None else f"{type(error).__name__}: {error}"
 
 
-class StreamWorker(Actor[Union[J, StreamDone]]):
+class StreamWorker(Actor[J | StreamDone]):
     job_type: type[J]  # the command this direction takes: Backup or Load
     done_event: str  # the event logged when a job ends, e.g. "writer.backup_done"
 
-    def __init__(self, name: str, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int,
-                 reserve: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        streams: TransferStreams,
+        tree: Mailbox[TreeInbox],
+        bytes_per_token: int,
+        capacity: int,
+        reserve: int,
+    ) -> None:
         super().__init__(name, capacity=capacity, reserve=reserve)
         self._streams = streams
         self._tree = tree
@@ -46,8 +55,12 @@ class StreamWorker(Actor[Union[J, StreamDone]]):
             tokens = len(job.device_slots)
             seconds = round(self.kernel.now() - self._started.pop(msg.op), 6)
             self.log.info(
-                self.done_event, op=msg.op, tokens=tokens,
-                bytes=tokens * self._bytes_per_token, ok=not msg.error, error=msg.error or None,
+                self.done_event,
+                op=msg.op,
+                tokens=tokens,
+                bytes=tokens * self._bytes_per_token,
+                ok=not msg.error,
+                error=msg.error or None,
                 seconds=seconds,
             )
             self._finished(job, msg.error)
@@ -56,10 +69,17 @@ class StreamWorker(Actor[Union[J, StreamDone]]):
             self._started[msg.op] = self.kernel.now()
             deliver = self._deliver
             assert deliver is not None
-            self._submit(msg, lambda err, op=msg.op: deliver(StreamDone(op=op, error=describe(err))))
+            op = msg.op
+
+            def on_done(err: BaseException | None) -> None:
+                deliver(StreamDone(op=op, error=describe(err)))
+
+            self._submit(msg, on_done)
         else:
-            raise TypeError(f"{self.name} takes {self.job_type.__name__} and StreamDone, "
-                            f"not {type(msg).__name__}")
+            raise TypeError(
+                f"{self.name} takes {self.job_type.__name__} and StreamDone, "
+                f"not {type(msg).__name__}"
+            )
 
     def _submit(self, job: J, on_done: Callable[[BaseException | None], None]) -> None:
         """Queue the job's copy on the stream; `on_done(error or None)` fires once it ends."""

@@ -16,10 +16,23 @@ if TYPE_CHECKING:
     from hicache.kernels.names import IO_BACKENDS, LAYOUTS, Layout
     from hicache.kernels.pools import DevicePool, HostPool
     from hicache.kernels.streams import (
-        FaultHook, FaultPoint, LayerNotReady, LoadHandle, StreamSelection, TransferFailed, TransferStreams,
-        cuda_driver_status, make_streams,
+        FaultHook,
+        FaultPoint,
+        LayerNotReady,
+        LoadHandle,
+        StreamSelection,
+        TransferFailed,
+        TransferStreams,
+        cuda_driver_status,
+        make_streams,
     )
-    from hicache.kernels.transfer import backup, load_layer, run_backup, run_load_all, run_load_layer
+    from hicache.kernels.transfer import (
+        backup,
+        load_layer,
+        run_backup,
+        run_load_all,
+        run_load_layer,
+    )
 
 _MODULE_OF = {
     name: module
@@ -29,14 +42,51 @@ _MODULE_OF = {
         "indices": ("PagePlan", "plan_transfer"),
         "names": ("IO_BACKENDS", "LAYOUTS", "Layout"),
         "pools": ("DevicePool", "HostPool"),
-        "streams": ("FaultHook", "FaultPoint", "LayerNotReady", "LoadHandle", "StreamSelection",
-                    "TransferFailed", "TransferStreams", "cuda_driver_status", "make_streams"),
+        "streams": (
+            "FaultHook",
+            "FaultPoint",
+            "LayerNotReady",
+            "LoadHandle",
+            "StreamSelection",
+            "TransferFailed",
+            "TransferStreams",
+            "cuda_driver_status",
+            "make_streams",
+        ),
         "transfer": ("backup", "load_layer", "run_backup", "run_load_all", "run_load_layer"),
     }.items()
     for name in names
 }
 
-__all__ = sorted(_MODULE_OF)
+__all__ = [
+    "DTYPES",
+    "IO_BACKENDS",
+    "LAYOUTS",
+    "DevicePool",
+    "FaultHook",
+    "FaultPlan",
+    "FaultPoint",
+    "Geometry",
+    "HostPool",
+    "LayerNotReady",
+    "Layout",
+    "LoadHandle",
+    "MHAGeometry",
+    "MLAGeometry",
+    "PagePlan",
+    "StreamSelection",
+    "TransferFailed",
+    "TransferStreams",
+    "backup",
+    "cuda_driver_status",
+    "load_layer",
+    "make_streams",
+    "parse_geometry",
+    "plan_transfer",
+    "run_backup",
+    "run_load_all",
+    "run_load_layer",
+]  # the names of `_MODULE_OF`, spelt out so that tools see them (tests/unit/test_layering.py)
 
 
 def __getattr__(name: str) -> Any:

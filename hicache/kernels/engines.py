@@ -16,14 +16,26 @@ import ctypes
 import math
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from hicache.kernels.native import native_rows, unavailable_reason
-from hicache.kernels.rows import (SCRATCH_BYTES, RowPlan, common_row, copy_rows, page_rows_of, plan_pairs, plan_rows, row_space,
-                                  split_rows)
+from hicache.kernels.pools import HostPool
+from hicache.kernels.rows import (
+    SCRATCH_BYTES,
+    RowGrid,
+    RowPlan,
+    common_row,
+    copy_rows,
+    page_rows_of,
+    plan_pairs,
+    plan_rows,
+    row_space,
+    split_rows,
+)
 
 _CACHED_ROWS = 1 << 22
 """Row pairs kept per engine (about 64 MiB): a transfer's plan serves each of its layers."""
@@ -44,7 +56,27 @@ side (compiled copier only): they would evict more than they leave behind."""
 _CACHED_SPACES = 1024
 """Row grids an engine keeps (a few per layer and component of each pool pair it serves)."""
 
-_MISSING = object()
+
+class CopyEngine(Protocol):
+    """What the transfer functions use of an engine (`CpuEngine`, `CudaEngine`)."""
+
+    kind: str
+    max_run_copies: int
+
+    def host_words(self, host: HostPool) -> torch.Tensor: ...
+
+    def move(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_pages: torch.Tensor,
+        src_pages: torch.Tensor,
+        *,
+        host_is_dst: bool,
+    ) -> None: ...
+
+    def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 class CpuEngine:
@@ -58,8 +90,14 @@ class CpuEngine:
     kind = "cpu"
     max_run_copies = 64
 
-    def __init__(self, scratch_bytes: int = SCRATCH_BYTES, *, threads: int | None = None,
-                 parallel_bytes: int = _PARALLEL_BYTES, native: bool | None = None):
+    def __init__(
+        self,
+        scratch_bytes: int = SCRATCH_BYTES,
+        *,
+        threads: int | None = None,
+        parallel_bytes: int = _PARALLEL_BYTES,
+        native: bool | None = None,
+    ) -> None:
         """`native`: use the compiled row copier (native.py): None = where it builds, True =
         required (RuntimeError naming why it is unavailable), False = numpy only.
         `threads`: copy threads per move of at least `parallel_bytes`. Default: two (one
@@ -79,19 +117,19 @@ class CpuEngine:
         self._scratches: list[np.ndarray] = []
         self._helpers: ThreadPoolExecutor | None = None
         self._helper_count = 0
-        self._shapes: dict[tuple, tuple[int, np.ndarray] | None] = {}
-        self._spaces: dict[tuple, object] = {}
-        self._plans: dict[tuple, tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
+        self._shapes: dict[tuple[Any, ...], tuple[int, np.ndarray] | None] = {}
+        self._spaces: dict[tuple[Any, ...], tuple[RowGrid, tuple[Any, ...]] | None] = {}
+        self._plans: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
         self._cached_rows = 0
 
     @property
     def threads(self) -> int:
         return self._threads
 
-    def host_words(self, host) -> torch.Tensor:
+    def host_words(self, host: HostPool) -> torch.Tensor:
         return host.buffer
 
-    def _space(self, views: list[torch.Tensor]):
+    def _space(self, views: list[torch.Tensor]) -> tuple[RowGrid, tuple[Any, ...]] | None:
         # Per-layer loads ask for the same few view sets over and over; building the row grid
         # (a numpy array over the views' memory) was half of a small move's fixed cost. A grid
         # is named by the views' addresses, shape, strides and dtype, which fix the memory it
@@ -99,9 +137,8 @@ class CpuEngine:
         first = views[0]
         key = (tuple(first.shape), first.stride())
         space_key = (key, first.dtype, tuple(v.data_ptr() for v in views))
-        hit = self._spaces.get(space_key, _MISSING)
-        if hit is not _MISSING:
-            return hit
+        if space_key in self._spaces:
+            return self._spaces[space_key]
         if key not in self._shapes:
             self._shapes[key] = page_rows_of(first)
         space = row_space(views, self._shapes[key])
@@ -110,8 +147,16 @@ class CpuEngine:
         self._spaces[space_key] = space
         return space
 
-    def _plan(self, dst, dst_key, dst_pages: torch.Tensor, src, src_key, src_pages: torch.Tensor,
-              host_is_dst: bool) -> RowPlan:
+    def _plan(
+        self,
+        dst: RowGrid,
+        dst_key: tuple[Any, ...],
+        dst_pages: torch.Tensor,
+        src: RowGrid,
+        src_key: tuple[Any, ...],
+        src_pages: torch.Tensor,
+        host_is_dst: bool,
+    ) -> RowPlan:
         key = (id(dst_pages), id(src_pages), dst_key, src_key, host_is_dst)
         hit = self._plans.get(key)
         if hit is not None and hit[0] is dst_pages and hit[1] is src_pages:
@@ -119,7 +164,9 @@ class CpuEngine:
         if self.native is not None:
             plan = plan_pairs(dst, dst_pages.numpy(), src, src_pages.numpy(), by_dst=False)
         else:
-            plan = plan_rows(dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst)
+            plan = plan_rows(
+                dst, dst_pages.numpy(), src, src_pages.numpy(), prefer_dst_order=host_is_dst
+            )
         while self._plans and self._cached_rows + plan.pairs > _CACHED_ROWS:
             self._cached_rows -= self._plans.pop(next(iter(self._plans)))[2].pairs
         if plan.pairs <= _CACHED_ROWS:
@@ -127,8 +174,14 @@ class CpuEngine:
             self._cached_rows += plan.pairs
         return plan
 
-    def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
-             src_pages: torch.Tensor, *, host_is_dst: bool) -> None:
+    def move(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_pages: torch.Tensor,
+        src_pages: torch.Tensor,
+        *,
+        host_is_dst: bool,
+    ) -> None:
         """`dst[dst_pages] = src[src_pages]` for every (dst, src) pair of page views (all dst
         views alike, all src views alike). Mutates the dst views only."""
         if dst_pages.numel() == 0 or not pairs:
@@ -144,35 +197,63 @@ class CpuEngine:
             for dst, src in pairs:
                 self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
             return
-        (dst, dst_key), (src, src_key) = dst_space, src_space
-        plan = self._plan(dst, dst_key, dst_pages, src, src_key, src_pages, host_is_dst)
-        row_bytes = dst.array.shape[1] * dst.array.itemsize
+        (dst_grid, dst_key), (src_grid, src_key) = dst_space, src_space
+        plan = self._plan(dst_grid, dst_key, dst_pages, src_grid, src_key, src_pages, host_is_dst)
+        row_bytes = dst_grid.array.shape[1] * dst_grid.array.itemsize
         n = plan.pairs
         parts = max(1, min(self._threads, n, n * row_bytes // self._parallel_bytes))
         while len(self._scratches) < parts or self._scratches[0].size < row_bytes:
-            self._scratches = [np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)
-                               for _ in range(max(parts, len(self._scratches)))]
+            self._scratches = [
+                np.empty(max(self._scratch_bytes, row_bytes), dtype=np.uint8)
+                for _ in range(max(parts, len(self._scratches)))
+            ]
         bounds = [n * i // parts for i in range(parts + 1)]
         streaming = n * row_bytes >= _STREAMING_BYTES
+        helping: list[Future[None]] = []
         if parts > 1:
-            if self._helper_count < parts - 1:
+            if self._helpers is None or self._helper_count < parts - 1:
                 if self._helpers is not None:
                     self._helpers.shutdown(wait=False)
                 self._helpers = ThreadPoolExecutor(parts - 1, thread_name_prefix="hicache-copy")
                 self._helper_count = parts - 1
-            helping = [self._helpers.submit(copy_rows, dst.array, src.array, plan, self._scratches[i],
-                                            bounds[i], bounds[i + 1], native=self.native, streaming=streaming)
-                       for i in range(1, parts)]
+            helping = [
+                self._helpers.submit(
+                    copy_rows,
+                    dst_grid.array,
+                    src_grid.array,
+                    plan,
+                    self._scratches[i],
+                    bounds[i],
+                    bounds[i + 1],
+                    native=self.native,
+                    streaming=streaming,
+                )
+                for i in range(1, parts)
+            ]
         try:
-            copy_rows(dst.array, src.array, plan, self._scratches[0], bounds[0], bounds[1],
-                      native=self.native, streaming=streaming)
+            copy_rows(
+                dst_grid.array,
+                src_grid.array,
+                plan,
+                self._scratches[0],
+                bounds[0],
+                bounds[1],
+                native=self.native,
+                streaming=streaming,
+            )
         finally:
-            if parts > 1:
-                for future in helping:
-                    future.result()
+            for future in helping:
+                future.result()
 
-    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
-                       src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
+    def gather_scatter(
+        self,
+        dst: torch.Tensor,
+        dst_pages: torch.Tensor,
+        src: torch.Tensor,
+        src_pages: torch.Tensor,
+        *,
+        host_is_dst: bool = False,
+    ) -> None:
         if dst_pages.numel() == 0:
             return
         dst_space, src_space = self._space([dst]), self._space([src])
@@ -203,7 +284,8 @@ class CudaEngine:
     kind = "cuda"
     max_run_copies = sys.maxsize
 
-    def __init__(self, device: torch.device, stream=None):
+    def __init__(self, device: torch.device, stream: Any = None) -> None:
+        """`stream`: a cuda-python `cudaStream_t`, or None for torch's current stream."""
         from cuda.bindings import runtime as cudart
 
         self._cudart = cudart
@@ -211,16 +293,25 @@ class CudaEngine:
         self._stream = stream
         self._aliases: dict[int, torch.Tensor | None] = {}
 
-    def host_words(self, host) -> torch.Tensor:
+    def host_words(self, host: HostPool) -> torch.Tensor:
         """The host buffer as a CUDA tensor aliasing the pinned memory, or the CPU buffer."""
         key = host.buffer.data_ptr()
         if key not in self._aliases:
-            self._aliases[key] = _device_alias(self._cudart, host.buffer, self.device) if host.pinned else None
+            self._aliases[key] = (
+                _device_alias(self._cudart, host.buffer, self.device) if host.pinned else None
+            )
         alias = self._aliases[key]
         return host.buffer if alias is None else alias
 
-    def gather_scatter(self, dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor,
-                       src_pages: torch.Tensor, *, host_is_dst: bool = False) -> None:
+    def gather_scatter(
+        self,
+        dst: torch.Tensor,
+        dst_pages: torch.Tensor,
+        src: torch.Tensor,
+        src_pages: torch.Tensor,
+        *,
+        host_is_dst: bool = False,
+    ) -> None:
         if dst_pages.numel() == 0:
             return
         if src.device.type == "cpu":  # unmapped host -> device: gather on CPU, copy, scatter
@@ -230,10 +321,18 @@ class CudaEngine:
             moved = src.index_select(0, src_pages.to(src.device)).cpu()
             dst.index_copy_(0, dst_pages.cpu(), moved)
         else:
-            dst.index_copy_(0, dst_pages.to(dst.device), src.index_select(0, src_pages.to(src.device)))
+            dst.index_copy_(
+                0, dst_pages.to(dst.device), src.index_select(0, src_pages.to(src.device))
+            )
 
-    def move(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], dst_pages: torch.Tensor,
-             src_pages: torch.Tensor, *, host_is_dst: bool) -> None:
+    def move(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_pages: torch.Tensor,
+        src_pages: torch.Tensor,
+        *,
+        host_is_dst: bool,
+    ) -> None:
         for dst, src in pairs:
             self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
 
@@ -241,10 +340,15 @@ class CudaEngine:
         if dst.is_contiguous() and src.is_contiguous():
             stream = self._stream
             if stream is None:
-                stream = self._cudart.cudaStream_t(torch.cuda.current_stream(self.device).cuda_stream)
+                stream = self._cudart.cudaStream_t(
+                    torch.cuda.current_stream(self.device).cuda_stream
+                )
             (err,) = self._cudart.cudaMemcpyAsync(
-                dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
-                self._cudart.cudaMemcpyKind.cudaMemcpyDefault, stream,
+                dst.data_ptr(),
+                src.data_ptr(),
+                dst.numel() * dst.element_size(),
+                self._cudart.cudaMemcpyKind.cudaMemcpyDefault,
+                stream,
             )
             if err != self._cudart.cudaError_t.cudaSuccess:
                 raise RuntimeError(f"cudaMemcpyAsync failed: {err}")
@@ -258,13 +362,17 @@ class CudaEngine:
 class _CudaArray:
     """Minimal __cuda_array_interface__ exporter so torch can wrap a device pointer."""
 
-    def __init__(self, pointer: int, nbytes: int):
+    def __init__(self, pointer: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3, "strides": None,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+            "strides": None,
         }
 
 
-def _device_alias(cudart, buffer: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+def _device_alias(cudart: Any, buffer: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """A CUDA uint8 tensor over the pinned `buffer` (same memory), or None if not mappable."""
     err, attrs = cudart.cudaPointerGetAttributes(buffer.data_ptr())
     if err != cudart.cudaError_t.cudaSuccess or not attrs.devicePointer:
@@ -274,6 +382,6 @@ def _device_alias(cudart, buffer: torch.Tensor, device: torch.device) -> torch.T
     return alias
 
 
-def engine_for(device: torch.device, stream=None):
+def engine_for(device: torch.device, stream: Any = None) -> CopyEngine:
     """The engine that moves bytes between host memory and `device`."""
     return CudaEngine(device, stream) if device.type == "cuda" else CpuEngine()

@@ -160,8 +160,11 @@ def parse_geometry(spec: str) -> Geometry:
         try:
             values.append(int(text))
         except ValueError:
-            raise ValueError(f"geometry spec {spec!r}: {field} must be an int, got {text!r}") from None
+            raise ValueError(
+                f"geometry spec {spec!r}: {field} must be an int, got {text!r}"
+            ) from None
     torch_dtype = dtype_from_name(dtype)
+    first, second, third = values
     if kind == "mha":
-        return MHAGeometry(*values, dtype=torch_dtype)
-    return MLAGeometry(*values, dtype=torch_dtype)
+        return MHAGeometry(first, second, third, dtype=torch_dtype)
+    return MLAGeometry(first, second, third, dtype=torch_dtype)

@@ -31,7 +31,9 @@ import torch
 from hicache.kernels.geometry import Geometry
 from hicache.kernels.names import LAYOUTS
 
-PAGE_CONTIGUOUS_LAYOUTS: frozenset[str] = frozenset({"page_first", "page_first_direct", "page_head"})
+PAGE_CONTIGUOUS_LAYOUTS: frozenset[str] = frozenset(
+    {"page_first", "page_first_direct", "page_head"}
+)
 
 
 def check_layout(layout: str, geometry: Geometry) -> None:
@@ -39,7 +41,9 @@ def check_layout(layout: str, geometry: Geometry) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown host layout {layout!r}; expected one of {list(LAYOUTS)}")
     if layout == "page_head" and geometry.kind == "mla":
-        raise ValueError("host layout 'page_head' needs MHA (it splits pages by head); MLA has one latent row")
+        raise ValueError(
+            "host layout 'page_head' needs MHA (it splits pages by head); MLA has one latent row"
+        )
 
 
 def word_dtype(nbytes: int) -> torch.dtype:
@@ -60,8 +64,10 @@ def row_unit(layout: str, geometry: Geometry, page_size: int) -> int:
     multiples of it): one (layer, component) block for `page_first_direct`, a token's heads
     for `page_first`, one head row for `page_head`."""
     head_row = geometry.row_dim * geometry.itemsize
-    return {"page_first_direct": page_size * geometry.row_heads * head_row,
-            "page_first": geometry.row_heads * head_row}.get(layout, head_row)
+    return {
+        "page_first_direct": page_size * geometry.row_heads * head_row,
+        "page_first": geometry.row_heads * head_row,
+    }.get(layout, head_row)
 
 
 def header_room(layout: str, geometry: Geometry, page_size: int, room: int | None = None) -> int:
@@ -77,7 +83,9 @@ def header_room(layout: str, geometry: Geometry, page_size: int, room: int | Non
         room = -(-HEADER_ROOM_WANTED // unit) * unit
         return room if room * 64 <= page_size * geometry.bytes_per_token else 0
     if isinstance(room, bool) or not isinstance(room, int) or room < 0 or room % unit:
-        raise ValueError(f"header_room {room!r} must be 0 or a multiple of {unit} bytes for {layout!r} pages")
+        raise ValueError(
+            f"header_room {room!r} must be 0 or a multiple of {unit} bytes for {layout!r} pages"
+        )
     return room
 
 
@@ -96,8 +104,14 @@ def host_shape(layout: str, geometry: Geometry, size: int, page_size: int) -> tu
 
 
 def page_view(
-    words: torch.Tensor, layout: str, geometry: Geometry, size: int, page_size: int,
-    layer: int, component: int, room: int = 0,
+    words: torch.Tensor,
+    layout: str,
+    geometry: Geometry,
+    size: int,
+    page_size: int,
+    layer: int,
+    component: int,
+    room: int = 0,
 ) -> torch.Tensor:
     """The (pages, page_size, H, Dw) view of one (layer, component) of a host buffer given as a
     1-D tensor of words (`Dw` words per head row; `room`: header room bytes before each page).
@@ -119,8 +133,9 @@ def page_view(
     raise ValueError(f"unknown host layout {layout!r}")
 
 
-def page_pieces(layout: str, geometry: Geometry, size: int, page_size: int, page: int,
-                room: int = 0) -> list[tuple[int, int]]:
+def page_pieces(
+    layout: str, geometry: Geometry, size: int, page_size: int, page: int, room: int = 0
+) -> list[tuple[int, int]]:
     """(byte offset, byte length) of the pieces holding `page`, in value order: one piece for
     page-contiguous layouts (after the page's `room`); for `layer_first`, layer by layer,
     component by component."""

@@ -25,8 +25,10 @@ import platform
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,10 +45,20 @@ class NativeRows:
     """The loaded library; `path` is the shared object it came from."""
 
     path: Path
-    _copy: ctypes._CFuncPtr
+    _copy: Callable[..., int]  # a ctypes foreign function, its argtypes set by `_load`
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, dst_rows: np.ndarray | None, dst_first: int,
-             src_rows: np.ndarray | None, src_first: int, n: int, *, streaming: bool) -> None:
+    def copy(
+        self,
+        dst: np.ndarray,
+        src: np.ndarray,
+        dst_rows: np.ndarray | None,
+        dst_first: int,
+        src_rows: np.ndarray | None,
+        src_first: int,
+        n: int,
+        *,
+        streaming: bool,
+    ) -> None:
         """Copy `n` rows from `src` to `dst` (C-contiguous (rows, row) arrays of one itemsize
         and row length): row i from `src_rows[i]` (or `src_first + i` when None) to
         `dst_rows[i]` (or `dst_first + i`). Row tables are int64 and at least `n` long.
@@ -55,16 +67,30 @@ class NativeRows:
         out of range."""
         row_bytes = dst.shape[1] * dst.itemsize
         if row_bytes != src.shape[1] * src.itemsize:
-            raise ValueError(f"row lengths differ: {row_bytes} and {src.shape[1] * src.itemsize} bytes")
-        skipped = self._copy(dst.ctypes.data, dst.shape[0], src.ctypes.data, src.shape[0],
-                             _rows(dst_rows, n), dst_first, _rows(src_rows, n), src_first,
-                             n, row_bytes, int(streaming))
+            raise ValueError(
+                f"row lengths differ: {row_bytes} and {src.shape[1] * src.itemsize} bytes"
+            )
+        skipped = self._copy(
+            dst.ctypes.data,
+            dst.shape[0],
+            src.ctypes.data,
+            src.shape[0],
+            _rows(dst_rows, n),
+            dst_first,
+            _rows(src_rows, n),
+            src_first,
+            n,
+            row_bytes,
+            int(streaming),
+        )
         if skipped:
-            raise IndexError(f"{skipped} of {n} row pairs out of range (dst rows {dst.shape[0]}, "
-                             f"src rows {src.shape[0]})")
+            raise IndexError(
+                f"{skipped} of {n} row pairs out of range (dst rows {dst.shape[0]}, "
+                f"src rows {src.shape[0]})"
+            )
 
 
-def _rows(rows: np.ndarray | None, n: int):
+def _rows(rows: np.ndarray | None, n: int) -> Any:  # a ctypes int64 pointer, or None
     if rows is None:
         return None
     if rows.dtype != np.int64 or rows.ndim != 1 or rows.size < n or not rows.flags.c_contiguous:
@@ -100,10 +126,17 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*_compiler(), *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=_COMPILE_SECONDS, check=False)
+        done = subprocess.run(
+            [*_compiler(), *_FLAGS, "-o", tmp, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=_COMPILE_SECONDS,
+            check=False,
+        )
         if done.returncode != 0:
-            raise OSError(f"{' '.join(_compiler())} failed ({done.returncode}): {done.stderr.strip()[:500]}")
+            raise OSError(
+                f"{' '.join(_compiler())} failed ({done.returncode}): {done.stderr.strip()[:500]}"
+            )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -117,8 +150,19 @@ def _load(path: Path) -> NativeRows:
         raise OSError(f"{path} has ABI {lib.hicache_rowcopy_abi()}, expected {ABI}")
     copy = lib.hicache_copy_rows
     copy.restype = ctypes.c_int64
-    copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, _I64P, ctypes.c_int64,
-                     _I64P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    copy.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        _I64P,
+        ctypes.c_int64,
+        _I64P,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
     return NativeRows(path, copy)
 
 
@@ -131,7 +175,11 @@ def _native() -> tuple[NativeRows | None, str | None]:
         if not path.exists():
             _build(path)
         return _load(path), None
-    except (OSError, subprocess.SubprocessError, ValueError) as exc:  # no compiler, read-only cache, ...
+    except (
+        OSError,
+        subprocess.SubprocessError,
+        ValueError,
+    ) as exc:  # no compiler, read-only cache, ...
         return None, f"{type(exc).__name__}: {exc}"
 
 

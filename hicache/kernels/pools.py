@@ -9,17 +9,19 @@ the slots a command names.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-from hicache.kernels.geometry import Geometry, dtype_name
-from hicache.kernels.memory import cpu_bytes
+from hicache.kernels.geometry import Geometry
+from hicache.kernels.indices import SlotArray
 from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
 from hicache.kernels.layouts import header_room as header_room_of
+from hicache.kernels.memory import cpu_bytes
 
 
-class PagePieces(list):
+class PagePieces(list[memoryview]):
     """One host page as `HostPool.page_buffers` hands it to storage: its pieces (C-contiguous
     byte memoryviews, in value order) and `header_room`, how many bytes right before the first
     piece hold no KV and are free for the backend working on this page to write (a value
@@ -28,7 +30,7 @@ class PagePieces(list):
 
     __slots__ = ("header_room",)
 
-    def __init__(self, pieces=(), header_room: int = 0) -> None:
+    def __init__(self, pieces: Iterable[memoryview] = (), header_room: int = 0) -> None:
         super().__init__(pieces)
         self.header_room = header_room
 
@@ -51,7 +53,9 @@ class DevicePool:
     one device; `size` is a multiple of `page_size`. Immutable after construction (the tensors'
     contents change, the pool object does not)."""
 
-    def __init__(self, geometry: Geometry, page_size: int, buffers: Sequence[Sequence[torch.Tensor]]):
+    def __init__(
+        self, geometry: Geometry, page_size: int, buffers: Sequence[Sequence[torch.Tensor]]
+    ):
         """`buffers[layer][component]`; prefer `allocate` or `wrap`. Validates everything."""
         _check_page_size(page_size)
         if len(buffers) != geometry.layers:
@@ -61,34 +65,46 @@ class DevicePool:
         shape_tail = (geometry.row_heads, geometry.row_dim)
         for layer, row in enumerate(buffers):
             if len(row) != geometry.components:
-                raise ValueError(f"layer {layer}: expected {geometry.components} buffers, got {len(row)}")
+                raise ValueError(
+                    f"layer {layer}: expected {geometry.components} buffers, got {len(row)}"
+                )
             for component, buf in enumerate(row):
                 where = f"layer {layer} {self._component_name(geometry, component)} buffer"
                 if not isinstance(buf, torch.Tensor):
                     raise TypeError(f"{where} must be a torch.Tensor, got {type(buf).__name__}")
                 if buf.dtype != geometry.dtype:
-                    raise ValueError(f"{where} has dtype {buf.dtype}, geometry says {geometry.dtype}")
+                    raise ValueError(
+                        f"{where} has dtype {buf.dtype}, geometry says {geometry.dtype}"
+                    )
                 if buf.dim() != 3 or tuple(buf.shape[1:]) != shape_tail:
-                    raise ValueError(f"{where} has shape {tuple(buf.shape)}, expected (tokens, *{shape_tail})")
+                    raise ValueError(
+                        f"{where} has shape {tuple(buf.shape)}, expected (tokens, *{shape_tail})"
+                    )
                 if not buf.is_contiguous():
                     raise ValueError(f"{where} must be contiguous")
                 size = buf.shape[0] if size is None else size
                 device = buf.device if device is None else device
                 if buf.shape[0] != size:
-                    raise ValueError(f"{where} has {buf.shape[0]} tokens, other buffers have {size}")
+                    raise ValueError(
+                        f"{where} has {buf.shape[0]} tokens, other buffers have {size}"
+                    )
                 if buf.device != device:
                     raise ValueError(f"{where} is on {buf.device}, other buffers are on {device}")
         assert size is not None and device is not None
         if size == 0 or size % page_size:
-            raise ValueError(f"device pool size {size} must be a positive multiple of page_size {page_size}")
+            raise ValueError(
+                f"device pool size {size} must be a positive multiple of page_size {page_size}"
+            )
         self.geometry = geometry
         self.page_size = page_size
         self.size: int = size
         self.device: torch.device = device
         self._buffers = tuple(tuple(row) for row in buffers)
-        self._views: dict[tuple, torch.Tensor] = {}
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         row_bytes = geometry.row_dim * geometry.itemsize
-        align = math.gcd(row_bytes, *(b.data_ptr() % 64 or 64 for row in self._buffers for b in row))
+        align = math.gcd(
+            row_bytes, *(b.data_ptr() % 64 or 64 for row in self._buffers for b in row)
+        )
         self.word: torch.dtype = word_dtype(align)
 
     @staticmethod
@@ -96,11 +112,15 @@ class DevicePool:
         return ("K", "V")[component] if geometry.kind == "mha" else "latent"
 
     @classmethod
-    def allocate(cls, geometry: Geometry, size: int, page_size: int, device: str | torch.device = "cpu") -> DevicePool:
+    def allocate(
+        cls, geometry: Geometry, size: int, page_size: int, device: str | torch.device = "cpu"
+    ) -> DevicePool:
         """New zeroed buffers of `size` tokens on `device`."""
         _check_page_size(page_size)
         if size <= 0 or size % page_size:
-            raise ValueError(f"device pool size {size} must be a positive multiple of page_size {page_size}")
+            raise ValueError(
+                f"device pool size {size} must be a positive multiple of page_size {page_size}"
+            )
         shape = (size, geometry.row_heads, geometry.row_dim)
 
         def zeros() -> torch.Tensor:
@@ -113,7 +133,10 @@ class DevicePool:
 
     @classmethod
     def wrap(
-        cls, geometry: Geometry, page_size: int, *,
+        cls,
+        geometry: Geometry,
+        page_size: int,
+        *,
         k_buffers: Sequence[torch.Tensor] | None = None,
         v_buffers: Sequence[torch.Tensor] | None = None,
         latent_buffers: Sequence[torch.Tensor] | None = None,
@@ -122,7 +145,9 @@ class DevicePool:
         `latent_buffers`); nothing is copied. Raises if shapes, dtypes or devices disagree."""
         if geometry.kind == "mha":
             if k_buffers is None or v_buffers is None or latent_buffers is not None:
-                raise ValueError("an MHA pool wraps k_buffers and v_buffers (and no latent_buffers)")
+                raise ValueError(
+                    "an MHA pool wraps k_buffers and v_buffers (and no latent_buffers)"
+                )
             if len(k_buffers) != len(v_buffers):
                 raise ValueError(f"{len(k_buffers)} K buffers but {len(v_buffers)} V buffers")
             return cls(geometry, page_size, list(zip(k_buffers, v_buffers)))
@@ -148,7 +173,9 @@ class DevicePool:
 
     def _need(self, kind: str) -> None:
         if self.geometry.kind != kind:
-            raise TypeError(f"this is an {self.geometry.kind.upper()} pool; that accessor is for {kind.upper()}")
+            raise TypeError(
+                f"this is an {self.geometry.kind.upper()} pool; that accessor is for {kind.upper()}"
+            )
 
     def page_view(self, layer: int, component: int, word: torch.dtype) -> torch.Tensor:
         """(pages, page_size, heads, words) view of one buffer, for transfers (kept: a layer
@@ -157,8 +184,10 @@ class DevicePool:
         view = self._views.get(key)
         if view is None:
             buf = self._buffers[layer][component]
-            view = self._views[key] = buf.view(torch.uint8).view(word).view(
-                self.size // self.page_size, self.page_size, self.geometry.row_heads, -1
+            view = self._views[key] = (
+                buf.view(torch.uint8)
+                .view(word)
+                .view(self.size // self.page_size, self.page_size, self.geometry.row_heads, -1)
             )
         return view
 
@@ -175,12 +204,21 @@ class HostPool:
     for storage backends to put a value header next to the page (layouts.py, "Header room");
     None picks it (512 bytes where that is at most 1/64 of a page), 0 turns it off."""
 
-    def __init__(self, device_pool: DevicePool, size: int, layout: str, *, pin_memory: bool | None = None,
-                 header_room: int | None = None):
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        size: int,
+        layout: str,
+        *,
+        pin_memory: bool | None = None,
+        header_room: int | None = None,
+    ):
         geometry, page_size = device_pool.geometry, device_pool.page_size
         check_layout(layout, geometry)
         if isinstance(size, bool) or not isinstance(size, int) or size <= device_pool.size:
-            raise ValueError(f"host pool size {size!r} must be an int larger than the device pool ({device_pool.size})")
+            raise ValueError(
+                f"host pool size {size!r} must be an int larger than the device pool ({device_pool.size})"
+            )
         if size % page_size:
             raise ValueError(f"host pool size {size} must be a multiple of page_size {page_size}")
         pin = cuda_usable() if pin_memory is None else pin_memory
@@ -193,7 +231,7 @@ class HostPool:
         self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
         self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
-        self._views: dict[tuple, torch.Tensor] = {}
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
 
     @property
@@ -218,7 +256,9 @@ class HostPool:
             return pages.view(self.pages, self.page_size, *shape[1:])
         return pages.view(shape)
 
-    def page_view(self, layer: int, component: int, word: torch.dtype, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def page_view(
+        self, layer: int, component: int, word: torch.dtype, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(pages, page_size, heads, words) view of one (layer, component); `buffer` replaces the
         host buffer with an alias of it (a CUDA mapping of the pinned memory). Views are kept:
         a layer load asks for the same ones each time."""
@@ -226,11 +266,19 @@ class HostPool:
         key = (layer, component, word, base.device, base.data_ptr())
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = page_view(base.view(word), self.layout, self.geometry, self.size,
-                                                self.page_size, layer, component, self.header_room)
+            view = self._views[key] = page_view(
+                base.view(word),
+                self.layout,
+                self.geometry,
+                self.size,
+                self.page_size,
+                layer,
+                component,
+                self.header_room,
+            )
         return view
 
-    def page_buffers(self, host_slots) -> list[PagePieces]:
+    def page_buffers(self, host_slots: SlotArray) -> list[PagePieces]:
         """For each page of `host_slots` (whole pages, in order): its pieces as C-contiguous byte
         memoryviews aliasing this pool (writing them writes the pool), with the page's header
         room (`PagePieces`). Does not mutate."""
@@ -240,10 +288,16 @@ class HostPool:
         pages = check_pages(slots, self.page_size, self.size, "host_slots")
         out = []
         for page in pages.tolist():
-            pieces = page_pieces(self.layout, self.geometry, self.size, self.page_size, page, self.header_room)
-            out.append(PagePieces([memoryview(self._bytes[o : o + n]) for o, n in pieces], self.header_room))
+            pieces = page_pieces(
+                self.layout, self.geometry, self.size, self.page_size, page, self.header_room
+            )
+            out.append(
+                PagePieces([self._bytes[o : o + n].data for o, n in pieces], self.header_room)
+            )
         return out
 
     def __repr__(self) -> str:
-        return (f"HostPool({self.geometry.spec()}, size={self.size}, page_size={self.page_size}, "
-                f"layout={self.layout}, pinned={self.pinned}, header_room={self.header_room})")
+        return (
+            f"HostPool({self.geometry.spec()}, size={self.size}, page_size={self.page_size}, "
+            f"layout={self.layout}, pinned={self.pinned}, header_room={self.header_room})"
+        )

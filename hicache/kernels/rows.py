@@ -17,6 +17,7 @@ import ctypes
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,9 @@ def common_row(views: list[torch.Tensor]) -> int:
     base = min(v.data_ptr() for v in views)
     size = views[0].element_size()
     for v in views:
-        row = math.gcd(row, (v.data_ptr() - base) // size if (v.data_ptr() - base) % size == 0 else 1)
+        row = math.gcd(
+            row, (v.data_ptr() - base) // size if (v.data_ptr() - base) % size == 0 else 1
+        )
     return row
 
 
@@ -78,13 +81,17 @@ def split_rows(view: torch.Tensor, row: int) -> torch.Tensor:
     return view if view.shape[-1] == row else view.unflatten(-1, (view.shape[-1] // row, row))
 
 
-def row_space(views: list[torch.Tensor], shape: tuple[int, np.ndarray] | None) -> tuple[RowGrid, tuple] | None:
+def row_space(
+    views: list[torch.Tensor], shape: tuple[int, np.ndarray] | None
+) -> tuple[RowGrid, tuple[Any, ...]] | None:
     """One row grid over all `views` (same shape, strides and dtype; on the CPU), given their
     common `page_rows_of`, and a key naming its geometry up to the base address; None when
     the views' starts are not whole rows apart. Does not copy."""
     first = views[0]
-    if shape is None or any(v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype
-                            for v in views):
+    if shape is None or any(
+        v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype
+        for v in views
+    ):
         return None
     page_rows, inner = shape
     row_bytes = first.shape[-1] * first.element_size()
@@ -96,7 +103,9 @@ def row_space(views: list[torch.Tensor], shape: tuple[int, np.ndarray] | None) -
     offsets //= row_bytes
     extent = int(offsets.max()) + (first.shape[0] - 1) * page_rows + int(inner.max()) + 1
     memory = (ctypes.c_char * (extent * row_bytes)).from_address(base)
-    array = np.frombuffer(memory, dtype=_numpy_dtype(first.dtype)).reshape(extent, first.shape[-1])
+    array = np.frombuffer(memoryview(memory), dtype=_numpy_dtype(first.dtype)).reshape(
+        extent, first.shape[-1]
+    )
     grid = RowGrid(array, page_rows, offsets, inner)
     return grid, (tuple(first.shape), first.stride(), tuple(offsets.tolist()))
 
@@ -125,8 +134,9 @@ class RowPlan:
         return int(self.src_rows.size)
 
 
-def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
-           by_dst: bool) -> tuple[np.ndarray, np.ndarray]:
+def _pairs(
+    dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray, by_dst: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Row pairs sorted by destination (by_dst) or source row. Pair (view v, page p, inner i)
     is row `offsets[v] + pages[p] * page_rows + inner[i]` on each side. Rows are sorted by
     sorting the few pages and inner rows, page-major or view-major, whichever orders them
@@ -136,25 +146,40 @@ def _pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndar
     by_page = np.argsort(key_pages, kind="stable")
     views, inner = key.offsets.size, key.inner.size
 
-    def rows(grid: RowGrid, pages: np.ndarray, view_order, inner_order, page_major: bool) -> np.ndarray:
+    def rows(
+        grid: RowGrid,
+        pages: np.ndarray,
+        view_order: np.ndarray,
+        inner_order: np.ndarray,
+        page_major: bool,
+    ) -> np.ndarray:
         page_part = pages[by_page] * grid.page_rows
-        within = (grid.offsets[view_order, None] + grid.inner[None, inner_order])  # (V, I)
+        within = grid.offsets[view_order, None] + grid.inner[None, inner_order]  # (V, I)
         if page_major:  # (P, V*I) with (v, i) in key order
             flat = within.ravel()[within_order]
-            return (page_part[:, None] + flat[None, :]).ravel()
-        return (within[:, None, :] + page_part[None, :, None]).ravel()  # (V, P, I)
+            page_major_rows: np.ndarray = (page_part[:, None] + flat[None, :]).ravel()
+            return page_major_rows
+        by_view: np.ndarray = (within[:, None, :] + page_part[None, :, None]).ravel()  # (V, P, I)
+        return by_view
 
     key_within = (key.offsets[:, None] + key.inner[None, :]).ravel()
     within_order = np.argsort(key_within, kind="stable")
     all_views, all_inner = np.arange(views), np.arange(inner)
     pages = key_pages[by_page]
     if pages.size == 0 or _page_major_sorted(key_within[within_order], pages, key.page_rows):
-        return (rows(dst, dst_pages, all_views, all_inner, True),
-                rows(src, src_pages, all_views, all_inner, True))
-    view_order, inner_order = np.argsort(key.offsets, kind="stable"), np.argsort(key.inner, kind="stable")
+        return (
+            rows(dst, dst_pages, all_views, all_inner, True),
+            rows(src, src_pages, all_views, all_inner, True),
+        )
+    view_order, inner_order = (
+        np.argsort(key.offsets, kind="stable"),
+        np.argsort(key.inner, kind="stable"),
+    )
     if _view_major_sorted(key.offsets[view_order], key.inner[inner_order], pages, key.page_rows):
-        return (rows(dst, dst_pages, view_order, inner_order, False),
-                rows(src, src_pages, view_order, inner_order, False))
+        return (
+            rows(dst, dst_pages, view_order, inner_order, False),
+            rows(src, src_pages, view_order, inner_order, False),
+        )
     d = rows(dst, dst_pages, all_views, all_inner, True)
     s = rows(src, src_pages, all_views, all_inner, True)
     order = np.argsort(d if by_dst else s, kind="stable")
@@ -171,7 +196,9 @@ def _page_major_sorted(within: np.ndarray, pages: np.ndarray, page_rows: int) ->
     return _increasing(within) and _increasing(pages) and int(within[-1] - within[0]) < page_rows
 
 
-def _view_major_sorted(offsets: np.ndarray, inner: np.ndarray, pages: np.ndarray, page_rows: int) -> bool:
+def _view_major_sorted(
+    offsets: np.ndarray, inner: np.ndarray, pages: np.ndarray, page_rows: int
+) -> bool:
     """Whether rows `offsets[v] + pages[p] * page_rows + inner[i]`, v-major then p, rise
     strictly: each page's inner rows fit in one page's span, and each view's rows end before
     the next view's begin. All three sorted. Pure."""
@@ -182,8 +209,9 @@ def _view_major_sorted(offsets: np.ndarray, inner: np.ndarray, pages: np.ndarray
     return bool((last[:-1] < first[1:]).all())
 
 
-def _page_blocks(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
-                 block_bytes: int) -> RowPlan | None:
+def _page_blocks(
+    dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray, block_bytes: int
+) -> RowPlan | None:
     """The `blocks` plan when every destination page is one span of `page_rows` consecutive
     rows (a page-contiguous host layout, all its views): blocks are runs of consecutive pages,
     found per page instead of per row. None when the destination is not like that or its
@@ -204,12 +232,18 @@ def _page_blocks(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: n
     src_within = (src.offsets[:, None] + src.inner[None, :]).ravel()[order_within]
     s = (src_pages[order][:, None] * src.page_rows + src_within[None, :]).ravel()
     first = pages[starts] * dst.page_rows + first_within
-    return RowPlan(np.empty(0, dtype=np.int64), s, "blocks",
-                   tuple((starts * within.size).tolist()) + (s.size,), tuple(first.tolist()))
+    return RowPlan(
+        np.empty(0, dtype=np.int64),
+        s,
+        "blocks",
+        tuple((starts * within.size).tolist()) + (s.size,),
+        tuple(first.tolist()),
+    )
 
 
-def plan_pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
-               by_dst: bool) -> RowPlan:
+def plan_pairs(
+    dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray, by_dst: bool
+) -> RowPlan:
     """All row pairs in one list sorted by the destination (`by_dst`) or the source: the plan
     for the compiled copier, which moves any pair list in one pass. The engine sorts by the
     source: reads then walk memory upward (each one a stall when it misses) while writes land
@@ -221,8 +255,14 @@ def plan_pairs(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.
     return RowPlan(d, s, "staged")
 
 
-def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.ndarray,
-              prefer_dst_order: bool, block_bytes: int = BLOCK_BYTES) -> RowPlan:
+def plan_rows(
+    dst: RowGrid,
+    dst_pages: np.ndarray,
+    src: RowGrid,
+    src_pages: np.ndarray,
+    prefer_dst_order: bool,
+    block_bytes: int = BLOCK_BYTES,
+) -> RowPlan:
     """Row pairs for `dst[dst_pages] = src[src_pages]` (rows distinct on each side). A single
     pass is chosen when the destination rows form few large blocks or the source rows one
     block; otherwise rows are staged, sorted by the destination (`prefer_dst_order`) or the
@@ -233,9 +273,11 @@ def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.n
     d, s = _pairs(dst, dst_pages, src, src_pages, by_dst=True)
     breaks = np.flatnonzero(np.diff(d) != 1) + 1
     row_bytes = dst.array.shape[1] * dst.array.itemsize
-    if d.size and d.size * row_bytes >= (breaks.size + 1) * block_bytes or breaks.size == 0:
+    if (d.size and d.size * row_bytes >= (breaks.size + 1) * block_bytes) or breaks.size == 0:
         starts = [0, *breaks.tolist()]
-        return RowPlan(d, s, "blocks", tuple(starts + [d.size]), tuple(d[starts].tolist()) if d.size else ())
+        return RowPlan(
+            d, s, "blocks", tuple(starts + [d.size]), tuple(d[starts].tolist()) if d.size else ()
+        )
     d2, s2 = _pairs(dst, dst_pages, src, src_pages, by_dst=False)
     breaks = np.flatnonzero(np.diff(s2) != 1) + 1
     if s2.size * row_bytes >= (breaks.size + 1) * block_bytes or breaks.size == 0:
@@ -244,9 +286,17 @@ def plan_rows(dst: RowGrid, dst_pages: np.ndarray, src: RowGrid, src_pages: np.n
     return RowPlan(d, s, "staged") if prefer_dst_order else RowPlan(d2, s2, "staged")
 
 
-def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarray,
-              lo: int = 0, hi: int | None = None, *, native: NativeRows | None = None,
-              streaming: bool = False) -> None:
+def copy_rows(
+    dst: np.ndarray,
+    src: np.ndarray,
+    plan: RowPlan,
+    scratch: np.ndarray,
+    lo: int = 0,
+    hi: int | None = None,
+    *,
+    native: NativeRows | None = None,
+    streaming: bool = False,
+) -> None:
     """Copy pairs `lo:hi` (default: all) of `plan` from `src` to `dst` (C-contiguous row
     arrays of one dtype); `scratch` is a 1-D uint8 buffer of at least one row. With `native`
     (the compiled copier) every mode is one pass without scratch, `streaming` past the cache.
@@ -263,7 +313,9 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarr
             a, b = max(start, lo), min(end, hi)
             if a < b:
                 first = block_first + a - start
-                np.take(src, plan.src_rows[a:b], axis=0, out=dst[first : first + b - a], mode="wrap")
+                np.take(
+                    src, plan.src_rows[a:b], axis=0, out=dst[first : first + b - a], mode="wrap"
+                )
         return
     if plan.mode == "put":
         for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.firsts):
@@ -282,12 +334,21 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, plan: RowPlan, scratch: np.ndarr
         dst[plan.dst_rows[a:b]] = part
 
 
-def _copy_native(native: NativeRows, dst: np.ndarray, src: np.ndarray, plan: RowPlan, lo: int, hi: int,
-                 streaming: bool) -> None:
+def _copy_native(
+    native: NativeRows,
+    dst: np.ndarray,
+    src: np.ndarray,
+    plan: RowPlan,
+    lo: int,
+    hi: int,
+    streaming: bool,
+) -> None:
     """`copy_rows` through the compiled copier: one call per block (blocks, put) or for the
     whole range (staged pairs need no staging here)."""
     if plan.mode == "staged":
-        native.copy(dst, src, plan.dst_rows[lo:hi], 0, plan.src_rows[lo:hi], 0, hi - lo, streaming=streaming)
+        native.copy(
+            dst, src, plan.dst_rows[lo:hi], 0, plan.src_rows[lo:hi], 0, hi - lo, streaming=streaming
+        )
         return
     for start, end, block_first in zip(plan.breaks, plan.breaks[1:], plan.firsts):
         a, b = max(start, lo), min(end, hi)

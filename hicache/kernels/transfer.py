@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache.kernels.engines import engine_for
-from hicache.kernels.indices import PagePlan, plan_transfer
+from hicache.kernels.engines import CopyEngine, engine_for
+from hicache.kernels.indices import PagePlan, SlotArray, plan_transfer
 from hicache.kernels.names import IO_BACKENDS
 from hicache.kernels.pools import DevicePool, HostPool
 
@@ -46,14 +46,22 @@ def merge_trailing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
     return a.as_strided([a.shape[0], *shape[1:]], sa), b.as_strided([b.shape[0], *shape[1:]], sb)
 
 
-def _move(engine, io: str, plan: PagePlan, pairs: list[tuple[torch.Tensor, torch.Tensor]], to_device: bool) -> None:
+def _move(
+    engine: CopyEngine,
+    io: str,
+    plan: PagePlan,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    to_device: bool,
+) -> None:
     """Copy the planned pages for every (dst, src) pair of page views (one per layer and
     component); the engine may batch all pairs into one operation."""
     pairs = [merge_trailing(dst, src) for dst, src in pairs]
     runs = plan.runs() if io == "direct" else None
     if runs is None or len(runs) * len(pairs) > engine.max_run_copies:
         dst0 = pairs[0][0]
-        host_idx, dev_idx = plan.index_tensors(dst0.device if dst0.device.type != "cpu" else pairs[0][1].device)
+        host_idx, dev_idx = plan.index_tensors(
+            dst0.device if dst0.device.type != "cpu" else pairs[0][1].device
+        )
         if to_device:
             engine.move(pairs, dev_idx, host_idx, host_is_dst=False)
         else:
@@ -62,50 +70,96 @@ def _move(engine, io: str, plan: PagePlan, pairs: list[tuple[torch.Tensor, torch
     for dst, src in pairs:
         for host_page, dev_page, count in runs:
             if to_device:
-                engine.copy_run(dst[dev_page : dev_page + count], src[host_page : host_page + count])
+                engine.copy_run(
+                    dst[dev_page : dev_page + count], src[host_page : host_page + count]
+                )
             else:
-                engine.copy_run(dst[host_page : host_page + count], src[dev_page : dev_page + count])
+                engine.copy_run(
+                    dst[host_page : host_page + count], src[dev_page : dev_page + count]
+                )
 
 
-def run_load_layer(plan: PagePlan, host: HostPool, device: DevicePool, layer: int, io: str, engine) -> int:
+def run_load_layer(
+    plan: PagePlan, host: HostPool, device: DevicePool, layer: int, io: str, engine: CopyEngine
+) -> int:
     """Copy `layer` of the planned pages host->device; returns bytes moved. No validation."""
     word = _word(host, device)
     words = engine.host_words(host)
-    _move(engine, io, plan, [(device.page_view(layer, c, word), host.page_view(layer, c, word, words))
-                             for c in range(device.geometry.components)], to_device=True)
+    _move(
+        engine,
+        io,
+        plan,
+        [
+            (device.page_view(layer, c, word), host.page_view(layer, c, word, words))
+            for c in range(device.geometry.components)
+        ],
+        to_device=True,
+    )
     return plan.tokens * device.geometry.bytes_per_token // device.geometry.layers
 
 
-def run_load_all(plan: PagePlan, host: HostPool, device: DevicePool, io: str, engine) -> int:
+def run_load_all(
+    plan: PagePlan, host: HostPool, device: DevicePool, io: str, engine: CopyEngine
+) -> int:
     """Copy every layer of the planned pages host->device as one move; returns bytes moved. No
     validation. For loads whose layers all land before anyone waits (inline CPU copies): one
     pass over whole host pages instead of a strided pass per layer (page_first: 2 KiB of every
     64 KiB per layer), measured 1.2-1.4x faster there (docs/benchmarks.md "Transfers")."""
     word = _word(host, device)
     words = engine.host_words(host)
-    _move(engine, io, plan, [(device.page_view(layer, c, word), host.page_view(layer, c, word, words))
-                             for layer in range(device.geometry.layers)
-                             for c in range(device.geometry.components)], to_device=True)
+    _move(
+        engine,
+        io,
+        plan,
+        [
+            (device.page_view(layer, c, word), host.page_view(layer, c, word, words))
+            for layer in range(device.geometry.layers)
+            for c in range(device.geometry.components)
+        ],
+        to_device=True,
+    )
     return plan.tokens * device.geometry.bytes_per_token
 
 
-def run_backup(plan: PagePlan, device: DevicePool, host: HostPool, io: str, engine) -> int:
+def run_backup(
+    plan: PagePlan, device: DevicePool, host: HostPool, io: str, engine: CopyEngine
+) -> int:
     """Copy all layers of the planned pages device->host; returns bytes moved. No validation."""
     word = _word(host, device)
     words = engine.host_words(host)
-    _move(engine, io, plan, [(host.page_view(layer, c, word, words), device.page_view(layer, c, word))
-                             for layer in range(device.geometry.layers)
-                             for c in range(device.geometry.components)], to_device=False)
+    _move(
+        engine,
+        io,
+        plan,
+        [
+            (host.page_view(layer, c, word, words), device.page_view(layer, c, word))
+            for layer in range(device.geometry.layers)
+            for c in range(device.geometry.components)
+        ],
+        to_device=False,
+    )
     return plan.tokens * device.geometry.bytes_per_token
 
 
 def _check_layer(device: DevicePool, layer: int) -> None:
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < device.geometry.layers:
+    if (
+        isinstance(layer, bool)
+        or not isinstance(layer, int)
+        or not 0 <= layer < device.geometry.layers
+    ):
         raise ValueError(f"layer {layer!r} out of range [0, {device.geometry.layers})")
 
 
-def load_layer(host: HostPool, device: DevicePool, host_slots, device_slots, layer: int, *,
-               io: str = "kernel", engine=None) -> int:
+def load_layer(
+    host: HostPool,
+    device: DevicePool,
+    host_slots: SlotArray,
+    device_slots: SlotArray,
+    layer: int,
+    *,
+    io: str = "kernel",
+    engine: CopyEngine | None = None,
+) -> int:
     """Copy one layer of `host_slots` into `device_slots` (synchronously on CPU; enqueued on the
     current stream on CUDA). Validates first; returns bytes moved."""
     check_io(io)
@@ -114,8 +168,15 @@ def load_layer(host: HostPool, device: DevicePool, host_slots, device_slots, lay
     return run_load_layer(plan, host, device, layer, io, engine or engine_for(device.device))
 
 
-def backup(device: DevicePool, host: HostPool, device_slots, host_slots, *,
-           io: str = "kernel", engine=None) -> int:
+def backup(
+    device: DevicePool,
+    host: HostPool,
+    device_slots: SlotArray,
+    host_slots: SlotArray,
+    *,
+    io: str = "kernel",
+    engine: CopyEngine | None = None,
+) -> int:
     """Copy all layers of `device_slots` into `host_slots`. Validates first; returns bytes moved."""
     check_io(io)
     plan = plan_transfer(host, device, host_slots, device_slots)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import IO
+from typing import TextIO
 
 import structlog
 
@@ -12,7 +12,7 @@ from hicache.observability.events import LEVELS, EventLog, plain
 
 
 def configure_logging(
-    *, sink: IO[str] | None = None, level: str = "info", clock: Callable[[], float] | None = None
+    *, sink: TextIO | None = None, level: str = "info", clock: Callable[[], float] | None = None
 ) -> EventLog:
     """Render JSON lines to `sink` (default stderr) and return an `EventLog` writing there.
 

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -60,7 +60,7 @@ class EventLog:
         self,
         *,
         clock: Callable[[], float] | None = None,
-        sink: IO[str] | None = None,
+        sink: TextIO | None = None,
         level: str = "info",
         capture: bool = False,
     ) -> None:
@@ -78,7 +78,9 @@ class EventLog:
             logger: Any = structlog.ReturnLogger()
         else:
             processors.append(
-                structlog.processors.JSONRenderer(sort_keys=True, default=plain, separators=(",", ":"))
+                structlog.processors.JSONRenderer(
+                    sort_keys=True, default=plain, separators=(",", ":")
+                )
             )
             logger = structlog.WriteLogger(file=sink)
         self._logger = structlog.wrap_logger(
@@ -139,7 +141,7 @@ class EventLog:
         for listener in self._listeners:
             try:
                 listener(event_dict)
-            except Exception:  # an observer's bug must not stop an actor
+            except Exception:  # noqa: BLE001, S110 - an observer's bug must not stop an actor
                 pass
         return event_dict
 

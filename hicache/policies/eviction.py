@@ -13,16 +13,16 @@ from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 __all__ = [
-    "EvictionStats",
-    "EvictionStrategy",
     "FIFO",
     "FILO",
     "LFU",
     "LRU",
     "MRU",
-    "PriorityFirst",
     "SLRU",
     "STRATEGIES",
+    "EvictionStats",
+    "EvictionStrategy",
+    "PriorityFirst",
     "evict_in_order",
     "make_strategy",
 ]
@@ -131,7 +131,9 @@ def make_strategy(name: str) -> EvictionStrategy:
     try:
         return STRATEGIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction strategy {name!r}; known: {', '.join(STRATEGIES)}") from None
+        raise ValueError(
+            f"unknown eviction strategy {name!r}; known: {', '.join(STRATEGIES)}"
+        ) from None
 
 
 T = TypeVar("T")

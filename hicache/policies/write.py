@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["WritePolicy", "WRITE_BACK", "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE", "WRITE_POLICIES", "write_policy"]
+__all__ = [
+    "WRITE_BACK",
+    "WRITE_POLICIES",
+    "WRITE_THROUGH",
+    "WRITE_THROUGH_SELECTIVE",
+    "WritePolicy",
+    "write_policy",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,4 +47,6 @@ def write_policy(name: str = "write_through_selective") -> WritePolicy:
     try:
         return WRITE_POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown write policy {name!r}; known: {', '.join(WRITE_POLICIES)}") from None
+        raise ValueError(
+            f"unknown write policy {name!r}; known: {', '.join(WRITE_POLICIES)}"
+        ) from None

@@ -30,8 +30,9 @@ class KernelServices(Protocol):
 
     def reply(self) -> Reply[Any]: ...
 
-    async def request(self, target: Mailbox[Any], make: Callable[[Reply[T]], Any], *,
-                      timeout: float | None = None) -> T: ...
+    async def request(
+        self, target: Mailbox[Any], make: Callable[[Reply[T]], Any], *, timeout: float | None = None
+    ) -> T: ...
 
     def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None: ...
 
@@ -54,7 +55,9 @@ class Actor(Generic[M]):
 
     def __init__(self, name: str, *, capacity: int, reserve: int = 0) -> None:
         if not isinstance(name, str) or not name or name.startswith("~"):
-            raise ValueError(f"actor name must be a non-empty string not starting with '~', got {name!r}")
+            raise ValueError(
+                f"actor name must be a non-empty string not starting with '~', got {name!r}"
+            )
         self.name = name
         self.inbox: Mailbox[M] = Mailbox(name, capacity, reserve=reserve)
         self._kernel: KernelServices | None = None

@@ -39,7 +39,7 @@ class MonotonicClock:
     def now(self) -> float:
         try:
             return anyio.current_time()
-        except Exception:  # no running event loop (sniffio cannot tell which library)
+        except RuntimeError:  # no running event loop (sniffio cannot tell which library)
             return time.monotonic()
 
     async def sleep(self, delay: float) -> None:

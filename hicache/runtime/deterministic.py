@@ -10,7 +10,9 @@ import anyio
 
 T = TypeVar("T")
 
-_RUN_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar("hicache_run_seed", default=None)
+_RUN_SEED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "hicache_run_seed", default=None
+)
 
 
 def run_deterministic(main: Callable[[], Awaitable[T]], *, seed: int = 0) -> T:
@@ -29,7 +31,9 @@ def run_deterministic(main: Callable[[], Awaitable[T]], *, seed: int = 0) -> T:
         _RUN_SEED.set(seed)
         return await main()
 
-    return anyio.run(seeded, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+    return anyio.run(
+        seeded, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}
+    )
 
 
 def deterministic_seed() -> int | None:

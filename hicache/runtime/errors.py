@@ -20,7 +20,11 @@ class ActorFailed(KernelError):
         self.cause = cause
         self.__cause__ = cause
 
-    def __reduce__(self):  # keep pickling (e.g. across processes in tests) working
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type[ActorFailed], tuple[str, BaseException]
+    ]:  # keep pickling (e.g. across processes in tests) working
         return (type(self), (self.actor, self.cause))
 
 
@@ -32,7 +36,7 @@ class ReplyTimeout(KernelError, TimeoutError):
         self.target = target
         self.timeout = timeout
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ReplyTimeout], tuple[str, float]]:
         return (type(self), (self.target, self.timeout))
 
 

@@ -16,9 +16,12 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
+from typing_extensions import Self
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
     from exceptiongroup import BaseExceptionGroup
+
+import anyio.lowlevel
 
 from hicache.observability.events import EventLog
 from hicache.runtime.actor import Actor
@@ -84,7 +87,9 @@ class Kernel:
     def add(self, actor: Actor[Any]) -> None:
         """Register an actor; only before the kernel starts. Names must be unique."""
         if self._state != _NEW:
-            raise RuntimeError(f"cannot add actor {getattr(actor, 'name', actor)!r}: kernel already started")
+            raise RuntimeError(
+                f"cannot add actor {getattr(actor, 'name', actor)!r}: kernel already started"
+            )
         if not isinstance(actor, Actor):
             raise TypeError(f"Kernel.add needs an Actor, got {type(actor).__name__}")
         if actor.name in self._actors:
@@ -101,12 +106,14 @@ class Kernel:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Kernel:
+    async def __aenter__(self) -> Self:
         if self._state != _NEW:
             raise RuntimeError("a Kernel runs once; create a new one")
         run_seed = deterministic_seed()
         self.deterministic = (
-            self._want_deterministic if self._want_deterministic is not None else run_seed is not None
+            self._want_deterministic
+            if self._want_deterministic is not None
+            else run_seed is not None
         )
         self.seed = self._want_seed if self._want_seed is not None else (run_seed or 0)
         if self.deterministic and not on_trio():
@@ -165,7 +172,9 @@ class Kernel:
                 error.__traceback__ if error is not None else None,
             )
         except BaseExceptionGroup as group:
-            if not (error is not None and len(group.exceptions) == 1 and group.exceptions[0] is error):
+            if not (
+                error is not None and len(group.exceptions) == 1 and group.exceptions[0] is error
+            ):
                 raise
         finally:
             self._state = _STOPPED
@@ -263,7 +272,7 @@ class Kernel:
                 blocked_sends=stats.blocked_sends,
                 high_water=stats.high_water,
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any crash stops the kernel (ActorFailed)
             self._on_task_failed(actor.name, exc)
         finally:
             actor._busy = False
@@ -290,7 +299,7 @@ class Kernel:
                     if turn is not None:
                         await turn()
                     await fn()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any crash stops the kernel (ActorFailed)
                 self._on_task_failed(name, exc)
             finally:
                 del self._helpers[number]
@@ -417,9 +426,11 @@ class Kernel:
         spins = 0
         while quiet_looks < 3:
             if spins < 100:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             else:
-                await self.clock.sleep(0.001)  # something is slow (a thread, real I/O): stop spinning
+                await self.clock.sleep(
+                    0.001
+                )  # something is slow (a thread, real I/O): stop spinning
             spins += 1
             if self._idle():
                 quiet_looks += 1

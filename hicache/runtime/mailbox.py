@@ -60,7 +60,7 @@ class Mailbox(Generic[M]):
         self.name = name
         self.capacity = capacity
         self.reserve = reserve
-        self._send_end, self._receive_end = anyio.create_memory_object_stream(capacity + reserve)
+        self._send_end, self._receive_end = anyio.create_memory_object_stream[M](capacity + reserve)
         self._waiters: deque[_Waiter] = deque()
         self._used = 0
         self._closed = False

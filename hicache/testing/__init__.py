@@ -14,30 +14,56 @@
   wrong KV, never hung, never leaked), also over an engine's own scheduler (docs/testing.md).
 """
 
-from hicache.testing.kvfill import count_bad_pages as bad_pages
-from hicache.testing.kvfill import fill as fill_kv
-from hicache.testing.kvfill import page_seeds
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from hicache.kernels.faults import FaultPlan
 from hicache.runtime import run_deterministic as run_virtual
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
+from hicache.testing.kvfill import count_bad_pages as bad_pages
+from hicache.testing.kvfill import fill as fill_kv
+from hicache.testing.kvfill import page_seeds
 from hicache.testing.scheduler import ScriptedScheduler, StepRecord
-from hicache.testing.synthetic import bad_prefix_pages, kv_seeds, synthetic_compute
 from hicache.testing.simulation import SimHooks, SimReport, SimViolation, run_simulation
+from hicache.testing.synthetic import bad_prefix_pages, kv_seeds, synthetic_compute
+
+if TYPE_CHECKING:
+    from hicache.config import CacheConfig
 
 
-def virtual_config(**overrides):
+def virtual_config(**overrides: Any) -> CacheConfig:
     """A small deterministic configuration: 4 pages of 4 tokens... overridable field by field."""
     from hicache.config import CacheConfig
 
-    base = dict(kv="mha:2:1:8:float32", page_size=4, device_tokens=64, host_tokens=256,
-                deterministic=True, channel_capacity=64)
+    base: dict[str, Any] = dict(
+        kv="mha:2:1:8:float32",
+        page_size=4,
+        device_tokens=64,
+        host_tokens=256,
+        deterministic=True,
+        channel_capacity=64,
+    )
     base.update(overrides)
     return CacheConfig(**base)
 
 
 __all__ = [
-    "BackendFaults", "FaultPlan", "FaultyBackend", "ScriptedScheduler", "SimHooks", "SimReport",
-    "SimViolation", "StepRecord", "run_simulation",
-    "bad_pages", "bad_prefix_pages", "fill_kv", "kv_seeds", "page_seeds", "run_virtual",
-    "synthetic_compute", "virtual_config",
+    "BackendFaults",
+    "FaultPlan",
+    "FaultyBackend",
+    "ScriptedScheduler",
+    "SimHooks",
+    "SimReport",
+    "SimViolation",
+    "StepRecord",
+    "bad_pages",
+    "bad_prefix_pages",
+    "fill_kv",
+    "kv_seeds",
+    "page_seeds",
+    "run_simulation",
+    "run_virtual",
+    "synthetic_compute",
+    "virtual_config",
 ]

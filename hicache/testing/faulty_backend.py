@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -48,9 +49,20 @@ class BackendFaults:
 
     def is_set(self) -> bool:
         """Whether any fault is configured."""
-        return bool(self.latency or self.down or self.fail_sets or self.fail_gets
-                    or self.fail_exists or self.delays or self.outages or self.hang
-                    or self.hang_exists or self.hang_gets or self.hang_sets or self.corrupt_gets)
+        return bool(
+            self.latency
+            or self.down
+            or self.fail_sets
+            or self.fail_gets
+            or self.fail_exists
+            or self.delays
+            or self.outages
+            or self.hang
+            or self.hang_exists
+            or self.hang_gets
+            or self.hang_sets
+            or self.corrupt_gets
+        )
 
 
 _HANGS = {"exists": "hang_exists", "get_into": "hang_gets", "set_from": "hang_sets"}
@@ -64,17 +76,22 @@ class FaultyBackend:
     (`latency`, `delay`, `hang`, `down`, `outage`, `fail_exists`, `fail_get`, `fail_set`,
     `corrupt`: pages corrupted). `clock` (default `anyio.current_time`) times the outages."""
 
-    def __init__(self, inner: StorageBackend, faults: BackendFaults | None = None, *,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        inner: StorageBackend,
+        faults: BackendFaults | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.inner = inner
         self.faults = faults or BackendFaults()
-        self.calls: dict[str, int] = {m: 0 for m in METHODS}
+        self.calls: dict[str, int] = dict.fromkeys(METHODS, 0)
         self.injected: Counter[str] = Counter()
         self._clock = clock or anyio.current_time
         self._origin: float | None = None
         try:
             self._origin = self._clock()
-        except Exception:  # no event loop yet: the first call sets the origin
+        except Exception:  # noqa: BLE001 - no event loop yet: the first call sets the origin
             self._origin = None
 
     def _now(self) -> float:
@@ -107,8 +124,9 @@ class FaultyBackend:
                 self.injected["outage"] += 1
                 return n, True
         if n in getattr(f, _FAILS[method]):
-            self.injected[{"exists": "fail_exists", "get_into": "fail_get",
-                           "set_from": "fail_set"}[method]] += 1
+            self.injected[
+                {"exists": "fail_exists", "get_into": "fail_get", "set_from": "fail_set"}[method]
+            ] += 1
             return n, True
         return n, False
 
@@ -120,9 +138,12 @@ class FaultyBackend:
         n, failed = await self._enter("get_into")
         if failed:
             return 0
-        if n in self.faults.corrupt_gets and keys:
-            if corrupt_stored_value(self.inner, keys[len(keys) // 2]):
-                self.injected["corrupt"] += 1
+        if (
+            n in self.faults.corrupt_gets
+            and keys
+            and corrupt_stored_value(self.inner, keys[len(keys) // 2])
+        ):
+            self.injected["corrupt"] += 1
         return await self.inner.get_into(keys, targets)
 
     async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
@@ -138,14 +159,17 @@ class FaultyBackend:
         await self.inner.clear()
 
     def stats(self) -> Mapping[str, int | float]:
-        return {**self.inner.stats(), **{f"calls_{k}": v for k, v in self.calls.items()},
-                **{f"injected_{k}": v for k, v in self.injected.items()}}
+        return {
+            **self.inner.stats(),
+            **{f"calls_{k}": v for k, v in self.calls.items()},
+            **{f"injected_{k}": v for k, v in self.injected.items()},
+        }
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-def corrupt_stored_value(backend, key: str) -> bool:
+def corrupt_stored_value(backend: Any, key: str) -> bool:
     """Flip one payload byte (the last) of `key`'s stored value in place, bypassing the
     backend's write path, so its checksum no longer matches. Returns whether a value was
     found and corrupted. Supports backends over a simple store (`backend.store` with

@@ -13,6 +13,7 @@ through numpy views of the pool, with no per-element arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -21,10 +22,9 @@ import torch
 from hicache.kernels.pools import DevicePool
 
 
-def page_seeds(hashes) -> np.ndarray:
+def page_seeds(hashes: Sequence[str]) -> np.ndarray:
     """One small integer per page, from its chained hash."""
-    return np.fromiter((int(h[:8], 16) & 0xFFFF for h in hashes), dtype=np.int64,
-                       count=len(hashes))
+    return np.fromiter((int(h[:8], 16) & 0xFFFF for h in hashes), dtype=np.int64, count=len(hashes))
 
 
 def _token_bases(seeds: np.ndarray, page_size: int, first: int, count: int) -> np.ndarray:
@@ -47,11 +47,13 @@ def _rows(pool: DevicePool, layer: int, component: int) -> torch.Tensor:
 
 def _expected(bases: np.ndarray, layer: int, component: int, width: int) -> np.ndarray:
     shift = 131 * layer + 61 * component
-    return _windows(width)[(bases + shift) % 256]
+    rows: np.ndarray = _windows(width)[(bases + shift) % 256]
+    return rows
 
 
-def fill(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int,
-         first: int) -> None:
+def fill(
+    pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int, first: int
+) -> None:
     """Write the KV of tokens first .. first+len(slots) of a request into `slots`."""
     if not len(slots):
         return
@@ -64,12 +66,16 @@ def fill(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: i
             if rows.device.type == "cpu":
                 rows.numpy()[index] = want
             else:
-                rows.index_copy_(0, torch.from_numpy(index).to(rows.device),
-                                 torch.from_numpy(want).to(rows.device))
+                rows.index_copy_(
+                    0,
+                    torch.from_numpy(index).to(rows.device),
+                    torch.from_numpy(want).to(rows.device),
+                )
 
 
-def count_bad_pages(pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int,
-                    first: int) -> int:
+def count_bad_pages(
+    pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int, first: int
+) -> int:
     """How many pages among tokens first .. first+len(slots) do not hold what they must."""
     if not len(slots):
         return 0

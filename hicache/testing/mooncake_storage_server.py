@@ -6,7 +6,7 @@ import sys
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-from mooncake.store import MooncakeDistributedStore  # noqa: E402
+from mooncake.store import MooncakeDistributedStore
 
 
 def main() -> int:

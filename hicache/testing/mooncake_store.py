@@ -27,10 +27,11 @@ def import_error() -> str | None:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, deadline: float) -> None:
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], deadline: float) -> None:
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
@@ -45,16 +46,18 @@ def _wait_listening(port: int, proc: subprocess.Popen, deadline: float) -> None:
 
 @dataclass
 class Store:
-    master: subprocess.Popen
-    storage: subprocess.Popen
+    master: subprocess.Popen[bytes]
+    storage: subprocess.Popen[str]
     rpc_port: int
     http_port: int
     log_dir: Path
 
     @property
     def spec(self) -> str:
-        return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata={self.metadata}"
-                "&protocol=tcp&host=127.0.0.1&probe_timeout=5&retry=30")
+        return (
+            f"mooncake://127.0.0.1:{self.rpc_port}?metadata={self.metadata}"
+            "&protocol=tcp&host=127.0.0.1&probe_timeout=5&retry=30"
+        )
 
     @property
     def metadata(self) -> str:
@@ -79,12 +82,24 @@ def start_store(log_dir: Path, *, lease_ms: int = 5000, segment: int = SEGMENT) 
 
     binary = Path(mooncake.__file__).parent / "mooncake_master"
     rpc, http, metrics = _free_port(), _free_port(), _free_port()
-    master = subprocess.Popen(
-        [str(binary), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
-         "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-         "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", f"--default_kv_lease_ttl={lease_ms}",
-         "--rpc_thread_num=2"],
-        stdout=open(log_dir / "master.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with open(log_dir / "master.log", "w") as log:  # the child keeps its own descriptor
+        master = subprocess.Popen(
+            [
+                str(binary),
+                f"--rpc_port={rpc}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+                f"--default_kv_lease_ttl={lease_ms}",
+                "--rpc_thread_num=2",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     deadline = time.monotonic() + 20
     try:
         _wait_listening(rpc, master, deadline)
@@ -96,11 +111,22 @@ def start_store(log_dir: Path, *, lease_ms: int = 5000, segment: int = SEGMENT) 
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "PYTHONPATH": path}
-    storage = subprocess.Popen(
-        [sys.executable, "-m", "hicache.testing.mooncake_storage_server", f"127.0.0.1:{rpc}",
-         f"http://127.0.0.1:{http}/metadata", str(segment)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log_dir / "storage.log", "w"),
-        text=True, env=env)
+    with open(log_dir / "storage.log", "w") as log:
+        storage = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hicache.testing.mooncake_storage_server",
+                f"127.0.0.1:{rpc}",
+                f"http://127.0.0.1:{http}/metadata",
+                str(segment),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
     store = Store(master, storage, rpc, http, log_dir)
     line = storage.stdout.readline().strip() if storage.stdout else ""
     if line != "ready":

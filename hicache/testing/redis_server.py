@@ -19,6 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from typing_extensions import Self
+
 READY_TIMEOUT_S = 20.0
 
 
@@ -30,7 +32,8 @@ def redis_server_binary() -> str | None:
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def _bindable(port: int) -> bool:
@@ -85,7 +88,7 @@ class RedisServer:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    def start(self) -> RedisServer:
+    def start(self) -> Self:
         """Start the process and return once it accepts connections (same port on restart)."""
         if self._process is not None:
             raise RuntimeError("redis-server already running")
@@ -157,7 +160,7 @@ class RedisServer:
                 process.kill()
                 process.wait()
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -173,9 +176,13 @@ class RedisClusterServers:
                 Path(directory) / f"node{i}",
                 port=free_cluster_port(),
                 extra_args=[
-                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(node_timeout_ms),
-                ],  # fmt: skip
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(node_timeout_ms),
+                ],
             )
             for i in range(masters)
         ]
@@ -184,7 +191,7 @@ class RedisClusterServers:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
-    def start(self) -> RedisClusterServers:
+    def start(self) -> Self:
         try:
             for node in self.nodes:
                 node.start()
@@ -194,12 +201,23 @@ class RedisClusterServers:
             # redis-cli waits until every node agrees on the slot map before it returns.
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             done = subprocess.run(
-                [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *addresses,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
                 capture_output=True,
                 timeout=60,
+                check=False,  # the return code and output are checked below
             )
             if done.returncode != 0 or b"All 16384 slots covered" not in done.stdout:
-                raise RuntimeError(f"cluster create failed:\n{done.stdout.decode()}{done.stderr.decode()}")
+                raise RuntimeError(
+                    f"cluster create failed:\n{done.stdout.decode()}{done.stderr.decode()}"
+                )
             self._wait_until_ok(cli)
         except BaseException:
             self.stop()
@@ -215,7 +233,10 @@ class RedisClusterServers:
         while pending:
             node = pending[0]
             info = subprocess.run(
-                [cli, "-p", str(node.port), "cluster", "info"], capture_output=True, timeout=10
+                [cli, "-p", str(node.port), "cluster", "info"],
+                capture_output=True,
+                timeout=10,
+                check=False,  # polled until ok
             ).stdout
             if b"cluster_state:ok" in info:
                 pending.pop(0)
@@ -228,7 +249,7 @@ class RedisClusterServers:
         for node in self.nodes:
             node.stop()
 
-    def __enter__(self) -> RedisClusterServers:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -32,14 +32,17 @@ class StepRecord:
 
 
 class ScriptedScheduler:
-    def __init__(self, cache: HiCache, *, compute: Compute | None = None,
-                 wait_prefetch: bool = True) -> None:
+    def __init__(
+        self, cache: HiCache, *, compute: Compute | None = None, wait_prefetch: bool = True
+    ) -> None:
         self.cache = cache
         self.compute = compute
         self.wait_prefetch = wait_prefetch
         self.records: list[StepRecord] = []
 
-    async def run(self, script: Sequence[Sequence[tuple[str, Sequence[int]]]]) -> list[StepRecord]:
+    async def run(
+        self, script: Sequence[Sequence[tuple[str, Sequence[int] | np.ndarray]]]
+    ) -> list[StepRecord]:
         for i, step in enumerate(script):
             await self.step(i, [(RequestId(rid), np.asarray(t, dtype=np.int64)) for rid, t in step])
         return self.records
@@ -55,7 +58,10 @@ class ScriptedScheduler:
                     states[rid] = (await cache.prefetch_wait(rid)).state
         loads = await cache.load_back_many([rid for rid, _ in requests])
         news = await cache.allocate_many(
-            [(rid, len(tokens) - len(lb.device_slots)) for (rid, tokens), lb in zip(requests, loads)]
+            [
+                (rid, len(tokens) - len(lb.device_slots))
+                for (rid, tokens), lb in zip(requests, loads)
+            ]
         )
         items = []
         for (rid, tokens), m, lb, new in zip(requests, matches, loads, news):
@@ -68,9 +74,15 @@ class ScriptedScheduler:
                 if result is not None:
                     await result
             items.append((rid, tokens, slots, True))
-            self.records.append(StepRecord(
-                step=index, rid=rid, tokens=len(tokens), device_hit=m.device_len,
-                loaded=lb.loaded_tokens, computed=len(tokens) - first,
-                prefetch_state=states[rid],
-            ))
+            self.records.append(
+                StepRecord(
+                    step=index,
+                    rid=rid,
+                    tokens=len(tokens),
+                    device_hit=m.device_len,
+                    loaded=lb.loaded_tokens,
+                    computed=len(tokens) - first,
+                    prefetch_state=states[rid],
+                )
+            )
         await cache.cache_many(items)

@@ -41,44 +41,76 @@ import shutil
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import anyio
 import numpy as np
 
 from hicache.cache import HiCache, LedgerImbalance
-from hicache.config import (
-    EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig,
-)
+from hicache.config import EVICTION_POLICIES, WRITE_POLICIES, CacheConfig
 from hicache.kernels.faults import FaultPlan
-from hicache.kernels.streams.base import FaultPoint, TransferFailed
+from hicache.kernels.streams.base import FaultPoint, LoadHandle, OnDone, TransferFailed
+from hicache.policies.prefetch import PREFETCH_POLICIES
 from hicache.results import CapacityError, UnknownRequest
 from hicache.runtime import run_deterministic
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.synthetic import kv_seeds
 
+if TYPE_CHECKING:
+    from hicache.backends.base import StorageBackend
+    from hicache.backends.keys import Namespace
+    from hicache.backends.memory import MemoryStore
+    from hicache.kernels.indices import SlotArray
+    from hicache.kernels.streams.virtual import VirtualLoadHandle, VirtualStreams
+    from hicache.observability import EventLog
+    from hicache.results import MatchOutcome, PrefetchOutcome
+
+T = TypeVar("T")
+
 REPRO = "pytest tests/sim/test_simulation.py --sim-seed {seed}"
 """The one-line reproduction printed with every violation (`{seed}`, `{mode}` are filled)."""
 
-FATES = ("finish", "finish_then_poke", "wrong_tokens", "rematch", "release_after_match",
-         "release_mid_prefetch", "release_mid_load", "release_mid_compute", "abandon")
+FATES = (
+    "finish",
+    "finish_then_poke",
+    "wrong_tokens",
+    "rematch",
+    "release_after_match",
+    "release_mid_prefetch",
+    "release_mid_load",
+    "release_mid_compute",
+    "abandon",
+)
 """What a request of the built-in clients does (see `RequestSpec.fate`)."""
 
-FAULT_KINDS = ("load_fail", "backup_fail", "load_delay", "backup_delay", "latency", "slow_call",
-               "outage", "fail_get", "fail_set", "fail_exists", "hang", "corrupt")
+FAULT_KINDS = (
+    "load_fail",
+    "backup_fail",
+    "load_delay",
+    "backup_delay",
+    "latency",
+    "slow_call",
+    "outage",
+    "fail_get",
+    "fail_set",
+    "fail_exists",
+    "hang",
+    "corrupt",
+)
 """Fault kinds a seed may draw; `skip=` removes some (e.g. to narrow a failure down)."""
 
 SKIPPABLE = FAULT_KINDS + FATES + ("late_landing",)
-
 
 
 # ---------------------------------------------------------------------------------- errors
 class SimViolation(AssertionError):
     """A simulation found the cache misbehaving. `seed`, `what` (one line), `repro`."""
 
-    def __init__(self, seed: int, what: str, *, config: str = "", repro: str = "",
-                 detail: str = "") -> None:
+    def __init__(
+        self, seed: int, what: str, *, config: str = "", repro: str = "", detail: str = ""
+    ) -> None:
         self.seed, self.what, self.config, self.repro = seed, what, config, repro
         lines = [f"seed {seed}: {what}"]
         if config:
@@ -113,11 +145,16 @@ class SimFaults:
                 out.add(name)
         b = self.backend
         if b is not None:
-            for kind, on in (("latency", b.latency), ("slow_call", b.delays),
-                             ("outage", b.outages or b.down), ("fail_get", b.fail_gets),
-                             ("fail_set", b.fail_sets), ("fail_exists", b.fail_exists),
-                             ("hang", b.hang or b.hang_gets or b.hang_sets or b.hang_exists),
-                             ("corrupt", b.corrupt_gets)):
+            for kind, on in (
+                ("latency", b.latency),
+                ("slow_call", b.delays),
+                ("outage", b.outages or b.down),
+                ("fail_get", b.fail_gets),
+                ("fail_set", b.fail_sets),
+                ("fail_exists", b.fail_exists),
+                ("hang", b.hang or b.hang_gets or b.hang_sets or b.hang_exists),
+                ("corrupt", b.corrupt_gets),
+            ):
                 if on:
                     out.add(kind)
         return out
@@ -133,7 +170,7 @@ class SimConfig:
 
     seed: int
     mode: str  # "virtual" | "thread"
-    cache: dict
+    cache: dict[str, Any]
     storage: str
     wrap_backend: bool
     late_landing: bool
@@ -145,7 +182,8 @@ class SimConfig:
 
     @property
     def page_size(self) -> int:
-        return self.cache["page_size"]
+        size: int = self.cache["page_size"]
+        return size
 
     def cache_config(self, storage_spec: str | None = None) -> CacheConfig:
         return CacheConfig(**self.cache, storage=storage_spec)
@@ -155,26 +193,35 @@ class SimConfig:
         c = self.cache
         return {
             "warm_l3": self.warm_l3,
-            "page_size": c["page_size"], "write_policy": c["write_policy"],
-            "prefetch_policy": c["prefetch_policy"], "exclusive": c["exclusive"],
-            "eviction": c["eviction"], "storage": self.storage, "layout": c["layout"],
-            "io": c["io_backend"], "kv": c["kv"].split(":")[0],
+            "page_size": c["page_size"],
+            "write_policy": c["write_policy"],
+            "prefetch_policy": c["prefetch_policy"],
+            "exclusive": c["exclusive"],
+            "eviction": c["eviction"],
+            "storage": self.storage,
+            "layout": c["layout"],
+            "io": c["io_backend"],
+            "kv": c["kv"].split(":")[0],
             "landing": "late" if self.late_landing else "submit",
         }
 
     def summary(self) -> str:
         c = self.cache
         faults = ",".join(sorted(self.faults.kinds())) or "none"
-        storage = self.storage + ("(wrapped)" if self.wrap_backend and self.storage != "none" else "")
-        return (f"mode={self.mode} page={c['page_size']} L1={c['device_tokens']} "
-                f"L2={c['host_tokens']} kv={c['kv']} layout={c['layout']} io={c['io_backend']} "
-                f"write={c['write_policy']} prefetch={c['prefetch_policy']} "
-                f"exclusive={c['exclusive']} eviction={c['eviction']} storage={storage} "
-                f"landing={'late' if self.late_landing else 'submit'} warm_l3={self.warm_l3} "
-                f"clients={self.clients}x{self.requests} alphabet={self.alphabet} faults={faults}")
+        storage = self.storage + (
+            "(wrapped)" if self.wrap_backend and self.storage != "none" else ""
+        )
+        return (
+            f"mode={self.mode} page={c['page_size']} L1={c['device_tokens']} "
+            f"L2={c['host_tokens']} kv={c['kv']} layout={c['layout']} io={c['io_backend']} "
+            f"write={c['write_policy']} prefetch={c['prefetch_policy']} "
+            f"exclusive={c['exclusive']} eviction={c['eviction']} storage={storage} "
+            f"landing={'late' if self.late_landing else 'submit'} warm_l3={self.warm_l3} "
+            f"clients={self.clients}x{self.requests} alphabet={self.alphabet} faults={faults}"
+        )
 
 
-def _pick(rng: np.random.Generator, options):
+def _pick(rng: np.random.Generator, options: Sequence[T]) -> T:
     return options[int(rng.integers(len(options)))]
 
 
@@ -197,21 +244,32 @@ def random_config(seed: int, *, mode: str = "virtual", skip: Iterable[str] = ())
     storage = _pick(rng, ("none", "memory", "memory", "file"))
     virtual = mode == "virtual"
     cache = dict(
-        kv=kv, page_size=page, device_tokens=device_pages * page, host_tokens=host_pages * page,
-        layout=_pick(rng, layouts), io_backend=_pick(rng, ("kernel", "kernel", "direct")),
-        eviction=_pick(rng, EVICTION_POLICIES), write_policy=_pick(rng, WRITE_POLICIES),
-        exclusive=exclusive, prefetch_policy=_pick(rng, PREFETCH_POLICIES), model_id="sim-model",
+        kv=kv,
+        page_size=page,
+        device_tokens=device_pages * page,
+        host_tokens=host_pages * page,
+        layout=_pick(rng, layouts),
+        io_backend=_pick(rng, ("kernel", "kernel", "direct")),
+        eviction=_pick(rng, EVICTION_POLICIES),
+        write_policy=_pick(rng, WRITE_POLICIES),
+        exclusive=exclusive,
+        prefetch_policy=_pick(rng, PREFETCH_POLICIES),
+        model_id="sim-model",
         load_back_threshold=_pick(rng, (0, 1, page, 10)),
         prefetch_threshold=_pick(rng, (0, 0, page, 2 * page)),
         prefetch_timeout_base=_pick(rng, (0.005, 0.05, 0.5)) if virtual else 0.05,
         prefetch_timeout_per_ki_token=_pick(rng, (0.0, 0.25)),
         prefetch_rate_fraction=_pick(rng, (0.5, 0.8, 1.0)),
         storage_batch_pages=_pick(rng, (1, 2, 4, 128)),
-        upload_retries=_pick(rng, (0, 1, 3)), upload_backoff=0.01,
-        storage_timeout=0.5, close_timeout=20.0 if virtual else 5.0,
+        upload_retries=_pick(rng, (0, 1, 3)),
+        upload_backoff=0.01,
+        storage_timeout=0.5,
+        close_timeout=20.0 if virtual else 5.0,
         max_upload_backlog=_pick(rng, (2, 1024)),
         channel_capacity=_pick(rng, (4, 8, 16, 64)),
-        deterministic=virtual, seed=seed, device="cpu",
+        deterministic=virtual,
+        seed=seed,
+        device="cpu",
         cpu_transfers="inline" if virtual else "thread",
         transfer_bandwidth=_pick(rng, (20e9, 2e6, 2e5)),
     )
@@ -223,15 +281,23 @@ def random_config(seed: int, *, mode: str = "virtual", skip: Iterable[str] = ())
     warm = (storage == "file" or (storage == "memory" and wrap)) and bool(rng.random() < 0.5)
     clients = int(rng.integers(2, 5))
     return SimConfig(
-        seed=seed, mode=mode, cache=cache, storage=storage, wrap_backend=wrap, late_landing=late,
+        seed=seed,
+        mode=mode,
+        cache=cache,
+        storage=storage,
+        wrap_backend=wrap,
+        late_landing=late,
         warm_l3=warm,
-        clients=clients, requests=min(int(rng.integers(2, 5)), 12 // clients),
-        alphabet=_pick(rng, (2, 3, 8, 1000)), faults=faults,
+        clients=clients,
+        requests=min(int(rng.integers(2, 5)), 12 // clients),
+        alphabet=_pick(rng, (2, 3, 8, 1000)),
+        faults=faults,
     )
 
 
-def _random_faults(rng: np.random.Generator, storage: bool, virtual: bool,
-                   skip: set[str]) -> SimFaults:
+def _random_faults(
+    rng: np.random.Generator, storage: bool, virtual: bool, skip: set[str]
+) -> SimFaults:
     f = SimFaults()
     if rng.random() < 0.2:  # a clean run now and then
         return f
@@ -243,11 +309,15 @@ def _random_faults(rng: np.random.Generator, storage: bool, virtual: bool,
     if on["backup_fail"]:
         f.backup_fail = {j for j in jobs if rng.random() < 0.1}
     if on["load_delay"]:
-        f.load_delay = {(j, int(rng.integers(0, 3))): float(rng.uniform(0.001, 0.2)) * scale
-                        for j in jobs if rng.random() < 0.3}
+        f.load_delay = {
+            (j, int(rng.integers(0, 3))): float(rng.uniform(0.001, 0.2)) * scale
+            for j in jobs
+            if rng.random() < 0.3
+        }
     if on["backup_delay"]:
-        f.backup_delay = {j: float(rng.uniform(0.001, 0.2)) * scale
-                          for j in jobs if rng.random() < 0.3}
+        f.backup_delay = {
+            j: float(rng.uniform(0.001, 0.2)) * scale for j in jobs if rng.random() < 0.3
+        }
     if not storage:
         return f
     b = BackendFaults()
@@ -259,8 +329,12 @@ def _random_faults(rng: np.random.Generator, storage: bool, virtual: bool,
     if on["latency"]:
         b.latency = float(rng.uniform(0.0005, 0.05)) * scale
     if on["slow_call"]:
-        b.delays = {(m, n): float(rng.uniform(0.01, 0.4)) * scale
-                    for m in ("exists", "get_into", "set_from") for n in calls if rng.random() < 0.15}
+        b.delays = {
+            (m, n): float(rng.uniform(0.01, 0.4)) * scale
+            for m in ("exists", "get_into", "set_from")
+            for n in calls
+            if rng.random() < 0.15
+        }
     if on["outage"]:
         windows = []
         for _ in range(int(rng.integers(1, 3))):
@@ -275,8 +349,11 @@ def _random_faults(rng: np.random.Generator, storage: bool, virtual: bool,
         b.fail_exists = some(0.2)
     if on["hang"]:
         # a few calls that never return; thread mode pays storage_timeout in real time each
-        hung = [(m, int(rng.integers(0, 6))) for m in ("exists", "get_into", "set_from")
-                if rng.random() < 0.5][: 3 if virtual else 1]
+        hung = [
+            (m, int(rng.integers(0, 6)))
+            for m in ("exists", "get_into", "set_from")
+            if rng.random() < 0.5
+        ][: 3 if virtual else 1]
         b.hang_exists = {n for m, n in hung if m == "exists"}
         b.hang_gets = {n for m, n in hung if m == "get_into"}
         b.hang_sets = {n for m, n in hung if m == "set_from"}
@@ -333,12 +410,21 @@ def generate_workload(sim: SimConfig, *, skip: Iterable[str] = ()) -> Workload:
     page = sim.page_size
     capacity = sim.cache["device_tokens"]
     max_len = max(page + 2, capacity * 3 // 4)
-    stems = [rng.integers(0, sim.alphabet, size=int(rng.integers(0, max_len * 3 // 4 + 1)))
-             for _ in range(3)]
-    weights = {"finish": 40, "finish_then_poke": 5, "wrong_tokens": 3, "rematch": 5,
-               "release_after_match": 4,
-               "release_mid_prefetch": 8 if sim.storage != "none" else 0,
-               "release_mid_load": 12, "release_mid_compute": 6, "abandon": 3}
+    stems = [
+        rng.integers(0, sim.alphabet, size=int(rng.integers(0, max_len * 3 // 4 + 1)))
+        for _ in range(3)
+    ]
+    weights = {
+        "finish": 40,
+        "finish_then_poke": 5,
+        "wrong_tokens": 3,
+        "rematch": 5,
+        "release_after_match": 4,
+        "release_mid_prefetch": 8 if sim.storage != "none" else 0,
+        "release_mid_load": 12,
+        "release_mid_compute": 6,
+        "abandon": 3,
+    }
     for name in skip:
         weights.pop(name, None)
     fates = list(weights)
@@ -347,8 +433,10 @@ def generate_workload(sim: SimConfig, *, skip: Iterable[str] = ()) -> Workload:
     # Conversations shared by every client: a request extends one (its next turn), repeats
     # it (a retry, a regenerate), or starts it over from a shared stem. Their total outgrows
     # L1 and often L2, so pages keep moving down the tiers and coming back.
-    conversations = [stems[int(rng.integers(len(stems)))][: max_len // 2].copy()
-                     for _ in range(int(rng.integers(2, 7)))]
+    conversations = [
+        stems[int(rng.integers(len(stems)))][: max_len // 2].copy()
+        for _ in range(int(rng.integers(2, 7)))
+    ]
     per_client: list[list[RequestSpec]] = [[] for _ in range(sim.clients)]
     abandoned = [False] * sim.clients
     for i in range(sim.requests):
@@ -369,8 +457,11 @@ def generate_workload(sim: SimConfig, *, skip: Iterable[str] = ()) -> Workload:
             decode = int(rng.integers(0, min(2, len(tokens) - 1) + 1))
             prompt_len = len(tokens) - decode
             match_len = prompt_len - 1 if prompt_len > 1 and rng.random() < 0.5 else prompt_len
-            cuts = {int(x) for x in rng.integers(1, max(2, len(tokens)), size=int(rng.integers(0, 3)))
-                    if x < len(tokens)}
+            cuts = {
+                int(x)
+                for x in rng.integers(1, max(2, len(tokens)), size=int(rng.integers(0, 3)))
+                if x < len(tokens)
+            }
             chunks = tuple(sorted(cuts | set(range(prompt_len, len(tokens) + 1)) | {len(tokens)}))
             unfinished = frozenset(x for x in chunks if x < len(tokens) and rng.random() < 0.5)
             fate = fates[int(rng.choice(len(fates), p=probs))]
@@ -383,12 +474,21 @@ def generate_workload(sim: SimConfig, *, skip: Iterable[str] = ()) -> Workload:
                 prefetch = _pick(rng, ("none", "wait", "wait", "wait", "poll", "nowait"))
                 if fate == "release_mid_prefetch":
                     prefetch = "nowait"
-            per_client[c].append(RequestSpec(
-                rid=f"c{c}r{i}", tokens=tokens, prompt_len=prompt_len, match_len=match_len,
-                chunks=chunks, unfinished_at=unfinished, prefetch=prefetch, fate=fate,
-                abandon_at=_pick(rng, ("match", "load", "compute")),
-                think=float(rng.exponential(0.02)), alloc_batches=1 + int(rng.random() < 0.2),
-            ))
+            per_client[c].append(
+                RequestSpec(
+                    rid=f"c{c}r{i}",
+                    tokens=tokens,
+                    prompt_len=prompt_len,
+                    match_len=match_len,
+                    chunks=chunks,
+                    unfinished_at=unfinished,
+                    prefetch=prefetch,
+                    fate=fate,
+                    abandon_at=_pick(rng, ("match", "load", "compute")),
+                    think=float(rng.exponential(0.02)),
+                    alloc_batches=1 + int(rng.random() < 0.2),
+                )
+            )
     clients = [tuple(r) for r in per_client]
     return Workload(tuple(clients))
 
@@ -402,10 +502,10 @@ class LateLandingStreams:
 
     kind = "virtual"
 
-    def __init__(self, *, bandwidth: float, fault=None) -> None:
+    def __init__(self, *, bandwidth: float, fault: FaultPlan | None = None) -> None:
         self._bandwidth = bandwidth
         self._fault = fault
-        self._inner = None
+        self._inner: VirtualStreams | None = None
 
     def bind(self, cache: HiCache) -> None:
         from hicache.kernels.streams.virtual import VirtualStreams
@@ -413,18 +513,29 @@ class LateLandingStreams:
         outer = self
 
         class _Late(VirtualStreams):
-            def submit_load(self, host_slots, device_slots, *, on_done):
+            def submit_load(
+                self, host_slots: SlotArray, device_slots: SlotArray, *, on_done: OnDone
+            ) -> VirtualLoadHandle:
                 return outer._submit_load(self, host_slots, device_slots, on_done)
 
-            def submit_backup(self, device_slots, host_slots, *, on_done):
-                return outer._submit_backup(self, device_slots, host_slots, on_done)
+            def submit_backup(
+                self, device_slots: SlotArray, host_slots: SlotArray, *, on_done: OnDone
+            ) -> None:
+                outer._submit_backup(self, device_slots, host_slots, on_done)
 
-        self._inner = _Late(cache.device_pool, cache.host_pool, io=cache.config.io_backend,
-                            schedule=cache.kernel.call_later, bandwidth=self._bandwidth,
-                            fault=self._fault)
+        self._inner = _Late(
+            cache.device_pool,
+            cache.host_pool,
+            io=cache.config.io_backend,
+            schedule=cache.kernel.call_later,
+            bandwidth=self._bandwidth,
+            fault=self._fault,
+        )
 
     @staticmethod
-    def _submit_load(s, host_slots, device_slots, on_done):
+    def _submit_load(
+        s: VirtualStreams, host_slots: SlotArray, device_slots: SlotArray, on_done: OnDone
+    ) -> VirtualLoadHandle:
         from hicache.kernels.indices import plan_transfer
         from hicache.kernels.streams.virtual import VirtualLoadHandle
         from hicache.kernels.transfer import run_load_layer
@@ -437,7 +548,7 @@ class LateLandingStreams:
         s._load_jobs += 1
         layer_bytes = plan.tokens * s.device_pool.geometry.bytes_per_token // layers
 
-        def step(layer: int, fault):
+        def step(layer: int, fault: BaseException | None) -> Callable[[], bool]:
             def action() -> bool:
                 error = fault
                 if error is None:
@@ -456,7 +567,7 @@ class LateLandingStreams:
 
             return action
 
-        steps = []
+        steps: list[tuple[float, Callable[[], bool]]] = []
         for layer in range(layers):
             extra, fault = s._extra(FaultPoint("load", job, layer))
             steps.append((layer_bytes / s.bandwidth + extra, step(layer, fault)))
@@ -464,7 +575,9 @@ class LateLandingStreams:
         return handle
 
     @staticmethod
-    def _submit_backup(s, device_slots, host_slots, on_done):
+    def _submit_backup(
+        s: VirtualStreams, device_slots: SlotArray, host_slots: SlotArray, on_done: OnDone
+    ) -> None:
         from hicache.kernels.indices import plan_transfer
         from hicache.kernels.transfer import run_backup
 
@@ -487,11 +600,20 @@ class LateLandingStreams:
 
         s._backups.push([(nbytes / s.bandwidth + extra, action)])
 
-    def submit_load(self, host_slots, device_slots, *, on_done):
-        return self._inner.submit_load(host_slots, device_slots, on_done=on_done)
+    def _bound(self) -> VirtualStreams:
+        if self._inner is None:
+            raise RuntimeError("LateLandingStreams used before bind(cache)")
+        return self._inner
 
-    def submit_backup(self, device_slots, host_slots, *, on_done):
-        return self._inner.submit_backup(device_slots, host_slots, on_done=on_done)
+    def submit_load(
+        self, host_slots: SlotArray, device_slots: SlotArray, *, on_done: OnDone
+    ) -> LoadHandle:
+        return self._bound().submit_load(host_slots, device_slots, on_done=on_done)
+
+    def submit_backup(
+        self, device_slots: SlotArray, host_slots: SlotArray, *, on_done: OnDone
+    ) -> None:
+        self._bound().submit_backup(device_slots, host_slots, on_done=on_done)
 
     def close(self) -> None:
         if self._inner is not None:
@@ -537,9 +659,9 @@ class SimReport:
     seed: int
     mode: str
     config: str
-    features: dict
-    counts: Counter = field(default_factory=Counter)
-    faults: Counter = field(default_factory=Counter)
+    features: dict[str, Any]
+    counts: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
     virtual_seconds: float = 0.0
     wall_seconds: float = 0.0
 
@@ -557,8 +679,10 @@ class SimReport:
 
     def line(self) -> str:
         faults = ",".join(f"{k}={v}" for k, v in sorted(self.faults.items())) or "none"
-        return (f"seed {self.seed}: {self.steps} steps, {self.requests} requests, "
-                f"{self.pages_verified} pages verified, faults {faults}")
+        return (
+            f"seed {self.seed}: {self.steps} steps, {self.requests} requests, "
+            f"{self.pages_verified} pages verified, faults {faults}"
+        )
 
 
 # ---------------------------------------------------------------------------------- context
@@ -571,8 +695,8 @@ class SimHooks:
     something between the cache and its storage. `driver(ctx)`: run the workload yourself
     instead of the built-in clients (see `SimContext`)."""
 
-    compute: Callable | None = None
-    wrap_backend: Callable | None = None
+    compute: Callable[[HiCache, np.ndarray, np.ndarray, int], None] | None = None
+    wrap_backend: Callable[[StorageBackend], StorageBackend] | None = None
     driver: Callable[[SimContext], Awaitable[None]] | None = None
 
 
@@ -591,12 +715,12 @@ class SimContext:
         self.workload = workload
         self.hooks = hooks
         self.repro = repro
-        self.cache: HiCache | None = None
+        self._cache: HiCache | None = None
         self.rng = np.random.default_rng([sim.seed, 3])
         self.counts: Counter[str] = Counter()
         self.violation: SimViolation | None = None
-        self.handles: list = []
-        self.abandoned_rids: set = set()
+        self.handles: list[LoadHandle] = []
+        self.abandoned_rids: set[Any] = set()
         self.live: dict[object, tuple[np.ndarray, np.ndarray]] = {}  # rid -> (tokens, slots)
         self._seeds: dict[bytes, np.ndarray] = {}
         self.virtual = sim.mode == "virtual"
@@ -607,12 +731,24 @@ class SimContext:
         self.close_started = math.inf
         self.trace: list[str] | None = None  # every call and its answer, when asked for
 
+    @property
+    def cache(self) -> HiCache:
+        """The open cache (set before the driver runs)."""
+        if self._cache is None:
+            raise RuntimeError("the simulation's cache is not open yet")
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: HiCache) -> None:
+        self._cache = cache
+
     # -- violations
-    def violate(self, what: str, detail: str = "") -> None:
+    def violate(self, what: str, detail: str = "") -> NoReturn:
         """Record a violation (the first one wins) and stop the run."""
         if self.violation is None:
-            self.violation = SimViolation(self.sim.seed, what, config=self.sim.summary(),
-                                          repro=self.repro, detail=detail)
+            self.violation = SimViolation(
+                self.sim.seed, what, config=self.sim.summary(), repro=self.repro, detail=detail
+            )
         raise _Stop(what)
 
     def stopped(self) -> bool:
@@ -631,22 +767,30 @@ class SimContext:
         self.compute_into(self.cache, tokens, slots, first)
         self.counts["tokens_computed"] += len(slots)
 
-    def compute_into(self, cache: HiCache, tokens, slots, first: int) -> None:
+    def compute_into(
+        self, cache: HiCache, tokens: np.ndarray, slots: np.ndarray, first: int
+    ) -> None:
         if self.hooks.compute is not None:
             self.hooks.compute(cache, tokens, slots, first)
             return
         from hicache.testing.kvfill import fill
 
-        fill(cache.device_pool, slots, self.seeds(np.asarray(tokens)), page_size=self.sim.page_size,
-             first=first)
+        fill(
+            cache.device_pool,
+            slots,
+            self.seeds(np.asarray(tokens)),
+            page_size=self.sim.page_size,
+            first=first,
+        )
 
     def bad_pages(self, tokens: np.ndarray, slots: np.ndarray) -> int:
         from hicache.testing.kvfill import count_bad_pages
 
-        return count_bad_pages(self.cache.device_pool, slots, self.seeds(tokens),
-                               page_size=self.sim.page_size, first=0)
+        return count_bad_pages(
+            self.cache.device_pool, slots, self.seeds(tokens), page_size=self.sim.page_size, first=0
+        )
 
-    def check_reads(self, rid, tokens: np.ndarray, slots: np.ndarray, where: str) -> None:
+    def check_reads(self, rid: Any, tokens: np.ndarray, slots: np.ndarray, where: str) -> None:
         """The request reads tokens[:len(slots)] at `slots`: each page must hold its own KV."""
         slots = np.asarray(slots, dtype=np.int64)
         if not len(slots):
@@ -655,44 +799,54 @@ class SimContext:
         pages = -(-len(slots) // self.sim.page_size)
         self.counts["pages_verified"] += pages
         if bad:
-            self.violate(f"wrong KV: request {rid} reads {bad} bad page(s) of {pages} {where}",
-                         detail=f"tokens={len(tokens)} slots={_short(slots)}")
+            self.violate(
+                f"wrong KV: request {rid} reads {bad} bad page(s) of {pages} {where}",
+                detail=f"tokens={len(tokens)} slots={_short(slots)}",
+            )
 
     def check_live(self, where: str) -> None:
         """Every page every live request verified so far still holds its KV; the upload
         backlog stays within `max_upload_backlog`."""
-        tree = self.cache.kernel.actors.get("tree") if self.cache is not None else None
+        tree = self._cache.kernel.actors.get("tree") if self._cache is not None else None
         backlog = getattr(tree, "_upload_backlog", None)  # private: looked at when present
         bound = self.sim.cache.get("max_upload_backlog")
         if backlog is not None and bound is not None and len(backlog) > bound:
-            self.violate(f"upload backlog of {len(backlog)} past max_upload_backlog={bound} "
-                         f"(after {where})")
+            self.violate(
+                f"upload backlog of {len(backlog)} past max_upload_backlog={bound} (after {where})"
+            )
         for rid, (tokens, slots) in list(self.live.items()):
             if len(slots) and self.bad_pages(tokens, slots):
-                self.violate(f"wrong KV: pages request {rid} holds were overwritten "
-                             f"(seen after {where})",
-                             detail=f"tokens={len(tokens)} slots={_short(slots)}")
+                self.violate(
+                    f"wrong KV: pages request {rid} holds were overwritten (seen after {where})",
+                    detail=f"tokens={len(tokens)} slots={_short(slots)}",
+                )
 
-    def hold(self, rid, tokens: np.ndarray, slots: np.ndarray) -> None:
+    def hold(self, rid: Any, tokens: np.ndarray, slots: np.ndarray) -> None:
         """`rid` now reads tokens[:len(slots)] at `slots` (verified): from now on they are
         checked after every cache call, until `drop(rid)`."""
         self.live[rid] = (tokens, np.asarray(slots, dtype=np.int64))
 
-    def drop(self, rid) -> None:
+    def drop(self, rid: Any) -> None:
         """`rid` gives its slots up (call this *before* the cache call that may free them:
         cache_*, release)."""
         self.live.pop(rid, None)
 
-    def note_handle(self, handle) -> None:
+    def note_handle(self, handle: LoadHandle | None) -> None:
         if handle is not None:
             self.handles.append(handle)
 
-    def abandoned(self, rid) -> None:
+    def abandoned(self, rid: Any) -> None:
         self.abandoned_rids.add(rid)
         self.counts["abandoned"] += 1
 
     # -- calls
-    async def call(self, what: str, fn, *args, allowed: tuple = ()):
+    async def call(
+        self,
+        what: str,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        allowed: tuple[type[BaseException], ...] = (),
+    ) -> T:
         """One cache call: counted, under a deadline, errors checked; afterwards every live
         request's pages are checked."""
         if self.stopped():
@@ -710,8 +864,10 @@ class SimContext:
         except _Stop:
             raise
         except TimeoutError:
-            self.violate(f"hung: {what} did not return within {self.call_deadline} "
-                         f"{'virtual ' if self.virtual else ''}seconds")
+            self.violate(
+                f"hung: {what} did not return within {self.call_deadline} "
+                f"{'virtual ' if self.virtual else ''}seconds"
+            )
         except Exception as exc:  # noqa: BLE001 - every unexpected error is a finding
             self._trace(what, exc)
             self.violate(f"{what} raised {type(exc).__name__}: {exc}")
@@ -720,7 +876,7 @@ class SimContext:
         self.check_live(what)
         return result
 
-    def _trace(self, what: str, result) -> None:
+    def _trace(self, what: str, result: object) -> None:
         if self.trace is None:
             return
         if isinstance(result, BaseException):
@@ -737,7 +893,7 @@ class SimContext:
             text = repr(result)
         self.trace.append(f"{anyio.current_time():10.5f} {what} -> {text}")
 
-    async def wait_handle(self, handle, what: str) -> bool:
+    async def wait_handle(self, handle: LoadHandle | None, what: str) -> bool:
         """Wait for every layer of a load; False if it failed (allowed only with load faults)."""
         if handle is None:
             return True
@@ -754,7 +910,13 @@ class SimContext:
             self.violate(f"hung: {what}: a load handle did not land within {self.call_deadline} s")
         return True
 
-    async def read_prefix(self, rid, tokens: np.ndarray, prefix: np.ndarray, waits=()) -> bool:
+    async def read_prefix(
+        self,
+        rid: Any,
+        tokens: np.ndarray,
+        prefix: np.ndarray,
+        waits: Iterable[LoadHandle | None] = (),
+    ) -> bool:
         """What an engine does before its model reads a request's prefix (`load_back`'s
         device slots): wait on `waits` (its load handle, `MatchOutcome.pending`), then check
         every page and `hold` them. False when the request must not read them (a load
@@ -784,8 +946,9 @@ def _short(slots: np.ndarray) -> str:
 
 
 # ---------------------------------------------------------------------------------- checks
-def _check_slots(ctx: SimContext, what: str, slots, *, n: int | None = None,
-                 whole_pages: bool = False) -> np.ndarray:
+def _check_slots(
+    ctx: SimContext, what: str, slots: Any, *, n: int | None = None, whole_pages: bool = False
+) -> np.ndarray:
     arr = np.asarray(slots)
     size = ctx.sim.cache["device_tokens"]
     if arr.ndim != 1 or (len(arr) and arr.dtype.kind not in "iu"):
@@ -801,18 +964,22 @@ def _check_slots(ctx: SimContext, what: str, slots, *, n: int | None = None,
     return arr.astype(np.int64, copy=False)
 
 
-def _check_match(ctx: SimContext, rid, tokens: np.ndarray, out) -> None:
+def _check_match(ctx: SimContext, rid: Any, tokens: np.ndarray, out: MatchOutcome) -> None:
     page = ctx.sim.page_size
     if out.rid != rid:
         ctx.violate(f"match({rid}) answered for {out.rid!r}")
     slots = _check_slots(ctx, f"match({rid})", out.device_slots, whole_pages=True)
     aligned = len(tokens) // page * page
     if out.host_len < 0 or out.host_len % page or len(slots) + out.host_len > aligned:
-        ctx.violate(f"match({rid}): device {len(slots)} + host {out.host_len} tokens for "
-                    f"{len(tokens)} tokens of page {page}")
+        ctx.violate(
+            f"match({rid}): device {len(slots)} + host {out.host_len} tokens for "
+            f"{len(tokens)} tokens of page {page}"
+        )
 
 
-def _check_prefetch(ctx: SimContext, rid, out, what: str, *, ready: bool = False) -> None:
+def _check_prefetch(
+    ctx: SimContext, rid: Any, out: PrefetchOutcome, what: str, *, ready: bool = False
+) -> None:
     page = ctx.sim.page_size
     if out.rid != rid:
         ctx.violate(f"{what}({rid}) answered for {out.rid!r}")
@@ -846,7 +1013,7 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
     ctx.counts[f"fate_{spec.fate}"] += 1
     if not hurry:
         await ctx.sleep(spec.think)
-    matched = tokens[:spec.match_len]
+    matched = tokens[: spec.match_len]
     if spec.fate == "rematch":
         short = matched[: len(matched) // 2]
         m0 = await ctx.call(f"match({rid})", cache.match, rid, short)
@@ -858,20 +1025,23 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
     ctx.counts["hit_l2_tokens"] += m.host_len
     if spec.fate == "release_after_match":
         await ctx.call(f"release({rid})", cache.release, rid)
-        return
+        return False
     if spec.fate == "abandon" and spec.abandon_at == "match":
         ctx.abandoned(rid)
-        return
+        return False
     prefetched = False
     if spec.prefetch != "none":
-        p = await ctx.call(f"prefetch({rid})", cache.prefetch, rid, tokens[:spec.prompt_len])
+        p = await ctx.call(f"prefetch({rid})", cache.prefetch, rid, tokens[: spec.prompt_len])
         _check_prefetch(ctx, rid, p, "prefetch")
         prefetched = p.state == "running" or p.state == "done"
         if spec.fate == "release_mid_prefetch" or (
-                p.state == "running" and spec.fate == "finish" and ctx.rng.random() < 0.15):
-            ctx.counts["released_mid_prefetch" if p.state == "running" else "released_after_prefetch"] += 1
+            p.state == "running" and spec.fate == "finish" and ctx.rng.random() < 0.15
+        ):
+            ctx.counts[
+                "released_mid_prefetch" if p.state == "running" else "released_after_prefetch"
+            ] += 1
             await ctx.call(f"release({rid})", cache.release, rid)
-            return
+            return False
         if spec.prefetch == "wait":
             p = await ctx.call(f"prefetch_wait({rid})", cache.prefetch_wait, rid)
             _check_prefetch(ctx, rid, p, "prefetch_wait", ready=True)
@@ -885,28 +1055,37 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
     if lb.loaded_tokens < 0 or lb.loaded_tokens % page:
         ctx.violate(f"load_back({rid}): loaded_tokens={lb.loaded_tokens}")
     if lb.loaded_tokens and lb.handle is None:
-        ctx.violate(f"load_back({rid}): loaded_tokens={lb.loaded_tokens} with no handle "
-                    "(a load needs one; a handle may also cover others' loads on the prefix)")
+        ctx.violate(
+            f"load_back({rid}): loaded_tokens={lb.loaded_tokens} with no handle "
+            "(a load needs one; a handle may also cover others' loads on the prefix)"
+        )
     if len(prefix) > len(matched) // page * page:
-        ctx.violate(f"load_back({rid}): a prefix of {len(prefix)} tokens for {len(matched)} matched")
+        ctx.violate(
+            f"load_back({rid}): a prefix of {len(prefix)} tokens for {len(matched)} matched"
+        )
     if not prefetched:
         if not np.array_equal(prefix[: m.device_len], m.device_slots):
-            ctx.violate(f"load_back({rid}): the prefix does not start with the matched slots",
-                        detail=f"match={_short(m.device_slots)} load_back={_short(prefix)}")
+            ctx.violate(
+                f"load_back({rid}): the prefix does not start with the matched slots",
+                detail=f"match={_short(m.device_slots)} load_back={_short(prefix)}",
+            )
         # load_back takes the prefix as the tree has it then: others may have loaded or
         # cached more of it since the match, so it can be longer, never shorter than what the
         # match found once something was loaded (the request's lock kept its L2 part).
-        short = lb.loaded_tokens and len(prefix) < m.device_len + m.host_len
-        if len(prefix) < m.device_len + lb.loaded_tokens or short:
-            ctx.violate(f"load_back({rid}): {len(prefix)} prefix slots after a match of "
-                        f"{m.device_len} on L1 + {m.host_len} on L2 and {lb.loaded_tokens} loaded")
+        cut_short = lb.loaded_tokens and len(prefix) < m.device_len + m.host_len
+        if len(prefix) < m.device_len + lb.loaded_tokens or cut_short:
+            ctx.violate(
+                f"load_back({rid}): {len(prefix)} prefix slots after a match of "
+                f"{m.device_len} on L1 + {m.host_len} on L2 and {lb.loaded_tokens} loaded"
+            )
     ctx.note_handle(lb.handle)
     if lb.loaded_tokens:
         ctx.counts["loads"] += 1
         ctx.counts["loaded_tokens"] += lb.loaded_tokens
     in_flight = lb.handle is not None and not lb.handle.done()
     if spec.fate == "release_mid_load" or (
-            in_flight and spec.fate == "finish" and ctx.rng.random() < 0.25):
+        in_flight and spec.fate == "finish" and ctx.rng.random() < 0.25
+    ):
         ctx.counts["released_mid_load" if in_flight else "released_after_load"] += 1
         await ctx.call(f"release({rid})", cache.release, rid)
         if in_flight:
@@ -914,14 +1093,15 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
         return in_flight
     if spec.fate == "abandon" and spec.abandon_at == "load":
         ctx.abandoned(rid)
-        return
+        return False
     if not await ctx.read_prefix(rid, tokens, prefix, (lb.handle, *m.pending)):
         await ctx.call(f"release({rid})", cache.release, rid)
-        return
+        return False
     await _compute(ctx, spec, prefix)
+    return False
 
 
-async def _squeeze(ctx: SimContext, released, handle) -> None:
+async def _squeeze(ctx: SimContext, released: Any, handle: LoadHandle | None) -> None:
     """Right after a release mid-load: another request takes as much of L1 as it can get
     (evicting whatever is unlocked, the released load's pages included), computes into it,
     and after that load has landed its pages must still be its own."""
@@ -933,8 +1113,9 @@ async def _squeeze(ctx: SimContext, released, handle) -> None:
     n, new = size, None
     while n >= 1:
         try:
-            new = await ctx.call(f"allocate({rid}, {n})", cache.allocate, rid, n,
-                                 allowed=(CapacityError,))
+            new = await ctx.call(
+                f"allocate({rid}, {n})", cache.allocate, rid, n, allowed=(CapacityError,)
+            )
             break
         except CapacityError:
             n //= 2
@@ -965,8 +1146,9 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> No
         parts = [n] if spec.alloc_batches == 1 or n < 2 else [n // 2, n - n // 2]
         for k in parts:
             try:
-                new = await ctx.call(f"allocate({rid}, {k})", cache.allocate, rid, k,
-                                     allowed=(CapacityError,))
+                new = await ctx.call(
+                    f"allocate({rid}, {k})", cache.allocate, rid, k, allowed=(CapacityError,)
+                )
             except CapacityError:
                 ctx.counts["capacity_errors"] += 1
                 ctx.drop(rid)
@@ -974,8 +1156,10 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> No
                 return
             new = _check_slots(ctx, f"allocate({rid}, {k})", new, n=k)
             if np.intersect1d(new, slots).size:
-                ctx.violate(f"allocate({rid}, {k}) returned slots the request already holds",
-                            detail=f"new={_short(new)} held={_short(slots)}")
+                ctx.violate(
+                    f"allocate({rid}, {k}) returned slots the request already holds",
+                    detail=f"new={_short(new)} held={_short(slots)}",
+                )
             ctx.compute(tokens, new, pos)
             slots = np.concatenate([slots, new])
             pos += k
@@ -990,8 +1174,9 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> No
         if end in spec.unfinished_at:
             ctx.check_reads(rid, tokens, slots, "before cache_unfinished")
             ctx.drop(rid)  # the call may free slots it passed (duplicates)
-            out = await ctx.call(f"cache_unfinished({rid})", cache.cache_unfinished, rid,
-                                 tokens[:pos], slots)
+            out = await ctx.call(
+                f"cache_unfinished({rid})", cache.cache_unfinished, rid, tokens[:pos], slots
+            )
             aligned = pos // page * page
             tree = _check_slots(ctx, f"cache_unfinished({rid})", out.device_slots, n=aligned)
             if out.new_tokens < 0 or out.new_tokens > aligned:
@@ -1014,13 +1199,21 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> No
         other = tokens.copy()
         other[int(ctx.rng.integers(len(prefix)))] += 1  # not the tokens its prefix holds
         try:
-            await ctx.call(f"cache_finished({rid}) with other tokens", cache.cache_finished,
-                           rid, other, slots, allowed=(ValueError,))
+            await ctx.call(
+                f"cache_finished({rid}) with other tokens",
+                cache.cache_finished,
+                rid,
+                other,
+                slots,
+                allowed=(ValueError,),
+            )
         except ValueError:
             ctx.counts["invalid_request_ok"] += 1
         else:
-            ctx.violate(f"cache_finished({rid}) accepted tokens that differ from the ones its "
-                        "prefix was matched for")
+            ctx.violate(
+                f"cache_finished({rid}) accepted tokens that differ from the ones its "
+                "prefix was matched for"
+            )
         ctx.check_reads(rid, tokens, slots, "after a refused cache_finished")
     out = await ctx.call(f"cache_finished({rid})", cache.cache_finished, rid, tokens, slots)
     aligned = len(tokens) // page * page
@@ -1029,9 +1222,12 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> No
     if spec.fate == "finish_then_poke":
         # The request is over: anything on it must be UnknownRequest, changing nothing.
         poke = int(ctx.rng.integers(3))
-        name, fn, args = [("release", cache.release, (rid,)),
-                          ("load_back", cache.load_back, (rid,)),
-                          ("allocate", cache.allocate, (rid, 1))][poke]
+        pokes: list[tuple[str, Callable[..., Awaitable[object]], tuple[Any, ...]]] = [
+            ("release", cache.release, (rid,)),
+            ("load_back", cache.load_back, (rid,)),
+            ("allocate", cache.allocate, (rid, 1)),
+        ]
+        name, fn, args = pokes[poke]
         try:
             await ctx.call(f"{name}({rid}) after finish", fn, *args, allowed=(UnknownRequest,))
         except UnknownRequest:
@@ -1057,8 +1253,12 @@ async def builtin_clients(ctx: SimContext) -> None:
             pass
         except Exception as exc:  # noqa: BLE001 - a fuzzer bug still must not hang the run
             if ctx.violation is None:
-                ctx.violation = SimViolation(ctx.sim.seed, f"client crashed: {type(exc).__name__}: {exc}",
-                                             config=ctx.sim.summary(), repro=ctx.repro)
+                ctx.violation = SimViolation(
+                    ctx.sim.seed,
+                    f"client crashed: {type(exc).__name__}: {exc}",
+                    config=ctx.sim.summary(),
+                    repro=ctx.repro,
+                )
         finally:
             left[0] -= 1
             if not left[0]:
@@ -1082,8 +1282,11 @@ def leftover_tables(cache: HiCache) -> list[str]:
         for attr, value in vars(actor).items():
             if attr in _NOT_TABLES or not isinstance(value, (dict, set, list, deque)):
                 continue
-            if isinstance(value, dict) and value and all(
-                    isinstance(v, (list, deque)) for v in value.values()):
+            if (
+                isinstance(value, dict)
+                and value
+                and all(isinstance(v, (list, deque)) for v in value.values())
+            ):
                 if any(len(v) for v in value.values()):
                     out.append(f"{name}.{attr}")
             elif len(value):
@@ -1095,35 +1298,52 @@ def leftover_tables(cache: HiCache) -> list[str]:
     return out
 
 
-def _describe(value) -> str:
+def _describe(value: Any) -> str:
     items = list(value.items() if isinstance(value, dict) else value)
     text = repr(items[:3])
-    return (text[:150] + "...") if len(text) > 150 else text + (f" ({len(items)})" if len(items) > 3 else "")
+    return (
+        (text[:150] + "...")
+        if len(text) > 150
+        else text + (f" ({len(items)})" if len(items) > 3 else "")
+    )
 
 
-def cache_namespace(cfg: CacheConfig):
+def cache_namespace(cfg: CacheConfig) -> Namespace:
     """The namespace the cache builds from this config (its resolved fields)."""
     from hicache.backends.keys import Namespace
 
     resolved, _ = cfg.resolve()
-    fields = dict(model=resolved.model_id, kv=resolved.kv, page_size=resolved.page_size,
-                  tenant=resolved.tenant, rank=resolved.tp_rank, layout=resolved.layout)
+    fields: dict[str, Any] = dict(
+        model=resolved.model_id,
+        kv=resolved.kv,
+        page_size=resolved.page_size,
+        tenant=resolved.tenant,
+        rank=resolved.tp_rank,
+        layout=resolved.layout,
+    )
     if "tp_size" in Namespace.__dataclass_fields__:  # the cache's own namespace carries it
         fields["tp_size"] = resolved.tp_size
     return Namespace(**fields)
 
 
-def _inner_backend(sim: SimConfig, cfg: CacheConfig, root: str | None, store):
+def _inner_backend(
+    sim: SimConfig, cfg: CacheConfig, root: str | None, store: MemoryStore | None
+) -> StorageBackend:
     if sim.storage == "memory":
         from hicache.backends.memory import MemoryBackend
 
         return MemoryBackend(namespace=cache_namespace(cfg), store=store)
     from hicache.backends.file import FileBackend
 
-    return FileBackend(root, namespace=cache_namespace(cfg), threads=0 if sim.mode == "virtual" else 2)
+    assert root is not None  # a file store has its directory
+    return FileBackend(
+        root, namespace=cache_namespace(cfg), threads=0 if sim.mode == "virtual" else 2
+    )
 
 
-async def _warm_storage(ctx: SimContext, cfg: CacheConfig, root: str | None, store) -> None:
+async def _warm_storage(
+    ctx: SimContext, cfg: CacheConfig, root: str | None, store: MemoryStore | None
+) -> None:
     """A previous, fault-free cache instance over the same storage computes about half of
     the workload's prompts and flushes them to L3: the run then starts with cold L1 and L2
     and a warm L3, so prefetches find pages."""
@@ -1135,27 +1355,34 @@ async def _warm_storage(ctx: SimContext, cfg: CacheConfig, root: str | None, sto
     backend = _inner_backend(sim, cfg, root, store)
     try:
         async with HiCache(warm_cfg, backend=backend) as warm:
-            sched = ScriptedScheduler(warm, wait_prefetch=False,
-                                      compute=lambda rid, t, slots, first: ctx.compute_into(
-                                          warm, t, slots[first:], first))
+            sched = ScriptedScheduler(
+                warm,
+                wait_prefetch=False,
+                compute=lambda rid, t, slots, first: ctx.compute_into(
+                    warm, t, slots[first:], first
+                ),
+            )
             for spec in ctx.workload.requests:
                 if rng.random() < 0.5:
-                    await sched.run([[(f"warm-{spec.rid}", spec.tokens[:spec.prompt_len])]])
+                    await sched.run([[(f"warm-{spec.rid}", spec.tokens[: spec.prompt_len])]])
             await warm.flush()
             ctx.counts["warm_l3_requests"] += len(sched.records)
     finally:
         await backend.aclose()
 
 
-def _make_backend(sim: SimConfig, cfg: CacheConfig, root: str | None, hooks: SimHooks, store):
-    backend = FaultyBackend(_inner_backend(sim, cfg, root, store),
-                            sim.faults.backend or BackendFaults())
+def _make_backend(
+    sim: SimConfig, cfg: CacheConfig, root: str | None, hooks: SimHooks, store: MemoryStore | None
+) -> tuple[FaultyBackend, StorageBackend]:
+    backend = FaultyBackend(
+        _inner_backend(sim, cfg, root, store), sim.faults.backend or BackendFaults()
+    )
     if hooks.wrap_backend is not None:
         return backend, hooks.wrap_backend(backend)
     return backend, backend
 
 
-async def _simulate(ctx: SimContext, log=None) -> None:
+async def _simulate(ctx: SimContext, log: EventLog | None = None) -> None:
     sim = ctx.sim
     hooks = ctx.hooks
     root = tempfile.mkdtemp(prefix=f"hicache-sim-{sim.seed}-") if sim.storage == "file" else None
@@ -1179,8 +1406,11 @@ async def _simulate(ctx: SimContext, log=None) -> None:
                     await _warm_storage(ctx, cfg, root, store)
             except Exception as exc:  # noqa: BLE001 - a fault-free run must not fail either
                 ctx.violation = SimViolation(
-                    sim.seed, f"the warm-up cache (fault-free) failed: {type(exc).__name__}: {exc}",
-                    config=sim.summary(), repro=ctx.repro)
+                    sim.seed,
+                    f"the warm-up cache (fault-free) failed: {type(exc).__name__}: {exc}",
+                    config=sim.summary(),
+                    repro=ctx.repro,
+                )
                 return
         if sim.storage != "none" and spec is None:
             faulty, backend = _make_backend(sim, cfg, root, hooks, store)
@@ -1210,38 +1440,54 @@ async def _simulate(ctx: SimContext, log=None) -> None:
         except TimeoutError:
             if ctx.violation is None:
                 ctx.violation = SimViolation(
-                    sim.seed, f"hung: the run (or its close) did not end within {run_deadline} "
-                              f"{'virtual ' if ctx.virtual else ''}seconds",
-                    config=sim.summary(), repro=ctx.repro)
+                    sim.seed,
+                    f"hung: the run (or its close) did not end within {run_deadline} "
+                    f"{'virtual ' if ctx.virtual else ''}seconds",
+                    config=sim.summary(),
+                    repro=ctx.repro,
+                )
             return
         except LedgerImbalance as exc:
             if ctx.violation is None:
-                ctx.violation = SimViolation(sim.seed, f"leak at close: {exc}",
-                                             config=sim.summary(), repro=ctx.repro)
+                ctx.violation = SimViolation(
+                    sim.seed, f"leak at close: {exc}", config=sim.summary(), repro=ctx.repro
+                )
             return
         except Exception as exc:  # noqa: BLE001 - ActorFailed and the like
             if ctx.violation is None:
-                ctx.violation = SimViolation(sim.seed, f"close raised {type(exc).__name__}: {exc}",
-                                             config=sim.summary(), repro=ctx.repro)
+                ctx.violation = SimViolation(
+                    sim.seed,
+                    f"close raised {type(exc).__name__}: {exc}",
+                    config=sim.summary(),
+                    repro=ctx.repro,
+                )
             return
-        if ctx.violation is not None:
+        if ctx.stopped():
             return
         took = anyio.current_time() - ctx.close_started
         if took >= sim.cache["close_timeout"]:
             ctx.violation = SimViolation(
-                sim.seed, f"hung: close took {took:.1f} s, past close_timeout: it abandoned work "
-                          "in flight", config=sim.summary(), repro=ctx.repro)
+                sim.seed,
+                f"hung: close took {took:.1f} s, past close_timeout: it abandoned work in flight",
+                config=sim.summary(),
+                repro=ctx.repro,
+            )
             return
         report = cache.close_report or {}
         used = {t: v["used"] for t, v in report.items() if v.get("used")}
         if used or not report:
-            ctx.violation = SimViolation(sim.seed, f"leak at close: ledgers {report}",
-                                         config=sim.summary(), repro=ctx.repro)
+            ctx.violation = SimViolation(
+                sim.seed, f"leak at close: ledgers {report}", config=sim.summary(), repro=ctx.repro
+            )
             return
         left = leftover_tables(cache)
         if left:
-            ctx.violation = SimViolation(sim.seed, "tables not empty after close: " + "; ".join(left),
-                                         config=sim.summary(), repro=ctx.repro)
+            ctx.violation = SimViolation(
+                sim.seed,
+                "tables not empty after close: " + "; ".join(left),
+                config=sim.summary(),
+                repro=ctx.repro,
+            )
     finally:
         if faulty is not None:
             await faulty.aclose()
@@ -1272,8 +1518,10 @@ async def _quiesce(ctx: SimContext) -> None:
             if not flying:
                 break
             if anyio.current_time() - start > patience:
-                ctx.violate(f"hung: still in flight {patience} s after the clients finished "
-                            f"(every load landed, flushed): {flying}")
+                ctx.violate(
+                    f"hung: still in flight {patience} s after the clients finished "
+                    f"(every load landed, flushed): {flying}"
+                )
             if ctx.virtual:
                 await cache.kernel.sleep(0.05)
             else:
@@ -1282,7 +1530,9 @@ async def _quiesce(ctx: SimContext) -> None:
             # Past every prefetch deadline: a timer left running for an op that ended would
             # fire now, and what it leaves behind shows in the tables at close.
             c = ctx.sim.cache
-            await cache.kernel.sleep(c["prefetch_timeout_base"] + c["prefetch_timeout_per_ki_token"] + 1.0)
+            await cache.kernel.sleep(
+                c["prefetch_timeout_base"] + c["prefetch_timeout_per_ki_token"] + 1.0
+            )
             await cache.kernel.run_until_idle()
             stats = await ctx.call("stats()", cache.stats)
             flying = {k: v for k, v in stats.inflight.items() if k != "requests" and v}
@@ -1292,17 +1542,27 @@ async def _quiesce(ctx: SimContext) -> None:
         ctx.counts["l2_evicted_tokens"] += stats.host.evictions
         ctx.counts["l3_hit_tokens"] += stats.storage_hit_tokens
         if stats.inflight["requests"] != len(ctx.abandoned_rids):
-            ctx.violate(f"{stats.inflight['requests']} requests open after the run; only "
-                        f"{len(ctx.abandoned_rids)} were abandoned")
+            ctx.violate(
+                f"{stats.inflight['requests']} requests open after the run; only "
+                f"{len(ctx.abandoned_rids)} were abandoned"
+            )
         ctx.check_live("the run")
     except _Stop:
         return
     ctx.close_started = anyio.current_time()
 
 
-def run_simulation(seed: int, *, mode: str = "virtual", config: SimConfig | None = None,
-                   hooks: SimHooks | None = None, skip: Iterable[str] = (),
-                   repro: str | None = None, log=None, trace: list | None = None) -> SimReport:
+def run_simulation(
+    seed: int,
+    *,
+    mode: str = "virtual",
+    config: SimConfig | None = None,
+    hooks: SimHooks | None = None,
+    skip: Iterable[str] = (),
+    repro: str | None = None,
+    log: EventLog | None = None,
+    trace: list[str] | None = None,
+) -> SimReport:
     """Run one seed; return its `SimReport`, or raise `SimViolation`.
 
     `mode`: "virtual" (deterministic: the same seed replays exactly) or "thread" (asyncio,
@@ -1333,18 +1593,41 @@ def run_simulation(seed: int, *, mode: str = "virtual", config: SimConfig | None
         anyio.run(main, backend="asyncio")
     if ctx.violation is not None:
         raise ctx.violation
+    assert ctx.plan is not None  # _simulate sets it first
     faults = Counter(ctx.plan.injected)
     if ctx.faulty is not None:
         faults.update(ctx.faulty.injected)
-    return SimReport(seed=seed, mode=sim.mode, config=sim.summary(), features=sim.features(),
-                     counts=ctx.counts, faults=faults,
-                     virtual_seconds=clock[0] if sim.mode == "virtual" else 0.0,
-                     wall_seconds=time.perf_counter() - started)
+    return SimReport(
+        seed=seed,
+        mode=sim.mode,
+        config=sim.summary(),
+        features=sim.features(),
+        counts=ctx.counts,
+        faults=faults,
+        virtual_seconds=clock[0] if sim.mode == "virtual" else 0.0,
+        wall_seconds=time.perf_counter() - started,
+    )
 
 
 __all__ = [
-    "cache_namespace", "FATES", "FAULT_KINDS", "LateLandingStreams", "REPRO", "RequestSpec", "SKIPPABLE",
-    "SimConfig", "SimContext", "SimFaultPlan", "SimFaults", "SimHooks", "SimReport",
-    "SimViolation", "Workload", "builtin_clients", "generate_workload", "leftover_tables",
-    "random_config", "run_simulation",
+    "FATES",
+    "FAULT_KINDS",
+    "REPRO",
+    "SKIPPABLE",
+    "LateLandingStreams",
+    "RequestSpec",
+    "SimConfig",
+    "SimContext",
+    "SimFaultPlan",
+    "SimFaults",
+    "SimHooks",
+    "SimReport",
+    "SimViolation",
+    "Workload",
+    "builtin_clients",
+    "cache_namespace",
+    "generate_workload",
+    "leftover_tables",
+    "random_config",
+    "run_simulation",
 ]

@@ -49,7 +49,9 @@ class Hub(Actor[Job | Done]):
     def __init__(self, worker: Actor[Cmd], *, credited: bool, reserve: int) -> None:
         super().__init__("hub", capacity=HUB_CAPACITY, reserve=reserve)
         self.worker = worker
-        self.credits = HUB_RESERVE if credited else None  # commands the hub may still have in flight
+        self.credits = (
+            HUB_RESERVE if credited else None
+        )  # commands the hub may still have in flight
         self.waiting: deque[Job] = deque()  # jobs admitted but not yet commanded
         self.in_flight: dict[int, Reply[int]] = {}
         self.most_in_flight = 0
@@ -57,7 +59,9 @@ class Hub(Actor[Job | Done]):
     async def handle(self, msg: Job | Done) -> None:
         match msg:
             case Job():
-                await self.kernel.sleep(0.1)  # admitting a job takes time: the front keeps up the pressure
+                await self.kernel.sleep(
+                    0.1
+                )  # admitting a job takes time: the front keeps up the pressure
                 self.waiting.append(msg)
             case Done(n=n):
                 if self.credits is not None:

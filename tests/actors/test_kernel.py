@@ -69,7 +69,7 @@ async def test_request_reply_and_clean_shutdown_drains_the_inbox():
         for i in range(10):  # more than the capacity: the sends wait their turn
             await counter.inbox.send(Add(amount=i))
         assert await kernel.request(counter.inbox, lambda r: Total(reply=r)) == 45
-        for i in range(3):
+        for _ in range(3):
             await counter.inbox.send(Add(amount=100))  # still queued when the block ends
     assert counter.total == 345 and counter.seen == [*range(10), 100, 100, 100]
     assert counter.lifecycle == ["start", "stop:13"]

@@ -76,7 +76,9 @@ async def crash_scenario() -> tuple[Kernel, EventLog, Hoarder, list[BaseExceptio
     return kernel, log, hoarder, outcomes
 
 
-def check_crash(kernel: Kernel, log: EventLog, hoarder: Hoarder, outcomes: list[BaseException]) -> None:
+def check_crash(
+    kernel: Kernel, log: EventLog, hoarder: Hoarder, outcomes: list[BaseException]
+) -> None:
     assert len(outcomes) == 3
     for exc in outcomes:
         assert isinstance(exc, ActorFailed)
@@ -87,7 +89,11 @@ def check_crash(kernel: Kernel, log: EventLog, hoarder: Hoarder, outcomes: list[
     assert not hoarder.stopped  # a crashed kernel cancels; on_stop is for clean stops
     failed = [e for e in log.events if e["event"] == "kernel.actor_failed"]
     assert len(failed) == 1
-    assert (failed[0]["actor"], failed[0]["error"], failed[0]["message"]) == ("bomb", "ValueError", "boom")
+    assert (failed[0]["actor"], failed[0]["error"], failed[0]["message"]) == (
+        "bomb",
+        "ValueError",
+        "boom",
+    )
     assert failed[0]["level"] == "error"
     assert log.events[-1]["event"] == "kernel.stopped" and log.events[-1]["reason"] == "failure"
 
@@ -138,7 +144,10 @@ async def test_blocked_sender_is_released_when_the_kernel_fails():
 async def test_failure_in_on_start_is_named():
     kernel = Kernel()
     kernel.add(Bomb(crash_on_start=True))
-    with anyio.fail_after(30), pytest.raises(ActorFailed, match="actor 'bomb' failed: RuntimeError: no fuel"):
+    with (
+        anyio.fail_after(30),
+        pytest.raises(ActorFailed, match="actor 'bomb' failed: RuntimeError: no fuel"),
+    ):
         async with kernel:
             await anyio.sleep_forever()
 

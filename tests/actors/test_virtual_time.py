@@ -54,7 +54,7 @@ def test_ten_minute_reply_timeout_raises_once_at_the_deadline():
         kernel.add(silent)
         async with kernel:
             with pytest.raises(ReplyTimeout) as info:
-                await kernel.request(silent.inbox, lambda r: Ask(r), timeout=TEN_MINUTES)
+                await kernel.request(silent.inbox, Ask, timeout=TEN_MINUTES)
             at = kernel.now()
             silent.held[0].set("too late")  # ignored: the requester gave up
             await kernel.sleep(TEN_MINUTES)

@@ -6,18 +6,31 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels import DevicePool, HostPool, MHAGeometry, MLAGeometry, backup, cuda_driver_status, load_layer, make_streams
+from hicache.kernels import (
+    DevicePool,
+    HostPool,
+    MHAGeometry,
+    MLAGeometry,
+    backup,
+    cuda_driver_status,
+    load_layer,
+    make_streams,
+)
 
 usable, why = cuda_driver_status()
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not (usable and torch.cuda.is_available()), reason=f"no usable CUDA device: {why}"),
+    pytest.mark.skipif(
+        not (usable and torch.cuda.is_available()), reason=f"no usable CUDA device: {why}"
+    ),
 ]
 
 
 @pytest.mark.parametrize("io", ["kernel", "direct"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
-@pytest.mark.parametrize("geometry", [MHAGeometry(3, 2, 64, torch.bfloat16), MLAGeometry(3, 64, 16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "geometry", [MHAGeometry(3, 2, 64, torch.bfloat16), MLAGeometry(3, 64, 16, torch.float8_e4m3fn)]
+)
 def test_round_trip_on_device(io, layout, geometry):
     if layout == "page_head" and geometry.kind == "mla":
         pytest.skip("page_head is MHA only")
@@ -26,8 +39,15 @@ def test_round_trip_on_device(io, layout, geometry):
     assert host.pinned
     for l in range(geometry.layers):
         for c in range(geometry.components):
-            device.buffer(l, c).view(torch.uint8).copy_(torch.randint(0, 256, device.buffer(l, c).view(torch.uint8).shape, dtype=torch.uint8))
-    original = [[device.buffer(l, c).clone() for c in range(geometry.components)] for l in range(geometry.layers)]
+            device.buffer(l, c).view(torch.uint8).copy_(
+                torch.randint(
+                    0, 256, device.buffer(l, c).view(torch.uint8).shape, dtype=torch.uint8
+                )
+            )
+    original = [
+        [device.buffer(l, c).clone() for c in range(geometry.components)]
+        for l in range(geometry.layers)
+    ]
     slots = np.arange(16, 48, dtype=np.int64)
     host_slots = np.concatenate([np.arange(96, 112), np.arange(16, 32)]).astype(np.int64)
     backup(device, host, slots, host_slots, io=io)
@@ -40,7 +60,9 @@ def test_round_trip_on_device(io, layout, geometry):
     torch.cuda.synchronize()
     for l in range(geometry.layers):
         for c in range(geometry.components):
-            assert torch.equal(device.buffer(l, c).view(torch.uint8), original[l][c].view(torch.uint8))
+            assert torch.equal(
+                device.buffer(l, c).view(torch.uint8), original[l][c].view(torch.uint8)
+            )
 
 
 @pytest.mark.parametrize("io", ["kernel", "direct"])
@@ -52,12 +74,18 @@ def test_cuda_streams_layerwise(io):
     streams, selection = make_streams(device, host, io=io)
     assert selection.kind == "cuda"
     done = []
-    handle = streams.submit_load(np.arange(32, 64, dtype=np.int64), np.arange(32, dtype=np.int64), on_done=done.append)
+    handle = streams.submit_load(
+        np.arange(32, 64, dtype=np.int64), np.arange(32, dtype=np.int64), on_done=done.append
+    )
     for layer in range(g.layers):
         handle.wait(layer)  # compute stream waits on the layer's event
-        assert torch.equal(device.k_buffer(layer)[:32].cpu().view(torch.uint8),
-                           host.shaped()[32:64, layer, 0].view(torch.uint8))
-    streams.submit_backup(np.arange(32, dtype=np.int64), np.arange(64, 96, dtype=np.int64), on_done=done.append)
+        assert torch.equal(
+            device.k_buffer(layer)[:32].cpu().view(torch.uint8),
+            host.shaped()[32:64, layer, 0].view(torch.uint8),
+        )
+    streams.submit_backup(
+        np.arange(32, dtype=np.int64), np.arange(64, 96, dtype=np.int64), on_done=done.append
+    )
     streams.close()
     assert done == [None, None] and handle.done()
     assert torch.equal(host.shaped()[64:96], host.shaped()[32:64])

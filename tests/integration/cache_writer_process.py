@@ -25,19 +25,38 @@ async def main(spec: str, tenant: str, kv: str, start: int, count: int) -> None:
         await write(cache, "writer", tokens_from(start, count))
         stats = await cache.stats()
         backend = dict(cache.backend.stats())
-    print(json.dumps({"host_cached_tokens": stats.host.cached_tokens, "backend": backend}), flush=True)
+    print(
+        json.dumps({"host_cached_tokens": stats.host.cached_tokens, "backend": backend}), flush=True
+    )
 
 
-def write_in_child(spec: str, *, tenant: str, kv: str, start: int, count: int,
-                   timeout: float = 60) -> dict:
+def write_in_child(
+    spec: str, *, tenant: str, kv: str, start: int, count: int, timeout: float = 60
+) -> dict:
     """Run this module in a fresh interpreter and return what it printed; raises with the
     child's stderr when it fails (and kills it past `timeout` seconds)."""
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "tests.integration.cache_writer_process", spec, tenant, kv,
-         str(start), str(count)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.cache_writer_process",
+            spec,
+            tenant,
+            kv,
+            str(start),
+            str(count),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=root,
+        check=False,
     )
     if done.returncode != 0:
         raise AssertionError(f"writer process failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import anyio
 import numpy as np
 
 from hicache import HiCache
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.results import LoadBackOutcome, PrefetchOutcome
 from hicache.testing import (
-    BackendFaults, FaultyBackend, ScriptedScheduler, bad_pages, fill_kv, kv_seeds, page_seeds,
-    synthetic_compute, virtual_config,
+    BackendFaults,
+    FaultyBackend,
+    ScriptedScheduler,
+    bad_pages,
+    kv_seeds,
+    synthetic_compute,
+    virtual_config,
 )
 
 PAGE = 4
@@ -30,15 +34,22 @@ def config(**overrides):
 def namespace_of(cfg) -> Namespace:
     """The namespace a cache with this config builds (the same fields, the resolved layout)."""
     resolved, _ = cfg.resolve()
-    return Namespace(model=resolved.model_id, kv=resolved.kv, page_size=resolved.page_size,
-                     tenant=resolved.tenant, rank=resolved.tp_rank, tp_size=resolved.tp_size,
-                     layout=resolved.layout)
+    return Namespace(
+        model=resolved.model_id,
+        kv=resolved.kv,
+        page_size=resolved.page_size,
+        tenant=resolved.tenant,
+        rank=resolved.tp_rank,
+        tp_size=resolved.tp_size,
+        layout=resolved.layout,
+    )
 
 
 def slow_memory(cfg, store: MemoryStore, **faults) -> FaultyBackend:
     """A memory backend over `store` in `cfg`'s namespace, behind injected faults."""
-    return FaultyBackend(MemoryBackend(namespace=namespace_of(cfg), store=store),
-                         BackendFaults(**faults))
+    return FaultyBackend(
+        MemoryBackend(namespace=namespace_of(cfg), store=store), BackendFaults(**faults)
+    )
 
 
 def seeds_for(tokens: np.ndarray) -> np.ndarray:
@@ -51,7 +62,8 @@ compute_into = synthetic_compute
 async def write(cache: HiCache, rid: str, tokens: np.ndarray) -> None:
     """Compute a request's KV, cache it, and wait until its pages reached L2 and L3."""
     await ScriptedScheduler(cache, compute=compute_into(cache), wait_prefetch=False).run(
-        [[(rid, tokens)]])
+        [[(rid, tokens)]]
+    )
     await cache.flush()
 
 

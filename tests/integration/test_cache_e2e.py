@@ -9,8 +9,14 @@ from hicache import CacheConfig, HiCache
 from hicache.observability import EventLog
 from hicache.results import CapacityError, UnknownRequest
 from hicache.testing import (
-    FaultPlan, ScriptedScheduler, bad_prefix_pages, fill_kv, kv_seeds, run_virtual,
-    synthetic_compute, virtual_config,
+    FaultPlan,
+    ScriptedScheduler,
+    bad_prefix_pages,
+    fill_kv,
+    kv_seeds,
+    run_virtual,
+    synthetic_compute,
+    virtual_config,
 )
 
 PAGE = 4
@@ -38,7 +44,9 @@ def test_multi_turn_pages_go_to_l2_and_come_back_intact():
             sched = ScriptedScheduler(cache, compute=compute_into(cache))
             # Three conversations take turns; L1 holds 48 tokens, so a conversation's earlier
             # turns are pushed to L2 by the others and must come back for its next turn.
-            script = [[(f"c{c}t{t}", conversation(t, 1000 * c))] for t in range(3) for c in range(3)]
+            script = [
+                [(f"c{c}t{t}", conversation(t, 1000 * c))] for t in range(3) for c in range(3)
+            ]
             records = await sched.run(script)
             loaded = [r for r in records if r.loaded]
             assert loaded, "no turn loaded its prefix back from L2"
@@ -64,8 +72,15 @@ def test_multi_turn_pages_go_to_l2_and_come_back_intact():
     report = run_virtual(main)
     assert report["device"]["used"] == 0 and report["host"]["used"] == 0
     names = {e["event"] for e in log.events}
-    for event in ("tree.match", "tree.insert", "writer.backup_done", "tree.evict_device",
-                  "tree.load_started", "loader.load_done", "kernel.stopped"):
+    for event in (
+        "tree.match",
+        "tree.insert",
+        "writer.backup_done",
+        "tree.evict_device",
+        "tree.load_started",
+        "loader.load_done",
+        "kernel.stopped",
+    ):
         assert event in names, event
 
 
@@ -100,8 +115,11 @@ def test_running_request_pages_are_never_evicted():
 
 @pytest.mark.parametrize(
     "policy, backed_after_first, backed_after_second",
-    [("write_through", True, True), ("write_through_selective", False, True),
-     ("write_back", False, False)],
+    [
+        ("write_through", True, True),
+        ("write_through_selective", False, True),
+        ("write_back", False, False),
+    ],
 )
 def test_write_policies_back_up_when_specified(policy, backed_after_first, backed_after_second):
     async def main():
@@ -213,12 +231,14 @@ def test_same_seed_same_event_log_other_seed_same_state():
         log = EventLog(capture=True)
 
         async def main():
-            cfg = virtual_config(device_tokens=112, host_tokens=512,
-                                 write_policy="write_through", seed=seed)
+            cfg = virtual_config(
+                device_tokens=112, host_tokens=512, write_policy="write_through", seed=seed
+            )
             async with HiCache(cfg, log=log) as cache:
                 sched = ScriptedScheduler(cache, compute=compute_into(cache))
-                script = [[(f"c{c}t{t}", conversation(t, 1000 * c)) for c in range(3)]
-                          for t in range(3)]
+                script = [
+                    [(f"c{c}t{t}", conversation(t, 1000 * c)) for c in range(3)] for t in range(3)
+                ]
                 await sched.run(script)
                 return [(r.rid, r.device_hit, r.loaded) for r in sched.records]
 
@@ -228,7 +248,7 @@ def test_same_seed_same_event_log_other_seed_same_state():
     a, log_a = run(1)
     b, log_b = run(1)
     assert log_a == log_b and a == b
-    c, log_c = run(2)
+    c, _log_c = run(2)
     assert c == a  # the same requests find the same prefixes
 
 
@@ -309,11 +329,18 @@ def test_production_mode_round_trip_through_l2(cpu_transfers):
     import anyio
 
     async def main():
-        cfg = virtual_config(deterministic=False, device_tokens=48, host_tokens=256,
-                             write_policy="write_through", cpu_transfers=cpu_transfers)
+        cfg = virtual_config(
+            deterministic=False,
+            device_tokens=48,
+            host_tokens=256,
+            write_policy="write_through",
+            cpu_transfers=cpu_transfers,
+        )
         async with HiCache(cfg) as cache:
             sched = ScriptedScheduler(cache, compute=compute_into(cache))
-            script = [[(f"c{c}t{t}", conversation(t, 1000 * c))] for t in range(3) for c in range(3)]
+            script = [
+                [(f"c{c}t{t}", conversation(t, 1000 * c))] for t in range(3) for c in range(3)
+            ]
             records = await sched.run(script)
             assert any(r.loaded for r in records)
             tokens = conversation(2, 0)
@@ -350,9 +377,14 @@ def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
 
     from hicache.kernels.native import native_rows
 
-    done = subprocess.run([sys.executable, "-c", _COPIER_PROBE], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HICACHE_NATIVE": native, "HICACHE_CACHE_DIR": str(tmp_path)},
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _COPIER_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HICACHE_NATIVE": native, "HICACHE_CACHE_DIR": str(tmp_path)},
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     (selected,) = json.loads(done.stdout.strip().splitlines()[-1])
     assert selected["kind"] == "inline"  # CPU copies on the loop, not "virtual" time

@@ -42,17 +42,23 @@ def assert_exact(model: TinyDecoder, done: Completion) -> None:
     computed = len(done.tokens) - 1  # the last generated token is never fed back
     assert done.logits.shape == (computed - done.prefix_len, MODEL.vocab)
     reference = anyio.run(model.reference_logits, list(done.tokens[:-1]))
-    assert torch.equal(done.logits, reference[done.prefix_len:])
+    assert torch.equal(done.logits, reference[done.prefix_len :])
     # greedy decoding: each generated token is the argmax at the position before it
-    assert done.generated == tuple(reference[done.prompt_len - 1:].argmax(dim=-1).tolist())
+    assert done.generated == tuple(reference[done.prompt_len - 1 :].argmax(dim=-1).tolist())
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_with_prefix_loaded_back_from_l2_equal_from_scratch(mode):
     model = TinyDecoder(MODEL)
     rng = np.random.default_rng(7)
-    config = cache_config(MODEL, page_size=16, device_tokens=256, host_tokens=1024,
-                          write_policy="write_through", deterministic=mode == "deterministic")
+    config = cache_config(
+        MODEL,
+        page_size=16,
+        device_tokens=256,
+        host_tokens=1024,
+        write_policy="write_through",
+        deterministic=mode == "deterministic",
+    )
 
     async def main():
         async with HiCache(config) as cache:
@@ -61,8 +67,10 @@ def test_logits_with_prefix_loaded_back_from_l2_equal_from_scratch(mode):
                 tg.start_soon(engine.run)
                 first = await engine.generate(rng.integers(0, 256, 100), 4, rid="first")
                 await cache.flush()  # its write-through backup is in L2
-                fillers = [await engine.generate(rng.integers(0, 256, 120), 2, rid=f"fill-{i}")
-                           for i in range(3)]  # 3 x 120 tokens push `first` out of a 256-token L1
+                fillers = [
+                    await engine.generate(rng.integers(0, 256, 120), 2, rid=f"fill-{i}")
+                    for i in range(3)
+                ]  # 3 x 120 tokens push `first` out of a 256-token L1
                 follow_up = list(first.tokens) + rng.integers(0, 256, 20).tolist()
                 again = await engine.generate(follow_up, 6, rid="again")
                 engine.close()
@@ -82,10 +90,17 @@ def test_logits_with_prefix_loaded_back_from_l2_equal_from_scratch(mode):
 def test_multi_turn_workload_hits_both_tiers_and_closes_balanced(mode):
     model = TinyDecoder(MODEL)
     deterministic = mode == "deterministic"
-    workload = Workload(conversations=6, turns=3, new_tokens=6,
-                        think_time=0.05 if deterministic else 0.0, seed=5)
-    config = cache_config(MODEL, page_size=16, device_tokens=512, host_tokens=4096,
-                          write_policy="write_through", deterministic=deterministic)
+    workload = Workload(
+        conversations=6, turns=3, new_tokens=6, think_time=0.05 if deterministic else 0.0, seed=5
+    )
+    config = cache_config(
+        MODEL,
+        page_size=16,
+        device_tokens=512,
+        host_tokens=4096,
+        write_policy="write_through",
+        deterministic=deterministic,
+    )
 
     async def main():
         return await serve(config, workload, model=model, keep_logits=True, max_running=4)
@@ -107,7 +122,6 @@ def test_multi_turn_workload_hits_both_tiers_and_closes_balanced(mode):
         assert_exact(model, done)
 
 
-
 class AbortAtStep(Engine):
     """Aborts one request when the scheduler reaches a given step (mid chunked prefill)."""
 
@@ -124,14 +138,22 @@ class AbortAtStep(Engine):
 def test_aborted_and_oversized_requests_give_back_their_slots():
     model = TinyDecoder(MODEL)
     rng = np.random.default_rng(11)
-    config = cache_config(MODEL, page_size=16, device_tokens=256, host_tokens=1024,
-                          deterministic=True)
+    config = cache_config(
+        MODEL, page_size=16, device_tokens=256, host_tokens=1024, deterministic=True
+    )
     long_prompt = rng.integers(0, 256, 200)
 
     async def main():
         async with HiCache(config) as cache:
-            engine = AbortAtStep(cache, model, chunk_tokens=16, step_tokens=32, keep_logits=True,
-                                 victim="long", at_step=4)
+            engine = AbortAtStep(
+                cache,
+                model,
+                chunk_tokens=16,
+                step_tokens=32,
+                keep_logits=True,
+                victim="long",
+                at_step=4,
+            )
             out = {}
 
             async def client(rid, prompt, new):
@@ -143,7 +165,9 @@ def test_aborted_and_oversized_requests_give_back_their_slots():
                     clients.start_soon(client, "long", long_prompt, 4)
                     clients.start_soon(client, "short", rng.integers(0, 256, 40), 3)
                 out["retry"] = await engine.generate(long_prompt, 4, rid="retry")
-                out["oversized"] = await engine.generate(rng.integers(0, 256, 300), 2, rid="oversized")
+                out["oversized"] = await engine.generate(
+                    rng.integers(0, 256, 300), 2, rid="oversized"
+                )
                 engine.close()
             stats = await cache.stats()
         return out, stats, cache.close_report
@@ -165,7 +189,9 @@ def test_deterministic_runs_replay_exactly():
     config = cache_config(MODEL, device_tokens=256, host_tokens=2048, deterministic=True)
 
     def once():
-        report = run_deterministic(lambda: serve(config, workload, model=TinyDecoder(MODEL)), seed=3)
+        report = run_deterministic(
+            lambda: serve(config, workload, model=TinyDecoder(MODEL)), seed=3
+        )
         done = sorted(report.completions, key=lambda d: d.rid)
         return report.engine, [(d.rid, d.tokens, d.device_hit, d.host_hit, d.loaded) for d in done]
 

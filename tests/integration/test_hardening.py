@@ -14,7 +14,11 @@ from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.observability import EventLog
 from hicache.runtime.errors import ActorFailed
 from hicache.testing import (
-    FaultPlan, ScriptedScheduler, bad_prefix_pages, run_virtual, synthetic_compute,
+    FaultPlan,
+    ScriptedScheduler,
+    bad_prefix_pages,
+    run_virtual,
+    synthetic_compute,
     virtual_config,
 )
 from tests.integration.storage_helpers import config as storage_config
@@ -33,7 +37,7 @@ class HungBackend(MemoryBackend):
     def __init__(self, *args, hang=("exists", "get_into", "set_from", "clear"), **kw) -> None:
         super().__init__(*args, **kw)
         self.hang = set(hang)
-        self.returned = {name: 0 for name in ("exists", "get_into", "set_from", "clear")}
+        self.returned = dict.fromkeys(("exists", "get_into", "set_from", "clear"), 0)
 
     async def _maybe_hang(self, name: str) -> None:
         if name in self.hang:
@@ -61,14 +65,20 @@ class HungBackend(MemoryBackend):
 
 # ---------------------------------------------------------------- wrong KV
 
+
 def test_release_mid_load_never_hands_the_loads_slots_to_another_request():
     """A load holds its own lock: its device slots are not reused before the copy landed,
     even when its request is released mid-load (real threads, the load gated)."""
     faults = FaultPlan()
 
     async def main():
-        cfg = virtual_config(deterministic=False, cpu_transfers="thread", device_tokens=64,
-                             host_tokens=256, write_policy="write_through")
+        cfg = virtual_config(
+            deterministic=False,
+            cpu_transfers="thread",
+            device_tokens=64,
+            host_tokens=256,
+            write_policy="write_through",
+        )
         async with HiCache(cfg, transfer_faults=faults) as cache:
             sched = ScriptedScheduler(cache, compute=synthetic_compute(cache))
             a, b, c = tokens(0, 32), tokens(1000, 32), tokens(2000, 32)
@@ -144,6 +154,7 @@ def test_a_request_whose_load_failed_cannot_cache_the_freed_slots():
 
 # ---------------------------------------------------------------- hangs
 
+
 def hung_cache(cfg, hang, log=None):
     backend = HungBackend(namespace=namespace_of(cfg), store=MemoryStore(), hang=hang)
     return HiCache(cfg, backend=backend, log=log), backend
@@ -172,7 +183,7 @@ def test_a_hung_upload_holds_no_flush_and_no_close():
 
     async def main():
         cfg = storage_config(storage_timeout=3.0, upload_retries=5)
-        cache, backend = hung_cache(cfg, hang={"set_from"}, log=log)
+        cache, _backend = hung_cache(cfg, hang={"set_from"}, log=log)
         async with cache:
             t0 = cache.kernel.now()
             await write(cache, "w", tokens(0, 32))  # computes, caches, flushes
@@ -211,9 +222,11 @@ class ThreadHungBackend(MemoryBackend):
 def test_a_timed_out_upload_keeps_its_host_pages_until_the_call_returns():
     """Past the deadline the flush returns, but the pages the call may still read stay
     protected: the upload op stays in flight until the thread returns."""
+
     async def main():
-        cfg = storage_config(deterministic=False, cpu_transfers="inline", storage_timeout=0.05,
-                             upload_retries=0)
+        cfg = storage_config(
+            deterministic=False, cpu_transfers="inline", storage_timeout=0.05, upload_retries=0
+        )
         backend = ThreadHungBackend(namespace=namespace_of(cfg), store=MemoryStore())
         async with HiCache(cfg, backend=backend) as cache:
             await write(cache, "w", tokens(0, 32))  # the flush ends at the deadline
@@ -235,8 +248,9 @@ def test_close_abandons_work_past_its_deadline_with_an_event():
         cfg = storage_config(storage_timeout=1000.0, close_timeout=5.0)
         cache, _ = hung_cache(cfg, hang={"set_from"}, log=log)
         async with cache:
-            await ScriptedScheduler(cache, compute=synthetic_compute(cache),
-                                    wait_prefetch=False).run([[("w", tokens(0, 16))]])
+            await ScriptedScheduler(
+                cache, compute=synthetic_compute(cache), wait_prefetch=False
+            ).run([[("w", tokens(0, 16))]])
             t0 = cache.kernel.now()
         assert cache.kernel.now() - t0 == pytest.approx(5.0)
         return cache.close_report
@@ -249,13 +263,15 @@ def test_close_abandons_work_past_its_deadline_with_an_event():
 
 # ---------------------------------------------------------------- a caller's mistake
 
+
 def test_an_unhashable_request_id_is_that_calls_error():
     async def main():
         async with HiCache(virtual_config()) as cache:
             with pytest.raises(InvalidRequest, match="not hashable"):
                 await cache.match(["x"], tokens(0, 8))
             await ScriptedScheduler(cache, compute=synthetic_compute(cache)).run(
-                [[("a", tokens(0, 8))]])
+                [[("a", tokens(0, 8))]]
+            )
 
     run_virtual(main)
 
@@ -304,16 +320,22 @@ def test_an_internal_fault_after_a_partial_change_stops_the_cache_not_the_caller
 
 # ---------------------------------------------------------------- leaks
 
-@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective",
-                                          "write_back"])
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective", "write_back"])
 @pytest.mark.parametrize("prefetch_policy", ["best_effort", "wait_complete", "timeout"])
 def test_every_table_is_empty_at_close(write_policy, prefetch_policy):
     async def main():
-        cfg = storage_config(write_policy=write_policy, prefetch_policy=prefetch_policy,
-                             device_tokens=32, host_tokens=96, prefetch_timeout_base=0.01)
+        cfg = storage_config(
+            write_policy=write_policy,
+            prefetch_policy=prefetch_policy,
+            device_tokens=32,
+            host_tokens=96,
+            prefetch_timeout_base=0.01,
+        )
         store = MemoryStore()
-        async with HiCache(cfg, backend=MemoryBackend(namespace=namespace_of(cfg),
-                                                      store=store)) as cache:
+        async with HiCache(
+            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
+        ) as cache:
             sched = ScriptedScheduler(cache, compute=synthetic_compute(cache))
             convs = [tokens(1000 * c, 24) for c in range(5)]
             for turn in range(3):
@@ -334,11 +356,12 @@ def test_the_upload_backlog_is_bounded():
         cfg = storage_config(channel_capacity=8, max_upload_backlog=2)  # one upload credit
         store = MemoryStore()
         from hicache.testing import BackendFaults, FaultyBackend
-        slow = FaultyBackend(MemoryBackend(namespace=namespace_of(cfg), store=store),
-                             BackendFaults(latency=1.0))
+
+        slow = FaultyBackend(
+            MemoryBackend(namespace=namespace_of(cfg), store=store), BackendFaults(latency=1.0)
+        )
         async with HiCache(cfg, backend=slow, log=log) as cache:
-            sched = ScriptedScheduler(cache, compute=synthetic_compute(cache),
-                                      wait_prefetch=False)
+            sched = ScriptedScheduler(cache, compute=synthetic_compute(cache), wait_prefetch=False)
             await sched.run([[(f"r{i}", tokens(100 * i, 8)) for i in range(8)]])
             await cache.kernel.sleep(0.1)  # virtual: every backup lands, uploads queue
             tree = cache.kernel.actors["tree"]
@@ -346,5 +369,6 @@ def test_the_upload_backlog_is_bounded():
             assert tree.counters.skipped_uploads >= 1
 
     run_virtual(main)
-    assert any(e["event"] == "tree.upload_skipped" and e["reason"] == "backlog_full"
-               for e in log.events)
+    assert any(
+        e["event"] == "tree.upload_skipped" and e["reason"] == "backlog_full" for e in log.events
+    )

@@ -52,19 +52,35 @@ def by_label(found: dict, name: str, label: str) -> dict:
 def test_scraped_hit_counters_equal_the_replay_summary():
     requests = read_trace(TRACE, limit=60)
     port = free_port()
-    cfg = CacheConfig(kv="mha:1:1:8:float16", page_size=64, device_tokens=131072,
-                      host_tokens=262144, storage="memory", model_id="replay",
-                      write_policy="write_through", prefetch_policy="wait_complete",
-                      metrics_port=port)
+    cfg = CacheConfig(
+        kv="mha:1:1:8:float16",
+        page_size=64,
+        device_tokens=131072,
+        host_tokens=262144,
+        storage="memory",
+        model_id="replay",
+        write_policy="write_through",
+        prefetch_policy="wait_complete",
+        metrics_port=port,
+    )
     scraped: dict[str, str] = {}
 
     def at_last_step(tally):
         if tally.requests == len(requests):  # every hit is counted; the cache is still open
             scraped["text"] = scrape(port)
 
-    tally, extra = anyio.run(lambda: replay(cfg, requests, block_tokens=512, batch=8,
-                                            verify=False, log=None, progress=lambda n: None,
-                                            on_step=at_last_step))
+    tally, extra = anyio.run(
+        lambda: replay(
+            cfg,
+            requests,
+            block_tokens=512,
+            batch=8,
+            verify=False,
+            log=None,
+            progress=lambda n: None,
+            on_step=at_last_step,
+        )
+    )
     summary = summarize(tally, extra, cfg, requests, block_tokens=512, storage="memory", wall=0)
     assert summary["rejected_requests"] == 0
     found = samples(scraped["text"])
@@ -83,9 +99,19 @@ def test_scraped_hit_counters_equal_the_replay_summary():
     used = by_label(found, "hicache_used_tokens", "tier")
     assert 0 < used["device"] <= 131072 and 0 < used["host"] <= 262144
     assert set(by_label(found, "hicache_mailbox_depth_messages", "actor")) == {
-        "tree", "allocator", "writer", "loader", "uploader", "prefetcher"}
+        "tree",
+        "allocator",
+        "writer",
+        "loader",
+        "uploader",
+        "prefetcher",
+    }
     assert set(by_label(found, "hicache_inflight_ops", "kind")) >= {
-        "writes", "loads", "uploads", "prefetches"}
+        "writes",
+        "loads",
+        "uploads",
+        "prefetches",
+    }
     nbytes = by_label(found, "hicache_transfer_bytes_total", "direction")
     assert nbytes["h2d"] == summary["bytes"]["h2d"] and nbytes["d2h"] > 0
     assert nbytes["s2h"] == hits["storage"] * 8 * 2 * 2  # 1 layer x 1 head x 8 dims x K,V x fp16
@@ -99,9 +125,29 @@ def test_scraped_hit_counters_equal_the_replay_summary():
 
 def test_replay_serves_metrics_while_it_runs(capsys):
     port = free_port()
-    assert main(["replay", "--trace", str(TRACE), "--limit", "20", "--kv", "mha:1:1:8:float16",
-                 "--device-tokens", "65536", "--host-tokens", "131072", "--storage", "none",
-                 "--quiet", "--metrics-port", str(port)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--trace",
+                str(TRACE),
+                "--limit",
+                "20",
+                "--kv",
+                "mha:1:1:8:float16",
+                "--device-tokens",
+                "65536",
+                "--host-tokens",
+                "131072",
+                "--storage",
+                "none",
+                "--quiet",
+                "--metrics-port",
+                str(port),
+            ]
+        )
+        == 0
+    )
     assert f"http://localhost:{port}/metrics" in capsys.readouterr().err
 
 
@@ -135,10 +181,12 @@ def test_events_drive_the_counters_without_a_cache():
     tree.info("tree.match", rid="a", tokens=640, device_hit=128, host_hit=256)
     tree.info("tree.load_started", rid="a", op=1, tokens=256)
     tree.info("tree.evict_device", tokens=192, demoted=1, removed=0)
-    writer.info("writer.backup_done", op=2, tokens=64, bytes=4096, ok=True, error=None,
-                seconds=0.002)
-    writer.info("writer.backup_done", op=3, tokens=64, bytes=4096, ok=False, error="boom",
-                seconds=0.001)
+    writer.info(
+        "writer.backup_done", op=2, tokens=64, bytes=4096, ok=True, error=None, seconds=0.002
+    )
+    writer.info(
+        "writer.backup_done", op=3, tokens=64, bytes=4096, ok=False, error="boom", seconds=0.001
+    )
     tree.info("tree.prefetch_started", rid="a", op=4, tokens=256)
     tree.info("tree.prefetch_done", rid="a", op=4, state="done", hit=256, read=128)
     log.bind("prefetcher").info("prefetcher.done", op=4, pages=4, hit=4, read=2)
@@ -146,9 +194,15 @@ def test_events_drive_the_counters_without_a_cache():
     log.bind("uploader").warning("uploader.timeout", op=5, pages=1, timeout=1.0)
     found = samples(metrics.text())
     assert by_label(found, "hicache_hit_tokens_total", "tier") == {
-        "device": 128.0, "host": 256.0, "storage": 128.0}
+        "device": 128.0,
+        "host": 256.0,
+        "storage": 128.0,
+    }
     assert by_label(found, "hicache_queried_tokens_total", "tier") == {
-        "device": 640.0, "host": 512.0, "storage": 256.0}
+        "device": 640.0,
+        "host": 512.0,
+        "storage": 256.0,
+    }
     assert by_label(found, "hicache_evicted_tokens_total", "tier")["device"] == 192
     nbytes = by_label(found, "hicache_transfer_bytes_total", "direction")
     assert nbytes["d2h"] == 4096 and nbytes["s2h"] == 2 * 1024

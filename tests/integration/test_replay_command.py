@@ -10,16 +10,43 @@ import pytest
 from hicache.cli.main import main
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_trace_400.jsonl"
-SMALL = ["--trace", str(TRACE), "--limit", "60", "--kv", "mha:1:1:8:float16",
-         "--device-tokens", "65536", "--host-tokens", "131072", "--quiet"]
+SMALL = [
+    "--trace",
+    str(TRACE),
+    "--limit",
+    "60",
+    "--kv",
+    "mha:1:1:8:float16",
+    "--device-tokens",
+    "65536",
+    "--host-tokens",
+    "131072",
+    "--quiet",
+]
 
 
 def test_deterministic_replays_write_identical_event_logs(tmp_path):
     runs = []
     for i in range(2):
         events, summary = tmp_path / f"events{i}.jsonl", tmp_path / f"summary{i}.json"
-        assert main(["replay", *SMALL, "--storage", "memory", "--deterministic", "--seed", "3",
-                     "--events", str(events), "--json", str(summary)]) == 0
+        assert (
+            main(
+                [
+                    "replay",
+                    *SMALL,
+                    "--storage",
+                    "memory",
+                    "--deterministic",
+                    "--seed",
+                    "3",
+                    "--events",
+                    str(events),
+                    "--json",
+                    str(summary),
+                ]
+            )
+            == 0
+        )
         runs.append((events.read_bytes(), json.loads(summary.read_text())))
     (log_a, sum_a), (log_b, sum_b) = runs
     assert log_a == log_b and len(log_a.splitlines()) > 100
@@ -32,8 +59,16 @@ def test_summary_has_every_field_and_storage_hits(tmp_path, capsys):
     summary = tmp_path / "summary.json"
     assert main(["replay", *SMALL, "--storage", "file", "--json", str(summary)]) == 0
     s = json.loads(summary.read_text())
-    for key in ("requests", "input_tokens", "hit_rate", "bound_hit_rate", "verified_pages",
-                "corrupt_pages", "wall_s", "control_us_per_request"):
+    for key in (
+        "requests",
+        "input_tokens",
+        "hit_rate",
+        "bound_hit_rate",
+        "verified_pages",
+        "corrupt_pages",
+        "wall_s",
+        "control_us_per_request",
+    ):
         assert key in s
     assert set(s["hit_tokens"]) >= {"device", "host", "storage"}
     assert set(s["bytes"]) >= {"d2h", "h2d", "h2s", "s2h"}
@@ -43,11 +78,14 @@ def test_summary_has_every_field_and_storage_hits(tmp_path, capsys):
     assert "hit rate" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--kv", "mha:2:x:8:float16"], "heads"),
-    (["--page-size", "0"], "page_size"),
-    (["--storage", "nosuch://x"], "nosuch"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv", "mha:2:x:8:float16"], "heads"),
+        (["--page-size", "0"], "page_size"),
+        (["--storage", "nosuch://x"], "nosuch"),
+    ],
+)
 def test_bad_flags_are_clear_errors(capsys, argv, message):
     assert main(["replay", *SMALL, *argv]) == 2
     err = capsys.readouterr().err

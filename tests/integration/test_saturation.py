@@ -10,7 +10,13 @@ import pytest
 from hicache import HiCache
 from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend
-from hicache.testing import BackendFaults, FaultyBackend, ScriptedScheduler, run_virtual, virtual_config
+from hicache.testing import (
+    BackendFaults,
+    FaultyBackend,
+    ScriptedScheduler,
+    run_virtual,
+    virtual_config,
+)
 
 
 @pytest.mark.parametrize("mode", ["asyncio", "virtual-0", "virtual-1", "virtual-2"])
@@ -21,9 +27,15 @@ def test_all_channels_at_capacity_no_deadlock(mode):
     async def main():
         cfg = virtual_config(
             deterministic=deterministic,
-            device_tokens=256, host_tokens=512, write_policy="write_through", storage="memory",
+            device_tokens=256,
+            host_tokens=512,
+            write_policy="write_through",
+            storage="memory",
             model_id="saturation",
-            channel_capacity=8, prefetch_threshold=4, prefetch_policy="wait_complete", seed=seed,
+            channel_capacity=8,
+            prefetch_threshold=4,
+            prefetch_policy="wait_complete",
+            seed=seed,
         )
         ns = Namespace(model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, layout=cfg.layout)
         # Slow storage keeps uploads and prefetches in flight while the frontend floods the tree.
@@ -44,8 +56,7 @@ def test_all_channels_at_capacity_no_deadlock(mode):
                 cache.kernel.start_soon(client, worker, name=f"client{worker:02d}")
             with anyio.fail_after(3600):  # virtual seconds: a deadlock fails, it does not hang
                 await all_done.wait()
-            stats = {name: actor.inbox.statistics()
-                     for name, actor in cache.kernel.actors.items()}
+            stats = {name: actor.inbox.statistics() for name, actor in cache.kernel.actors.items()}
         return stats, cache.close_report
 
     if deterministic:

@@ -15,7 +15,14 @@ from hicache.backends.memory import MemoryStore
 from hicache.observability import EventLog
 from hicache.testing import ScriptedScheduler, run_virtual
 from tests.integration.storage_helpers import (
-    PAGE, compute_into, config, fetch, namespace_of, slow_memory, tokens_from, write,
+    PAGE,
+    compute_into,
+    config,
+    fetch,
+    namespace_of,
+    slow_memory,
+    tokens_from,
+    write,
 )
 
 TOKENS = tokens_from(0, 64)  # 16 pages
@@ -43,6 +50,7 @@ def value_files(root) -> list[str]:
 
 
 # ---------------------------------------------------------------- sharing one file store
+
 
 def test_second_instance_hits_what_the_first_wrote(tmp_path):
     cfg = file_config(tmp_path)
@@ -78,14 +86,17 @@ def test_two_open_instances_share_pages_as_they_are_written(tmp_path):
     assert len(second.load.device_slots) == 64 and second.bad == 0
 
 
-@pytest.mark.parametrize("other", [
-    dict(model_id="other-model"),
-    dict(kv="mha:2:1:8:float16"),  # another kv dtype
-    dict(kv="mha:2:2:8:float32"),  # another geometry
-    dict(page_size=8),
-    dict(layout="layer_first"),
-    dict(tenant="another-tenant"),
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(model_id="other-model"),
+        dict(kv="mha:2:1:8:float16"),  # another kv dtype
+        dict(kv="mha:2:2:8:float32"),  # another geometry
+        dict(page_size=8),
+        dict(layout="layer_first"),
+        dict(tenant="another-tenant"),
+    ],
+)
 def test_another_namespace_or_tenant_misses(tmp_path, other):
     async def main():
         async with HiCache(file_config(tmp_path)) as writer:
@@ -98,11 +109,14 @@ def test_another_namespace_or_tenant_misses(tmp_path, other):
     assert same.prefetch.done_tokens == 64  # the control: the writer's namespace hits
     assert foreign.prefetch.state == "revoked" and foreign.prefetch.hit_tokens == 0
     assert foreign.load.loaded_tokens == 0 and stats.storage_hit_tokens == 0
-    assert namespace_of(file_config(tmp_path, **other)).prefix != \
-        namespace_of(file_config(tmp_path)).prefix
+    assert (
+        namespace_of(file_config(tmp_path, **other)).prefix
+        != namespace_of(file_config(tmp_path)).prefix
+    )
 
 
 # ---------------------------------------------------------------- damaged values
+
 
 def _flip(path: str) -> None:
     with open(path, "r+b") as f:
@@ -116,9 +130,14 @@ def _truncate(path: str) -> None:
     os.truncate(path, os.path.getsize(path) - 7)
 
 
-@pytest.mark.parametrize("damage, reason", [
-    ("flip", "checksum"), ("truncate", "truncated"), ("swap", "key"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("flip", "checksum"),
+        ("truncate", "truncated"),
+        ("swap", "key"),
+    ],
+)
 def test_damaged_value_is_a_miss_an_event_and_deleted(tmp_path, damage, reason):
     log = EventLog(capture=True)
     cfg = file_config(tmp_path)
@@ -159,6 +178,7 @@ def test_damaged_value_is_a_miss_an_event_and_deleted(tmp_path, damage, reason):
 
 # ---------------------------------------------------------------- tensor-parallel ranks
 
+
 @pytest.fixture
 def one_process_group():
     """A one-member gloo group, so a cache with tp_size > 1 may open (it refuses without a
@@ -192,7 +212,9 @@ def test_mha_ranks_keep_their_own_keys(tmp_path):
     assert other.prefetch.hit_tokens == 0 and own.prefetch.done_tokens == 64
     assert len(value_files(tmp_path)) == 2 * 16  # each rank wrote its own shard's pages
     assert {os.path.relpath(p, tmp_path).split(os.sep)[0] for p in value_files(tmp_path)} == {
-        namespace_of(rank0).digest, namespace_of(rank1).digest}
+        namespace_of(rank0).digest,
+        namespace_of(rank1).digest,
+    }
 
 
 @pytest.mark.usefixtures("one_process_group")
@@ -222,6 +244,7 @@ def test_mla_only_rank_zero_uploads_and_every_rank_reads_it(tmp_path):
 
 
 # ---------------------------------------------------------------- failing storage
+
 
 def test_upload_retries_with_backoff_then_gives_up_without_failing_the_request():
     log = EventLog(capture=True)
@@ -294,6 +317,7 @@ def test_storage_down_is_misses_only():
 
 # ---------------------------------------------------------------- clear_storage
 
+
 @pytest.mark.parametrize("kind", ["file", "memory"])
 def test_clear_storage_removes_this_namespace_only(tmp_path, kind):
     store = MemoryStore()
@@ -301,8 +325,9 @@ def test_clear_storage_removes_this_namespace_only(tmp_path, kind):
     def cfg(tenant):
         if kind == "file":
             return file_config(tmp_path, tenant=tenant)
-        return config(storage="memory", extra={"store": store}, tenant=tenant,
-                      prefetch_policy="wait_complete")
+        return config(
+            storage="memory", extra={"store": store}, tenant=tenant, prefetch_policy="wait_complete"
+        )
 
     async def main():
         async with HiCache(cfg("a")) as a, HiCache(cfg("b")) as b:

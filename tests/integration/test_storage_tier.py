@@ -8,7 +8,6 @@ batched too) and then lands one batch every LATENCY: at 0.625, 0.75, 0.875 and 1
 
 from __future__ import annotations
 
-import anyio
 import numpy as np
 import pytest
 
@@ -17,7 +16,12 @@ from hicache.backends.memory import MemoryStore
 from hicache.observability import EventLog
 from hicache.testing import run_virtual
 from tests.integration.storage_helpers import (
-    PAGE, config, fetch, slow_memory, tokens_from, write,
+    PAGE,
+    config,
+    fetch,
+    slow_memory,
+    tokens_from,
+    write,
 )
 
 LATENCY = 0.125
@@ -48,6 +52,7 @@ def reader(store: MemoryStore, *, log=None, **overrides) -> HiCache:
 
 
 # ---------------------------------------------------------------- termination policies
+
 
 def test_wait_complete_returns_when_every_hit_page_arrived():
     async def main():
@@ -114,16 +119,23 @@ def test_best_effort_wait_before_anything_arrived_is_an_empty_done():
     assert used == 0  # host slots are taken only after the probe, for the pages it found
 
 
-@pytest.mark.parametrize("base, per_ki, arrived", [
-    (0.625, 1.0, BATCH * PAGE),  # deadline 0.6875: one batch landed, the second in flight
-    (0.25, 2.0, 0),  # deadline 0.375: still probing
-    (10.0, 0.25, 64),  # never reached: returns when complete
-])
+@pytest.mark.parametrize(
+    "base, per_ki, arrived",
+    [
+        (0.625, 1.0, BATCH * PAGE),  # deadline 0.6875: one batch landed, the second in flight
+        (0.25, 2.0, 0),  # deadline 0.375: still probing
+        (10.0, 0.25, 64),  # never reached: returns when complete
+    ],
+)
 def test_timeout_returns_at_base_plus_per_ki_token_times_tokens(base, per_ki, arrived):
     async def main():
         store = await stored(TOKENS)
-        async with reader(store, prefetch_policy="timeout", prefetch_timeout_base=base,
-                          prefetch_timeout_per_ki_token=per_ki) as cache:
+        async with reader(
+            store,
+            prefetch_policy="timeout",
+            prefetch_timeout_base=base,
+            prefetch_timeout_per_ki_token=per_ki,
+        ) as cache:
             await cache.match("r", TOKENS)
             t0 = cache.kernel.now()
             await cache.prefetch("r", TOKENS)
@@ -203,6 +215,7 @@ def test_timeout_formula():
 
 # ---------------------------------------------------------------- revoke, rate limit, admission
 
+
 def test_revoke_below_threshold_returns_the_host_slots():
     async def main():
         store = await stored(TOKENS[:PAGE])  # one page in L3; the threshold is two
@@ -234,8 +247,9 @@ def test_rate_limit_bounds_prefetch_tokens_in_flight():
 
     async def main():
         store = await stored(*sequences)
-        async with reader(store, prefetch_policy="wait_complete", device_tokens=64,
-                          host_tokens=256) as cache:
+        async with reader(
+            store, prefetch_policy="wait_complete", device_tokens=64, host_tokens=256
+        ) as cache:
             rids = [f"r{i}" for i in range(len(sequences))]
             await cache.match_many(zip(rids, sequences))
             first = await cache.prefetch_many(zip(rids, sequences))
@@ -267,7 +281,9 @@ def test_admission_skips_are_reported_with_their_reason():
             off = await cache.prefetch_poll("nobody")
         # Write-back keeps a fresh insert on L1 only: a prefetch would hang new pages under
         # a node whose host copy does not exist.
-        async with reader(store, prefetch_policy="wait_complete", write_policy="write_back") as cache:
+        async with reader(
+            store, prefetch_policy="wait_complete", write_policy="write_back"
+        ) as cache:
             head = TOKENS[:32]
             await write(cache, "head", head)
             await cache.match("r", TOKENS)
@@ -295,6 +311,7 @@ def test_prefetch_without_storage_is_none():
 
 
 # ---------------------------------------------------------------- into L1, byte-exact
+
 
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
 def test_prefetched_pages_load_back_byte_exact_and_count_as_storage_hits(policy):

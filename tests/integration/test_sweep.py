@@ -19,19 +19,59 @@ LIMIT = "200"
 
 def replay_json(tmp_path: Path, row: dict, storage: str) -> dict:
     out = tmp_path / f"replay-{row['device_tokens']}-{row['host_tokens']}-{storage}.json"
-    assert main(["replay", "--trace", str(TRACE), "--limit", LIMIT, "--kv", "mha:1:1:8:float16",
-                 "--device-tokens", str(row["device_tokens"]),
-                 "--host-tokens", str(row["host_tokens"]), "--storage", storage,
-                 "--write-policy", row["write_policy"], "--no-verify", "--quiet",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--trace",
+                str(TRACE),
+                "--limit",
+                LIMIT,
+                "--kv",
+                "mha:1:1:8:float16",
+                "--device-tokens",
+                str(row["device_tokens"]),
+                "--host-tokens",
+                str(row["host_tokens"]),
+                "--storage",
+                storage,
+                "--write-policy",
+                row["write_policy"],
+                "--no-verify",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("sweep")
-    assert main(["sweep", "--trace", str(TRACE), "--limit", LIMIT, "--device", "32768,65536,131072",
-                 "--host", "2x,4x", "--storage", "0,inf", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--trace",
+                str(TRACE),
+                "--limit",
+                LIMIT,
+                "--device",
+                "32768,65536,131072",
+                "--host",
+                "2x,4x",
+                "--storage",
+                "0,inf",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return out, read_csv(out / "sweep.csv")
 
 
@@ -50,7 +90,9 @@ def test_sweep_equals_the_replay_where_l3_is_on(sweep, tmp_path):
         assert row["hit_rate"] == pytest.approx(s["hit_rate"], abs=1e-6)
         assert row["bound_hit_rate"] == pytest.approx(s["bound_hit_rate"], abs=1e-6)
         assert (row["device_evicted_tokens"], row["host_evicted_tokens"]) == (
-            s["evictions"]["device"], s["evictions"]["host"])
+            s["evictions"]["device"],
+            s["evictions"]["host"],
+        )
         assert row["rejected_requests"] == s["rejected_requests"]
 
 
@@ -72,7 +114,8 @@ def test_sweep_writes_a_csv_and_a_png(sweep):
     assert list(rows[0]) == list(CSV_FIELDS)
     for row in rows:
         assert row["hit_rate"] == pytest.approx(
-            row["device_hit_rate"] + row["host_hit_rate"] + row["storage_hit_rate"], abs=1e-5)
+            row["device_hit_rate"] + row["host_hit_rate"] + row["storage_hit_rate"], abs=1e-5
+        )
         assert row["hit_rate"] <= row["bound_hit_rate"] + 1e-9
         if row["storage"] == "0":
             assert row["storage_hit_tokens"] == 0
@@ -89,20 +132,39 @@ def test_grid_and_sizes():
     assert parse_tokens("200k") == 200_000 and parse_tokens("1.5M") == 1_500_000
     points = grid("100k,1M", "2x,3000000", "0,inf", page_size=64)
     assert [(p.device_tokens, p.host_tokens, p.storage) for p in points[:4]] == [
-        (99968, 199936, False), (99968, 199936, True), (99968, 3_000_000, False),
-        (99968, 3_000_000, True)]
+        (99968, 199936, False),
+        (99968, 199936, True),
+        (99968, 3_000_000, False),
+        (99968, 3_000_000, True),
+    ]
     assert len(points) == 8
-    for device, host, storage, message in [("10", "2x", "0", "one page"),
-                                           ("100k", "0.5x", "0", "larger than L1"),
-                                           ("100k", "2x", "5G", r"0 \(none\) or inf"),
-                                           ("lots", "2x", "0", "not a token count")]:
+    for device, host, storage, message in [
+        ("10", "2x", "0", "one page"),
+        ("100k", "0.5x", "0", "larger than L1"),
+        ("100k", "2x", "5G", r"0 \(none\) or inf"),
+        ("lots", "2x", "0", "not a token count"),
+    ]:
         with pytest.raises(ValueError, match=message):
             grid(device, host, storage, page_size=64)
 
 
 def test_bad_sweep_flags_are_clear_errors(capsys, tmp_path):
-    assert main(["sweep", "--trace", str(TRACE), "--limit", "5", "--storage", "1T",
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "sweep",
+                "--trace",
+                str(TRACE),
+                "--limit",
+                "5",
+                "--storage",
+                "1T",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("hicache sweep: error:")
 
 

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 
 import pytest
-
 import tp_rank_worker
 
 
 def run_ranks(tmp_path, kv: str, seed: int):
     ctx = mp.get_context("spawn")
     init = tmp_path / "init"
-    procs = [ctx.Process(target=tp_rank_worker.main,
-                         args=(rank, 2, str(init), str(tmp_path), kv, seed))
-             for rank in range(2)]
+    procs = [
+        ctx.Process(target=tp_rank_worker.main, args=(rank, 2, str(init), str(tmp_path), kv, seed))
+        for rank in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -11,8 +11,8 @@ import numpy as np
 import torch.distributed as dist
 
 from hicache import CacheConfig, HiCache
-from hicache.backends.keys import Namespace
 from hicache.backends.file import FileBackend
+from hicache.backends.keys import Namespace
 from hicache.testing import BackendFaults, FaultyBackend, ScriptedScheduler
 
 
@@ -31,28 +31,46 @@ def workload(seed: int, steps: int):
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str, kv: str, seed: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")  # apart from the model's group, as the seed does
-    cfg = CacheConfig(kv=kv, page_size=16, device_tokens=400, host_tokens=800,
-                      write_policy="write_through", storage="file", model_id="tp-test",
-                      prefetch_threshold=16, prefetch_policy="timeout", tp_rank=rank,
-                      tp_size=world, channel_capacity=32)
-    ns = Namespace(model=cfg.model_id, kv=cfg.kv, page_size=cfg.page_size, rank=rank,
-                   tp_size=world, layout=cfg.layout)
+    cfg = CacheConfig(
+        kv=kv,
+        page_size=16,
+        device_tokens=400,
+        host_tokens=800,
+        write_policy="write_through",
+        storage="file",
+        model_id="tp-test",
+        prefetch_threshold=16,
+        prefetch_policy="timeout",
+        tp_rank=rank,
+        tp_size=world,
+        channel_capacity=32,
+    )
+    ns = Namespace(
+        model=cfg.model_id,
+        kv=cfg.kv,
+        page_size=cfg.page_size,
+        rank=rank,
+        tp_size=world,
+        layout=cfg.layout,
+    )
     # Each rank at its own pace: slower storage and slower copies on rank 1.
-    backend = FaultyBackend(FileBackend(os.path.join(out_dir, "store"), namespace=ns),
-                            BackendFaults(latency=0.0005 + 0.004 * rank))
+    backend = FaultyBackend(
+        FileBackend(os.path.join(out_dir, "store"), namespace=ns),
+        BackendFaults(latency=0.0005 + 0.004 * rank),
+    )
 
     def slow_copies(point):
         if rank == 1:
             time.sleep(0.002)
-        return None
+        return
 
     async def run():
         dumps = []
-        async with HiCache(cfg, backend=backend, transfer_faults=slow_copies,
-                           tp_group=group) as cache:
+        async with HiCache(
+            cfg, backend=backend, transfer_faults=slow_copies, tp_group=group
+        ) as cache:
             sched = ScriptedScheduler(cache)
             for i, step in enumerate(workload(seed, 24)):
                 await sched.step(i, step)

@@ -36,21 +36,28 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     wall = sum(r.wall_seconds for r in REPORTS)
     tr.section("hicache simulation")
     runs = ", ".join(f"{n} {m}" for m, n in sorted(modes.items()))
-    tr.write_line(f"seeds: {len(REPORTS) + len(VIOLATIONS)} ({runs}, {len(VIOLATIONS)} failed) "
-                  f"in {wall:.1f} s; violations: {len(VIOLATIONS)}")
-    tr.write_line(f"cache calls {counts['steps']:,}, requests {counts['requests']:,}, pages "
-                  f"verified {counts['pages_verified']:,}, tokens computed "
-                  f"{counts['tokens_computed']:,}")
-    tr.write_line(f"hits: L1 {counts['hit_l1_tokens']:,} / L2 {counts['hit_l2_tokens']:,} / L3 "
-                  f"{counts['l3_hit_tokens']:,} tokens; loads {counts['loads']:,} "
-                  f"({counts['released_mid_load']:,} released mid-load); prefetches "
-                  f"{counts['prefetch_running']:,} started "
-                  f"({counts['released_mid_prefetch']:,} released mid-prefetch); capacity "
-                  f"errors {counts['capacity_errors']:,}; abandoned {counts['abandoned']:,}")
+    tr.write_line(
+        f"seeds: {len(REPORTS) + len(VIOLATIONS)} ({runs}, {len(VIOLATIONS)} failed) "
+        f"in {wall:.1f} s; violations: {len(VIOLATIONS)}"
+    )
+    tr.write_line(
+        f"cache calls {counts['steps']:,}, requests {counts['requests']:,}, pages "
+        f"verified {counts['pages_verified']:,}, tokens computed "
+        f"{counts['tokens_computed']:,}"
+    )
+    tr.write_line(
+        f"hits: L1 {counts['hit_l1_tokens']:,} / L2 {counts['hit_l2_tokens']:,} / L3 "
+        f"{counts['l3_hit_tokens']:,} tokens; loads {counts['loads']:,} "
+        f"({counts['released_mid_load']:,} released mid-load); prefetches "
+        f"{counts['prefetch_running']:,} started "
+        f"({counts['released_mid_prefetch']:,} released mid-prefetch); capacity "
+        f"errors {counts['capacity_errors']:,}; abandoned {counts['abandoned']:,}"
+    )
     for name in sorted(features):
         values = ", ".join(f"{v}:{n}" for v, n in sorted(features[name].items(), key=str))
         tr.write_line(f"  {name:<16} {values}")
-    tr.write_line("faults injected: " + (", ".join(f"{k}={v:,}" for k, v in sorted(faults.items()))
-                                         or "none"))
+    tr.write_line(
+        "faults injected: " + (", ".join(f"{k}={v:,}" for k, v in sorted(faults.items())) or "none")
+    )
     for line in VIOLATIONS:
         tr.write_line("VIOLATION " + line)

@@ -22,11 +22,15 @@ async def batched_engine(ctx: SimContext, batch_size: int = 3, shift: int = 0) -
     queue = deque(ctx.workload.requests)
     while queue:
         batch = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
-        await ctx.call("match_many", cache.match_many,
-                       [(r.rid, r.tokens[:r.match_len]) for r in batch])
+        await ctx.call(
+            "match_many", cache.match_many, [(r.rid, r.tokens[: r.match_len]) for r in batch]
+        )
         if cache.backend is not None:
-            await ctx.call("prefetch_many", cache.prefetch_many,
-                           [(r.rid, r.tokens[:r.prompt_len]) for r in batch])
+            await ctx.call(
+                "prefetch_many",
+                cache.prefetch_many,
+                [(r.rid, r.tokens[: r.prompt_len]) for r in batch],
+            )
             for r in batch:
                 await ctx.call("prefetch_wait", cache.prefetch_wait, r.rid)
         loads = await ctx.call("load_back_many", cache.load_back_many, [r.rid for r in batch])
@@ -46,15 +50,17 @@ async def batched_engine(ctx: SimContext, batch_size: int = 3, shift: int = 0) -
             ctx.drop(r.rid)  # allocate_many may fail: nothing is computed before it returns
         wants = [(r.rid, len(r.tokens) - len(p)) for r, p in zip(running, prefixes)]
         try:
-            news = await ctx.call("allocate_many", cache.allocate_many, wants,
-                                  allowed=(CapacityError,))
+            news = await ctx.call(
+                "allocate_many", cache.allocate_many, wants, allowed=(CapacityError,)
+            )
         except CapacityError:  # the step does not fit: admit one by one, release the rest
             ctx.counts["capacity_errors"] += 1
             news = []
             for rid, n in wants:
                 try:
-                    news.append(await ctx.call("allocate", cache.allocate, rid, n,
-                                               allowed=(CapacityError,)))
+                    news.append(
+                        await ctx.call("allocate", cache.allocate, rid, n, allowed=(CapacityError,))
+                    )
                 except CapacityError:
                     news.append(None)
                     await ctx.call("release", cache.release, rid)
@@ -64,7 +70,7 @@ async def batched_engine(ctx: SimContext, batch_size: int = 3, shift: int = 0) -
                 continue
             slots = np.concatenate([prefix, new])
             at = max(0, len(prefix) - shift)  # shift: a planted indexing bug (see below)
-            ctx.compute(r.tokens, slots[at:at + len(new)], len(prefix))  # the forward pass
+            ctx.compute(r.tokens, slots[at : at + len(new)], len(prefix))  # the forward pass
             ctx.check_reads(r.rid, r.tokens, slots, "before cache_many")
             items.append((r.rid, r.tokens, slots, True))
             ctx.counts["requests"] += 1

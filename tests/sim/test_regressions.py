@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
-import pytest
 
 from hicache import HiCache
 from hicache.testing import (
-    BackendFaults, FaultPlan, FaultyBackend, ScriptedScheduler, bad_prefix_pages, fill_kv,
-    kv_seeds, run_virtual, synthetic_compute, virtual_config,
+    BackendFaults,
+    FaultPlan,
+    FaultyBackend,
+    ScriptedScheduler,
+    bad_prefix_pages,
+    fill_kv,
+    kv_seeds,
+    run_virtual,
+    synthetic_compute,
+    virtual_config,
 )
 from hicache.testing.simulation import LateLandingStreams
 
@@ -58,8 +65,13 @@ def test_a_match_that_splits_a_node_still_loading_reports_the_load_on_cpu_thread
     gate = plan.gate("load", 0, 0)
 
     async def main():
-        cfg = virtual_config(deterministic=False, cpu_transfers="thread", device_tokens=32,
-                             host_tokens=128, write_policy="write_through")
+        cfg = virtual_config(
+            deterministic=False,
+            cpu_transfers="thread",
+            device_tokens=32,
+            host_tokens=128,
+            write_policy="write_through",
+        )
         async with HiCache(cfg, transfer_faults=plan) as cache:
             a = np.arange(16, dtype=np.int64)
             await _only_in_l2(cache, a)
@@ -97,7 +109,8 @@ def test_cache_unfinished_never_hands_back_slots_still_loading():
             # outcome names that load, like a match would, and after it the pages are right.
             not_landed = bad_prefix_pages(cache, a, out.device_slots)
             assert out.pending or not not_landed, (
-                f"cache_unfinished handed back {list(out.device_slots)}: not landed, no handle")
+                f"cache_unfinished handed back {list(out.device_slots)}: not landed, no handle"
+            )
             for handle in out.pending:
                 await handle.wait_async(1)
             assert bad_prefix_pages(cache, a, out.device_slots) == 0
@@ -109,8 +122,9 @@ def test_cache_unfinished_never_hands_back_slots_still_loading():
 
 def test_load_back_after_another_load_brought_up_the_top_of_the_prefix():
     async def main():
-        cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_through",
-                             load_back_threshold=0)
+        cfg = virtual_config(
+            device_tokens=32, host_tokens=128, write_policy="write_through", load_back_threshold=0
+        )
         async with HiCache(cfg) as cache:
             a = np.arange(16, dtype=np.int64)
             await _only_in_l2(cache, a)
@@ -123,8 +137,10 @@ def test_load_back_after_another_load_brought_up_the_top_of_the_prefix():
             if lb.handle is not None:
                 await lb.handle.wait_async(1)
             bad = bad_prefix_pages(cache, a, lb.device_slots)
-            assert bad == 0, (f"load_back gave {len(lb.device_slots)} slots ({lb.loaded_tokens} "
-                              f"loaded): {bad} pages hold the KV of other positions")
+            assert bad == 0, (
+                f"load_back gave {len(lb.device_slots)} slots ({lb.loaded_tokens} "
+                f"loaded): {bad} pages hold the KV of other positions"
+            )
             await cache.release_many(["early", "late"])
 
     run_virtual(main)
@@ -132,8 +148,9 @@ def test_load_back_after_another_load_brought_up_the_top_of_the_prefix():
 
 def test_load_back_after_another_request_cached_the_top_of_the_prefix():
     async def main():
-        cfg = virtual_config(device_tokens=32, host_tokens=128, write_policy="write_through",
-                             load_back_threshold=0)
+        cfg = virtual_config(
+            device_tokens=32, host_tokens=128, write_policy="write_through", load_back_threshold=0
+        )
         async with HiCache(cfg) as cache:
             a = np.arange(16, dtype=np.int64)
             await _only_in_l2(cache, a)
@@ -147,8 +164,10 @@ def test_load_back_after_another_request_cached_the_top_of_the_prefix():
             if lb.handle is not None:
                 await lb.handle.wait_async(1)
             bad = bad_prefix_pages(cache, a, lb.device_slots)
-            assert bad == 0, (f"load_back gave {len(lb.device_slots)} slots ({lb.loaded_tokens} "
-                              f"loaded): {bad} pages hold the KV of other positions")
+            assert bad == 0, (
+                f"load_back gave {len(lb.device_slots)} slots ({lb.loaded_tokens} "
+                f"loaded): {bad} pages hold the KV of other positions"
+            )
             await cache.release("late")
 
     run_virtual(main)
@@ -162,8 +181,13 @@ def test_a_prefetch_landing_after_load_back_leaves_the_prefix_alone():
     a = np.arange(32, dtype=np.int64)
 
     async def main():
-        cfg = virtual_config(device_tokens=64, host_tokens=256, write_policy="write_through",
-                             prefetch_threshold=PAGE, model_id="regression")
+        cfg = virtual_config(
+            device_tokens=64,
+            host_tokens=256,
+            write_policy="write_through",
+            prefetch_threshold=PAGE,
+            model_id="regression",
+        )
         ns = cache_namespace(cfg)
         async with HiCache(cfg, backend=MemoryBackend(namespace=ns, store=store)) as warm:
             await ScriptedScheduler(warm, compute=synthetic_compute(warm)).run([[("w", a)]])
@@ -173,8 +197,9 @@ def test_a_prefetch_landing_after_load_back_leaves_the_prefix_alone():
             await cache.match("r", a)
             assert (await cache.prefetch("r", a)).state == "running"
             # meanwhile another request computes and caches the first 16 tokens in L1
-            await ScriptedScheduler(cache, compute=synthetic_compute(cache),
-                                    wait_prefetch=False).run([[("s", a[:16])]])
+            await ScriptedScheduler(
+                cache, compute=synthetic_compute(cache), wait_prefetch=False
+            ).run([[("s", a[:16])]])
             lb = await cache.load_back("r")  # r goes on without waiting for its prefetch
             first = len(lb.device_slots)
             mine = await cache.allocate("r", 32 - first)
@@ -202,6 +227,7 @@ def test_cache_finished_returns_the_trees_own_slots():
             await cache.release("z")
             assert np.array_equal(out.device_slots, m.device_slots), (
                 f"cache_finished returned {list(out.device_slots)}, the tree holds "
-                f"{list(m.device_slots)}")
+                f"{list(m.device_slots)}"
+            )
 
     run_virtual(main)

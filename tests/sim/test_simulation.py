@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 
 from hicache.testing.simulation import (
-    SimConfig, SimFaults, SimHooks, SimViolation, random_config, run_simulation,
+    SimConfig,
+    SimFaults,
+    SimHooks,
+    SimViolation,
+    random_config,
+    run_simulation,
 )
 
 SEEDS = 1000
@@ -65,8 +70,11 @@ def test_seed_with_thread_transfers(sim_results, thread_seed):
 # ---------------------------------------------------------------------------------- the harness
 def test_a_seed_replays_exactly():
     """Deterministic mode: the same seed makes the same calls and gets the same answers."""
-    seed = next(s for s in range(100) if random_config(s).storage != "none"
-                and len(random_config(s).faults.kinds()) >= 3)
+    seed = next(
+        s
+        for s in range(100)
+        if random_config(s).storage != "none" and len(random_config(s).faults.kinds()) >= 3
+    )
     first, second = [], []
     a = run_simulation(seed, trace=first)
     b = run_simulation(seed, trace=second)
@@ -78,9 +86,7 @@ def test_configs_cover_every_policy():
     """The seeds of one CI run draw every page size, write and prefetch policy, exclusive
     mode, every storage kind, both transfer landings, every fault kind and every fate."""
     from hicache.config import PREFETCH_POLICIES, WRITE_POLICIES
-    from hicache.testing.simulation import FAULT_KINDS
-
-    from hicache.testing.simulation import FATES, generate_workload
+    from hicache.testing.simulation import FATES, FAULT_KINDS, generate_workload
 
     seen: dict[str, set] = {}
     kinds: set[str] = set()
@@ -169,8 +175,9 @@ def test_a_backend_that_returns_another_keys_value_is_caught():
     caught = []
     for seed in range(40):
         try:
-            run_simulation(seed, config=_storage_config(seed),
-                           hooks=SimHooks(wrap_backend=_LyingBackend))
+            run_simulation(
+                seed, config=_storage_config(seed), hooks=SimHooks(wrap_backend=_LyingBackend)
+            )
         except SimViolation as violation:
             assert "wrong KV" in violation.what, violation
             caught.append(seed)

@@ -115,7 +115,9 @@ def test_tp_rank_and_size_checked_together():
         CacheConfig(tp_rank=4, tp_size=4).resolve()
 
 
-@pytest.mark.parametrize("storage", ["memory", "file:/nonexistent/hicache", "redis://localhost:6379"])
+@pytest.mark.parametrize(
+    "storage", ["memory", "file:/nonexistent/hicache", "redis://localhost:6379"]
+)
 def test_storage_needs_a_model_id(storage):
     with pytest.raises(ConfigError, match="model_id") as raised:
         CacheConfig(storage=storage).resolve()
@@ -136,8 +138,16 @@ def test_tp_without_process_group_refuses_to_open():
     import torch.distributed as dist
 
     assert not (dist.is_available() and dist.is_initialized())
-    cfg = CacheConfig(kv="mha:2:1:8:float32", page_size=4, device_tokens=64, host_tokens=256,
-                      device="cpu", cpu_transfers="thread", tp_rank=1, tp_size=2)
+    cfg = CacheConfig(
+        kv="mha:2:1:8:float32",
+        page_size=4,
+        device_tokens=64,
+        host_tokens=256,
+        device="cpu",
+        cpu_transfers="thread",
+        tp_rank=1,
+        tp_size=2,
+    )
 
     async def main():
         async with HiCache(cfg):
@@ -148,5 +158,8 @@ def test_tp_without_process_group_refuses_to_open():
     assert "init_process_group" in str(raised.value)
     import threading
 
-    assert not [t for t in threading.enumerate()  # no stream thread leaked (the checksum
-                if t.name.startswith("hicache-") and not t.name.startswith("hicache-crc")]  # pool stays)
+    assert not [
+        t
+        for t in threading.enumerate()  # no stream thread leaked (the checksum
+        if t.name.startswith("hicache-") and not t.name.startswith("hicache-crc")
+    ]  # pool stays)

@@ -99,7 +99,9 @@ def test_heap_routine_ties_break_by_id_and_exposed_candidates_join():
         _, size, exposed = items[i]
         return size, exposed
 
-    freed = evict_in_order([2, 1, 3], key=lambda i: items[i][0], ident=lambda i: i, evict=evict, target=7)
+    freed = evict_in_order(
+        [2, 1, 3], key=lambda i: items[i][0], ident=lambda i: i, evict=evict, target=7
+    )
     assert order == [3, 1, 2, 9] and freed == 9
 
 

@@ -38,7 +38,8 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str) -> list[tuple[str, str]]:
@@ -144,7 +145,9 @@ def _within(name: str, package: str) -> bool:
 
 def test_the_parser_sees_the_package():
     assert "hicache.config" in MODULES and "hicache.components.tree.core" in MODULES
-    assert "hicache.components.tree.integrity" in _edges("hicache.components.tree.core", ("module",))
+    assert "hicache.components.tree.integrity" in _edges(
+        "hicache.components.tree.core", ("module",)
+    )
     assert "hicache.runtime.actor" in _edges("hicache.runtime.kernel", ("module",))
 
 
@@ -159,8 +162,13 @@ def _offenders(layer: str, forbidden: str) -> dict[str, list[str]]:
     out = {}
     for name in MODULES:
         if _within(name, layer):
-            bad = sorted({imported for imported, _ in IMPORTS[name]
-                          if any(_within(t, forbidden) for t in _hicache_targets(imported))})
+            bad = sorted(
+                {
+                    imported
+                    for imported, _ in IMPORTS[name]
+                    if any(_within(t, forbidden) for t in _hicache_targets(imported))
+                }
+            )
             if bad:
                 out[name] = bad
     return out
@@ -185,9 +193,25 @@ def test_config_imports_no_torch():
             continue
         seen.add(name)
         parts = name.split(".")
-        todo += [".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in MODULES]
+        todo += [
+            ".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in MODULES
+        ]
         todo += sorted(_edges(name, ("module",)))
     assert "hicache.kernels.names" in seen and "hicache.policies.eviction" in seen
-    heavy = {name: imported for name in seen for imported, where in IMPORTS[name]
-             if where == "module" and imported.split(".")[0] == "torch"}
+    heavy = {
+        name: imported
+        for name in seen
+        for imported, where in IMPORTS[name]
+        if where == "module" and imported.split(".")[0] == "torch"
+    }
     assert heavy == {}, sorted(seen)
+
+
+def test_the_lazy_data_plane_exports_what_it_loads():
+    """`hicache.kernels` loads its names on first use (PEP 562); its `__all__` is spelt out so
+    that linters and type checkers see the exports, and must name exactly what it can load."""
+    import hicache.kernels as kernels
+
+    assert sorted(kernels.__all__) == sorted(kernels._MODULE_OF)
+    for name in kernels.__all__:
+        assert getattr(kernels, name) is not None

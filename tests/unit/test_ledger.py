@@ -7,7 +7,12 @@ from hicache.components.allocator.core import LedgerError, SlotLedger
 
 
 def snapshot(ledger):
-    return ledger.available, ledger.used, ledger._free_pages[: ledger._num_free].tolist(), ledger._held.tolist()
+    return (
+        ledger.available,
+        ledger.used,
+        ledger._free_pages[: ledger._num_free].tolist(),
+        ledger._held.tolist(),
+    )
 
 
 def test_alloc_hands_out_whole_pages_in_order_and_counts():

@@ -16,8 +16,10 @@ def test_every_inbox_has_its_declared_bounds(storage, capacity):
     async def main():
         cfg = virtual_config(channel_capacity=capacity, storage=storage, model_id="topology")
         async with HiCache(cfg) as cache:
-            return {name: (actor.inbox.capacity, actor.inbox.reserve)
-                    for name, actor in cache.kernel.actors.items()}
+            return {
+                name: (actor.inbox.capacity, actor.inbox.reserve)
+                for name, actor in cache.kernel.actors.items()
+            }
 
     edges = Topology.for_capacity(capacity).edges()
     if storage is None:

@@ -51,14 +51,19 @@ def test_commit_tolerates_a_split_since_planning():
     plan = tree.plan_load_back(a)
     upper = tree.match(np.arange(2), now=300).last_node  # splits the planned node
     tree.commit_load_back(plan, np.arange(50, 56))
-    assert tree.device_slots(upper).tolist() == [50, 51] and tree.device_slots(a).tolist() == [52, 53, 54, 55]
+    assert tree.device_slots(upper).tolist() == [50, 51] and tree.device_slots(a).tolist() == [
+        52,
+        53,
+        54,
+        55,
+    ]
     tree.check_integrity()
 
 
 def test_stale_plan_raises_and_changes_nothing():
     tree = make_tree(1)
     src = SlotSource()
-    a, b = host_only_path(tree, src, 2, 2)
+    _a, b = host_only_path(tree, src, 2, 2)
     plan = tree.plan_load_back(b)
     tree.insert(np.arange(2), np.arange(900, 902), now=300)  # recomputed: a is on the device again
     before = tree.dump()
@@ -100,7 +105,9 @@ def test_insert_host_hangs_host_only_pages_with_hashes_and_reports_duplicates():
     assert r.matched_len == 0 and tree.state(r.last_node) == NodeState.HOST_ONLY
     assert tree.page_hashes(r.last_node) == ("h2", "h3")
     m = tree.match(np.arange(8), now=2)
-    assert m.device_slots.tolist() == [0, 1, 2, 3] and m.host_len == 4 and m.last_node == r.last_node
+    assert (
+        m.device_slots.tolist() == [0, 1, 2, 3] and m.host_len == 4 and m.last_node == r.last_node
+    )
     r2 = tree.insert_host(base, np.arange(4, 10), np.arange(200, 206), ["h2", "h3", "h4"], now=3)
     assert r2.matched_len == 4 and r2.duplicate_slots.tolist() == [200, 201, 202, 203]
     assert tree.page_hashes(r2.last_node) == ("h4",) and tree.parent(r2.last_node) == r.last_node

@@ -125,7 +125,10 @@ def test_backup_of_a_split_node_covers_all_pieces():
     top = tree.match(np.arange(2), now=1).last_node  # split: top [0,2), leaf [2,6)
     mid = tree.match(np.arange(4), now=1).last_node  # split again: mid [2,4), leaf [4,6)
     assert [tree.backup_in_flight(n) for n in (top, mid, leaf)] == [True] * 3
-    assert tree.host_slots(top).tolist() == [100, 101] and tree.host_slots(leaf).tolist() == [104, 105]
+    assert tree.host_slots(top).tolist() == [100, 101] and tree.host_slots(leaf).tolist() == [
+        104,
+        105,
+    ]
     tree.check_integrity()
     freed = tree.end_backup(leaf, ok=False)
     assert freed.tolist() == list(range(100, 106))

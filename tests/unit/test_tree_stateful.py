@@ -45,7 +45,9 @@ class TreeMachine(RuleBasedStateMachine):
     )
     def setup(self, strategy, policy):
         ps = self.page_size
-        self.tree = RadixTree(page_size=ps, eviction=make_strategy(strategy), write_policy=write_policy(policy))
+        self.tree = RadixTree(
+            page_size=ps, eviction=make_strategy(strategy), write_policy=write_policy(policy)
+        )
         self.dev = SlotLedger(size=DEVICE_PAGES * ps, page_size=ps, tier="device")
         self.host = SlotLedger(size=HOST_PAGES * ps, page_size=ps, tier="host")
         self.dev_content: dict[int, int] = {}

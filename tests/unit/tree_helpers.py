@@ -9,7 +9,10 @@ from hicache.policies.write import write_policy
 
 def make_tree(page_size=1, *, strategy=None, policy="write_through_selective", bigram=False):
     return RadixTree(
-        page_size=page_size, eviction=strategy or LRU(), write_policy=write_policy(policy), bigram=bigram
+        page_size=page_size,
+        eviction=strategy or LRU(),
+        write_policy=write_policy(policy),
+        bigram=bigram,
     )
 
 

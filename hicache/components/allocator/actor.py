@@ -25,9 +25,11 @@ class AllocatorActor(Actor[AllocatorInbox]):
                 if len(slots):
                     self._ledgers[tier].free(slots)
             case LedgerStats(reply=reply):
-                reply.set({
-                    tier: {"size": led.size, "used": led.used, "available": led.available}
-                    for tier, led in self._ledgers.items()
-                })
+                reply.set(
+                    {
+                        tier: {"size": led.size, "used": led.used, "available": led.available}
+                        for tier, led in self._ledgers.items()
+                    }
+                )
             case _:
                 assert_never(msg)

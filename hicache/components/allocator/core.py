@@ -9,6 +9,7 @@ never both: ``available + used == size`` at all times.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["LedgerError", "SlotLedger"]
 
@@ -26,7 +27,16 @@ class SlotLedger:
     Owner: exactly one actor (the allocator); everyone else holds the slot arrays it returned.
     """
 
-    __slots__ = ("size", "page_size", "tier", "_free_pages", "_num_free", "_held", "_page_offsets", "_mark")
+    __slots__ = (
+        "size",
+        "page_size",
+        "tier",
+        "_free_pages",
+        "_num_free",
+        "_held",
+        "_page_offsets",
+        "_mark",
+    )
 
     def __init__(self, *, size: int, page_size: int, tier: str) -> None:
         if page_size < 1:
@@ -40,7 +50,7 @@ class SlotLedger:
         self.tier = tier
         num_pages = size // page_size
         # Stack of free page numbers; the top is the end. Reversed so a fresh ledger hands out 0, 1, ...
-        self._free_pages = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._free_pages: npt.NDArray[np.int64] = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = num_pages
         self._held = np.zeros(num_pages, dtype=bool)
         self._page_offsets = np.arange(page_size, dtype=np.int64)
@@ -74,10 +84,9 @@ class SlotLedger:
         pages = self._free_pages[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
         self._held[pages] = True
-        if ps == 1:
-            slots = pages
-        else:
-            slots = (pages[:, None] * ps + self._page_offsets).reshape(-1)
+        slots: np.ndarray = (
+            pages if ps == 1 else (pages[:, None] * ps + self._page_offsets).reshape(-1)
+        )
         slots.flags.writeable = False
         return slots
 
@@ -91,7 +100,9 @@ class SlotLedger:
         arr = np.asarray(slots)
         ps = self.page_size
         if arr.ndim != 1:
-            raise LedgerError(f"{self.tier} ledger: slots must be one-dimensional, got shape {arr.shape}")
+            raise LedgerError(
+                f"{self.tier} ledger: slots must be one-dimensional, got shape {arr.shape}"
+            )
         if arr.size == 0:
             return
         if arr.dtype.kind not in "iu":
@@ -104,14 +115,18 @@ class SlotLedger:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.size:
             bad = lo if lo < 0 else hi
-            raise LedgerError(f"{self.tier} ledger: slot {bad} is outside [0, {self.size}) (foreign slot)")
+            raise LedgerError(
+                f"{self.tier} ledger: slot {bad} is outside [0, {self.size}) (foreign slot)"
+            )
         if ps == 1:
             pages = arr
         else:
             rows = arr.reshape(-1, ps)
             pages = rows[:, 0] // ps
             if not np.array_equal(rows, pages[:, None] * ps + self._page_offsets):
-                bad_row = int(np.flatnonzero((rows != pages[:, None] * ps + self._page_offsets).any(1))[0])
+                bad_row = int(
+                    np.flatnonzero((rows != pages[:, None] * ps + self._page_offsets).any(1))[0]
+                )
                 raise LedgerError(
                     f"{self.tier} ledger: slots {rows[bad_row].tolist()} are not one aligned page "
                     f"of size {ps} (misaligned)"
@@ -121,7 +136,9 @@ class SlotLedger:
         positions = np.arange(pages.size, dtype=np.int64)
         self._mark[pages] = positions
         if not np.array_equal(self._mark[pages], positions):
-            raise LedgerError(f"{self.tier} ledger: a page is listed twice in one free call (double free)")
+            raise LedgerError(
+                f"{self.tier} ledger: a page is listed twice in one free call (double free)"
+            )
         held = self._held[pages]
         if not held.all():
             bad_page = int(pages[np.argmin(held)])
@@ -138,8 +155,9 @@ class SlotLedger:
         """Every free slot, as a new int64 array (pages in free-stack order). Does not mutate."""
         pages = self._free_pages[: self._num_free]
         if self.page_size == 1:
-            return pages.copy()
-        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+            return np.copy(pages)
+        slots: np.ndarray = (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+        return slots
 
     def is_held(self, slots: np.ndarray) -> bool:
         """True if every slot's page is currently held. Does not mutate."""

@@ -21,13 +21,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import anyio
+import numpy as np
 from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
+from hicache.backends.keys import Namespace
 from hicache.components.deadline import CallDeadline
+from hicache.kernels.pools import HostPool
 from hicache.messages import (
-    IoDeadline, IoDone, PrefetcherInbox, PrefetchProgress, ReadPrefetch, StartPrefetch,
+    IoDeadline,
+    IoDone,
+    PrefetcherInbox,
+    PrefetchProgress,
+    ReadPrefetch,
+    StartPrefetch,
     StopPrefetch,
+    TreeInbox,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
@@ -39,14 +48,26 @@ class _Op:
     hit_pages: int = -1  # unknown until probed
     done_pages: int = 0
     stop: bool = False
-    host_slots: object = None  # set by ReadPrefetch; until then the op waits after its probe
+    host_slots: np.ndarray | None = (
+        None  # set by ReadPrefetch; until then the op waits after its probe
+    )
     busy: bool = False  # a probe or read is in flight
     deadline: CallDeadline = field(default_factory=CallDeadline)  # of the step in flight
 
 
 class PrefetcherActor(Actor[PrefetcherInbox]):
-    def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
-                 batch_pages: int, timeout: float, capacity: int, reserve: int) -> None:
+    def __init__(
+        self,
+        *,
+        backend: StorageBackend,
+        namespace: Namespace,
+        host_pool: HostPool,
+        tree: Mailbox[TreeInbox],
+        batch_pages: int,
+        timeout: float,
+        capacity: int,
+        reserve: int,
+    ) -> None:
         super().__init__("prefetcher", capacity=capacity, reserve=reserve)
         self._backend = backend
         self._ns = namespace
@@ -76,8 +97,12 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                 state = self._ops.get(op)
                 if state is None or not state.deadline.expire(call):
                     return  # that step already returned
-                self.log.warning("prefetcher.timeout", op=op, timeout=self._timeout,
-                                 step="probe" if state.hit_pages < 0 else "read")
+                self.log.warning(
+                    "prefetcher.timeout",
+                    op=op,
+                    timeout=self._timeout,
+                    step="probe" if state.hit_pages < 0 else "read",
+                )
                 if not state.stop:
                     self._stop(op, state)
             case IoDone(op=op, pages=pages, error=error):
@@ -89,10 +114,15 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         """Report what has arrived at once; the op ends when no call of it is in flight."""
         state.stop = True
         idle = not state.busy  # probed, waiting for a read that will not come
-        self._tree.send_nowait(PrefetchProgress(  # reserved room: one per op
-            op=op, hit_pages=state.hit_pages, done_pages=state.done_pages,
-            finished=idle, stopped=True,
-        ))
+        self._tree.send_nowait(
+            PrefetchProgress(  # reserved room: one per op
+                op=op,
+                hit_pages=state.hit_pages,
+                done_pages=state.done_pages,
+                finished=idle,
+                stopped=True,
+            )
+        )
         if idle:
             del self._ops[op]
 
@@ -121,14 +151,24 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         # With the stop report, at most three reports per op: the tree reserves room for
         # all of them, so these sends never block.
         if probed or finished:
-            self._tree.send_nowait(PrefetchProgress(
-                op=op, hit_pages=state.hit_pages, done_pages=state.done_pages, finished=finished,
-                stopped=state.stop,
-            ))
+            self._tree.send_nowait(
+                PrefetchProgress(
+                    op=op,
+                    hit_pages=state.hit_pages,
+                    done_pages=state.done_pages,
+                    finished=finished,
+                    stopped=state.stop,
+                )
+            )
         if finished:
             del self._ops[op]
-            self.log.info("prefetcher.done", op=op, pages=len(state.msg.hashes),
-                          hit=state.hit_pages, read=state.done_pages)
+            self.log.info(
+                "prefetcher.done",
+                op=op,
+                pages=len(state.msg.hashes),
+                hit=state.hit_pages,
+                read=state.done_pages,
+            )
         elif not probed:
             self._spawn(op)  # the next batch (after the probe, the tree's ReadPrefetch starts it)
 
@@ -147,10 +187,11 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     end = min(state.hit_pages, start + self._batch)
                     page = self._host.page_size
                     keys = [self._ns.key(h) for h in msg.hashes[start:end]]
-                    slots = state.host_slots[start * page:end * page]
+                    assert state.host_slots is not None  # reads start only after ReadPrefetch
+                    slots = state.host_slots[start * page : end * page]
                     targets = self._host.page_buffers(slots)
                     pages = await self._backend.get_into(keys, targets)
-            except Exception as exc:  # a backend bug is a miss, never a crashed cache
+            except Exception as exc:  # noqa: BLE001 - a backend bug is a miss, never a crashed cache
                 pages, error = 0, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             pages, error = 0, f"timed out after {self._timeout} s"
@@ -160,7 +201,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         """Consecutive present pages, asked in batches; stops at the first hole."""
         hit = 0
         for start in range(0, len(keys), self._batch):
-            chunk = keys[start:start + self._batch]
+            chunk = keys[start : start + self._batch]
             found = await self._backend.exists(chunk)
             hit += found
             if found < len(chunk):

@@ -482,7 +482,11 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             slots = self._alloc("device", n)
             if slots is not None:
                 return slots
-            if await self._evict_device(n):
+            # Evict what is missing, less what eviction backups in flight will free: asking for
+            # all of n each time round would back up (and keep in both tiers) more leaves.
+            short = n - self._slots["device"].available - sum(
+                len(op.host_slots) for op in self._writes.values() if op.evicting)
+            if short > 0 and await self._evict_device(short):
                 continue
             if not self._writes:
                 return None
@@ -520,7 +524,8 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
             slots = self._alloc("host", n)
             if slots is not None:
                 return slots
-            ev = self._tree.evict_host(n)
+            ev = self._tree.evict_host(n - self._slots["host"].available,  # the shortfall
+                                       by_pages=self._cfg.exclusive)
             if len(ev.freed):
                 self.counters.host_evictions += len(ev.freed)
                 self.log.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))

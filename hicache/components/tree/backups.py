@@ -35,7 +35,7 @@ class BackupFlows:
                 self.log.warning("tree.backup_skipped", node=node, tokens=length,
                                  reason="host_full")
             return False
-        await self._issue_backup(node, host)
+        await self._issue_backup(node, host, evicting=evicting)
         return True
 
     async def _start_backups(self, nodes) -> None:
@@ -55,12 +55,12 @@ class BackupFlows:
             await self._issue_backup(node, pooled[offset:offset + length])
             offset += length
 
-    async def _issue_backup(self, node: NodeId, host) -> None:
+    async def _issue_backup(self, node: NodeId, host, *, evicting: bool = False) -> None:
         self._tree.begin_backup(node, host)
         op = self._op()
         self._write_credits -= 1
         done = self.kernel.reply()
-        self._writes[op] = WriteOp(node=node, host_slots=host, done=done)
+        self._writes[op] = WriteOp(node=node, host_slots=host, done=done, evicting=evicting)
         await self._writer.send(Backup(op=op, device_slots=self._tree.device_slots(node),
                                        host_slots=host, reply=done))
         self.counters.d2h_bytes += len(host) * self._bpt

@@ -297,9 +297,11 @@ class RadixTree:
                 child.last_access = now
                 path.append(child)
             else:
+                rest = child  # keeps its id and the part past the match
                 child = self._split(child, codec.common_tokens(ck, key[:n], pos // isz))
                 pos += child.num_tokens * isz
-                child.last_access = now  # the upper piece only: the rest was not matched
+                child.last_access = now
+                rest.last_access = now  # as SGLang: a split refreshes the suffix too
                 path.append(child)
                 break
             if pos >= end:
@@ -579,8 +581,11 @@ class RadixTree:
         strategy, leaf-first. A leaf with a host copy is demoted to HOST_ONLY; one without is removed
         with its host-only descendants, unless the write policy (write_back) or ``require_host_copy``
         (exclusive mode) wants a host copy first: then it is reported in ``needs_backup`` and kept.
-        Never touches locked nodes, or removes a host-protected one. ``now`` is unused today (kept for
-        time-aware strategies). Mutates."""
+        Never touches locked nodes, or removes a host-protected one. With ``require_host_copy``
+        the last leaf taken, when longer than what is still wanted, is split and only its last
+        pages (the wanted tokens, rounded up to a page) are evicted: in exclusive mode a leaf
+        moves into L2 whole, and moving more than wanted evicts as much more from L2. ``now`` is
+        unused today (kept for time-aware strategies). Mutates."""
         if num_tokens < 0:
             raise TreeError(f"evict_device: num_tokens must be >= 0, got {num_tokens}")
         keep_unbacked = require_host_copy or self.write_policy.backup_on_evict
@@ -590,8 +595,18 @@ class RadixTree:
         removed: list[int] = []
         needs_backup: list[int] = []
         root = self._root
+        page = self.page_size
+        left = [num_tokens]  # tokens still wanted
 
         def evict(x: Node) -> tuple[int, Node | None]:
+            want = -(-left[0] // page) * page
+            if require_host_copy and x.num_tokens > want > 0:
+                self._split(x, x.num_tokens - want)  # x keeps its id and the last `want` tokens
+            units, exposed = evict_whole(x)
+            left[0] -= units
+            return units, exposed
+
+        def evict_whole(x: Node) -> tuple[int, Node | None]:
             parent = x.parent
             if x.host is not None:
                 freed.append(x.device)
@@ -631,17 +646,28 @@ class RadixTree:
         removed.append(x.id)
         self._remove(x)
 
-    def evict_host(self, num_tokens: int) -> HostEviction:
+    def evict_host(self, num_tokens: int, *, by_pages: bool = False) -> HostEviction:
         """Free at least ``num_tokens`` host slots if possible by removing host-only leaves that are
         neither locked nor host-protected, cheapest first by the strategy; a parent left host-only and
-        childless joins the candidates. Mutates."""
+        childless joins the candidates. With ``by_pages`` (exclusive mode) the last leaf taken, when
+        longer than what is still wanted, is split and only its last pages are removed. Mutates."""
         if num_tokens < 0:
             raise TreeError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
         freed: list[np.ndarray] = []
         removed: list[int] = []
         root = self._root
+        page = self.page_size
+        left = [num_tokens]  # tokens still wanted
 
         def evict(x: Node) -> tuple[int, Node | None]:
+            want = -(-left[0] // page) * page
+            if by_pages and x.num_tokens > want > 0:
+                self._split(x, x.num_tokens - want)  # x keeps its id and the last `want` tokens
+            units, exposed = evict_whole(x)
+            left[0] -= units
+            return units, exposed
+
+        def evict_whole(x: Node) -> tuple[int, Node | None]:
             parent = x.parent
             freed.append(x.host)
             removed.append(x.id)
@@ -795,14 +821,12 @@ class RadixTree:
 
     def drop_host(self, plan: LoadPlan) -> np.ndarray:
         """Exclusive mode, after a load landed: the planned nodes give up their host copies
-        (they stay on the device). Nodes that are gone, host-protected, or have host-only
-        children keep theirs. Returns the host slots to free. Mutates."""
+        (they stay on the device). Nodes that are gone or host-protected keep theirs. Returns
+        the host slots to free. Mutates."""
         freed: list[np.ndarray] = []
         for i in reversed(plan.nodes):
             x = self._nodes.get(i)
             if x is None or x.host is None or x.device is None or x.host_ref or x.backup:
-                continue
-            if any(c.device is None for c in x.children.values()):
                 continue
             self._untrack(x)
             freed.append(x.host)

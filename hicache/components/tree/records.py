@@ -33,6 +33,7 @@ class WriteOp:
     node: NodeId
     host_slots: np.ndarray
     done: object  # Reply[bool] the writer answers; an eviction may wait on it
+    evicting: bool = False  # started by an L1 eviction (write_back / exclusive)
 
 
 @dataclass(slots=True)

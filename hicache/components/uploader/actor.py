@@ -14,15 +14,24 @@ they stay protected until then. A timed-out upload is not retried.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import anyio
 from typing_extensions import assert_never
 
 from hicache.backends.base import StorageBackend
+from hicache.backends.keys import Namespace
 from hicache.components.deadline import CallDeadline
+from hicache.kernels.pools import HostPool
 from hicache.messages import (
-    IoDeadline, IoDone, Upload, UploadDone, UploaderInbox, UploadTimedOut,
+    IoDeadline,
+    IoDone,
+    TreeInbox,
+    Upload,
+    UploadDone,
+    UploaderInbox,
+    UploadTimedOut,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
@@ -38,9 +47,19 @@ class _Job:
 
 
 class UploaderActor(Actor[UploaderInbox]):
-    def __init__(self, *, backend: StorageBackend, namespace, host_pool, tree: Mailbox,
-                 retries: int, backoff: float, timeout: float, capacity: int,
-                 reserve: int) -> None:
+    def __init__(
+        self,
+        *,
+        backend: StorageBackend,
+        namespace: Namespace,
+        host_pool: HostPool,
+        tree: Mailbox[TreeInbox],
+        retries: int,
+        backoff: float,
+        timeout: float,
+        capacity: int,
+        reserve: int,
+    ) -> None:
         super().__init__("uploader", capacity=capacity, reserve=reserve)
         self._backend = backend
         self._ns = namespace
@@ -61,8 +80,9 @@ class UploaderActor(Actor[UploaderInbox]):
                 if job is None or not job.deadline.expire(call):
                     return  # that call already returned
                 job.timed_out = True
-                self.log.warning("uploader.timeout", op=op, pages=len(job.msg.hashes),
-                                 timeout=self._timeout)
+                self.log.warning(
+                    "uploader.timeout", op=op, pages=len(job.msg.hashes), timeout=self._timeout
+                )
                 if job.msg.reply is not None and not job.msg.reply.done:
                     job.msg.reply.set(-1)
                 self._tree.send_nowait(UploadTimedOut(op=op))  # reserved room: one per op
@@ -73,19 +93,39 @@ class UploaderActor(Actor[UploaderInbox]):
                 if pages < wanted and job.attempt < self._retries and not job.timed_out:
                     job.attempt += 1
                     delay = self._backoff * 2 ** (job.attempt - 1)
-                    self.log.warning("uploader.retry", op=op, attempt=job.attempt, stored=pages,
-                                     pages=wanted, delay=delay, error=error or None)
-                    self.kernel.call_later(delay, lambda op=op: self._start(op))
+                    self.log.warning(
+                        "uploader.retry",
+                        op=op,
+                        attempt=job.attempt,
+                        stored=pages,
+                        pages=wanted,
+                        delay=delay,
+                        error=error or None,
+                    )
+                    self.kernel.call_later(delay, functools.partial(self._start, op))
                     return
                 del self._jobs[op]
                 nbytes = pages * self._host.page_nbytes if self._ns.writes else 0
                 seconds = round(self.kernel.now() - job.started, 6)
                 if pages < wanted:
-                    self.log.error("uploader.failed", op=op, stored=pages, pages=wanted,
-                                   error=error or None, seconds=seconds)
+                    self.log.error(
+                        "uploader.failed",
+                        op=op,
+                        stored=pages,
+                        pages=wanted,
+                        error=error or None,
+                        seconds=seconds,
+                    )
                 elif self._ns.writes:
-                    self.log.info("uploader.stored", op=op, pages=pages, bytes=nbytes,
-                                  seconds=seconds)
+                    # last_hash: the chain's last page, naming the pages stored (KV events)
+                    self.log.info(
+                        "uploader.stored",
+                        op=op,
+                        pages=pages,
+                        bytes=nbytes,
+                        seconds=seconds,
+                        last_hash=job.msg.hashes[-1] if job.msg.hashes else None,
+                    )
                 if job.msg.reply is not None and not job.msg.reply.done:  # after a deadline: -1
                     job.msg.reply.set(pages)
                 self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))
@@ -109,7 +149,7 @@ class UploaderActor(Actor[UploaderInbox]):
         with scope:
             try:
                 stored = await self._backend.set_from(keys, pages)
-            except Exception as exc:  # a backend bug is a failed upload, never a crashed cache
+            except Exception as exc:  # noqa: BLE001 - a backend bug is a failed upload, not a crash
                 stored, error = 0, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             stored, error = 0, f"timed out after {self._timeout} s"

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicache.components.streamworker import StreamWorker
-from hicache.messages import Backup, WriteDone
+from hicache.kernels.streams.base import TransferStreams
+from hicache.messages import Backup, TreeInbox, WriteDone
 from hicache.runtime import Mailbox
 
 
@@ -19,10 +20,23 @@ class WriterActor(StreamWorker[Backup]):
     job_type = Backup
     done_event = "writer.backup_done"
 
-    def __init__(self, *, streams, tree: Mailbox, bytes_per_token: int, capacity: int,
-                 reserve: int) -> None:
-        super().__init__("writer", streams=streams, tree=tree, bytes_per_token=bytes_per_token,
-                         capacity=capacity, reserve=reserve)
+    def __init__(
+        self,
+        *,
+        streams: TransferStreams,
+        tree: Mailbox[TreeInbox],
+        bytes_per_token: int,
+        capacity: int,
+        reserve: int,
+    ) -> None:
+        super().__init__(
+            "writer",
+            streams=streams,
+            tree=tree,
+            bytes_per_token=bytes_per_token,
+            capacity=capacity,
+            reserve=reserve,
+        )
 
     def _submit(self, job: Backup, on_done: Callable[[BaseException | None], None]) -> None:
         self._streams.submit_backup(job.device_slots, job.host_slots, on_done=on_done)

@@ -9,12 +9,19 @@ later is reported through `on_done(exc)` exactly once, and waiters on its layers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from hicache.kernels.indices import SlotArray
 
 OnDone = Callable[[BaseException | None], None]
 """Completion callback: None on success, the exception on failure; called exactly once per job."""
+
+Schedule = Callable[[float, Callable[[], None]], object]
+"""`schedule(delay_seconds, callback)`: the runtime's timer, which virtual streams report on
+(what it returns, e.g. a timer handle, is not used)."""
 
 
 class TransferFailed(RuntimeError):
@@ -68,17 +75,20 @@ class LoadHandle(Protocol):
         """Every layer has landed (False after a failure)."""
         ...
 
-    def layer_done(self, layer: int) -> bool:
-        ...
+    def layer_done(self, layer: int) -> bool: ...
 
 
 @runtime_checkable
 class TransferStreams(Protocol):
     kind: str
 
-    def submit_load(self, host_slots, device_slots, *, on_done: OnDone) -> LoadHandle: ...
+    def submit_load(
+        self, host_slots: SlotArray, device_slots: SlotArray, *, on_done: OnDone
+    ) -> LoadHandle: ...
 
-    def submit_backup(self, device_slots, host_slots, *, on_done: OnDone) -> None: ...
+    def submit_backup(
+        self, device_slots: SlotArray, host_slots: SlotArray, *, on_done: OnDone
+    ) -> None: ...
 
     def close(self) -> None:
         """Finish queued jobs, then stop; idempotent. Later submits raise RuntimeError."""
@@ -96,7 +106,7 @@ class AllLoads:
 
     __slots__ = ("handles",)
 
-    def __init__(self, handles) -> None:
+    def __init__(self, handles: Iterable[LoadHandle]) -> None:
         self.handles = tuple(handles)
 
     def wait(self, layer: int) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import torch
 
 from hicache.kernels.engines import CudaEngine
-from hicache.kernels.indices import plan_transfer
+from hicache.kernels.indices import SlotArray, plan_transfer
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import FaultHook, FaultPoint, OnDone, check_layer
 from hicache.kernels.streams.progress import LayerProgress
@@ -22,7 +23,7 @@ from hicache.kernels.streams.worker import OrderedWorker
 from hicache.kernels.transfer import check_io, run_backup, run_load_layer
 
 
-def _check(result, what: str):
+def _check(result: Any, what: str) -> Any:
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: {err}")
@@ -32,34 +33,40 @@ def _check(result, what: str):
 class _Cuda:
     """The few cuda-python runtime calls used here, with errors turned into exceptions."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         from cuda.bindings import runtime as cudart
 
         self.rt = cudart
 
-    def stream(self):
-        return _check(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+    def stream(self) -> Any:
+        return _check(
+            self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags",
+        )
 
-    def event(self):
-        return _check(self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+    def event(self) -> Any:
+        return _check(
+            self.rt.cudaEventCreateWithFlags(self.rt.cudaEventDisableTiming),
+            "cudaEventCreateWithFlags",
+        )
 
-    def _stream(self, stream):
+    def _stream(self, stream: Any) -> Any:
         return self.rt.cudaStream_t(stream) if isinstance(stream, int) else stream
 
-    def record(self, event, stream) -> None:
+    def record(self, event: Any, stream: Any) -> None:
         _check(self.rt.cudaEventRecord(event, self._stream(stream)), "cudaEventRecord")
 
-    def stream_wait(self, stream, event) -> None:
+    def stream_wait(self, stream: Any, event: Any) -> None:
         _check(self.rt.cudaStreamWaitEvent(self._stream(stream), event, 0), "cudaStreamWaitEvent")
 
-    def synchronize(self, event) -> None:
+    def synchronize(self, event: Any) -> None:
         _check(self.rt.cudaEventSynchronize(event), "cudaEventSynchronize")
 
-    def query(self, event) -> bool:
+    def query(self, event: Any) -> bool:
         (err,) = self.rt.cudaEventQuery(event)
         return int(err) == 0
 
-    def destroy_events(self, events) -> None:
+    def destroy_events(self, events: list[Any]) -> None:
         for event in events:
             self.rt.cudaEventDestroy(event)
 
@@ -68,7 +75,7 @@ class CudaLoadHandle:
     """LoadHandle of the CUDA streams. `progress` counts layers whose copies are enqueued and
     recorded (the worker sets it); `landed` additionally needs the layer's event complete."""
 
-    def __init__(self, cuda: _Cuda, layers: int):
+    def __init__(self, cuda: _Cuda, layers: int) -> None:
         self._cuda = cuda
         self.layers = layers
         self.events = [cuda.event() for _ in range(layers)]
@@ -98,10 +105,19 @@ class CudaStreams:
 
     kind = "cuda"
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, io: str, fault: FaultHook | None = None):
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        io: str,
+        fault: FaultHook | None = None,
+    ) -> None:
         check_io(io)
         if device_pool.device.type != "cuda":
-            raise ValueError(f"CUDA streams need a CUDA device pool, got one on {device_pool.device}")
+            raise ValueError(
+                f"CUDA streams need a CUDA device pool, got one on {device_pool.device}"
+            )
         self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
         self._fault = fault
         self._cuda = _Cuda()
@@ -129,7 +145,9 @@ class CudaStreams:
             self._jobs[direction] += 1
             return index
 
-    def submit_load(self, host_slots, device_slots, *, on_done: OnDone) -> CudaLoadHandle:
+    def submit_load(
+        self, host_slots: SlotArray, device_slots: SlotArray, *, on_done: OnDone
+    ) -> CudaLoadHandle:
         plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
         layers = self.device_pool.geometry.layers
         handle = CudaLoadHandle(self._cuda, layers)
@@ -141,19 +159,24 @@ class CudaStreams:
         def job() -> None:
             try:
                 self._cuda.stream_wait(stream, ready)
-                with torch.cuda.device(self.device_pool.device), torch.cuda.stream(
-                    torch.cuda.ExternalStream(int(stream), device=self.device_pool.device)
+                with (
+                    torch.cuda.device(self.device_pool.device),
+                    torch.cuda.stream(
+                        torch.cuda.ExternalStream(int(stream), device=self.device_pool.device)
+                    ),
                 ):
                     for layer in range(layers):
                         if self._fault is not None:
                             self._fault(FaultPoint("load", job_index, layer))
-                        run_load_layer(plan, self.host_pool, self.device_pool, layer, self.io, engine)
+                        run_load_layer(
+                            plan, self.host_pool, self.device_pool, layer, self.io, engine
+                        )
                         self._cuda.record(handle.events[layer], stream)
                         handle.enqueued.land(layer)
                 for layer in range(layers):
                     self._cuda.synchronize(handle.events[layer])
                     handle.completed.land(layer)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
                 # layers already enqueued still complete on the GPU; the job as a whole failed
                 handle.enqueued.fail(exc)
                 handle.completed.fail(exc)
@@ -166,7 +189,9 @@ class CudaStreams:
         self._loads.submit(job)
         return handle
 
-    def submit_backup(self, device_slots, host_slots, *, on_done: OnDone) -> None:
+    def submit_backup(
+        self, device_slots: SlotArray, host_slots: SlotArray, *, on_done: OnDone
+    ) -> None:
         plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
         ready = self._after_compute()
         job_index = self._next_job("backup")
@@ -179,14 +204,17 @@ class CudaStreams:
                 self._cuda.stream_wait(stream, ready)
                 if self._fault is not None:
                     self._fault(FaultPoint("backup", job_index, None))
-                with torch.cuda.device(self.device_pool.device), torch.cuda.stream(
-                    torch.cuda.ExternalStream(int(stream), device=self.device_pool.device)
+                with (
+                    torch.cuda.device(self.device_pool.device),
+                    torch.cuda.stream(
+                        torch.cuda.ExternalStream(int(stream), device=self.device_pool.device)
+                    ),
                 ):
                     run_backup(plan, self.device_pool, self.host_pool, self.io, engine)
                 done_event = self._cuda.event()
                 self._cuda.record(done_event, stream)
                 self._cuda.synchronize(done_event)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
                 on_done(exc)
                 return
             finally:
@@ -198,4 +226,3 @@ class CudaStreams:
     def close(self) -> None:
         self._loads.close()
         self._backups.close()
-

@@ -23,7 +23,9 @@ class LayerProgress:
     def land(self, layer: int) -> None:
         """Mark `layer` (the next one) landed. Mutates; worker thread only."""
         with self._cond:
-            assert layer == self._landed, f"layer {layer} landed out of order (expected {self._landed})"
+            assert layer == self._landed, (
+                f"layer {layer} landed out of order (expected {self._landed})"
+            )
             self._landed = layer + 1
             self._cond.notify_all()
 

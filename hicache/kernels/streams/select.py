@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hicache.kernels.pools import DevicePool, HostPool
-from hicache.kernels.streams.base import FaultHook, StreamSelection, TransferStreams
+from hicache.kernels.streams.base import FaultHook, Schedule, StreamSelection, TransferStreams
 
 PREFERENCES = ("auto", "cuda", "cpu", "inline", "virtual")
 
@@ -13,11 +13,11 @@ def cuda_driver_status() -> tuple[bool, str]:
     Never raises: a missing package, library or driver is a `False` with the reason."""
     try:
         from cuda.bindings import runtime as cudart
-    except Exception as exc:  # the package or its native library is absent
+    except Exception as exc:  # noqa: BLE001 - the package or its native library is absent
         return False, f"cuda-python unavailable: {exc}"
     try:
         err, count = cudart.cudaGetDeviceCount()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any driver failure means: no CUDA here
         return False, f"cudaGetDeviceCount raised: {exc}"
     if int(err) != 0:
         name = getattr(err, "name", str(err))
@@ -27,9 +27,16 @@ def cuda_driver_status() -> tuple[bool, str]:
     return True, f"cudaGetDeviceCount found {count} device(s)"
 
 
-def make_streams(device_pool: DevicePool, host_pool: HostPool, *, io: str, prefer: str = "auto",
-                 schedule=None, bandwidth: float | None = None,
-                 fault: FaultHook | None = None) -> tuple[TransferStreams, StreamSelection]:
+def make_streams(
+    device_pool: DevicePool,
+    host_pool: HostPool,
+    *,
+    io: str,
+    prefer: str = "auto",
+    schedule: Schedule | None = None,
+    bandwidth: float | None = None,
+    fault: FaultHook | None = None,
+) -> tuple[TransferStreams, StreamSelection]:
     """Build transfer streams for these pools.
 
     prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "inline" (CPU
@@ -38,33 +45,51 @@ def make_streams(device_pool: DevicePool, host_pool: HostPool, *, io: str, prefe
     (CUDA when the device pool is on a CUDA device and the driver answers, else CPU with the
     reason), "cpu". Raises ValueError for an unknown preference or missing virtual arguments."""
     if prefer not in PREFERENCES:
-        raise ValueError(f"unknown stream preference {prefer!r}; expected one of {list(PREFERENCES)}")
+        raise ValueError(
+            f"unknown stream preference {prefer!r}; expected one of {list(PREFERENCES)}"
+        )
     if prefer == "inline":
         if schedule is None:
             raise ValueError("inline streams need schedule=(delay, callback)")
         from hicache.kernels.streams.virtual import VirtualStreams
 
-        streams = VirtualStreams(device_pool, host_pool, io=io, schedule=schedule,
-                                 bandwidth=float("inf"), fault=fault)
+        streams = VirtualStreams(
+            device_pool, host_pool, io=io, schedule=schedule, bandwidth=float("inf"), fault=fault
+        )
         return streams, StreamSelection(
-            "inline", prefer, "CPU copies on the event loop at submit (cpu_transfers='inline')")
+            "inline", prefer, "CPU copies on the event loop at submit (cpu_transfers='inline')"
+        )
     if prefer == "virtual":
         if schedule is None or bandwidth is None:
-            raise ValueError("virtual streams need schedule=(delay, callback) and bandwidth=bytes/s")
+            raise ValueError(
+                "virtual streams need schedule=(delay, callback) and bandwidth=bytes/s"
+            )
         from hicache.kernels.streams.virtual import VirtualStreams
 
-        streams = VirtualStreams(device_pool, host_pool, io=io, schedule=schedule, bandwidth=bandwidth, fault=fault)
-        return streams, StreamSelection("virtual", prefer, "virtual time requested (deterministic mode)")
+        streams = VirtualStreams(
+            device_pool, host_pool, io=io, schedule=schedule, bandwidth=bandwidth, fault=fault
+        )
+        return streams, StreamSelection(
+            "virtual", prefer, "virtual time requested (deterministic mode)"
+        )
     from hicache.kernels.streams.cpu import CpuStreams
 
     if prefer == "cpu":
-        return CpuStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection("cpu", prefer, "CPU streams requested")
+        return CpuStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection(
+            "cpu", prefer, "CPU streams requested"
+        )
     usable, why = cuda_driver_status()
     if device_pool.device.type == "cuda":
         if not usable:
-            raise RuntimeError(f"device pool is on {device_pool.device} but CUDA is unusable: {why}")
+            raise RuntimeError(
+                f"device pool is on {device_pool.device} but CUDA is unusable: {why}"
+            )
         from hicache.kernels.streams.cuda import CudaStreams
 
-        return CudaStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection("cuda", prefer, why)
+        return CudaStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection(
+            "cuda", prefer, why
+        )
     reason = f"device pool is on {device_pool.device}; {why}; using CPU streams"
-    return CpuStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection("cpu", prefer, reason)
+    return CpuStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection(
+        "cpu", prefer, reason
+    )

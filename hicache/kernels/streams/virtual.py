@@ -15,21 +15,28 @@ from collections.abc import Callable
 
 import anyio
 
-from hicache.kernels.indices import plan_transfer
 from hicache.kernels.engines import CpuEngine
+from hicache.kernels.indices import SlotArray, plan_transfer
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import (
-    FaultHook, FaultPoint, LayerNotReady, OnDone, TransferFailed, check_layer,
+    FaultHook,
+    FaultPoint,
+    LayerNotReady,
+    OnDone,
+    Schedule,
+    TransferFailed,
+    check_layer,
 )
 from hicache.kernels.transfer import check_io, run_backup, run_load_all
 
-Schedule = Callable[[float, Callable[[], None]], None]
+Step = tuple[float, Callable[[], bool]]
+"""(delay, action): an action returns True when the rest of its job is to be skipped."""
 
 
 class VirtualLoadHandle:
     """Layer progress on virtual time. Mutated only by scheduled callbacks (on the loop)."""
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int) -> None:
         self.layers = layers
         self._landed = 0
         self._error: BaseException | None = None
@@ -62,7 +69,9 @@ class VirtualLoadHandle:
         check_layer(self.layers, layer)
         self._raise_if_failed(layer)
         if self._landed <= layer:
-            raise LayerNotReady(f"layer {layer} has not landed yet (virtual stream); await wait_async")
+            raise LayerNotReady(
+                f"layer {layer} has not landed yet (virtual stream); await wait_async"
+            )
 
     async def wait_async(self, layer: int) -> None:
         check_layer(self.layers, layer)
@@ -83,12 +92,12 @@ class VirtualLoadHandle:
 class _Lane:
     """One direction: a FIFO of jobs whose steps are reported one after another."""
 
-    def __init__(self, schedule: Schedule):
+    def __init__(self, schedule: Schedule) -> None:
         self._schedule = schedule
-        self._jobs: deque[list[tuple[float, Callable[[], None]]]] = deque()
+        self._jobs: deque[list[Step]] = deque()
         self._busy = False
 
-    def push(self, steps: list[tuple[float, Callable[[], None]]]) -> None:
+    def push(self, steps: list[Step]) -> None:
         self._jobs.append(steps)
         if not self._busy:
             self._next()
@@ -100,7 +109,7 @@ class _Lane:
         self._busy = True
         self._step(self._jobs.popleft(), 0)
 
-    def _step(self, steps, index: int) -> None:
+    def _step(self, steps: list[Step], index: int) -> None:
         delay, action = steps[index]
 
         def fire() -> None:
@@ -118,11 +127,21 @@ class VirtualStreams:
 
     kind = "virtual"
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, io: str, schedule: Schedule,
-                 bandwidth: float, fault: FaultHook | None = None):
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        io: str,
+        schedule: Schedule,
+        bandwidth: float,
+        fault: FaultHook | None = None,
+    ) -> None:
         check_io(io)
         if not bandwidth or bandwidth <= 0:
-            raise ValueError(f"virtual streams need a positive bandwidth in bytes/s, got {bandwidth!r}")
+            raise ValueError(
+                f"virtual streams need a positive bandwidth in bytes/s, got {bandwidth!r}"
+            )
         self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
         self.bandwidth = float(bandwidth)
         self._fault = fault
@@ -141,10 +160,12 @@ class VirtualStreams:
             return 0.0, None
         try:
             return float(self._fault(point) or 0.0), None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a fault hook's raise is the injected failure
             return 0.0, exc
 
-    def submit_load(self, host_slots, device_slots, *, on_done: OnDone) -> VirtualLoadHandle:
+    def submit_load(
+        self, host_slots: SlotArray, device_slots: SlotArray, *, on_done: OnDone
+    ) -> VirtualLoadHandle:
         self._check_open()
         plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
         layers = self.device_pool.geometry.layers
@@ -154,15 +175,21 @@ class VirtualStreams:
         copy_error: BaseException | None = None
         try:  # all layers in one move: they are all copied before any completion is reported
             run_load_all(plan, self.host_pool, self.device_pool, self.io, self._engine)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported through on_done, on the loop's turn
             copy_error = exc
         layer_bytes = plan.tokens * self.device_pool.geometry.bytes_per_token // layers
-        steps, clean = [], copy_error is None
+        steps: list[Step] = []
+        clean = copy_error is None
         for layer in range(layers):
             extra, fault = self._extra(FaultPoint("load", job, layer))
             error = copy_error if layer == 0 and copy_error is not None else fault
             clean = clean and error is None and extra == 0
-            steps.append((layer_bytes / self.bandwidth + extra, self._load_step(handle, layer, error, on_done)))
+            steps.append(
+                (
+                    layer_bytes / self.bandwidth + extra,
+                    self._load_step(handle, layer, error, on_done),
+                )
+            )
         if clean and math.isinf(self.bandwidth):
             # Inline copies with no modelled time: every layer has landed already, so a
             # synchronous wait(layer) returns at once; only the completion waits for the loop.
@@ -178,7 +205,9 @@ class VirtualStreams:
         return handle
 
     @staticmethod
-    def _load_step(handle: VirtualLoadHandle, layer: int, error: BaseException | None, on_done: OnDone):
+    def _load_step(
+        handle: VirtualLoadHandle, layer: int, error: BaseException | None, on_done: OnDone
+    ) -> Callable[[], bool]:
         def action() -> bool:
             if error is not None:
                 handle._fail(error)
@@ -191,7 +220,9 @@ class VirtualStreams:
 
         return action
 
-    def submit_backup(self, device_slots, host_slots, *, on_done: OnDone) -> None:
+    def submit_backup(
+        self, device_slots: SlotArray, host_slots: SlotArray, *, on_done: OnDone
+    ) -> None:
         self._check_open()
         plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
         job = self._backup_jobs
@@ -200,7 +231,7 @@ class VirtualStreams:
         if error is None:
             try:
                 run_backup(plan, self.device_pool, self.host_pool, self.io, self._engine)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported through on_done
                 error = exc
         nbytes = plan.tokens * self.device_pool.geometry.bytes_per_token
 

@@ -6,8 +6,6 @@ import queue
 import threading
 from collections.abc import Callable
 
-_STOP = object()
-
 
 class OrderedWorker:
     """Runs submitted callables one at a time, in submission order, on its own thread.
@@ -15,8 +13,8 @@ class OrderedWorker:
     A job must not raise (streams wrap copies and report errors via on_done); if one does,
     the error is kept in `unexpected` and the worker goes on, so no later job hangs."""
 
-    def __init__(self, name: str):
-        self._queue: queue.Queue = queue.Queue()
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()  # None: stop
         self._closed = False
         self._lock = threading.Lock()
         self.unexpected: list[BaseException] = []
@@ -34,16 +32,16 @@ class OrderedWorker:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._queue.put(_STOP)
+                self._queue.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
-            if job is _STOP:
+            if job is None:
                 return
             try:
                 job()
-            except BaseException as exc:  # keep draining: a stuck queue would hang every waiter
+            except BaseException as exc:  # noqa: BLE001 - keep draining: a stuck queue hangs every waiter
                 self.unexpected.append(exc)

@@ -18,7 +18,11 @@ class StandInNamespace:
 
     @property
     def prefix(self) -> str:
-        return "hicache:" + hashlib.sha256(b"test-model|" + self.tenant.encode()).hexdigest()[:20] + ":"
+        return (
+            "hicache:"
+            + hashlib.sha256(b"test-model|" + self.tenant.encode()).hexdigest()[:20]
+            + ":"
+        )
 
     def key(self, page_hash: str) -> str:
         return self.prefix + page_hash

@@ -5,9 +5,9 @@ import sys
 
 import anyio
 import numpy as np
+from mc_support import namespace, page_content, page_hash
 
 from hicache.backends.mooncake import MooncakeBackend
-from mc_support import namespace, page_content, page_hash
 
 
 async def main(spec: str, tenant: str, n: int, salt: str) -> None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import redis
-
 from redis_helpers import Events, namespace
 
 from hicache.backends.keys import Namespace

@@ -39,7 +39,11 @@ class Pages:
         self.data = np.zeros((layers, 2, pages, piece_bytes), dtype=np.uint8)
 
     def buffer(self, page: int) -> list[memoryview]:
-        return [memoryview(self.data[layer, kv, page]) for layer in range(self.data.shape[0]) for kv in (0, 1)]
+        return [
+            memoryview(self.data[layer, kv, page])
+            for layer in range(self.data.shape[0])
+            for kv in (0, 1)
+        ]
 
     def buffers(self, pages: range | list[int]) -> list[list[memoryview]]:
         return [self.buffer(page) for page in pages]

@@ -14,7 +14,9 @@ from hicache.backends.redis import RedisBackend
 async def main(url: str, tenant: str, kv: str, seed: int, count: int) -> None:
     ns = namespace(tenant=tenant, kv=kv)
     backend = RedisBackend.from_spec(url, namespace=ns)
-    stored = await backend.set_from(page_keys(ns, count), Pages(count).fill(seed).buffers(range(count)))
+    stored = await backend.set_from(
+        page_keys(ns, count), Pages(count).fill(seed).buffers(range(count))
+    )
     await backend.aclose()
     print(stored)
 

@@ -29,7 +29,9 @@ async def _store(backend, pages: Pages, keys: list[str]) -> None:
     [(256, None), (96 * 1024, None), (96 * 1024, 0), (96 * 1024, 1 << 40)],
     ids=["small-default", "large-default", "one-call-per-page", "one-pipeline"],
 )
-async def test_round_trip_through_layer_first_pieces(server, ns, events, piece_bytes, pipeline_bytes):
+async def test_round_trip_through_layer_first_pieces(
+    server, ns, events, piece_bytes, pipeline_bytes
+):
     options = {} if pipeline_bytes is None else {"pipeline_bytes": pipeline_bytes}
     backend = RedisBackend.from_spec(server.url, namespace=ns, emit=events, **options)
     assert isinstance(backend, StorageBackend)
@@ -171,13 +173,17 @@ def _flip_last_byte(value: bytes) -> bytes:
     ],
     ids=["checksum", "truncated", "swapped", "foreign-bytes", "wrong-type", "page-size"],
 )
-async def test_corrupt_value_is_a_miss_an_event_and_deleted(server, ns, inspect, events, damage, reason):
+async def test_corrupt_value_is_a_miss_an_event_and_deleted(
+    server, ns, inspect, events, damage, reason
+):
     backend = RedisBackend.from_spec(server.url, namespace=ns, emit=events)
     keys = page_keys(ns, 3)
     await _store(backend, Pages(3).fill(seed=7), keys)
     damage(inspect, keys[1], keys[2])
     assert await backend.get_into(keys, Pages(3).buffers(range(3))) == 1
-    assert events.named("storage.corrupt") == [{"key": keys[1], "reason": reason, "backend": "redis"}]
+    assert events.named("storage.corrupt") == [
+        {"key": keys[1], "reason": reason, "backend": "redis"}
+    ]
     assert inspect.exists(keys[1]) == 0  # deleted
     assert inspect.exists(keys[0], keys[2]) == 2  # the good ones stay
     assert backend.stats()["corrupt"] == 1
@@ -196,14 +202,16 @@ async def test_bad_arguments_raise_before_any_io(server, ns, inspect):
         await backend.set_from(keys, pages.buffers([0]))
     with pytest.raises(ValueError, match="piece 0 is read-only"):
         await backend.get_into(keys[:1], [[memoryview(bytes(256))]])
-    with pytest.raises(ValueError, match="pool=.zero. is not an integer"):
+    with pytest.raises(ValueError, match=r"pool=.zero. is not an integer"):
         RedisBackend.from_spec(server.url + "?pool=zero", namespace=ns)
     assert inspect.dbsize() == 0
     await backend.aclose()
 
 
 async def test_password_and_acl_user(server_factory, ns, events):
-    server = server_factory("--requirepass", "s3cret", "--user", "alice", "on", ">wonder", "~hicache:*", "+@all")
+    server = server_factory(
+        "--requirepass", "s3cret", "--user", "alice", "on", ">wonder", "~hicache:*", "+@all"
+    )
     keys = page_keys(ns, 2)
     pages = Pages(2).fill(seed=8)
     by_spec = RedisBackend.from_spec(f"redis://:s3cret@127.0.0.1:{server.port}", namespace=ns)
@@ -212,7 +220,9 @@ async def test_password_and_acl_user(server_factory, ns, events):
     assert await by_option.exists(keys) == 2
     alice = RedisBackend.from_spec(f"redis://alice:wonder@127.0.0.1:{server.port}/0", namespace=ns)
     assert await alice.get_into(keys, Pages(2).buffers(range(2))) == 2
-    wrong = RedisBackend.from_spec(f"redis://alice:guess@127.0.0.1:{server.port}", namespace=ns, emit=events)
+    wrong = RedisBackend.from_spec(
+        f"redis://alice:guess@127.0.0.1:{server.port}", namespace=ns, emit=events
+    )
     assert await wrong.exists(keys) == 0
     assert await wrong.set_from(keys, pages.buffers(range(2))) == 0
     (unavailable,) = events.named("storage.unavailable")  # once, not per call
@@ -245,7 +255,10 @@ def _make_certs(directory: Path) -> dict[str, str]:
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is not installed")
-    names = {n: str(directory / f"{n}.pem") for n in ("ca", "ca-key", "server", "server-key", "client", "client-key")}
+    names = {
+        n: str(directory / f"{n}.pem")
+        for n in ("ca", "ca-key", "server", "server-key", "client", "client-key")
+    }
 
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
@@ -274,7 +287,9 @@ async def test_tls_with_client_certificate(server_factory, ns, tmp_path, events)
         "--tls-auth-clients", "yes",
     )  # fmt: skip
     spec = f"rediss://127.0.0.1:{tls_port}?ca={certs['ca']}"
-    backend = RedisBackend.from_spec(spec, namespace=ns, cert=certs["client"], key=certs["client-key"])
+    backend = RedisBackend.from_spec(
+        spec, namespace=ns, cert=certs["client"], key=certs["client-key"]
+    )
     pages = Pages(2).fill(seed=10)
     keys = page_keys(ns, 2)
     await _store(backend, pages, keys)

@@ -15,7 +15,8 @@ import redis
 
 import hicache.cli.replay as replay_module
 from hicache import HiCache
-from hicache.cli.main import _REPO_TRACE, main as hicache_main
+from hicache.cli.main import _REPO_TRACE
+from hicache.cli.main import main as hicache_main
 from hicache.cli.replay import replay
 from hicache.cli.trace import read_trace
 from hicache.config import CacheConfig
@@ -33,9 +34,16 @@ BOUND_S = 60  # hang guard on a whole replay or round trip, not a timing asserti
 
 
 def replay_config(url: str) -> CacheConfig:
-    return CacheConfig(kv=KV, page_size=64, device_tokens=DEVICE, host_tokens=HOST, storage=url,
-                       model_id="replay", write_policy="write_through",
-                       prefetch_policy="wait_complete")
+    return CacheConfig(
+        kv=KV,
+        page_size=64,
+        device_tokens=DEVICE,
+        host_tokens=HOST,
+        storage=url,
+        model_id="replay",
+        write_policy="write_through",
+        prefetch_policy="wait_complete",
+    )
 
 
 def test_replay_command_over_redis(server, tmp_path):
@@ -87,8 +95,15 @@ async def test_server_killed_and_restarted_mid_replay(server, monkeypatch):
     log = EventLog(capture=True)
     requests = read_trace(_REPO_TRACE, limit=limit, block_tokens=BLOCK)
     with anyio.fail_after(BOUND_S):
-        tally, extra = await replay(replay_config(server.url), requests, block_tokens=BLOCK,
-                                    batch=8, verify=True, log=log, progress=progress)
+        tally, extra = await replay(
+            replay_config(server.url),
+            requests,
+            block_tokens=BLOCK,
+            batch=8,
+            verify=True,
+            log=log,
+            progress=progress,
+        )
     assert set(marks) == {"killed", "restarted"}
     assert tally.requests == limit and tally.rejected == 0
     assert tally.verified_pages > 0 and tally.corrupt_pages == 0
@@ -106,6 +121,7 @@ async def test_server_killed_and_restarted_mid_replay(server, monkeypatch):
 
 
 # ---------------------------------------------------------------- two processes, one Redis
+
 
 @pytest.fixture(params=["standalone", "cluster"])
 def shared_url(request) -> str:
@@ -137,7 +153,10 @@ async def test_second_process_cache_hits_what_the_first_wrote(shared_url, reques
     assert stats.storage_hit_tokens == 64
 
     # The same tokens under another tenant salt or another KV dtype share nothing.
-    for other in (dict(tenant=tenant + "-other"), dict(tenant=tenant, kv=kv.replace("float32", "float16"))):
+    for other in (
+        dict(tenant=tenant + "-other"),
+        dict(tenant=tenant, kv=kv.replace("float32", "float16")),
+    ):
         assert namespace_of(config(**other)).prefix != namespace_of(config(tenant=tenant)).prefix
         foreign, foreign_stats = await read_in_this_process(shared_url, **other)
         assert foreign.prefetch.hit_tokens == 0 and foreign.load.loaded_tokens == 0

@@ -46,7 +46,9 @@ async def test_batches_cross_shards(cluster, piece_bytes):
 async def test_corrupt_value_on_a_shard(cluster):
     ns = namespace(tenant="corrupt")
     events: list[tuple[str, dict]] = []
-    backend = RedisBackend.from_spec(cluster.url, namespace=ns, emit=lambda e, **f: events.append((e, f)))
+    backend = RedisBackend.from_spec(
+        cluster.url, namespace=ns, emit=lambda e, **f: events.append((e, f))
+    )
     keys = page_keys(ns, 6)
     assert await backend.set_from(keys, Pages(6).fill(seed=5).buffers(range(6))) == 6
     owner = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)

@@ -23,7 +23,9 @@ async def test_killed_mid_operation_is_a_miss_and_one_event(server, ns, events):
     result: list[int] = []
 
     async def read() -> None:
-        result.append(await backend.get_into(keys, Pages(8, piece_bytes=32 * 1024).buffers(range(8))))
+        result.append(
+            await backend.get_into(keys, Pages(8, piece_bytes=32 * 1024).buffers(range(8)))
+        )
 
     server.pause()  # requests go out, replies never come ...
     with anyio.fail_after(CALL_BOUND_S):
@@ -103,5 +105,7 @@ async def test_refused_write_is_a_failed_set_and_an_error_event(server_factory, 
     errors = events.named("storage.error")
     assert errors and all("OutOfMemoryError" in e["error"] and e["op"] == "set" for e in errors)
     assert "storage.unavailable" not in events.names()  # the server is there, it said no
-    assert await backend.get_into(keys, Pages(12, piece_bytes=128 * 1024).buffers(range(12))) == stored
+    assert (
+        await backend.get_into(keys, Pages(12, piece_bytes=128 * 1024).buffers(range(12))) == stored
+    )
     await backend.aclose()

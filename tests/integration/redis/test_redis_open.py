@@ -53,8 +53,15 @@ async def test_unknown_db_fails_the_open(server, ns):
 
 
 async def test_wrong_password_fails_the_cache_open(locked):
-    cfg = CacheConfig(kv="mha:2:1:8:float32", page_size=4, device_tokens=64, host_tokens=256,
-                      device="cpu", model_id="m", storage=f"redis://:{WRONG}@{_address(locked)}")
+    cfg = CacheConfig(
+        kv="mha:2:1:8:float32",
+        page_size=4,
+        device_tokens=64,
+        host_tokens=256,
+        device="cpu",
+        model_id="m",
+        storage=f"redis://:{WRONG}@{_address(locked)}",
+    )
     with pytest.raises(BackendUnavailable) as raised:
         async with HiCache(cfg):
             pass
@@ -62,8 +69,9 @@ async def test_wrong_password_fails_the_cache_open(locked):
 
 
 async def test_right_password_opens_and_stores(locked, ns, events):
-    backend = await connect_backend(f"redis://:{PASSWORD}@{_address(locked)}", namespace=ns,
-                                    emit=events)
+    backend = await connect_backend(
+        f"redis://:{PASSWORD}@{_address(locked)}", namespace=ns, emit=events
+    )
     keys = page_keys(ns, 2)
     pages = Pages(2).fill(seed=9)
     assert await backend.set_from(keys, pages.buffers(range(2))) == 2
@@ -75,8 +83,9 @@ async def test_right_password_opens_and_stores(locked, ns, events):
 
 
 async def test_lazy_connect_opens_with_a_wrong_password(locked, ns, events):
-    backend = await connect_backend(f"redis://:{WRONG}@{_address(locked)}", namespace=ns,
-                                    emit=events, lazy_connect=True)
+    backend = await connect_backend(
+        f"redis://:{WRONG}@{_address(locked)}", namespace=ns, emit=events, lazy_connect=True
+    )
     assert await backend.exists(page_keys(ns, 1)) == 0
     (unavailable,) = events.named("storage.unavailable")
     assert WRONG not in repr(unavailable)

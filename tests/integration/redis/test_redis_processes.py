@@ -23,7 +23,7 @@ def _write_in_another_process(url: str, tenant: str, seed: int, count: int) -> i
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
     done = subprocess.run(
         [sys.executable, str(HERE / "redis_writer_process.py"), url, tenant, KV, str(seed), str(count)],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True, text=True, timeout=60, env=env, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip())
@@ -40,7 +40,10 @@ async def test_second_process_hits_what_the_first_wrote(server):
     written = Pages(5).fill(seed=11)
     assert [read.page_bytes(i) for i in range(5)] == [written.page_bytes(i) for i in range(5)]
     # Same tokens under another tenant salt, or with another KV dtype: nothing shared.
-    for other in (namespace(tenant="tenant-b"), namespace(tenant="tenant-a", kv="mha:2:2:8:float16")):
+    for other in (
+        namespace(tenant="tenant-b"),
+        namespace(tenant="tenant-a", kv="mha:2:2:8:float16"),
+    ):
         stranger = RedisBackend.from_spec(server.url, namespace=other)
         assert await stranger.exists(page_keys(other, 5)) == 0
         assert await stranger.get_into(page_keys(other, 5), Pages(5).buffers(range(5))) == 0

@@ -68,7 +68,9 @@ async def test_two_instances_share_pages_but_not_namespaces(harness, ns, pool):
     assert out.page_bytes(2) == pool.page_bytes(2)
     for other in (
         Namespace(model=ns.model, kv=ns.kv, page_size=ns.page_size, tenant="other"),
-        Namespace(model=ns.model, kv=ns.kv.replace("bfloat16", "float8_e4m3fn"), page_size=ns.page_size),
+        Namespace(
+            model=ns.model, kv=ns.kv.replace("bfloat16", "float8_e4m3fn"), page_size=ns.page_size
+        ),
         Namespace(model=ns.model, kv=ns.kv, page_size=ns.page_size, rank=1),
     ):
         stranger = harness.open(other)
@@ -171,6 +173,6 @@ async def test_many_concurrent_gets_and_sets(harness, ns):
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(roundtrip, i)
-    assert results == {i: 1 for i in range(n)}
+    assert results == dict.fromkeys(range(n), 1)
     assert np.array_equal(src.data, dst.data)
     assert await backend.exists(keys) == n

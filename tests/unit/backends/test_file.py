@@ -45,7 +45,9 @@ async def test_crash_between_write_and_rename_leaves_only_a_temp_file(tmp_path, 
     keys, pool = await fill_and_store(backend, ns, 1)
     # A second page whose rename "crashes": simulate by making the unlink of the temp a no-op
     # and the rename fail, which is what a process dying after write() leaves behind.
-    monkeypatch.setattr(file_mod.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("crash")))
+    monkeypatch.setattr(
+        file_mod.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("crash"))
+    )
     monkeypatch.setattr(file_mod, "_unlink_quietly", lambda p: None)
     more = page_keys(ns, 2)[1:]
     assert await backend.set_from(more, [pool.page_buffer(0)]) == 0
@@ -187,7 +189,9 @@ async def test_failing_writes_emit_one_event_per_streak(tmp_path, ns):
     keys = page_keys(ns, 16)
 
     async def store(i: int, n: int = 1) -> int:
-        return await backend.set_from(keys[i : i + n], [pool.page_buffer(j) for j in range(i, i + n)])
+        return await backend.set_from(
+            keys[i : i + n], [pool.page_buffer(j) for j in range(i, i + n)]
+        )
 
     assert await store(0) == 1
     blocker = _block_writes(tmp_path, ns)
@@ -195,7 +199,9 @@ async def test_failing_writes_emit_one_event_per_streak(tmp_path, ns):
     assert events.named("storage.writes_failing") == []  # two failures: not yet a streak
     assert await store(3, 2) == 0  # the third and fourth
     (failing,) = events.named("storage.writes_failing")
-    assert failing["failures"] == 3 and failing["directory"] == os.path.join(str(tmp_path), ns.digest)
+    assert failing["failures"] == 3 and failing["directory"] == os.path.join(
+        str(tmp_path), ns.digest
+    )
     assert "NotADirectoryError" in failing["error"]
     assert await store(5, 3) == 0 and await store(8) == 0
     assert len(events.named("storage.writes_failing")) == 1  # once per streak, not per write
@@ -226,7 +232,10 @@ async def test_a_short_run_of_failures_is_no_streak(tmp_path, ns):
             assert await backend.set_from(keys[i : i + 1], [pool.page_buffer(i)]) == 0
         os.unlink(blocker)
         assert await backend.set_from(keys[2 + round_ : 3 + round_], [pool.page_buffer(2)]) == 1
-    assert events.named("storage.writes_failing") == [] and events.named("storage.writes_recovered") == []
+    assert (
+        events.named("storage.writes_failing") == []
+        and events.named("storage.writes_recovered") == []
+    )
 
 
 def test_failure_streak_option_is_checked(tmp_path, ns):

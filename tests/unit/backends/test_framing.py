@@ -83,7 +83,9 @@ def test_checksums_of_a_batch_match_one_by_one(sizes, monkeypatch):
     rng = np.random.default_rng(len(sizes))
     values = [[memoryview(rng.integers(0, 256, n, dtype=np.uint8)), b"tail"] for n in sizes]
     assert framing.checksums(values) == [framing.checksum(v) for v in values]
-    assert len({framing.checksum(v) for v in values}) == len(values)  # distinct data: a swap would show
+    assert len({framing.checksum(v) for v in values}) == len(
+        values
+    )  # distinct data: a swap would show
 
 
 def test_verify_payload_uses_a_given_checksum():

@@ -47,8 +47,12 @@ def test_chaining_prefix_and_prior():
 
 def test_partial_page_ignored_and_numpy_equivalent():
     assert chain_page_hashes([1, 2, 3], 4) == []
-    assert chain_page_hashes(np.arange(10, dtype=np.int64), 5) == chain_page_hashes(list(range(10)), 5)
-    assert chain_page_hashes(np.arange(10, dtype=np.int32), 5) == chain_page_hashes(list(range(10)), 5)
+    assert chain_page_hashes(np.arange(10, dtype=np.int64), 5) == chain_page_hashes(
+        list(range(10)), 5
+    )
+    assert chain_page_hashes(np.arange(10, dtype=np.int32), 5) == chain_page_hashes(
+        list(range(10)), 5
+    )
 
 
 def test_bigram_tuples():

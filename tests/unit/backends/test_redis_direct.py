@@ -82,8 +82,12 @@ def test_mixed_replies_survive_any_cutting(seed, loop, replies, transport):
     target = Target(header_size(KEY), pieces)
     other = Target(header_size(KEY), [untouched])
     foreign = framed(payload + b"extra")  # a sound value of another length
-    stream = (b"+OK\r\n" + b"-WRONGTYPE nope\r\n" + b":42\r\n" + b"$-1\r\n" + bulk(framed(payload))
-              + bulk(foreign) + bulk(b"plain value") + bulk(b""))
+    stream = (
+        b"+OK\r\n"
+        b"-WRONGTYPE nope\r\n"
+        b":42\r\n"
+        b"$-1\r\n" + bulk(framed(payload)) + bulk(foreign) + bulk(b"plain value") + bulk(b"")
+    )
     cuts = sorted(set(rng.integers(0, len(stream), int(rng.integers(0, 30))).tolist()))
     done = replies.expect([None, None, None, other, target, other, None, other], loop)
     feed(replies, stream, cuts)
@@ -120,12 +124,17 @@ def test_a_damaged_body_is_caught_by_verification(loop, replies):
 def test_truncated_and_foreign_values_are_explained():
     payload = b"x" * 100
     value = framed(payload)
-    assert explain_wrong_length(KEY, value[: header_size(KEY)], len(value) - 10, 100).reason == "truncated"
+    assert (
+        explain_wrong_length(KEY, value[: header_size(KEY)], len(value) - 10, 100).reason
+        == "truncated"
+    )
     assert explain_wrong_length(KEY, b"not a header at all" * 10, 500, 100).reason == "magic"
     assert explain_wrong_length(KEY, b"short", 5, 100).reason == "truncated"
 
 
-@pytest.mark.parametrize("stream", [b"*1\r\n:1\r\n", b"$3\r\nabcXY", b"%1\r\n", b"$x3\r\n", b":one\r\n"])
+@pytest.mark.parametrize(
+    "stream", [b"*1\r\n:1\r\n", b"$3\r\nabcXY", b"%1\r\n", b"$x3\r\n", b":one\r\n"]
+)
 def test_protocol_surprises_abort_the_connection(stream, loop, replies, transport):
     page = memoryview(bytearray(3))
     done = replies.expect([Target(0, [page])], loop)
@@ -161,6 +170,8 @@ def test_error_replies_keep_redis_py_exception_classes():
 
     from hicache.backends.redis_direct import error_reply
 
-    assert isinstance(error_reply("OOM command not allowed when used memory > 'maxmemory'."), OutOfMemoryError)
+    assert isinstance(
+        error_reply("OOM command not allowed when used memory > 'maxmemory'."), OutOfMemoryError
+    )
     plain = error_reply("ERR unknown command")
     assert isinstance(plain, ResponseError) and "unknown command" in str(plain)

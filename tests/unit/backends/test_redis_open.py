@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("redis")
 
-from hicache import CacheConfig, HiCache  # noqa: E402
-from hicache.backends.base import BackendUnavailable  # noqa: E402
-from hicache.backends.registry import connect_backend, open_backend  # noqa: E402
-from hicache.backends.redis_spec import parse_redis_spec  # noqa: E402
-from hicache.testing.redis_server import free_port  # noqa: E402
+from hicache import CacheConfig, HiCache
+from hicache.backends.base import BackendUnavailable
+from hicache.backends.redis_spec import parse_redis_spec
+from hicache.backends.registry import connect_backend, open_backend
+from hicache.testing.redis_server import free_port
 
-from .conftest import FakeHostPool, page_keys  # noqa: E402
-from .harness import Events  # noqa: E402
+from .conftest import FakeHostPool, page_keys
+from .harness import Events
 
 pytestmark = pytest.mark.anyio
 SECRET = "s3cret-pw"
@@ -39,8 +39,15 @@ async def test_unreachable_server_fails_the_open(ns, dead_url):
 
 
 async def test_unreachable_server_fails_the_cache_open(dead_url):
-    cfg = CacheConfig(kv="mha:2:1:8:float32", page_size=4, device_tokens=64, host_tokens=256,
-                      device="cpu", storage=dead_url, model_id="m")
+    cfg = CacheConfig(
+        kv="mha:2:1:8:float32",
+        page_size=4,
+        device_tokens=64,
+        host_tokens=256,
+        device="cpu",
+        storage=dead_url,
+        model_id="m",
+    )
 
     async def open_it() -> None:
         async with HiCache(cfg):
@@ -55,12 +62,23 @@ async def test_a_failed_open_leaves_no_transfer_threads(dead_url):
     import threading
 
     def ours() -> set[str]:  # stream threads (the checksum pool is shared and long-lived)
-        return {t.name for t in threading.enumerate()
-                if t.name.startswith("hicache-") and not t.name.startswith("hicache-crc")}
+        return {
+            t.name
+            for t in threading.enumerate()
+            if t.name.startswith("hicache-") and not t.name.startswith("hicache-crc")
+        }
 
     assert ours() == set()
-    cfg = CacheConfig(kv="mha:2:1:8:float32", page_size=4, device_tokens=64, host_tokens=256,
-                      device="cpu", cpu_transfers="thread", storage=dead_url, model_id="m")
+    cfg = CacheConfig(
+        kv="mha:2:1:8:float32",
+        page_size=4,
+        device_tokens=64,
+        host_tokens=256,
+        device="cpu",
+        cpu_transfers="thread",
+        storage=dead_url,
+        model_id="m",
+    )
     with pytest.raises(BackendUnavailable):
         async with HiCache(cfg):
             pass
@@ -96,8 +114,9 @@ def test_replay_command_reports_an_unreachable_store(capsys):
     from hicache.cli.main import main
 
     port = free_port()
-    rc = main(["replay", "--storage", f"redis://:{SECRET}@127.0.0.1:{port}", "--limit", "1",
-               "--quiet"])
+    rc = main(
+        ["replay", "--storage", f"redis://:{SECRET}@127.0.0.1:{port}", "--limit", "1", "--quiet"]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and SECRET not in err

@@ -12,7 +12,11 @@ def test_plain_tcp_defaults():
     assert spec.scheme == "redis" and not spec.tls and not spec.cluster
     assert spec.endpoints == (("cache.local", 6379),)
     assert (spec.db, spec.username, spec.password, spec.path) == (0, None, None, None)
-    assert (spec.pool, spec.timeout_s, spec.connect_timeout_s) == (DEFAULT_POOL, DEFAULT_TIMEOUT_S, DEFAULT_TIMEOUT_S)
+    assert (spec.pool, spec.timeout_s, spec.connect_timeout_s) == (
+        DEFAULT_POOL,
+        DEFAULT_TIMEOUT_S,
+        DEFAULT_TIMEOUT_S,
+    )
     assert spec.ttl_s is None and spec.refresh_ttl
 
 
@@ -39,7 +43,9 @@ def test_ipv6_host():
 
 
 def test_tls_options():
-    spec = parse_redis_spec("rediss://h:6380?ca=/etc/ca.pem&cert=/c.pem&key=/k.pem&check_hostname=0")
+    spec = parse_redis_spec(
+        "rediss://h:6380?ca=/etc/ca.pem&cert=/c.pem&key=/k.pem&check_hostname=0"
+    )
     assert spec.tls and spec.tls_verify and not spec.tls_check_hostname
     assert (spec.tls_ca, spec.tls_cert, spec.tls_key) == ("/etc/ca.pem", "/c.pem", "/k.pem")
     assert not parse_redis_spec("rediss://h", {"verify": False}).tls_verify

@@ -70,7 +70,9 @@ def test_byte_views_flatten_typed_arrays_and_refuse_bad_pieces():
     with pytest.raises(ValueError, match="piece 0 is read-only"):
         byte_views([memoryview(b"abc")], writable=True, what="t")
     with pytest.raises(ValueError, match="piece 1 is not C-contiguous"):
-        byte_views([memoryview(b"ok"), memoryview(np.zeros((4, 4))[:, 1])], writable=False, what="t")
+        byte_views(
+            [memoryview(b"ok"), memoryview(np.zeros((4, 4))[:, 1])], writable=False, what="t"
+        )
 
 
 def test_pack_is_resp_and_keeps_parts_unjoined():
@@ -81,7 +83,8 @@ def test_pack_is_resp_and_keeps_parts_unjoined():
     wire = b"".join(bytes(p) for p in out)
     value = header + bytes(page)
     expected = (
-        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n%s\r\n$2\r\nPX\r\n$4\r\n5000\r\n" % (len(value), value)
+        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n%s\r\n$2\r\nPX\r\n$4\r\n5000\r\n"
+        % (len(value), value)
         + b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
     )
     assert wire == expected

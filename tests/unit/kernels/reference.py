@@ -27,7 +27,12 @@ def row_offset(layout, g, size, ps, slot, layer, comp, head, room=0) -> int:
 
 
 def device_bytes(pool, layer, comp) -> np.ndarray:
-    return pool.buffer(layer, comp).view(torch.uint8).numpy().reshape(pool.size, pool.geometry.row_heads, -1)
+    return (
+        pool.buffer(layer, comp)
+        .view(torch.uint8)
+        .numpy()
+        .reshape(pool.size, pool.geometry.row_heads, -1)
+    )
 
 
 def naive_load(host, device, host_slots, device_slots, layer) -> None:
@@ -38,7 +43,17 @@ def naive_load(host, device, host_slots, device_slots, layer) -> None:
         for comp in range(g.components):
             dst = device_bytes(device, layer, comp)
             for head in range(g.row_heads):
-                off = row_offset(host.layout, g, host.size, host.page_size, hs, layer, comp, head, host.header_room)
+                off = row_offset(
+                    host.layout,
+                    g,
+                    host.size,
+                    host.page_size,
+                    hs,
+                    layer,
+                    comp,
+                    head,
+                    host.header_room,
+                )
                 dst[ds, head] = raw[off : off + row]
 
 
@@ -51,7 +66,17 @@ def naive_backup(device, host, device_slots, host_slots) -> None:
             for comp in range(g.components):
                 src = device_bytes(device, layer, comp)
                 for head in range(g.row_heads):
-                    off = row_offset(host.layout, g, host.size, host.page_size, hs, layer, comp, head, host.header_room)
+                    off = row_offset(
+                        host.layout,
+                        g,
+                        host.size,
+                        host.page_size,
+                        hs,
+                        layer,
+                        comp,
+                        head,
+                        host.header_room,
+                    )
                     raw[off : off + row] = src[ds, head]
 
 

@@ -12,20 +12,25 @@ def test_bytes_per_token():
     assert MHAGeometry(2, 1, 4, torch.float32).bytes_per_token == 64
 
 
-@pytest.mark.parametrize("spec", ["mha:32:8:128:bfloat16", "mla:61:512:64:float8_e4m3fn", "mha:1:1:1:float8_e5m2"])
+@pytest.mark.parametrize(
+    "spec", ["mha:32:8:128:bfloat16", "mla:61:512:64:float8_e4m3fn", "mha:1:1:1:float8_e5m2"]
+)
 def test_spec_round_trip(spec):
     assert parse_geometry(spec).spec() == spec
     assert parse_geometry(spec) == parse_geometry(spec)
 
 
-@pytest.mark.parametrize("spec,fragment", [
-    ("mha:32:8:128", "5 fields"),
-    ("gqa:32:8:128:float16", "kind"),
-    ("mha:x:8:128:float16", "layers must be an int"),
-    ("mla:4:512:rope:float16", "qk_rope_head_dim must be an int"),
-    ("mha:32:8:128:int8", "unknown KV dtype"),
-    ("mha:0:8:128:float16", "layers must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("mha:32:8:128", "5 fields"),
+        ("gqa:32:8:128:float16", "kind"),
+        ("mha:x:8:128:float16", "layers must be an int"),
+        ("mla:4:512:rope:float16", "qk_rope_head_dim must be an int"),
+        ("mha:32:8:128:int8", "unknown KV dtype"),
+        ("mha:0:8:128:float16", "layers must be a positive int"),
+    ],
+)
 def test_bad_specs_name_the_problem(spec, fragment):
     with pytest.raises(ValueError, match=fragment):
         parse_geometry(spec)

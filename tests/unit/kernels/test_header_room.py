@@ -14,24 +14,30 @@ BIG = MHAGeometry(layers=16, heads=8, head_dim=128, dtype=torch.float16)  # 64 K
 SMALL = MHAGeometry(layers=2, heads=2, head_dim=4, dtype=torch.float32)  # 128 B a token
 
 
-@pytest.mark.parametrize("layout, geometry, ps, expected", [
-    ("page_first", BIG, 16, 2048),  # one token's heads (the row unit) of a 1 MiB page
-    ("page_first", BIG, 1, 0),  # 2 KiB would be 1/32 of a 64 KiB page
-    ("page_head", BIG, 16, HEADER_ROOM_WANTED),  # head rows are 256 B
-    ("page_first", SMALL, 16, 0),  # 512 B would be a quarter of a 2 KiB page
-    ("page_first_direct", BIG, 16, 0),  # its row unit is a 32 KiB block: 1/32 of a page
-    ("layer_first", BIG, 64, 0),  # pages are not contiguous: no room to speak of
-])
+@pytest.mark.parametrize(
+    "layout, geometry, ps, expected",
+    [
+        ("page_first", BIG, 16, 2048),  # one token's heads (the row unit) of a 1 MiB page
+        ("page_first", BIG, 1, 0),  # 2 KiB would be 1/32 of a 64 KiB page
+        ("page_head", BIG, 16, HEADER_ROOM_WANTED),  # head rows are 256 B
+        ("page_first", SMALL, 16, 0),  # 512 B would be a quarter of a 2 KiB page
+        ("page_first_direct", BIG, 16, 0),  # its row unit is a 32 KiB block: 1/32 of a page
+        ("layer_first", BIG, 64, 0),  # pages are not contiguous: no room to speak of
+    ],
+)
 def test_default_room_only_where_it_is_cheap(layout, geometry, ps, expected):
     assert header_room(layout, geometry, ps) == expected
 
 
-@pytest.mark.parametrize("layout, room, match", [
-    ("page_first", 100, "multiple of"),  # not a multiple of 64 (the row unit is 32 B)
-    ("page_first", -2048, "multiple of"),
-    ("page_first", True, "multiple of"),
-    ("layer_first", 2048, "page-contiguous"),
-])
+@pytest.mark.parametrize(
+    "layout, room, match",
+    [
+        ("page_first", 100, "multiple of"),  # not a multiple of 64 (the row unit is 32 B)
+        ("page_first", -2048, "multiple of"),
+        ("page_first", True, "multiple of"),
+        ("layer_first", 2048, "page-contiguous"),
+    ],
+)
 def test_bad_room_is_refused_naming_it(layout, room, match):
     device = DevicePool.allocate(SMALL, 8, 4)
     with pytest.raises(ValueError, match=match):

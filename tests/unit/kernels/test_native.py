@@ -19,7 +19,9 @@ from tests.unit.kernels.reference import randomize
 
 ROOT = Path(__file__).resolve().parents[3]
 
-needs_native = pytest.mark.skipif(native_rows() is None, reason=f"compiled row copier unavailable: {unavailable_reason()}")
+needs_native = pytest.mark.skipif(
+    native_rows() is None, reason=f"compiled row copier unavailable: {unavailable_reason()}"
+)
 
 
 def _expected(dst, src, dst_rows, src_rows):
@@ -65,18 +67,34 @@ def test_out_of_range_rows_are_refused_without_touching_other_memory():
     dst = backing[:4]  # rows 4 and 5 lie beyond the destination the copier is given
     src = np.full((4, 32), 7, dtype=np.uint8)
     with pytest.raises(IndexError, match="1 of 3 row pairs out of range"):
-        native_rows().copy(dst, src, np.array([0, 4, 2], dtype=np.int64), 0, np.array([1, 2, 3], dtype=np.int64), 0, 3,
-                           streaming=False)
+        native_rows().copy(
+            dst,
+            src,
+            np.array([0, 4, 2], dtype=np.int64),
+            0,
+            np.array([1, 2, 3], dtype=np.int64),
+            0,
+            3,
+            streaming=False,
+        )
     assert backing[0].tolist() == [7] * 32 and backing[2].tolist() == [7] * 32
     assert not backing[[1, 3, 4, 5]].any()
     with pytest.raises(IndexError):  # a negative source row, a consecutive run past the end
-        native_rows().copy(dst, src, None, 3, np.array([-1, 0], dtype=np.int64), 0, 2, streaming=False)
+        native_rows().copy(
+            dst, src, None, 3, np.array([-1, 0], dtype=np.int64), 0, 2, streaming=False
+        )
     assert not backing[4:].any()
 
 
 @needs_native
-@pytest.mark.parametrize("bad", [np.array([0, 1], dtype=np.int32), np.array([[0, 1]], dtype=np.int64),
-                                 np.array([0], dtype=np.int64)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([0, 1], dtype=np.int32),
+        np.array([[0, 1]], dtype=np.int64),
+        np.array([0], dtype=np.int64),
+    ],
+)
 def test_malformed_row_tables_are_refused(bad):
     dst, src = np.zeros((4, 8), dtype=np.uint8), np.ones((4, 8), dtype=np.uint8)
     with pytest.raises(ValueError, match="row table"):
@@ -87,7 +105,16 @@ def test_malformed_row_tables_are_refused(bad):
 @needs_native
 def test_row_lengths_must_agree():
     with pytest.raises(ValueError, match="row lengths differ"):
-        native_rows().copy(np.zeros((2, 8), np.uint8), np.zeros((2, 4), np.uint8), None, 0, None, 0, 1, streaming=False)
+        native_rows().copy(
+            np.zeros((2, 8), np.uint8),
+            np.zeros((2, 4), np.uint8),
+            None,
+            0,
+            None,
+            0,
+            1,
+            streaming=False,
+        )
 
 
 @needs_native
@@ -104,26 +131,47 @@ def test_streamed_moves_match_numpy_rows(layout):
         randomize(device, np.random.default_rng(1))
         randomize(host.buffer, np.random.default_rng(2))
         pools.append((device, host))
-    original = [[pools[0][0].buffer(l, c).clone().view(torch.uint8) for c in range(2)] for l in range(g.layers)]
+    original = [
+        [pools[0][0].buffer(l, c).clone().view(torch.uint8) for c in range(2)]
+        for l in range(g.layers)
+    ]
     rng = np.random.default_rng(3)
     pages = rng.permutation(2 * tokens // ps)[: tokens // ps]
     host_slots = (pages[:, None] * ps + np.arange(ps)).ravel()
     device_slots = (rng.permutation(tokens // ps)[:, None] * ps + np.arange(ps)).ravel()
-    for (device, host), engine in zip(pools, (CpuEngine(native=True, threads=2), CpuEngine(native=False))):
+    for (device, host), engine in zip(
+        pools, (CpuEngine(native=True, threads=2), CpuEngine(native=False))
+    ):
         backup(device, host, device_slots, host_slots, engine=engine)
         for layer in range(g.layers):
             device.buffer(layer, 0).zero_()
             load_layer(host, device, host_slots, device_slots, layer, engine=engine)
     (dev_a, host_a), (dev_b, host_b) = pools
     assert torch.equal(host_a.buffer, host_b.buffer)
-    assert all(torch.equal(dev_a.buffer(l, c).view(torch.uint8), dev_b.buffer(l, c).view(torch.uint8))  # bytes: NaNs
-               for l in range(g.layers) for c in range(2))
-    assert all(torch.equal(dev_a.buffer(l, c).view(torch.uint8), original[l][c]) for l in range(g.layers) for c in range(2))
+    assert all(
+        torch.equal(
+            dev_a.buffer(l, c).view(torch.uint8), dev_b.buffer(l, c).view(torch.uint8)
+        )  # bytes: NaNs
+        for l in range(g.layers)
+        for c in range(2)
+    )
+    assert all(
+        torch.equal(dev_a.buffer(l, c).view(torch.uint8), original[l][c])
+        for l in range(g.layers)
+        for c in range(2)
+    )
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        check=False,
+    )
 
 
 _FALLBACK_PROBE = """
@@ -192,12 +240,16 @@ def test_large_cpu_buffers_are_huge_page_aligned_and_zeroed():
 
 
 def test_library_allocated_device_pool_uses_aligned_zeroed_memory():
-    g = MHAGeometry(layers=2, heads=8, head_dim=128, dtype=torch.bfloat16)  # 2 MiB per buffer at 1024 tokens
+    g = MHAGeometry(
+        layers=2, heads=8, head_dim=128, dtype=torch.bfloat16
+    )  # 2 MiB per buffer at 1024 tokens
     device = DevicePool.allocate(g, 1024, 16)
     for layer in range(2):
         for comp in range(2):
             buf = device.buffer(layer, comp)
-            assert buf.shape == (1024, 8, 128) and buf.dtype == torch.bfloat16 and buf.is_contiguous()
+            assert (
+                buf.shape == (1024, 8, 128) and buf.dtype == torch.bfloat16 and buf.is_contiguous()
+            )
             assert buf.data_ptr() % HUGE_PAGE == 0 and not buf.any()
 
 

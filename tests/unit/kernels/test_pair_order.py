@@ -16,21 +16,38 @@ def grid(rng: np.random.Generator, views: int, inner: int, page_rows: int, sprea
     ("mixed": neither sorts, the planner falls back to a full sort). Up to 4 views of 8 rows."""
     order = rng.permutation(views).astype(np.int64)
     if spread == "pages":
-        return RowGrid(np.empty((1, 1)), page_rows, order * (page_rows // 4),
-                       rng.choice(page_rows // 4, inner, replace=False).astype(np.int64))
+        return RowGrid(
+            np.empty((1, 1)),
+            page_rows,
+            order * (page_rows // 4),
+            rng.choice(page_rows // 4, inner, replace=False).astype(np.int64),
+        )
     if spread == "views":
-        return RowGrid(np.empty((1, 1)), page_rows, order * page_rows * 64,
-                       rng.choice(page_rows, inner, replace=False).astype(np.int64))
+        return RowGrid(
+            np.empty((1, 1)),
+            page_rows,
+            order * page_rows * 64,
+            rng.choice(page_rows, inner, replace=False).astype(np.int64),
+        )
     bands = np.concatenate([np.arange(8), 96 + np.arange(8)])  # rows [0,32) and [96,128) of page 0
-    return RowGrid(np.empty((1, 1)), page_rows, order * 8,
-                   rng.choice(bands, inner, replace=False).astype(np.int64))
+    return RowGrid(
+        np.empty((1, 1)),
+        page_rows,
+        order * 8,
+        rng.choice(bands, inner, replace=False).astype(np.int64),
+    )
 
 
 def brute(dst: RowGrid, dst_pages, src: RowGrid, src_pages, by_dst: bool):
-    pairs = [(int(dst.offsets[v] + dp * dst.page_rows + dst.inner[i]),
-              int(src.offsets[v] + sp * src.page_rows + src.inner[i]))
-             for v in range(dst.offsets.size) for dp, sp in zip(dst_pages, src_pages)
-             for i in range(dst.inner.size)]
+    pairs = [
+        (
+            int(dst.offsets[v] + dp * dst.page_rows + dst.inner[i]),
+            int(src.offsets[v] + sp * src.page_rows + src.inner[i]),
+        )
+        for v in range(dst.offsets.size)
+        for dp, sp in zip(dst_pages, src_pages)
+        for i in range(dst.inner.size)
+    ]
     pairs.sort(key=lambda p: p[0] if by_dst else p[1])
     return pairs
 

@@ -27,13 +27,19 @@ def expected_copy(dst: torch.Tensor, dst_pages, src: torch.Tensor, src_pages) ->
     return out
 
 
-def run_plan(dst, dst_pages, src, src_pages, *, scratch_rows: int = 64, parts: int = 1, block_bytes=1 << 18):
-    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=False, block_bytes=block_bytes)
+def run_plan(
+    dst, dst_pages, src, src_pages, *, scratch_rows: int = 64, parts: int = 1, block_bytes=1 << 18
+):
+    plan = plan_rows(
+        grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=False, block_bytes=block_bytes
+    )
     row_bytes = dst.shape[-1] * dst.element_size()
     n = plan.pairs
     for i in range(parts):  # disjoint pair ranges, as the engine's threads run them
         scratch = np.empty(scratch_rows * row_bytes, dtype=np.uint8)
-        copy_rows(grid(dst).array, grid(src).array, plan, scratch, n * i // parts, n * (i + 1) // parts)
+        copy_rows(
+            grid(dst).array, grid(src).array, plan, scratch, n * i // parts, n * (i + 1) // parts
+        )
     return plan.mode
 
 
@@ -55,7 +61,14 @@ def test_each_mode_copies_exactly_the_planned_pages(case, parts):
         dst_pages, src_pages = rng.choice(12, 5, replace=False), rng.choice(12, 5, replace=False)
     want = expected_copy(dst, dst_pages, src, src_pages)
     src_before = src.clone()
-    mode = run_plan(dst, dst_pages.astype(np.int64), src, src_pages.astype(np.int64), scratch_rows=2, parts=parts)
+    mode = run_plan(
+        dst,
+        dst_pages.astype(np.int64),
+        src,
+        src_pages.astype(np.int64),
+        scratch_rows=2,
+        parts=parts,
+    )
     assert mode == case
     assert torch.equal(dst, want)
     assert torch.equal(src, src_before)
@@ -69,7 +82,9 @@ def test_page_blocks_copy_runs_of_whole_destination_pages(parts):
     dst = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 3, 5)))
     dst_pages = np.array([7, 2, 3, 4, 10, 0], dtype=np.int64)
     src_pages = rng.choice(12, 6, replace=False).astype(np.int64)
-    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=1)
+    plan = plan_rows(
+        grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=1
+    )
     assert plan.mode == "blocks" and plan.dst_rows.size == 0 and len(plan.firsts) == 4
     want = expected_copy(dst, dst_pages, src, src_pages)
     src_before = src.clone()
@@ -94,7 +109,10 @@ def spaced_pool(g: MHAGeometry, size: int, ps: int, gap_rows: int) -> DevicePool
     row = g.heads * g.head_dim
     per = size * row + gap_rows * g.head_dim
     base = torch.zeros(per * 2 * g.layers + row, dtype=g.dtype)
-    bufs = [base[i * per : i * per + size * row].view(size, g.heads, g.head_dim) for i in range(2 * g.layers)]
+    bufs = [
+        base[i * per : i * per + size * row].view(size, g.heads, g.head_dim)
+        for i in range(2 * g.layers)
+    ]
     return DevicePool.wrap(g, ps, k_buffers=bufs[0::2], v_buffers=bufs[1::2])
 
 
@@ -112,12 +130,26 @@ def test_merged_threaded_and_batched_moves_match_naive(layout, io, gap_rows):
         for c in range(2):
             randomize(device.buffer(l, c), rng)
     # 20 scattered pages: many runs (direct io batches them), both sides fragmented
-    dev_slots = (rng.choice(pages, 20, replace=False)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
-    host_slots = (rng.choice(2 * pages, 20, replace=False)[:, None] * ps + np.arange(ps)).ravel().astype(np.int64)
+    dev_slots = (
+        (rng.choice(pages, 20, replace=False)[:, None] * ps + np.arange(ps))
+        .ravel()
+        .astype(np.int64)
+    )
+    host_slots = (
+        (rng.choice(2 * pages, 20, replace=False)[:, None] * ps + np.arange(ps))
+        .ravel()
+        .astype(np.int64)
+    )
     engine = CpuEngine(scratch_bytes=64, threads=3, parallel_bytes=1)
 
     class Shadow:  # the naive reference writes a copy of the host bytes
-        geometry, layout, size, page_size, buffer = g, host.layout, host.size, ps, host.buffer.clone()
+        geometry, layout, size, page_size, buffer = (
+            g,
+            host.layout,
+            host.size,
+            ps,
+            host.buffer.clone(),
+        )
         header_room = host.header_room
 
     naive_backup(device, Shadow, dev_slots, host_slots)
@@ -126,23 +158,31 @@ def test_merged_threaded_and_batched_moves_match_naive(layout, io, gap_rows):
 
     expected = [[device.buffer(l, c).clone() for c in range(2)] for l in range(g.layers)]
     randomize(host.buffer, rng)
-    shadow_device = DevicePool.wrap(g, ps, k_buffers=[e[0] for e in expected], v_buffers=[e[1] for e in expected])
+    shadow_device = DevicePool.wrap(
+        g, ps, k_buffers=[e[0] for e in expected], v_buffers=[e[1] for e in expected]
+    )
     for layer in range(g.layers):
         load_layer(host, device, host_slots, dev_slots, layer, io=io, engine=engine)
         naive_load(host, shadow_device, host_slots, dev_slots, layer)
     for l in range(g.layers):
         for c in range(2):
-            assert torch.equal(device.buffer(l, c).view(torch.uint8), shadow_device.buffer(l, c).view(torch.uint8))
+            assert torch.equal(
+                device.buffer(l, c).view(torch.uint8), shadow_device.buffer(l, c).view(torch.uint8)
+            )
 
 
 @pytest.mark.parametrize("parts", [1, 4])
 def test_put_copies_from_several_source_blocks(parts):
     rng = np.random.default_rng(10 + parts)
     src = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 3, 5)))
-    dst = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 4, 5)))[:, 1:]  # 120-byte blocks per page
+    dst = torch.from_numpy(rng.integers(0, 1 << 40, size=(12, 4, 5)))[
+        :, 1:
+    ]  # 120-byte blocks per page
     src_pages = rng.permutation(np.array([0, 1, 2, 5, 6, 9, 10, 11], dtype=np.int64))  # three runs
     dst_pages = rng.choice(12, 8, replace=False).astype(np.int64)
-    plan = plan_rows(grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=200)
+    plan = plan_rows(
+        grid(dst), dst_pages, grid(src), src_pages, prefer_dst_order=True, block_bytes=200
+    )
     assert plan.mode == "put" and plan.firsts == (0, 15, 27)
     want = expected_copy(dst, dst_pages, src, src_pages)
     src_before = src.clone()
@@ -168,7 +208,15 @@ def test_rows_interleaving_across_views_and_pages_still_pair_up():
                 want[4 * dp + off + i] = src_arr[4 * sp + off + i]
     for prefer in (True, False):
         out = dst_arr.copy()
-        plan = plan_rows(RowGrid(out, 4, dst.offsets, dst.inner), dst_pages, src, src_pages, prefer_dst_order=prefer)
+        plan = plan_rows(
+            RowGrid(out, 4, dst.offsets, dst.inner),
+            dst_pages,
+            src,
+            src_pages,
+            prefer_dst_order=prefer,
+        )
         copy_rows(out, src_arr, plan, np.empty(2 * 3 * 8, dtype=np.uint8))
         assert np.array_equal(out, want)
-        assert sorted(plan.dst_rows.tolist()) == sorted((4 * dst_pages[:, None] + np.array([0, 2, 5, 7])).ravel().tolist())
+        assert sorted(plan.dst_rows.tolist()) == sorted(
+            (4 * dst_pages[:, None] + np.array([0, 2, 5, 7])).ravel().tolist()
+        )

@@ -6,13 +6,20 @@ from __future__ import annotations
 import threading
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import torch
 from trio.testing import MockClock
 
 from hicache.kernels import (
-    DevicePool, FaultPlan, HostPool, LayerNotReady, MHAGeometry, TransferFailed, make_streams,
+    DevicePool,
+    FaultPlan,
+    HostPool,
+    LayerNotReady,
+    MHAGeometry,
+    TransferFailed,
+    make_streams,
 )
 from tests.unit.kernels.reference import randomize
 
@@ -29,16 +36,23 @@ def pools():
 
 def run_virtual(body):
     """Run body(streams, tg) on trio with a MockClock; schedule = sleep in the task group."""
+
     async def main():
         d, h = pools()
         async with anyio.create_task_group() as tg:
+
             async def later(delay, callback):
                 await anyio.sleep(delay)
                 callback()
 
             streams, selection = make_streams(
-                d, h, io="kernel", prefer="virtual", bandwidth=LAYER_BYTES,  # 1 s per layer
-                schedule=lambda delay, cb: tg.start_soon(later, delay, cb), fault=body.fault,
+                d,
+                h,
+                io="kernel",
+                prefer="virtual",
+                bandwidth=LAYER_BYTES,  # 1 s per layer
+                schedule=lambda delay, cb: tg.start_soon(later, delay, cb),
+                fault=body.fault,
             )
             assert selection.kind == "virtual"
             await body(streams, d, h)
@@ -55,7 +69,9 @@ def test_virtual_layers_land_in_order_at_model_times():
         t0 = anyio.current_time()
         handle = streams.submit_load(np.arange(8), np.arange(4, 12), on_done=done.append)
         # copies are inline: bytes are already in place even though nothing has "landed"
-        assert torch.equal(d.k_buffer(3)[4:12].view(torch.uint8), h.shaped()[:8, 3, 0].view(torch.uint8))
+        assert torch.equal(
+            d.k_buffer(3)[4:12].view(torch.uint8), h.shaped()[:8, 3, 0].view(torch.uint8)
+        )
         assert not handle.layer_done(0)
         with pytest.raises(LayerNotReady):
             handle.wait(0)
@@ -66,7 +82,7 @@ def test_virtual_layers_land_in_order_at_model_times():
             if layer + 1 < G.layers:
                 assert not handle.layer_done(layer + 1)  # the next layer is still pending
                 assert done == []
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         assert handle.done() and done == [None]
 
     body.fault = None
@@ -88,7 +104,7 @@ def test_virtual_jobs_queue_per_direction_and_backups_run_alongside():
         await second.wait_async(0)
         assert first.done() and anyio.current_time() - t0 == pytest.approx(5.0)
         await second.wait_async(3)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         got = [(n, round(t - t0, 6), e) for n, t, e in events]
         assert got == [("backup0", 2.0, None), ("load0", 4.0, None), ("load1", 8.0, None)]
 
@@ -112,9 +128,11 @@ def test_virtual_fault_fails_the_rest_and_delay_shifts_landing():
         assert isinstance(info.value.__cause__, OSError)
         assert isinstance(done[0], OSError) and not bad.done()
         await good.wait_async(0)
-        assert anyio.current_time() - t0 == pytest.approx(3.0 + 1.5)  # failed at t=3, then 1 s + 0.5 s
+        assert anyio.current_time() - t0 == pytest.approx(
+            3.0 + 1.5
+        )  # failed at t=3, then 1 s + 0.5 s
         await good.wait_async(3)
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         assert done[1:] == [None]
 
     body.fault = plan
@@ -134,6 +152,7 @@ def test_cpu_layer_events_and_ordering():
         def on_done(error):
             with lock:
                 done.append((name, error))
+
         return on_done
 
     first = streams.submit_load(np.arange(8), np.arange(8), on_done=record("load0"))
@@ -154,7 +173,9 @@ def test_cpu_layer_events_and_ordering():
 
 def test_cpu_failure_is_reported_once_and_waiters_do_not_hang():
     d, h = pools()
-    plan = FaultPlan(fail={("load", 0, 1): OSError("disk on fire"), ("backup", 0, None): ValueError("bad")})
+    plan = FaultPlan(
+        fail={("load", 0, 1): OSError("disk on fire"), ("backup", 0, None): ValueError("bad")}
+    )
     streams, _ = make_streams(d, h, io="kernel", prefer="cpu", fault=plan)
     done = []
     handle = streams.submit_load(np.arange(8), np.arange(8), on_done=done.append)
@@ -162,7 +183,9 @@ def test_cpu_failure_is_reported_once_and_waiters_do_not_hang():
     handle.wait(0)
     with pytest.raises(TransferFailed):
         handle.wait(3)
-    after = streams.submit_load(np.arange(8), np.arange(8), on_done=done.append)  # the queue still runs
+    after = streams.submit_load(
+        np.arange(8), np.arange(8), on_done=done.append
+    )  # the queue still runs
     after.wait(3)
     streams.close()
     assert sorted(type(e).__name__ for e in done) == ["NoneType", "OSError", "ValueError"]

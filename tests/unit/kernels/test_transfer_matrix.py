@@ -11,11 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels import DevicePool, HostPool, MHAGeometry, MLAGeometry, backup, load_layer, plan_transfer, run_load_all
+from hicache.kernels import (
+    DevicePool,
+    HostPool,
+    MHAGeometry,
+    MLAGeometry,
+    backup,
+    load_layer,
+    plan_transfer,
+    run_load_all,
+)
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.layouts import row_unit
 from hicache.kernels.native import native_rows, unavailable_reason
-from tests.unit.kernels.reference import naive_backup, naive_load, randomize, random_page_slots
+from tests.unit.kernels.reference import naive_backup, naive_load, random_page_slots, randomize
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -30,7 +39,9 @@ def geometry(kind: str, dtype: torch.dtype):
 
 CASES = [
     pytest.param(layout, io, kind, dtype, ps, id=f"{layout}-{io}-{kind}-{str(dtype)[6:]}-ps{ps}")
-    for layout, io, kind, dtype, ps in itertools.product(LAYOUTS, ["kernel", "direct"], ["mha", "mla"], DTYPES, [1, 16, 64])
+    for layout, io, kind, dtype, ps in itertools.product(
+        LAYOUTS, ["kernel", "direct"], ["mha", "mla"], DTYPES, [1, 16, 64]
+    )
     if not (layout == "page_head" and kind == "mla")
 ]
 
@@ -65,7 +76,10 @@ def pools(layout, kind, dtype, ps, seed):
 
 
 def snapshot(device):
-    return [[device.buffer(l, c).clone() for c in range(device.geometry.components)] for l in range(device.geometry.layers)]
+    return [
+        [device.buffer(l, c).clone() for c in range(device.geometry.components)]
+        for l in range(device.geometry.layers)
+    ]
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -74,11 +88,15 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("layout,io,kind,dtype,ps", CASES)
 def test_load_layer_matches_naive(layout, io, kind, dtype, ps, engine):
-    g, device, host, device_slots, host_slots = pools(layout, kind, dtype, ps, seed=ps + len(layout))
+    g, device, host, device_slots, host_slots = pools(
+        layout, kind, dtype, ps, seed=ps + len(layout)
+    )
     expected = DevicePool.wrap(g, ps, **_wrap_kwargs(g, snapshot(device)))
     host_before = host.buffer.clone()
     for layer in range(g.layers):
-        load_layer(host, device, torch.from_numpy(host_slots), device_slots, layer, io=io, engine=engine)
+        load_layer(
+            host, device, torch.from_numpy(host_slots), device_slots, layer, io=io, engine=engine
+        )
         naive_load(host, expected, host_slots, device_slots, layer)
         for l in range(g.layers):  # layers not loaded yet are untouched, loaded ones match
             for c in range(g.components):
@@ -88,30 +106,53 @@ def test_load_layer_matches_naive(layout, io, kind, dtype, ps, engine):
 
 @pytest.mark.parametrize("layout,io,kind,dtype,ps", CASES)
 def test_backup_matches_naive(layout, io, kind, dtype, ps, engine):
-    g, device, host, device_slots, host_slots = pools(layout, kind, dtype, ps, seed=3 * ps + len(layout))
+    g, device, host, device_slots, host_slots = pools(
+        layout, kind, dtype, ps, seed=3 * ps + len(layout)
+    )
     expected = host.buffer.clone()
     device_before = snapshot(device)
 
     class Shadow:  # the naive reference writes a copy of the host bytes
-        geometry, layout, size, page_size, buffer = g, host.layout, host.size, host.page_size, expected
+        geometry, layout, size, page_size, buffer = (
+            g,
+            host.layout,
+            host.size,
+            host.page_size,
+            expected,
+        )
         header_room = host.header_room
 
     naive_backup(device, Shadow, device_slots, host_slots)
     backup(device, host, device_slots, torch.from_numpy(host_slots), io=io, engine=engine)
     assert torch.equal(host.buffer, expected)
-    assert all(same_bytes(device.buffer(l, c), device_before[l][c]) for l in range(g.layers) for c in range(g.components))
+    assert all(
+        same_bytes(device.buffer(l, c), device_before[l][c])
+        for l in range(g.layers)
+        for c in range(g.components)
+    )
 
 
-@pytest.mark.parametrize("layout,io,kind,dtype,ps", [c for c in CASES if c.values[3] in (torch.float16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "layout,io,kind,dtype,ps",
+    [c for c in CASES if c.values[3] in (torch.float16, torch.float8_e4m3fn)],
+)
 def test_load_all_matches_naive(layout, io, kind, dtype, ps, engine):
-    g, device, host, device_slots, host_slots = pools(layout, kind, dtype, ps, seed=5 * ps + len(layout))
+    g, device, host, device_slots, host_slots = pools(
+        layout, kind, dtype, ps, seed=5 * ps + len(layout)
+    )
     expected = DevicePool.wrap(g, ps, **_wrap_kwargs(g, snapshot(device)))
     host_before = host.buffer.clone()
-    moved = run_load_all(plan_transfer(host, device, host_slots, device_slots), host, device, io, engine)
+    moved = run_load_all(
+        plan_transfer(host, device, host_slots, device_slots), host, device, io, engine
+    )
     for layer in range(g.layers):
         naive_load(host, expected, host_slots, device_slots, layer)
     assert moved == device_slots.size * g.bytes_per_token
-    assert all(same_bytes(device.buffer(l, c), expected.buffer(l, c)) for l in range(g.layers) for c in range(g.components))
+    assert all(
+        same_bytes(device.buffer(l, c), expected.buffer(l, c))
+        for l in range(g.layers)
+        for c in range(g.components)
+    )
     assert torch.equal(host.buffer, host_before)
 
 

@@ -31,8 +31,13 @@ def test_lines_are_sorted_json_with_seq_t_component():
     lines = sink.getvalue().splitlines()
     first, second = (json.loads(line) for line in lines)
     assert first == {
-        "event": "writer.batch_done", "component": "writer", "level": "info",
-        "seq": 1, "t": 1.0, "op_id": 3, "tokens": 64,
+        "event": "writer.batch_done",
+        "component": "writer",
+        "level": "info",
+        "seq": 1,
+        "t": 1.0,
+        "op_id": 3,
+        "tokens": 64,
     }
     assert second["seq"] == 2 and second["t"] == 2.5 and second["node_id"] == 5
     assert second["level"] == "warning" and second["component"] == "tree"
@@ -44,7 +49,12 @@ def test_values_render_without_addresses():
     sink, log = make_log()
     log.emit("x.y", component="c", tier=Tier.L1, ids={3, 1}, raw=b"\x01", thing=Opaque())
     event = json.loads(sink.getvalue())
-    assert (event["tier"], event["ids"], event["raw"], event["thing"]) == ("L1", [1, 3], "01", "<Opaque>")
+    assert (event["tier"], event["ids"], event["raw"], event["thing"]) == (
+        "L1",
+        [1, 3],
+        "01",
+        "<Opaque>",
+    )
     assert "0x" not in sink.getvalue()
 
 
@@ -72,7 +82,7 @@ def test_capture_events_and_capture_flag():
     assert [e["event"] for e in inner] == ["two"]
     assert [e["event"] for e in log.events] == ["one", "two", "three"]
     with pytest.raises(RuntimeError, match="capture=True"):
-        EventLog().events
+        _ = EventLog().events
 
 
 def test_configure_logging_writes_json_lines_to_the_sink():
