@@ -22,13 +22,31 @@ from hicache.components.tree.agreement import RankAgreement, SingleRank
 from hicache.config import CacheConfig
 from hicache.kernels.pools import DevicePool
 from hicache.messages import (
-    AllocBatch, Asks, CacheBatch, CacheItem, ClearStorage, Drain, DumpTree, Flush, GetStats,
-    LoadBackBatch, MatchBatch, MatchItem, PrefetchBatch, PrefetchPoll, PrefetchWait,
-    ReleaseBatch, TreeInbox,
+    AllocBatch,
+    Asks,
+    CacheBatch,
+    CacheItem,
+    ClearStorage,
+    Drain,
+    DumpTree,
+    Flush,
+    GetStats,
+    LoadBackBatch,
+    MatchBatch,
+    MatchItem,
+    PrefetchBatch,
+    PrefetchPoll,
+    PrefetchWait,
+    ReleaseBatch,
+    TreeInbox,
 )
 from hicache.observability import EventLog
 from hicache.results import (
-    CacheOutcome, CacheStats, LoadBackOutcome, MatchOutcome, PrefetchOutcome,
+    CacheOutcome,
+    CacheStats,
+    LoadBackOutcome,
+    MatchOutcome,
+    PrefetchOutcome,
 )
 from hicache.runtime import Kernel, Mailbox, Reply
 from hicache.types import RequestId
@@ -93,9 +111,14 @@ class HiCache:
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Self:
-        parts = Parts(device_pool=self._device_pool, log=self._log, streams=self._streams_override,
-                      backend=self._backend_override, transfer_faults=self._transfer_faults,
-                      tp_group=self._tp_group)
+        parts = Parts(
+            device_pool=self._device_pool,
+            log=self._log,
+            streams=self._streams_override,
+            backend=self._backend_override,
+            transfer_faults=self._transfer_faults,
+            tp_group=self._tp_group,
+        )
         built = await assemble(self.config, self.rewrites, parts)  # undoes itself on failure
         self._resources = built.resources
         try:
@@ -120,8 +143,12 @@ class HiCache:
             raise
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> bool | None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
         kernel = self._kernel
         assert kernel is not None
         leak: LedgerImbalance | None = None
@@ -129,6 +156,12 @@ class HiCache:
             if exc_type is None and kernel.failure is None:
                 report, tables = await self._drain(kernel)
                 self.close_report, self.close_tables = report, tables
+                kernel.log.emit(
+                    "cache.closed",
+                    component="cache",
+                    used={t: v["used"] for t, v in report.items()},
+                    tables_left={name: n for name, n in tables.items() if n},
+                )
                 leaked = {t: v["used"] for t, v in report.items() if v["used"]}
                 left = {name: n for name, n in tables.items() if n}
                 if leaked:
@@ -152,8 +185,7 @@ class HiCache:
             drained = await self._until(lambda r: Drain(reply=r, poll=self._polling))
             assert drained is not None  # answered once nothing is in flight
             return drained
-        kernel.log.emit("cache.close_timeout", component="cache", level="warning",
-                        timeout=timeout)
+        kernel.log.emit("cache.close_timeout", component="cache", level="warning", timeout=timeout)
         abandoned = await self._call(lambda r: Drain(reply=r, abandon=True))
         assert abandoned is not None  # `abandon` ends what is in flight, then answers
         return abandoned
@@ -172,8 +204,12 @@ class HiCache:
         the tree: it polls, and every rank polls the same number of times."""
         return not self._agreement.trivial
 
-    async def _until(self, make: Callable[[Reply[T]], Asks[T]], *,
-                     done: Callable[[T], bool] = lambda value: value is not None) -> T:
+    async def _until(
+        self,
+        make: Callable[[Reply[T]], Asks[T]],
+        *,
+        done: Callable[[T], bool] = lambda value: value is not None,
+    ) -> T:
         """One call; with TP, repeat it (a short real-time pause between) until `done`."""
         value = await self._call(make)
         while self._polling and not done(value):
@@ -216,25 +252,39 @@ class HiCache:
         batch = tuple((rid, int(n)) for rid, n in sizes)
         return await self._call(lambda r: AllocBatch(sizes=batch, reply=r))
 
-    async def cache_finished(self, rid: RequestId, tokens: Sequence[int] | np.ndarray,
-                             device_slots: Sequence[int] | np.ndarray) -> CacheOutcome:
+    async def cache_finished(
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        device_slots: Sequence[int] | np.ndarray,
+    ) -> CacheOutcome:
         """Insert a finished request's KV, free duplicates, count hits, release its lock."""
         (out,) = await self.cache_many([(rid, tokens, device_slots, True)])
         return out
 
-    async def cache_unfinished(self, rid: RequestId, tokens: Sequence[int] | np.ndarray,
-                               device_slots: Sequence[int] | np.ndarray) -> CacheOutcome:
+    async def cache_unfinished(
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        device_slots: Sequence[int] | np.ndarray,
+    ) -> CacheOutcome:
         """Insert a chunk of a running request (no hit count); the lock moves to the new end."""
         (out,) = await self.cache_many([(rid, tokens, device_slots, False)])
         return out
 
     async def cache_many(
         self,
-        items: Iterable[tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool]],
+        items: Iterable[
+            tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool]
+        ],
     ) -> tuple[CacheOutcome, ...]:
         batch = tuple(
-            CacheItem(rid=rid, tokens=_tokens(t), device_slots=np.asarray(s, dtype=np.int64),
-                      finished=bool(f))
+            CacheItem(
+                rid=rid,
+                tokens=_tokens(t),
+                device_slots=np.asarray(s, dtype=np.int64),
+                finished=bool(f),
+            )
             for rid, t, s, f in items
         )
         return await self._call(lambda r: CacheBatch(items=batch, reply=r))
@@ -266,8 +316,9 @@ class HiCache:
         load_back brings it into L1."""
         out = await self._call(lambda r: PrefetchWait(rid=rid, reply=r, poll=self._polling))
         if self._polling and not out.ready:
-            out = await self._until(lambda r: PrefetchPoll(rid=rid, reply=r),
-                                    done=lambda o: o.ready)
+            out = await self._until(
+                lambda r: PrefetchPoll(rid=rid, reply=r), done=lambda o: o.ready
+            )
         return out
 
     async def prefetch_poll(self, rid: RequestId) -> PrefetchOutcome:
@@ -279,8 +330,9 @@ class HiCache:
 
     async def flush(self) -> None:
         """Wait until every pending write (L1 -> L2, and on to L3) has completed."""
-        await self._until(lambda r: Flush(reply=r, poll=self._polling),
-                          done=lambda v: v is not False)
+        await self._until(
+            lambda r: Flush(reply=r, poll=self._polling), done=lambda v: v is not False
+        )
 
     async def stats(self) -> CacheStats:
         return await self._call(lambda r: GetStats(reply=r))

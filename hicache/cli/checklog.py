@@ -208,6 +208,13 @@ class LogChecker:
         self._end_of_run()
         self._run = None
 
+    def _on_cache_closed(self, e: dict[str, Any]) -> None:
+        used = {tier: n for tier, n in (e.get("used") or {}).items() if n}
+        if used:
+            self._fail(f"the ledgers do not balance at close: {used} slots still held")
+        if e.get("tables_left"):
+            self._fail(f"bookkeeping tables not empty at close: {e['tables_left']}")
+
     def _on_kernel_actor_failed(self, e: dict[str, Any]) -> None:
         self._fail(f"actor {e.get('actor')!r} failed: {e.get('error')}: {e.get('message')}")
 

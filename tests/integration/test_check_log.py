@@ -323,3 +323,15 @@ def test_the_rederived_l1_count_is_the_cache_s(write_policy, exclusive, storage)
         return compared
 
     assert anyio.run(run) > 10
+
+
+def test_a_close_that_leaves_slots_or_tables_behind_is_caught(logs):
+    events = read(logs["l3_write_through"])
+    at = first(events, "cache.closed")
+    assert events[at]["used"] and not any(events[at]["used"].values())
+    leaked = [dict(e) for e in events]
+    leaked[at] = {**leaked[at], "used": {"device": 64, "host": 0}}
+    assert "do not balance" in violation(leaked)
+    left = [dict(e) for e in events]
+    left[at] = {**left[at], "tables_left": {"writes": 1}}
+    assert "not empty at close" in violation(left)
