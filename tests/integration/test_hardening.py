@@ -3,8 +3,6 @@ mistake, and leaks. Each failed on the code before its fix."""
 
 from __future__ import annotations
 
-import threading
-
 import anyio
 import numpy as np
 import pytest
@@ -79,7 +77,12 @@ def test_release_mid_load_never_hands_the_loads_slots_to_another_request():
             host_tokens=256,
             write_policy="write_through",
         )
-        async with HiCache(cfg, transfer_faults=faults) as cache:
+        log = EventLog(capture=True)
+        landed = anyio.Event()
+        # The loader logs load_done, then sends LoadDone to the tree in the same turn: any
+        # frontend call made after this fires is handled after the tree applied it.
+        log.add_listener(lambda e: e["event"] == "loader.load_done" and landed.set())
+        async with HiCache(cfg, transfer_faults=faults, log=log) as cache:
             sched = ScriptedScheduler(cache, compute=synthetic_compute(cache))
             a, b, c = tokens(0, 32), tokens(1000, 32), tokens(2000, 32)
             await sched.run([[("a", a)], [("b", b)], [("c", c)]])  # a leaves L1 for L2
@@ -95,8 +98,8 @@ def test_release_mid_load_never_hands_the_loads_slots_to_another_request():
                 await cache.allocate("d", 64)  # would need the load's slots
             gate.set()
             await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
-            while (await cache.stats()).inflight["loads"]:  # until the tree applied LoadDone
-                await anyio.sleep(0.001)
+            await landed.wait()
+            assert (await cache.stats()).inflight["loads"] == 0
             new = await cache.allocate("d", 64)  # now they may be reused
             d = tokens(3000, 64)
             synthetic_compute(cache)("d", d, new, 0)
@@ -207,15 +210,17 @@ def test_clear_storage_on_a_hung_store_is_a_timeout_error_and_the_cache_keeps_se
     run_virtual(main)
 
 
-class ThreadHungBackend(MemoryBackend):
-    """set_from blocks a worker thread until released: cancelling cannot end it."""
+class UncancellableBackend(MemoryBackend):
+    """set_from waits until released and ignores cancellation, as a call running in a worker
+    thread does: the deadline cannot end it."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        self.release = threading.Event()
+        self.release = anyio.Event()
 
     async def set_from(self, keys, sources):
-        await anyio.to_thread.run_sync(self.release.wait)
+        with anyio.CancelScope(shield=True):
+            await self.release.wait()
         return await super().set_from(keys, sources)
 
 
@@ -224,21 +229,26 @@ def test_a_timed_out_upload_keeps_its_host_pages_until_the_call_returns():
     protected: the upload op stays in flight until the thread returns."""
 
     async def main():
-        cfg = storage_config(
-            deterministic=False, cpu_transfers="inline", storage_timeout=0.05, upload_retries=0
+        cfg = storage_config(storage_timeout=2.0, upload_retries=0)
+        backend = UncancellableBackend(namespace=namespace_of(cfg), store=MemoryStore())
+        log = EventLog(capture=True)
+        ended = anyio.Event()  # the uploader logs the upload's end, then sends UploadDone
+        log.add_listener(
+            lambda e: e["event"] in ("uploader.stored", "uploader.failed") and ended.set()
         )
-        backend = ThreadHungBackend(namespace=namespace_of(cfg), store=MemoryStore())
-        async with HiCache(cfg, backend=backend) as cache:
+        async with HiCache(cfg, backend=backend, log=log) as cache:
+            t0 = cache.kernel.now()
             await write(cache, "w", tokens(0, 32))  # the flush ends at the deadline
+            assert cache.kernel.now() - t0 == pytest.approx(2.0)
             tree = cache.kernel.actors["tree"]
             assert tree.bookkeeping()["uploads"] == 1  # still protected
             assert [n["host_ref"] for n in await cache.dump()][1:] == [1]
             backend.release.set()
-            while tree.bookkeeping()["uploads"]:
-                await anyio.sleep(0.001)
+            await ended.wait()
             assert [n["host_ref"] for n in await cache.dump()][1:] == [0]
+            assert tree.bookkeeping()["uploads"] == 0
 
-    anyio.run(main)
+    run_virtual(main)
 
 
 def test_close_abandons_work_past_its_deadline_with_an_event():

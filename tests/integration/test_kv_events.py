@@ -466,9 +466,25 @@ def test_wire_format(encoding):
     assert tree.observer is None
 
 
-def test_publisher_thread_idles_on_its_timer():
-    """Woken by flush and replay requests, the thread still sleeps a batch_interval between
-    turns when nothing is queued (no busy loop competing for the GIL)."""
+def test_publisher_thread_idles_on_its_timer(monkeypatch):
+    """Woken by flush and replay requests, the thread still blocks a whole batch_interval in
+    each poll when nothing is queued (no busy loop competing for the GIL): every idle turn
+    polls with the full interval as its timeout."""
+    import threading
+
+    timeouts: list[int] = []
+    idle_turns = threading.Event()
+
+    class RecordingPoller(zmq.Poller):
+        def poll(self, timeout=None):
+            ready = super().poll(timeout)
+            if not ready:  # an idle turn: nothing queued, nothing asked
+                timeouts.append(timeout)
+                if len(timeouts) >= 3:
+                    idle_turns.set()
+            return ready
+
+    monkeypatch.setattr(zmq, "Poller", RecordingPoller)
     ctx = zmq.Context()
     pub = KVEventPublisher(
         "inproc://kv-idle",
@@ -480,9 +496,8 @@ def test_publisher_thread_idles_on_its_timer():
         pub.all_cleared()
         assert pub.flush() and pub.next_seq == 1
         assert [s for s, _ in replay(ctx, "inproc://kv-idle-replay", 0)] == [0]
-        before = pub.wakeups
-        time.sleep(0.4)
-        assert pub.wakeups - before <= 0.4 / 0.02 + 5
+        assert idle_turns.wait(timeout=30), "the publisher thread never went idle"
+        assert timeouts and all(t == 20 for t in timeouts), timeouts
     finally:
         pub.close()
         ctx.destroy(linger=0)
