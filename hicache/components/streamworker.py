@@ -25,12 +25,12 @@ def describe(error: BaseException | None) -> str:
 
 
 class StreamWorker(Actor[J | StreamDone]):
+    actor_name: str  # "writer" or "loader"
     job_type: type[J]  # the command this direction takes: Backup or Load
     done_event: str  # the event logged when a job ends, e.g. "writer.backup_done"
 
     def __init__(
         self,
-        name: str,
         *,
         streams: TransferStreams,
         tree: Mailbox[TreeInbox],
@@ -38,7 +38,7 @@ class StreamWorker(Actor[J | StreamDone]):
         capacity: int,
         reserve: int,
     ) -> None:
-        super().__init__(name, capacity=capacity, reserve=reserve)
+        super().__init__(self.actor_name, capacity=capacity, reserve=reserve)
         self._streams = streams
         self._tree = tree
         self._bytes_per_token = bytes_per_token

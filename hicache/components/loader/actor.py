@@ -10,32 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicache.components.streamworker import StreamWorker
-from hicache.kernels.streams.base import TransferStreams
-from hicache.messages import Load, LoadDone, TreeInbox
-from hicache.runtime import Mailbox
+from hicache.messages import Load, LoadDone
 
 
 class LoaderActor(StreamWorker[Load]):
+    actor_name = "loader"
     job_type = Load
     done_event = "loader.load_done"
-
-    def __init__(
-        self,
-        *,
-        streams: TransferStreams,
-        tree: Mailbox[TreeInbox],
-        bytes_per_token: int,
-        capacity: int,
-        reserve: int,
-    ) -> None:
-        super().__init__(
-            "loader",
-            streams=streams,
-            tree=tree,
-            bytes_per_token=bytes_per_token,
-            capacity=capacity,
-            reserve=reserve,
-        )
 
     def _submit(self, job: Load, on_done: Callable[[BaseException | None], None]) -> None:
         job.reply.set(self._streams.submit_load(job.host_slots, job.device_slots, on_done=on_done))

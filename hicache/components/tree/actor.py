@@ -333,9 +333,9 @@ class TreeActor(BackupFlows, PrefetchFlows, CompletionFlows, Actor[TreeInbox]):
         state = self._state(rid, "load_back")
         if state.failed_load:  # its prefix is not in L1 any more: release or match again
             return self._loaded(rid, state, 0)
-        if not state.loaded_back and not state.owned:
-            # What the match saw may be stale: another request may have loaded or cached part
-            # of the L2-only stretch since. Take the prefix as the tree has it now.
+        if state.host_len and not state.loaded_back and not state.owned:
+            # What the match saw of its L2-only stretch may be stale: another request may have
+            # loaded or cached part of it since. Take the prefix as the tree has it now.
             self._rematch(state)
         state.loaded_back = True
         if state.host_len < max(1, self._cfg.load_back_threshold) or state.last_node is None:

@@ -11,32 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicache.components.streamworker import StreamWorker
-from hicache.kernels.streams.base import TransferStreams
-from hicache.messages import Backup, TreeInbox, WriteDone
-from hicache.runtime import Mailbox
+from hicache.messages import Backup, WriteDone
 
 
 class WriterActor(StreamWorker[Backup]):
+    actor_name = "writer"
     job_type = Backup
     done_event = "writer.backup_done"
-
-    def __init__(
-        self,
-        *,
-        streams: TransferStreams,
-        tree: Mailbox[TreeInbox],
-        bytes_per_token: int,
-        capacity: int,
-        reserve: int,
-    ) -> None:
-        super().__init__(
-            "writer",
-            streams=streams,
-            tree=tree,
-            bytes_per_token=bytes_per_token,
-            capacity=capacity,
-            reserve=reserve,
-        )
 
     def _submit(self, job: Backup, on_done: Callable[[BaseException | None], None]) -> None:
         self._streams.submit_backup(job.device_slots, job.host_slots, on_done=on_done)
