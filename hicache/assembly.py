@@ -128,6 +128,7 @@ async def _assemble(
         bytes_per_token=bpt,
         topology=topo,
         agreement=agreement,
+        storage_on=parts.backend is not None or bool(cfg.storage),
     )
     writer = WriterActor(
         streams=streams,
@@ -184,7 +185,6 @@ async def _assemble(
         storage = dict(
             uploader=uploader.inbox,
             prefetcher=prefetcher.inbox,
-            namespace=namespace,
             clear_storage=backend.clear,
         )
     tree_actor.connect(writer=writer.inbox, loader=loader.inbox, **storage)

@@ -231,7 +231,6 @@ class Backup:
     op: OpId
     device_slots: np.ndarray
     host_slots: np.ndarray
-    reply: Reply[bool] | None = None  # answered ok (besides WriteDone); an eviction may wait
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,7 +259,6 @@ class Upload:
     op: OpId
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
-    reply: Reply[int] | None = None  # answered with the pages stored (besides UploadDone)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1270,7 +1270,20 @@ async def builtin_clients(ctx: SimContext) -> None:
 
 
 # ---------------------------------------------------------------------------------- the run
-_NOT_TABLES = {"_cfg", "_actors", "counters", "_ledgers", "_slots"}
+_NOT_TABLES = {"_cfg", "_actors", "counters", "_ledgers", "_slots", "_workers", "ledgers"}
+
+
+def _owners(actor: Any) -> list[tuple[str, Any]]:
+    """The actor and the parts of its controller, if it has one (each owns tables)."""
+    core = getattr(actor, "core", None)
+    if core is None:
+        return [("", actor)]
+    parts = [
+        (f"core.{k}.", v)
+        for k, v in vars(core).items()
+        if hasattr(v, "__dict__") and type(v).__module__.startswith("hicache.components")
+    ]
+    return [("", actor), ("core.", core), *parts]
 
 
 def leftover_tables(cache: HiCache) -> list[str]:
@@ -1279,18 +1292,19 @@ def leftover_tables(cache: HiCache) -> list[str]:
     out = []
     kernel = cache.kernel
     for name, actor in kernel.actors.items():
-        for attr, value in vars(actor).items():
-            if attr in _NOT_TABLES or not isinstance(value, (dict, set, list, deque)):
-                continue
-            if (
-                isinstance(value, dict)
-                and value
-                and all(isinstance(v, (list, deque)) for v in value.values())
-            ):
-                if any(len(v) for v in value.values()):
-                    out.append(f"{name}.{attr}")
-            elif len(value):
-                out.append(f"{name}.{attr}={_describe(value)}")
+        for prefix, owner in _owners(actor):
+            for attr, value in vars(owner).items():
+                if attr in _NOT_TABLES or not isinstance(value, (dict, set, list, deque)):
+                    continue
+                if (
+                    isinstance(value, dict)
+                    and value
+                    and all(isinstance(v, (list, deque)) for v in value.values())
+                ):
+                    if any(len(v) for v in value.values()):
+                        out.append(f"{name}.{prefix}{attr}")
+                elif len(value):
+                    out.append(f"{name}.{prefix}{attr}={_describe(value)}")
     if kernel.pending_replies:
         out.append(f"kernel: {kernel.pending_replies} pending replies")
     if kernel._helpers:

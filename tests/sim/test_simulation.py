@@ -207,7 +207,7 @@ def test_slots_leaked_behind_the_trees_back_are_reported():
 
     async def leaky(ctx):
         await builtin_clients(ctx)
-        ctx.cache.kernel.actors["tree"]._slots["device"].alloc(ctx.sim.page_size)
+        ctx.cache.kernel.actors["tree"].core.space.ledgers["device"].alloc(ctx.sim.page_size)
 
     with pytest.raises(SimViolation, match="leak at close"):
         run_simulation(5, hooks=SimHooks(driver=leaky))

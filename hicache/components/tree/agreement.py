@@ -13,7 +13,7 @@ for free.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class RankAgreement(Protocol):
@@ -42,11 +42,13 @@ class TorchDistributedAgreement:
 
     trivial = False
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group first"
+            )
         self._dist = dist
         self._group = group
         self.calls = 0
@@ -67,4 +69,4 @@ class TorchDistributedAgreement:
         self.calls += 1
         await anyio.to_thread.run_sync(reduce)
         out = values.tolist()
-        return out[: len(mins)], [-v for v in out[len(mins):]]
+        return out[: len(mins)], [-v for v in out[len(mins) :]]

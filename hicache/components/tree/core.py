@@ -78,9 +78,14 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 def _frozen_slots(slots: np.ndarray, what: str, expected: int) -> np.ndarray:
     """Slots as a read-only int64 array the tree may keep. A read-only int64 array (as the ledgers
     return) is kept as is; anything else is copied, since the caller may change it later."""
-    if type(slots) is np.ndarray and slots.dtype == np.int64 and not slots.flags.writeable:
-        if slots.ndim == 1 and slots.size == expected:
-            return slots
+    if (
+        type(slots) is np.ndarray
+        and slots.dtype == np.int64
+        and not slots.flags.writeable
+        and slots.ndim == 1
+        and slots.size == expected
+    ):
+        return slots
     arr = np.asarray(slots)
     if arr.ndim != 1 or arr.size != expected:
         raise TreeError(f"{what}: expected {expected} slots, got shape {arr.shape}")
@@ -119,7 +124,9 @@ class RadixTree:
         self.observer = observer  # told where pages enter or leave a tier (TreeObserver)
         self._next_id = 0
         self._nodes: dict[int, Node] = {}  # live nodes by id
-        root = self._new_node(None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0)
+        root = self._new_node(
+            None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0
+        )
         self._root = root
         self.root: NodeId = NodeId(root.id)
         # Eviction candidates, kept incrementally (id -> node; iteration order is insertion order).
@@ -128,12 +135,23 @@ class RadixTree:
         self._evictable_device = 0  # device tokens of unlocked nodes
         self._evictable_host = 0  # host-only tokens of unlocked, unprotected nodes
         self._backups: dict[int, int] = {}  # in-flight backup id (its node id) -> pieces (>= 1)
-        self._stage = bytearray()  # scratch copy of the key being walked, for memcmp against node keys
+        self._stage = (
+            bytearray()
+        )  # scratch copy of the key being walked, for memcmp against node keys
 
     # ----------------------------------------------------------------------------- bookkeeping
 
     def _new_node(self, parent, key, num_tokens, *, device, host, now, priority) -> Node:
-        node = Node(self._next_id, parent, key, num_tokens, device=device, host=host, now=now, priority=priority)
+        node = Node(
+            self._next_id,
+            parent,
+            key,
+            num_tokens,
+            device=device,
+            host=host,
+            now=now,
+            priority=priority,
+        )
         self._next_id += 1
         self._nodes[node.id] = node
         return node
@@ -349,7 +367,9 @@ class RadixTree:
         arr = self._codec.encode(key)
         n = arr.size
         if n % self.page_size:
-            raise TreeError(f"insert: key of {n} tokens is not a multiple of page_size={self.page_size}")
+            raise TreeError(
+                f"insert: key of {n} tokens is not a multiple of page_size={self.page_size}"
+            )
         slots = _frozen_slots(device_slots, "insert", n)
         # Chunked-prefill inserts neither count hits nor propose backups (as the seed).
         threshold = None if chunked else self.write_policy.backup_threshold
@@ -378,7 +398,13 @@ class RadixTree:
                 leaf_slots = leaf_slots.copy()
                 leaf_slots.flags.writeable = False
             leaf = self._new_node(
-                node, arr[matched:].tobytes(), n - matched, device=leaf_slots, host=None, now=now, priority=priority
+                node,
+                arr[matched:].tobytes(),
+                n - matched,
+                device=leaf_slots,
+                host=None,
+                now=now,
+                priority=priority,
             )
             leaf.hit_count = hit
             self._attach(leaf)
@@ -411,7 +437,9 @@ class RadixTree:
         n = arr.size
         ps = self.page_size
         if n % ps:
-            raise TreeError(f"insert_host: suffix of {n} tokens is not a multiple of page_size={ps}")
+            raise TreeError(
+                f"insert_host: suffix of {n} tokens is not a multiple of page_size={ps}"
+            )
         slots = _frozen_slots(host_slots, "insert_host", n)
         hashes = tuple(page_hashes)
         if len(hashes) != n // ps:
@@ -420,12 +448,20 @@ class RadixTree:
         node = path[-1] if path else start
         if matched < n:
             leaf = self._new_node(
-                node, arr[matched:].tobytes(), n - matched, device=None, host=slots[matched:], now=now, priority=node.priority
+                node,
+                arr[matched:].tobytes(),
+                n - matched,
+                device=None,
+                host=slots[matched:],
+                now=now,
+                priority=node.priority,
             )
             leaf.hashes = hashes[matched // ps :]
             self._attach(leaf)
             node = leaf
-        return InsertHostResult(matched_len=matched, duplicate_slots=slots[:matched], last_node=NodeId(node.id))
+        return InsertHostResult(
+            matched_len=matched, duplicate_slots=slots[:matched], last_node=NodeId(node.id)
+        )
 
     # ----------------------------------------------------------------------------- locks
 
@@ -454,7 +490,9 @@ class RadixTree:
         """Drop one ``host_ref`` on node..root. Raises if the node is not protected. Mutates."""
         x = self._node(node)
         if x is not self._root and x.host_ref <= 0:
-            raise TreeError(f"release_host of node {node}: it is not protected (host_ref would go below 0)")
+            raise TreeError(
+                f"release_host of node {node}: it is not protected (host_ref would go below 0)"
+            )
         self._add_ref(x, "host_ref", -1)
 
     def _add_ref(self, x: Node, field: str, delta: int) -> None:
@@ -543,7 +581,9 @@ class RadixTree:
             x = x.parent
         chain.reverse()
         host = _concat([c.host for c in chain])
-        return LoadPlan(nodes=tuple(NodeId(c.id) for c in chain), host_slots=host, num_tokens=int(host.size))
+        return LoadPlan(
+            nodes=tuple(NodeId(c.id) for c in chain), host_slots=host, num_tokens=int(host.size)
+        )
 
     def commit_load_back(self, plan: LoadPlan, device_slots: np.ndarray) -> None:
         """Give the planned nodes their device slots (in plan order): they become BOTH (exclusive
@@ -554,7 +594,9 @@ class RadixTree:
             _frozen_slots(device_slots, "commit_load_back", 0)
             return
         current = self.plan_load_back(plan.nodes[-1])
-        if current.num_tokens != plan.num_tokens or not np.array_equal(current.host_slots, plan.host_slots):
+        if current.num_tokens != plan.num_tokens or not np.array_equal(
+            current.host_slots, plan.host_slots
+        ):
             raise TreeError(
                 f"commit_load_back: stale plan for node {plan.nodes[-1]} "
                 f"({plan.num_tokens} host tokens planned, {current.num_tokens} host-only now)"
@@ -576,7 +618,9 @@ class RadixTree:
         """Host-only tokens in unlocked, unprotected nodes."""
         return self._evictable_host
 
-    def evict_device(self, num_tokens: int, *, now: float, require_host_copy: bool = False) -> DeviceEviction:
+    def evict_device(
+        self, num_tokens: int, *, now: float, require_host_copy: bool = False
+    ) -> DeviceEviction:
         """Free at least ``num_tokens`` device slots if unlocked leaves allow, cheapest first by the
         strategy, leaf-first. A leaf with a host copy is demoted to HOST_ONLY; one without is removed
         with its host-only descendants, unless the write policy (write_back) or ``require_host_copy``
@@ -623,7 +667,11 @@ class RadixTree:
                 freed.append(x.device)
                 self._set_device(x, None)
                 self._remove_subtree(x, freed_host, removed)
-            exposed = parent if parent is not root and parent.device_children == 0 and parent.lock_ref == 0 else None
+            exposed = (
+                parent
+                if parent is not root and parent.device_children == 0 and parent.lock_ref == 0
+                else None
+            )
             return x.num_tokens, exposed
 
         candidates = [x for x in self._device_leaves.values() if x.lock_ref == 0]
@@ -684,7 +732,9 @@ class RadixTree:
             return x.num_tokens, exposed
 
         candidates = [x for x in self._host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
-        evict_in_order(candidates, key=self.eviction.key, ident=lambda x: x.id, evict=evict, target=num_tokens)
+        evict_in_order(
+            candidates, key=self.eviction.key, ident=lambda x: x.id, evict=evict, target=num_tokens
+        )
         return HostEviction(freed=_concat(freed), removed=tuple(NodeId(i) for i in removed))
 
     # ----------------------------------------------------------------------------- queries
@@ -768,7 +818,9 @@ class RadixTree:
         mutate."""
         key = self.eviction.key
         mine = key(self._node(node))
-        victims = [key(x) for x in self._host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
+        victims = [
+            key(x) for x in self._host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0
+        ]
         return not victims or mine >= min(victims)
 
     def discard_device(self, node: NodeId) -> DeviceEviction:
@@ -780,15 +832,21 @@ class RadixTree:
         if x.lock_ref or x.device_children or x.backup is not None:
             raise TreeError(f"discard_device of node {node}: locked, in flight or not a leaf")
         if self._protected_below(x):
-            return DeviceEviction(freed=EMPTY_SLOTS, demoted=(), removed=(), needs_backup=(),
-                                  freed_host=EMPTY_SLOTS)
+            return DeviceEviction(
+                freed=EMPTY_SLOTS, demoted=(), removed=(), needs_backup=(), freed_host=EMPTY_SLOTS
+            )
         freed = x.device
         freed_host: list[np.ndarray] = []
         removed: list[int] = []
         self._set_device(x, None)
         self._remove_subtree(x, freed_host, removed)
-        return DeviceEviction(freed=freed, demoted=(), removed=tuple(NodeId(i) for i in removed),
-                              needs_backup=(), freed_host=_concat(freed_host))
+        return DeviceEviction(
+            freed=freed,
+            demoted=(),
+            removed=tuple(NodeId(i) for i in removed),
+            needs_backup=(),
+            freed_host=_concat(freed_host),
+        )
 
     def _protected_below(self, x: Node) -> bool:
         return bool(x.host_ref) or any(self._protected_below(c) for c in x.children.values())
@@ -798,8 +856,9 @@ class RadixTree:
         if tier not in ("device", "host"):
             raise TreeError(f"cached_tokens: tier must be 'device' or 'host', got {tier!r}")
         field = "device" if tier == "device" else "host"
-        return sum(getattr(x, field).size for x in self._nodes.values()
-                   if getattr(x, field) is not None)
+        return sum(
+            getattr(x, field).size for x in self._nodes.values() if getattr(x, field) is not None
+        )
 
     def revert_load_back(self, plan: LoadPlan) -> tuple[np.ndarray, tuple[NodeId, ...]]:
         """Undo a committed load that failed: the planned nodes drop their device copies again
@@ -839,8 +898,11 @@ class RadixTree:
     def clear(self) -> ClearedSlots:
         """Remove every node but the root; return all slots the tree held. Refuses (TreeError)
         while any node is locked, protected or being backed up. Mutates."""
-        busy = [x.id for x in self._nodes.values()
-                if x is not self._root and (x.lock_ref or x.host_ref or x.backup is not None)]
+        busy = [
+            x.id
+            for x in self._nodes.values()
+            if x is not self._root and (x.lock_ref or x.host_ref or x.backup is not None)
+        ]
         if busy:
             raise TreeError(f"clear: nodes {busy[:8]} are locked, protected or in flight")
         device = [x.device for x in self._nodes.values() if x.device is not None]

@@ -53,7 +53,9 @@ def check_tree(tree: TreeState) -> None:
         device_children = 0
         for first, c in x.children.items():
             assert c.parent is x, f"node {c.id}: parent pointer is not {x.id}"
-            assert first == c.key[:pb] and len(first) == pb, f"node {c.id}: child key is not its first page"
+            assert first == c.key[:pb] and len(first) == pb, (
+                f"node {c.id}: child key is not its first page"
+            )
             device_children += c.device is not None
             if x.device is None and x is not root:
                 assert c.device is None, f"node {c.id} is on the device below evicted node {x.id}"
@@ -64,19 +66,27 @@ def check_tree(tree: TreeState) -> None:
         n = x.num_tokens
         assert n > 0 and n % ps == 0, f"node {x.id}: {n} tokens is not a positive multiple of {ps}"
         assert len(x.key) == n * codec.itemsize, f"node {x.id}: key bytes do not match its length"
-        assert x.device is not None or x.host is not None, f"node {x.id} has neither device nor host copy"
+        assert x.device is not None or x.host is not None, (
+            f"node {x.id} has neither device nor host copy"
+        )
         for name, arr in (("device", x.device), ("host", x.host)):
             if arr is not None:
-                assert arr.dtype == np.int64 and arr.shape == (n,), f"node {x.id}: {name} slots of wrong shape"
+                assert arr.dtype == np.int64 and arr.shape == (n,), (
+                    f"node {x.id}: {name} slots of wrong shape"
+                )
                 assert not arr.flags.writeable, f"node {x.id}: {name} slots are writeable"
         if x.device is not None:
             device_parts.append(x.device)
         if x.host is not None:
             host_parts.append(x.host)
         if x.hashes is not None:
-            assert len(x.hashes) == n // ps, f"node {x.id}: {len(x.hashes)} hashes for {n // ps} pages"
+            assert len(x.hashes) == n // ps, (
+                f"node {x.id}: {len(x.hashes)} hashes for {n // ps} pages"
+            )
         if x.backup is not None:
-            assert x.host is not None and x.lock_ref > 0, f"node {x.id}: backup in flight without host copy or lock"
+            assert x.host is not None and x.lock_ref > 0, (
+                f"node {x.id}: backup in flight without host copy or lock"
+            )
             backup_pieces[x.backup] = backup_pieces.get(x.backup, 0) + 1
         if x.device is not None and x.device_children == 0:
             device_leaves.add(x.id)
@@ -94,7 +104,9 @@ def check_tree(tree: TreeState) -> None:
     assert tree._evictable_host == evictable_host, "evictable host count is stale"
     assert backup_pieces == tree._backups, "in-flight backup pieces are stale"
     for bid in backup_pieces:
-        assert tree._nodes.get(bid) is not None and tree._nodes[bid].backup == bid, f"backup {bid} lost its node"
+        assert tree._nodes.get(bid) is not None and tree._nodes[bid].backup == bid, (
+            f"backup {bid} lost its node"
+        )
     for name, parts in (("device", device_parts), ("host", host_parts)):
         if parts:
             allslots = np.concatenate(parts)

@@ -9,6 +9,7 @@ compare with memcmp (``bytearray.startswith`` on a staging buffer) instead of pe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class KeyCodec:
         self.page_size = page_size
         self.page_bytes = page_size * self.itemsize
 
-    def encode(self, key: Sequence | np.ndarray) -> np.ndarray:
+    def encode(self, key: Sequence[Any] | np.ndarray) -> np.ndarray:
         """The key as a contiguous 1-D array of ``dtype`` (all of it; callers cut to pages). May be a
         view of the caller's array: read, never kept. Raises TreeError on a malformed key."""
         if type(key) is np.ndarray and key.dtype == np.uint32 and key.ndim == 1 and not self.bigram:

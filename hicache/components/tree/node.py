@@ -64,7 +64,9 @@ class Node:
         self.key = key  # the tokens' bytes (uint32 each, or two uint32 for bigram keys)
         self.num_tokens = num_tokens
         self.device = device  # L1 slots, or None when not on the device
-        self.host = host  # L2 slots, or None when no host copy (or, with backup set, one being written)
+        self.host = (
+            host  # L2 slots, or None when no host copy (or, with backup set, one being written)
+        )
         self.hashes: tuple[str, ...] | None = None  # L3 page hashes, one per page, when known
         self.lock_ref = 0  # running requests / in-flight device reads on this node or below
         self.host_ref = 0  # in-flight host transfers protecting this node or below

@@ -1,29 +1,32 @@
-"""The tree actor's records: one per running request and per operation in flight. Owned by
-the tree actor alone; other actors only ever see ids and slot arrays."""
+"""The controller's records: one per running request and per operation in flight. Owned by
+the controller alone; other actors only ever see ids and slot arrays."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from hicache.types import EMPTY_SLOTS, NodeId, RequestId
-
+from hicache.components.tree.results import LoadPlan
+from hicache.results import PrefetchOutcome
+from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash, RequestId
 
 
 @dataclass(slots=True)
 class RequestState:
-    """What the tree knows of one running request. Owned by the tree actor."""
+    """What the controller knows of one running request."""
 
     lock: NodeId | None = None  # the node whose path is locked for this request
     last_node: NodeId | None = None  # deepest matched node (device or host)
     prefix_slots: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)  # tree slots it reads
     host_len: int = 0  # L2-only tokens after prefix_slots, as of the last match
     owned: list[np.ndarray] = field(default_factory=list)  # slots allocated, not yet in the tree
-    padding: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)  # rest of its last page, unused
-    tokens: object = None  # the tokens of the last match, for re-matching after a prefetch
-    prefetch: object = None  # the last prefetch's outcome once it ended
-    loads: list = field(default_factory=list)  # OpIds of the loads its prefix waits on
+    # the rest of its last page, unused
+    padding: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    tokens: Any = None  # the tokens of the last match, for re-matching after a prefetch
+    prefetch: PrefetchOutcome | None = None  # the last prefetch's outcome once it ended
+    loads: list[OpId] = field(default_factory=list)  # the loads its prefix waits on
     failed_load: bool = False  # one of them failed: its prefix slots are no longer its
     loaded_back: bool = False  # load_back ran since the last match: its prefix is fixed now
 
@@ -32,14 +35,12 @@ class RequestState:
 class WriteOp:
     node: NodeId
     host_slots: np.ndarray
-    done: object  # Reply[bool] the writer answers; an eviction may wait on it
     evicting: bool = False  # started by an L1 eviction (write_back / exclusive)
 
 
 @dataclass(slots=True)
 class LoadOp:
-    plan: object  # the core's LoadPlan
-    handle: object
+    plan: LoadPlan
     lock: NodeId  # the load's own lock (the plan's deepest node), held until it lands or fails
     anchor: NodeId  # the deepest node already on the device above it (the root if none): the
     # nodes the load fills are those between anchor and lock, however they are split meanwhile
@@ -49,23 +50,22 @@ class LoadOp:
 class PrefetchOp:
     rid: RequestId
     anchor: NodeId  # deepest matched node with a host copy; new nodes go below it
-    tokens: object  # the page-aligned tokens to fetch, after the anchor
-    hashes: tuple
+    tokens: Any  # the page-aligned tokens to fetch, after the anchor
+    hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
-    timer: object = None  # the timeout policy's TimerHandle, cancelled when the op ends
+    timer: bool = False  # the timeout policy's timer is running (cancelled when the op ends)
     hit_pages: int = -1  # unknown until the prefetcher's probe reports
     done_pages: int = 0
     stopping: bool = False
     reading: bool = False  # ReadPrefetch sent (host slots taken for the agreed hit pages)
     state: str = "running"  # running | done | revoked
-    waiters: list = field(default_factory=list)
+    waiters: list[Any] = field(default_factory=list)  # replies of prefetch waits
 
 
 @dataclass(slots=True)
 class UploadOp:
     node: NodeId
     pages: int
-    done: object  # Reply[int] the uploader answers (-1: timed out); a host allocation may wait
     timed_out: bool = False  # its storage call passed the deadline: no longer waited for
 
 
@@ -78,7 +78,6 @@ class Counters:
     host_evictions: int = 0
     d2h_bytes: int = 0
     h2d_bytes: int = 0
-    skipped_loads: int = 0
     skipped_uploads: int = 0  # the upload backlog was full
     upload_timeouts: int = 0
     abandoned_ops: int = 0  # ended at close past its deadline

@@ -6,7 +6,7 @@ moving; a failed upload is retried with exponential backoff on the kernel's cloc
 the last try it is an event and a later miss, never an error for any request.
 
 Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
-tree is told at once (`UploadTimedOut`; the op's reply answers -1), so neither a flush nor a
+tree is told at once (`UploadTimedOut`), so neither a flush nor a
 host allocation waits on a hung store. The op's one `UploadDone` still comes only when the
 call has really returned: a call running in a thread may still be reading the host pages, and
 they stay protected until then. A timed-out upload is not retried.
@@ -83,8 +83,6 @@ class UploaderActor(Actor[UploaderInbox]):
                 self.log.warning(
                     "uploader.timeout", op=op, pages=len(job.msg.hashes), timeout=self._timeout
                 )
-                if job.msg.reply is not None and not job.msg.reply.done:
-                    job.msg.reply.set(-1)
                 self._tree.send_nowait(UploadTimedOut(op=op))  # reserved room: one per op
             case IoDone(op=op, pages=pages, error=error):
                 job = self._jobs[op]
@@ -126,8 +124,6 @@ class UploaderActor(Actor[UploaderInbox]):
                         seconds=seconds,
                         last_hash=job.msg.hashes[-1] if job.msg.hashes else None,
                     )
-                if job.msg.reply is not None and not job.msg.reply.done:  # after a deadline: -1
-                    job.msg.reply.set(pages)
                 self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))
             case _:
                 assert_never(msg)

@@ -23,6 +23,4 @@ class WriterActor(StreamWorker[Backup]):
         self._streams.submit_backup(job.device_slots, job.host_slots, on_done=on_done)
 
     def _finished(self, job: Backup, error: str) -> None:
-        if job.reply is not None:  # an eviction waiting for this backup
-            job.reply.set(not error)
         self._tree.send_nowait(WriteDone(op=job.op, ok=not error, error=error))

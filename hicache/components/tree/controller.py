@@ -1,0 +1,448 @@
+"""The tree controller: the cache's whole control plane as one synchronous core.
+
+It takes one thing at a time (a frontend call, a completion, the values the TP ranks agreed
+on) and returns what to do as data (`effects.py`): commands for the workers, answers, events,
+timers. No await, no clock (the driver passes `now`), no I/O. `actor.py` drives it.
+
+Frontend calls run in arrival order. A call that needs an op in flight to end first (an
+allocation waiting for an eviction backup or an upload) *parks*: the calls after it wait,
+completions keep being taken, and the parked call is run again, from where it stopped, once
+that op has ended. Completions are recorded as they arrive and applied at *sync points*, as
+far as every TP rank has got (one rank agrees with itself: `progress` then `apply`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from typing_extensions import assert_never
+
+from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.core import RadixTree
+from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
+from hicache.components.tree.effects import Drained, Effect
+from hicache.components.tree.loads import LoadFlows
+from hicache.components.tree.prefetches import PrefetchFlows
+from hicache.components.tree.records import Counters
+from hicache.components.tree.requests import Requests
+from hicache.components.tree.space import Space
+from hicache.components.tree.writes import WriteFlows
+from hicache.config import CacheConfig
+from hicache.messages import (
+    AllocBatch,
+    CacheBatch,
+    ClearStorage,
+    Drain,
+    DumpTree,
+    Flush,
+    GetStats,
+    LoadBackBatch,
+    LoadDone,
+    MatchBatch,
+    PrefetchBatch,
+    PrefetchPoll,
+    PrefetchProgress,
+    PrefetchWait,
+    ReleaseBatch,
+    TimerFired,
+    TreeInbox,
+    UploadDone,
+    UploadTimedOut,
+    WriteDone,
+)
+from hicache.results import CacheError, CacheStats, LoadBackOutcome, TierStats
+from hicache.types import OpId
+
+Completion = WriteDone | LoadDone | UploadDone | UploadTimedOut | PrefetchProgress | TimerFired
+COMPLETIONS = (WriteDone, LoadDone, UploadDone, UploadTimedOut, PrefetchProgress, TimerFired)
+
+
+@dataclass(slots=True)
+class Parked:
+    wait: Wait
+    done: list[tuple[LoadBackOutcome, tuple[OpId, ...]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What this rank has seen of every op in flight, as the vectors the ranks agree on."""
+
+    writes: list[OpId]
+    loads: list[OpId]
+    uploads: list[OpId]
+    prefetches: list[OpId]
+    mins: list[int]
+    maxes: list[int]
+
+
+class Controller:
+    def __init__(
+        self,
+        *,
+        config: CacheConfig,
+        tree: RadixTree,
+        bytes_per_token: int,
+        credits: int,
+        storage_on: bool,
+    ) -> None:
+        self.ctx = ctx = Context(
+            cfg=config, tree=tree, bytes_per_token=bytes_per_token, storage_on=storage_on
+        )
+        self.space = Space(ctx)
+        self.writes = WriteFlows(ctx, self.space, credits)
+        self.space.writes = self.writes
+        self.loads = LoadFlows(ctx, self.space, credits)
+        self.requests = Requests(ctx, self.space, self.writes, self.loads)
+        self.prefetches = PrefetchFlows(ctx, self.space, self.writes, self.requests, credits)
+        self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
+        self._parked: Parked | None = None  # the head call, waiting for an op to end
+        self._flush_waiters: list[Any] = []  # answered when no write is pending
+        self._drain_waiters: list[Any] = []  # answered when nothing at all is in flight
+        self._lease_returned = False
+
+    @property
+    def counters(self) -> Counters:
+        return self.ctx.counters
+
+    # ------------------------------------------------------------------ frontend calls
+    def accept(self, msg: TreeInbox) -> None:
+        """Queue a frontend call. Close's last resort (`Drain(abandon=True)`) goes first and
+        ends a parked call, failing it: nothing it waits for will come."""
+        if isinstance(msg, Drain) and msg.abandon:
+            if self._parked is not None:
+                self._parked = None
+                self.ctx.out.fail(
+                    self._calls.popleft().reply,  # type: ignore[union-attr]
+                    CacheError("the cache closed while this call waited"),
+                )
+            self._calls.appendleft(msg)
+        else:
+            self._calls.append(msg)
+
+    def ready(self) -> bool | None:
+        """None: no call can run now; True: the next call is new; False: the parked call can
+        go on (the op it waited for has ended)."""
+        if not self._calls:
+            return None
+        parked = self._parked
+        if parked is None:
+            return True
+        wait = parked.wait
+        if wait.kind == "write":
+            return None if wait.op in self.writes.writes else False
+        job = self.writes.uploads.get(wait.op)
+        return None if job is not None and not job.timed_out else False
+
+    def wants_sync(self) -> bool:
+        """TP ranks: the op the parked call waits for has arrived here, so meet the other ranks
+        now (they do the same once it arrives there) rather than at the next frontend call."""
+        parked = self._parked
+        if parked is None:
+            return False
+        wait = parked.wait
+        if wait.kind == "write":
+            return wait.op in self.writes.arrived_writes
+        job = self.writes.uploads.get(wait.op)
+        return wait.op in self.writes.arrived_uploads or (job is not None and job.timed_out)
+
+    def run(self, now: float) -> list[Effect]:
+        """Run the next call (see `ready`): a new one, or the parked one from where it stopped."""
+        ctx = self.ctx
+        ctx.now = now
+        msg = self._calls.popleft()
+        parked, self._parked = self._parked, None
+        try:
+            wait = self._dispatch(msg, parked)
+        except CacheError as exc:  # a caller's mistake, found before anything changed
+            ctx.out.fail(msg.reply, exc)  # type: ignore[union-attr]
+        else:
+            if wait is not None:
+                self._parked = wait
+                self._calls.appendleft(msg)
+        self._settle()
+        return ctx.out.take()
+
+    def _dispatch(self, msg: TreeInbox, parked: Parked | None) -> Parked | None:
+        out, requests, prefetches = self.ctx.out, self.requests, self.prefetches
+        match msg:
+            case MatchBatch(items=items, reply=reply):
+                matched, match_loads = requests.match_batch(items)
+                out.answer(reply, matched, tuple(match_loads) if any(match_loads) else None)
+            case LoadBackBatch(rids=rids, reply=reply):
+                done = parked.done if parked is not None else []
+                wait = requests.load_back_batch(rids, done)
+                if wait is not None:
+                    return Parked(wait, done)
+                waits = tuple(ops for _, ops in done)
+                out.answer(reply, tuple(o for o, _ in done), waits if any(waits) else None)
+            case AllocBatch(sizes=sizes, reply=reply):
+                slots = requests.alloc_batch(sizes)
+                if isinstance(slots, Wait):
+                    return Parked(slots)
+                out.answer(reply, slots)
+            case CacheBatch(items=items, reply=reply):
+                cached, cache_loads = requests.cache_batch(items)
+                out.answer(reply, cached, tuple(cache_loads) if any(cache_loads) else None)
+            case ReleaseBatch(rids=rids, reply=reply):
+                requests.release_batch(rids)
+                out.answer(reply, None)
+            case Flush(reply=reply, poll=poll):
+                if poll:
+                    out.answer(reply, not self.writes.pending())
+                elif self.writes.pending():
+                    self._flush_waiters.append(reply)
+                else:
+                    out.answer(reply, None)
+            case GetStats(reply=reply):
+                out.answer(reply, self.stats())
+            case DumpTree(reply=reply):
+                out.answer(reply, self.ctx.tree.dump())
+            case Drain(reply=reply, poll=poll, abandon=abandon):
+                prefetches.stop_all()
+                if abandon:
+                    self._abandon_in_flight()
+                if not (poll or abandon):
+                    self._drain_waiters.append(reply)
+                elif self.in_flight():
+                    out.answer(reply, None)
+                else:
+                    self._drain((reply,))
+            case PrefetchBatch(items=items, reply=reply):
+                requests.check_rids([item.rid for item in items], "prefetch")
+                keys = []
+                for item in items:
+                    requests.state(item.rid, "prefetch")
+                    keys.append(requests.check_tokens(item.tokens))
+                out.answer(
+                    reply,
+                    tuple(
+                        prefetches.start(requests.state(item.rid, "prefetch"), item.rid, key)
+                        for item, key in zip(items, keys, strict=True)
+                    ),
+                )
+            case PrefetchWait(rid=rid, reply=reply, poll=poll):
+                prefetches.wait(rid, reply, poll=poll)
+            case PrefetchPoll(rid=rid, reply=reply):
+                out.answer(reply, prefetches.outcome(rid, prefetches.by_rid.get(rid)))
+            case ClearStorage(reply=reply):
+                if self.ctx.storage_on:
+                    out.add(ClearStorageEffect(reply))
+                else:
+                    out.answer(reply, False)
+            case (
+                WriteDone()
+                | LoadDone()
+                | UploadDone()
+                | UploadTimedOut()
+                | PrefetchProgress()
+                | TimerFired()
+            ):
+                raise AssertionError("completions are recorded, not run")
+            case _:
+                assert_never(msg)
+        return None
+
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: Completion) -> None:
+        """Note a completion; applied at the next sync point. One for an op that already
+        ended (a timer that fired as its prefetch ended, work abandoned at close) is stale
+        and dropped."""
+        writes, prefetches = self.writes, self.prefetches
+        match msg:
+            case WriteDone(op=op, ok=ok, error=error):
+                if op in writes.writes:
+                    writes.arrived_writes.setdefault(op, (ok, error))
+            case LoadDone(op=op, ok=ok, error=error):
+                if op in self.loads.loads:
+                    self.loads.arrived.setdefault(op, (ok, error))
+            case UploadDone(op=op, stored_pages=stored):
+                if op in writes.uploads:
+                    writes.arrived_uploads.setdefault(op, stored)
+            case UploadTimedOut(op=op):
+                writes.upload_timed_out(op)
+            case PrefetchProgress(op=op):
+                if op in prefetches.ops:
+                    prefetches.reports[op] = msg  # later reports supersede earlier ones
+            case TimerFired(op=op):
+                if op in prefetches.ops:
+                    prefetches.timers_fired.add(op)
+
+    def progress(self) -> Progress:
+        """This rank's view of every op in flight: MIN-agreed (arrived, ok so far; prefetch
+        hit, read, finished, stopped) and MAX-agreed (a prefetch timer fired)."""
+        writes, loads = list(self.writes.writes), list(self.loads.loads)
+        uploads, prefetches = list(self.writes.uploads), list(self.prefetches.ops)
+        mins: list[int] = []
+        for table, arrived in ((writes, self.writes.arrived_writes), (loads, self.loads.arrived)):
+            for op in table:
+                got = arrived.get(op)
+                mins += [got is not None, got is None or got[0]]
+        mins += [op in self.writes.arrived_uploads for op in uploads]
+        maxes: list[int] = []
+        reports, fired = self.prefetches.reports, self.prefetches.timers_fired
+        for op in prefetches:
+            report = reports.get(op)
+            if report is None:
+                mins += [-1, 0, 0, 0]
+            else:
+                mins += [report.hit_pages, report.done_pages, report.finished, report.stopped]
+            maxes.append(op in fired)
+        return Progress(
+            writes, loads, uploads, prefetches, [int(v) for v in mins], [int(v) for v in maxes]
+        )
+
+    def apply(
+        self, seen: Progress, agreed: list[int], agreed_max: list[int], now: float
+    ) -> list[Effect]:
+        """Apply what every rank has got (for one rank: `seen.mins`, `seen.maxes`), in issue
+        order: writes, loads, then uploads and prefetch steps."""
+        self.ctx.now = now
+        at = 0
+        for table, arrived, finish in (
+            (seen.writes, self.writes.arrived_writes, self._finish_write),
+            (seen.loads, self.loads.arrived, self._finish_load),
+        ):
+            flags, at = agreed[at : at + 2 * len(table)], at + 2 * len(table)
+            for i, op in enumerate(table):
+                if not flags[2 * i]:
+                    break  # some rank is not there yet: later ones wait too (issue order)
+                finish(op, bool(flags[2 * i + 1]), arrived.pop(op)[1])
+        flags, at = agreed[at : at + len(seen.uploads)], at + len(seen.uploads)
+        uploaded = False
+        for op, got in zip(seen.uploads, flags, strict=True):
+            if got:  # uploads end independently: a hung one holds up no other
+                self.writes.arrived_uploads.pop(op, None)
+                self.writes.finish_upload(op)
+                uploaded = True
+        for i, op in enumerate(seen.prefetches):
+            hit, done, finished, stopped = agreed[at + 4 * i : at + 4 * i + 4]
+            self.prefetches.agreed(
+                op,
+                hit=hit,
+                done=done,
+                finished=bool(finished),
+                stopped=bool(stopped),
+                timed_out=bool(agreed_max[i]),
+            )
+        if uploaded and self.prefetches.host_waiting:
+            self.prefetches.retry_reads()
+        self._settle()
+        return self.ctx.out.take()
+
+    def _finish_write(self, op: OpId, ok: bool, error: str) -> None:
+        self.writes.finish_write(op, ok, error)
+
+    def _finish_load(self, op: OpId, ok: bool, error: str) -> None:
+        self.loads.finish(op, ok, error)
+        if not ok:
+            self.requests.load_failed(op)
+
+    # ------------------------------------------------------------------ flush, close, stats
+    def _settle(self) -> None:
+        """Answer flushes once no write is pending, and drains once nothing is in flight."""
+        if self._flush_waiters and not self.writes.pending():
+            for reply in self._flush_waiters:
+                self.ctx.out.answer(reply, None)
+            self._flush_waiters.clear()
+        if self._drain_waiters and not self.in_flight():
+            waiters, self._drain_waiters = self._drain_waiters, []
+            self._drain(tuple(waiters))
+
+    def in_flight(self) -> bool:
+        w = self.writes
+        return bool(
+            w.writes
+            or w.write_backlog
+            or w.uploads
+            or w.upload_backlog
+            or self.loads.loads
+            or self.prefetches.ops
+        )
+
+    def _drain(self, replies: tuple[Any, ...]) -> None:
+        """Release every request and free every slot the tree holds; the driver returns the
+        lease and answers with the ledgers and the bookkeeping tables (all empty now)."""
+        self.requests.release_all()
+        freed = self.ctx.tree.clear()
+        self.space.free("device", freed.device)
+        self.space.free("host", freed.host)
+        lease = {}
+        if not self._lease_returned:
+            self._lease_returned = True
+            lease = {tier: led.free_slots() for tier, led in self.space.ledgers.items()}
+        self.ctx.out.add(Drained(replies, lease, self.bookkeeping()))
+
+    def _abandon_in_flight(self) -> None:
+        """Close's last resort past its deadline: end every op still in flight as if it had
+        failed, so its slots go back. Its worker may still be inside a storage call; the
+        kernel stops right after, and nothing reuses the slots."""
+        w = self.writes
+        counts = {
+            "writes": len(w.writes),
+            "loads": len(self.loads.loads),
+            "uploads": len(w.uploads) + len(w.upload_backlog),
+            "prefetches": len(self.prefetches.ops),
+        }
+        w.abandon()
+        for op in list(self.loads.loads):
+            self.loads.arrived.pop(op, None)
+            self._finish_load(op, False, "abandoned at close")
+        self.prefetches.abandon()
+        self.ctx.counters.abandoned_ops += sum(counts.values())
+        self.ctx.out.warning("tree.abandoned", **counts)
+
+    def bookkeeping(self) -> dict[str, int]:
+        """Sizes of every table that grows with requests or ops: all 0 after a drain."""
+        w, p = self.writes, self.prefetches
+        return {
+            "requests": len(self.requests.table),
+            "writes": len(w.writes),
+            "loads": len(self.loads.loads),
+            "uploads": len(w.uploads),
+            "prefetches": len(p.ops),
+            "prefetch_by_rid": len(p.by_rid),
+            "write_backlog": len(w.write_backlog),
+            "upload_backlog": len(w.upload_backlog),
+            "arrived_writes": len(w.arrived_writes),
+            "arrived_loads": len(self.loads.arrived),
+            "arrived_uploads": len(w.arrived_uploads),
+            "prefetch_reports": len(p.reports),
+            "timers_fired": len(p.timers_fired),
+            "prefetch_host_waiting": len(p.host_waiting),
+            "flush_waiters": len(self._flush_waiters),
+            "calls": len(self._calls),
+        }
+
+    def stats(self) -> CacheStats:
+        tree, c = self.ctx.tree, self.ctx.counters
+        ledgers = self.space.view()
+        dev, host = ledgers["device"], ledgers["host"]
+        return CacheStats(
+            device=TierStats(
+                size=dev["size"],
+                used=dev["used"],
+                cached_tokens=tree.cached_tokens("device"),
+                evictable_tokens=tree.evictable_device_tokens(),
+                evictions=c.device_evictions,
+                hit_tokens=c.device_hit_tokens,
+            ),
+            host=TierStats(
+                size=host["size"],
+                used=host["used"],
+                cached_tokens=tree.cached_tokens("host"),
+                evictable_tokens=tree.evictable_host_tokens(),
+                evictions=c.host_evictions,
+                hit_tokens=c.host_hit_tokens,
+            ),
+            storage_hit_tokens=c.storage_hit_tokens,
+            bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
+            inflight={
+                "writes": len(self.writes.writes),
+                "loads": len(self.loads.loads),
+                "uploads": len(self.writes.uploads),
+                "prefetches": len(self.prefetches.ops),
+                "requests": len(self.requests.table),
+            },
+        )

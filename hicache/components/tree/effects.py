@@ -1,0 +1,141 @@
+"""What the controller asks its driver to do, as data: the controller never awaits, sends,
+logs or reads a clock; each step returns a list of these, which the tree actor executes in
+order (`actor.py`). Tests of the controller read them instead of running an event loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from hicache.types import OpId
+
+Worker = Literal["writer", "uploader", "prefetcher"]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """A command down to a worker (bounded by the controller's credits)."""
+
+    to: Worker
+    msg: Any
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitLoad:
+    """A load to the loader; its `LoadHandle` is kept by the driver under `op` until
+    `LoadEnded`, and put into answers that name the op (`Answer.loads`)."""
+
+    op: OpId
+    host_slots: np.ndarray
+    device_slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class LoadEnded:
+    op: OpId
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Set a frontend reply. `loads`, when given, has one entry per outcome of `value`: the
+    load ops whose handles go into that outcome (`pending` / `handle`)."""
+
+    reply: Any
+    value: Any
+    loads: tuple[tuple[OpId, ...], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    reply: Any
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    name: str
+    fields: dict[str, Any]
+    level: Literal["info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    """Deliver `TimerFired(op)` to the tree after `delay` seconds (a prefetch's timeout)."""
+
+    op: OpId
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    op: OpId
+
+
+@dataclass(frozen=True, slots=True)
+class ClearStorage:
+    """Run the backend's clear (with its deadline) and answer `reply`."""
+
+    reply: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """Everything is released and the tree is empty: give the allocator back `lease` (tier ->
+    the free slots of the controller's ledger), then answer each reply with the allocator's
+    ledgers and the bookkeeping tables (`tables`, to which the driver adds its own)."""
+
+    replies: tuple[Any, ...]
+    lease: dict[str, np.ndarray]
+    tables: dict[str, int]
+
+
+Effect = (
+    Send
+    | SubmitLoad
+    | LoadEnded
+    | Answer
+    | Fail
+    | Event
+    | StartTimer
+    | CancelTimer
+    | ClearStorage
+    | Drained
+)
+
+
+class Effects:
+    """The list one controller step fills, with a method per kind of effect."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[Effect] = []
+
+    def take(self) -> list[Effect]:
+        items, self.items = self.items, []
+        return items
+
+    def send(self, to: Worker, msg: Any) -> None:
+        self.items.append(Send(to, msg))
+
+    def answer(
+        self, reply: Any, value: Any, loads: tuple[tuple[OpId, ...], ...] | None = None
+    ) -> None:
+        self.items.append(Answer(reply, value, loads))
+
+    def fail(self, reply: Any, error: BaseException) -> None:
+        self.items.append(Fail(reply, error))
+
+    def info(self, name: str, **fields: Any) -> None:
+        self.items.append(Event(name, fields))
+
+    def warning(self, name: str, **fields: Any) -> None:
+        self.items.append(Event(name, fields, "warning"))
+
+    def error(self, name: str, **fields: Any) -> None:
+        self.items.append(Event(name, fields, "error"))
+
+    def add(self, effect: Effect) -> None:
+        self.items.append(effect)

@@ -1,0 +1,101 @@
+"""The controller's load flow (L2 -> L1): every load in flight, its credits, and the
+completions not applied yet.
+
+A load holds its own lock on the nodes it fills (and so on their device slots) from issue
+until it has landed or failed: whatever its request does meanwhile (release, match again), no
+eviction can hand those slots to another request under a copy still landing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.effects import LoadEnded, SubmitLoad
+from hicache.components.tree.records import LoadOp, RequestState
+from hicache.components.tree.space import Space
+from hicache.types import NodeId, OpId, RequestId
+
+
+class LoadFlows:
+    def __init__(self, ctx: Context, space: Space, credits: int) -> None:
+        self._ctx = ctx
+        self._space = space
+        self.loads: dict[OpId, LoadOp] = {}
+        self.credits = credits
+        self.arrived: dict[OpId, tuple[bool, str]] = {}
+
+    def under(self, node: NodeId | None) -> list[OpId]:
+        """The loads still landing on the path root..node (wait before reading). A load fills
+        the nodes between its anchor and its lock, however a match or insert split them since
+        (a split keeps the lower piece's id), so walk that stretch, not the plan's node ids."""
+        if not self.loads or node is None:
+            return []
+        tree = self._ctx.tree
+        path = set()
+        x: NodeId | None = node
+        while x is not None:
+            path.add(x)
+            x = tree.parent(x)
+        pending = []
+        for op_id, op in self.loads.items():
+            y: NodeId | None = op.lock
+            while y is not None and y != op.anchor:
+                if y in path:
+                    pending.append(op_id)
+                    break
+                y = tree.parent(y)
+        return pending
+
+    def load_back(self, rid: RequestId, state: RequestState) -> int | Wait:
+        """Load the request's L2-only stretch into L1 when it is worth it: the tokens loaded
+        (0 when below the threshold, out of credits or out of room), or the wait it needs."""
+        ctx, tree = self._ctx, self._ctx.tree
+        if state.host_len < max(1, ctx.cfg.load_back_threshold) or state.last_node is None:
+            return 0
+        if self.credits == 0:
+            ctx.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
+            return 0
+        plan = tree.plan_load_back(state.last_node)
+        device_slots = self._space.device(plan.num_tokens)
+        if isinstance(device_slots, Wait):
+            return device_slots
+        if device_slots is None:
+            ctx.out.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
+            return 0
+        anchor = tree.parent(plan.nodes[0])
+        assert anchor is not None
+        tree.commit_load_back(plan, device_slots)
+        tree.lock(plan.nodes[-1])
+        op = ctx.op()
+        self.credits -= 1
+        ctx.out.add(SubmitLoad(op, plan.host_slots, device_slots))
+        self.loads[op] = LoadOp(plan=plan, lock=plan.nodes[-1], anchor=anchor)
+        state.loads.append(op)
+        state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
+        state.host_len = 0
+        ctx.counters.host_hit_tokens += plan.num_tokens
+        ctx.counters.h2d_bytes += plan.num_tokens * ctx.bytes_per_token
+        ctx.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
+        return plan.num_tokens
+
+    def finish(self, op_id: OpId, ok: bool, error: str) -> None:
+        """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
+        the requests that counted on it)."""
+        ctx, tree = self._ctx, self._ctx.tree
+        op = self.loads.pop(op_id)
+        self.credits += 1
+        tree.unlock(op.lock)
+        ctx.out.add(LoadEnded(op_id))
+        if not ok:
+            freed, kept = tree.revert_load_back(op.plan)
+            self._space.free("device", freed)
+            ctx.out.error(
+                "tree.load_failed",
+                op=op_id,
+                error=error or None,
+                tokens=len(freed),
+                kept_nodes=list(kept),
+            )
+        elif ctx.cfg.exclusive:
+            self._space.free("host", tree.drop_host(op.plan))

@@ -1,0 +1,252 @@
+"""The controller's prefetch flow (L3 -> L2).
+
+Owns every prefetch in flight, its credits, the tokens in flight for the rate limit, and the
+reports and timer firings not applied yet. An op goes: admitted (threshold, anchor with a host
+copy, rate limit) -> probed by the prefetcher -> host slots for exactly the pages storage has
+(or revoked below the threshold; waiting for an upload that pins the only evictable pages) ->
+read -> *settled* (what arrived is inserted as host-only nodes below the anchor, the
+request's waiters are answered) -> *ended* (the prefetcher no longer touches its host slots;
+the rest are freed, the credit returns). Every step after the start is taken on agreed
+reports (`controller.py`), so all TP ranks take it alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.backends.keys import chain_page_hashes
+from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.effects import CancelTimer, StartTimer
+from hicache.components.tree.records import PrefetchOp, RequestState
+from hicache.components.tree.requests import Requests
+from hicache.components.tree.space import Space
+from hicache.components.tree.writes import WriteFlows
+from hicache.messages import PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch
+from hicache.results import PrefetchOutcome
+from hicache.types import EMPTY_SLOTS, OpId, RequestId
+
+
+class PrefetchFlows:
+    def __init__(
+        self, ctx: Context, space: Space, writes: WriteFlows, requests: Requests, credits: int
+    ) -> None:
+        self._ctx = ctx
+        self._space = space
+        self._writes = writes
+        self._requests = requests
+        self.ops: dict[OpId, PrefetchOp] = {}
+        self.by_rid: dict[RequestId, OpId] = {}
+        self.credits = credits
+        self.tokens = 0  # in flight, for the rate limit
+        self.reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
+        self.timers_fired: set[OpId] = set()
+        self.host_waiting: list[OpId] = []  # probed, waiting for host room to read into
+
+    def start(self, state: RequestState, rid: RequestId, tokens: Any) -> PrefetchOutcome:
+        ctx, tree = self._ctx, self._ctx.tree
+        cfg = ctx.cfg
+        if not ctx.storage_on or rid in self.by_rid:
+            return self.outcome(rid, self.by_rid.get(rid))
+        page = cfg.page_size
+        matched = len(state.prefix_slots) + state.host_len
+        end = len(tokens) // page * page
+        length = end - matched
+        anchor = state.last_node
+        reason = None
+        if anchor is None or not tree.has_host_copy(anchor):
+            reason = "anchor_without_host_copy"
+        elif length < cfg.effective_prefetch_threshold:
+            reason = "below_threshold"
+        elif self.tokens + length > self._rate_limit() or self.credits == 0:
+            reason = "rate_limited"
+        if reason is not None or anchor is None:
+            ctx.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
+            state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
+            return state.prefetch  # what a later wait or poll reports too
+        prior = None if anchor == tree.root else self._writes.node_hashes(anchor)[-1]
+        new_tokens = tokens[matched:end]
+        hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
+        op_id = ctx.op()
+        timed = cfg.prefetch_policy == "timeout"
+        if timed:
+            ctx.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
+        tree.protect_host(anchor)
+        self.ops[op_id] = PrefetchOp(
+            rid=rid,
+            anchor=anchor,
+            tokens=new_tokens,
+            hashes=hashes,
+            host_slots=EMPTY_SLOTS,
+            timer=timed,
+        )
+        self.by_rid[rid] = op_id
+        self.credits -= 1
+        self.tokens += length
+        ctx.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
+        ctx.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
+        return self.outcome(rid, op_id)
+
+    def _rate_limit(self) -> int:
+        cfg = self._ctx.cfg
+        return int(cfg.prefetch_rate_fraction * (cfg.host_capacity - cfg.device_tokens))
+
+    def outcome(self, rid: RequestId, op_id: OpId | None) -> PrefetchOutcome:
+        if op_id is None:
+            state = self._requests.get(rid)
+            if state is not None and state.prefetch is not None:
+                return state.prefetch
+            return PrefetchOutcome(rid=rid, state="none")
+        op = self.ops[op_id]
+        page = self._ctx.cfg.page_size
+        return PrefetchOutcome(
+            rid=rid,
+            state=op.state,
+            hit_tokens=max(op.hit_pages, 0) * page,
+            done_tokens=op.done_pages * page,
+            wanted_tokens=len(op.hashes) * page,
+        )
+
+    def wait(self, rid: RequestId, reply: Any, *, poll: bool) -> None:
+        """Answer now if the prefetch is over; else (best_effort) stop it and take what has
+        arrived, or park the reply until the policy lets it end. With `poll` (TP ranks, which
+        may only change state at sync points) the current outcome is answered at once."""
+        op_id = self.by_rid.get(rid)
+        if op_id is None or self.ops[op_id].state != "running":
+            self._ctx.out.answer(reply, self.outcome(rid, op_id))
+            return
+        if self._ctx.cfg.prefetch_policy == "best_effort":
+            self.stop(op_id)  # take what has arrived; the stop report answers
+        if poll:
+            self._ctx.out.answer(reply, self.outcome(rid, op_id))
+        else:
+            self.ops[op_id].waiters.append(reply)
+
+    def stop(self, op_id: OpId) -> None:
+        op = self.ops[op_id]
+        if not op.stopping:
+            op.stopping = True
+            self._ctx.out.send("prefetcher", StopPrefetch(op=op_id))
+
+    def stop_all(self) -> None:
+        for op_id, op in self.ops.items():
+            if op.state == "running":
+                self.stop(op_id)
+
+    def agreed(
+        self, op_id: OpId, *, hit: int, done: int, finished: bool, stopped: bool, timed_out: bool
+    ) -> None:
+        """Take the next steps of a prefetch on values every rank agreed on: `hit` pages in
+        storage (-1: not probed everywhere yet), `done` pages read everywhere, `finished`
+        everywhere, `stopped` acknowledged everywhere, `timed_out` somewhere."""
+        ctx = self._ctx
+        op = self.ops[op_id]
+        if op.state == "running":
+            if timed_out and not op.stopping:
+                ctx.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
+                self.stop(op_id)
+            op.hit_pages, op.done_pages = hit, done
+            if hit >= 0 and hit * ctx.cfg.page_size < ctx.cfg.effective_prefetch_threshold:
+                self.stop(op_id)  # not worth it: revoke
+                self._settle(op_id, revoked=True)
+            elif finished or stopped:  # stopped: asked for, or its storage call timed out
+                op.stopping = True
+                self._settle(op_id, revoked=False)
+            elif hit >= 0 and not op.reading and not op.stopping:
+                op.reading = True
+                self._read(op_id)
+        if finished:
+            self._end(op_id)
+
+    def retry_reads(self) -> None:
+        """Probed ops that waited for host room: try again (an upload has ended)."""
+        waiting, self.host_waiting = self.host_waiting, []
+        for op_id in waiting:
+            if op_id in self.ops:
+                self._read(op_id)
+
+    def _read(self, op_id: OpId) -> None:
+        """After the probe: host slots for exactly the pages storage has, then the reads."""
+        ctx = self._ctx
+        op = self.ops[op_id]
+        if op.state != "running" or op.stopping:
+            return
+        host = self._space.host(op.hit_pages * ctx.cfg.page_size)
+        if isinstance(host, Wait):
+            self.host_waiting.append(op_id)
+            return
+        if host is None:
+            ctx.out.info(
+                "tree.prefetch_skipped",
+                rid=op.rid,
+                reason="host_full",
+                tokens=op.hit_pages * ctx.cfg.page_size,
+            )
+            self.stop(op_id)
+            self._settle(op_id, revoked=True)
+            return
+        op.host_slots = host
+        ctx.out.send("prefetcher", ReadPrefetch(op=op_id, host_slots=host))
+
+    def _settle(self, op_id: OpId, *, revoked: bool) -> None:
+        """Hand the request what has arrived: insert it as host-only nodes below the anchor,
+        answer the waiters. The slots of those pages become the tree's; the rest stay the op's
+        until it ends."""
+        ctx, tree = self._ctx, self._ctx.tree
+        op = self.ops[op_id]
+        page = ctx.cfg.page_size
+        done = 0 if revoked else min(op.done_pages, len(op.host_slots) // page)
+        op.done_pages = done
+        used_tokens = done * page
+        if done:
+            inserted = tree.insert_host(
+                op.anchor,
+                op.tokens[:used_tokens],
+                op.host_slots[:used_tokens],
+                op.hashes[:done],
+                now=ctx.now,
+            )
+            self._space.free("host", inserted.duplicate_slots)
+        tree.release_host(op.anchor)
+        op.state = "revoked" if revoked else "done"
+        ctx.out.info(
+            "tree.prefetch_done",
+            rid=op.rid,
+            op=op_id,
+            state=op.state,
+            hit=max(op.hit_pages, 0) * page,
+            read=used_tokens,
+        )
+        outcome = self.outcome(op.rid, op_id)
+        state = self._requests.get(op.rid)
+        if state is not None:
+            state.prefetch = outcome
+            if done:
+                ctx.counters.storage_hit_tokens += used_tokens
+            # Lock what arrived for the request, unless it is past load_back (or allocated):
+            # then its prefix is fixed, and moving it would misalign what it holds.
+            if done and not state.loaded_back and not state.owned:
+                self._requests.rematch(state)
+        for reply in op.waiters:
+            ctx.out.answer(reply, outcome)
+        op.waiters.clear()
+        del self.by_rid[op.rid]
+
+    def _end(self, op_id: OpId) -> None:
+        """The prefetcher is done with the op: free the slots the tree did not take."""
+        op = self.ops.pop(op_id)
+        self.reports.pop(op_id, None)
+        self.timers_fired.discard(op_id)
+        if op_id in self.host_waiting:
+            self.host_waiting.remove(op_id)
+        if op.timer:
+            self._ctx.out.add(CancelTimer(op_id))
+        page = self._ctx.cfg.page_size
+        self._space.free("host", op.host_slots[op.done_pages * page :])
+        self.tokens -= len(op.hashes) * page
+        self.credits += 1
+
+    def abandon(self) -> None:
+        for op_id, op in list(self.ops.items()):
+            if op.state == "running":
+                self._settle(op_id, revoked=True)
+            self._end(op_id)

@@ -1,0 +1,316 @@
+"""The controller's request table and the calls that name requests: match, load_back,
+allocate, cache_* and release.
+
+Each batch is checked whole before anything changes (a caller's mistake is a `CacheError` and
+changes nothing). Answers name the loads a request must wait for by op id; the driver puts
+their handles in (`Answer.loads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.loads import LoadFlows
+from hicache.components.tree.records import RequestState
+from hicache.components.tree.results import TreeError
+from hicache.components.tree.space import Space
+from hicache.components.tree.writes import WriteFlows
+from hicache.messages import CacheItem, MatchItem
+from hicache.results import (
+    CacheOutcome,
+    CapacityError,
+    InvalidRequest,
+    LoadBackOutcome,
+    MatchOutcome,
+    UnknownRequest,
+)
+from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
+
+Loads = tuple[OpId, ...]
+
+
+class Requests:
+    def __init__(self, ctx: Context, space: Space, writes: WriteFlows, loads: LoadFlows) -> None:
+        self._ctx = ctx
+        self._space = space
+        self._writes = writes
+        self._loads = loads
+        self.table: dict[RequestId, RequestState] = {}
+
+    # ------------------------------------------------------------------ the table
+    def get(self, rid: RequestId) -> RequestState | None:
+        return self.table.get(rid)
+
+    def state(self, rid: RequestId, action: str) -> RequestState:
+        try:
+            return self.table[rid]
+        except KeyError:
+            raise UnknownRequest(rid, action) from None
+
+    @staticmethod
+    def check_rids(rids: Iterable[Any], action: str) -> None:
+        """Every request id of a batch hashable and named once."""
+        seen = set()
+        for rid in rids:
+            try:
+                hash(rid)
+            except TypeError:
+                raise InvalidRequest(
+                    f"{action}: request id {rid!r} is not hashable ({type(rid).__name__})"
+                ) from None
+            if rid in seen:
+                raise InvalidRequest(f"{action}: request {rid!r} appears twice in one batch")
+            seen.add(rid)
+
+    def check_tokens(self, tokens: Any) -> Any:
+        """The tokens converted once to the tree's encoding where that is a plain uint32 array
+        (so every later match or insert of them skips the conversion), else as given.
+        InvalidRequest for a malformed key."""
+        try:
+            encoded = self._ctx.tree.check_key(tokens)
+        except TreeError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return encoded if encoded.dtype == np.uint32 else tokens
+
+    def _relock(self, state: RequestState, node: NodeId | None) -> None:
+        tree = self._ctx.tree
+        if node is not None:
+            tree.lock(node)
+        if state.lock is not None:
+            tree.unlock(state.lock)
+        state.lock = node
+
+    def _view(self, state: RequestState, tokens: Any) -> None:
+        """Point the request at the tree's current prefix for `tokens` (locked for it)."""
+        result = self._ctx.tree.match(tokens, now=self._ctx.now)
+        self._relock(state, result.last_node)
+        state.last_node = result.last_node
+        state.prefix_slots = result.device_slots
+        state.host_len = result.host_len
+        state.loads = self._loads.under(result.last_node)
+
+    def rematch(self, state: RequestState) -> None:
+        """Refresh a request's view from the tree: its prefix may have grown since its match
+        (a prefetch landed, another request loaded or cached part of it)."""
+        self._view(state, state.tokens)
+
+    def release_all(self) -> None:
+        self.release_batch(tuple(self.table))
+
+    def load_failed(self, op: OpId) -> None:
+        """Requests that counted on this load may not cache what they hold: their prefix slots
+        were freed (their handle raised; they must release or match again)."""
+        for state in self.table.values():
+            if op in state.loads:
+                state.failed_load = True
+
+    # ------------------------------------------------------------------ match
+    def match_batch(
+        self, items: Sequence[MatchItem]
+    ) -> tuple[tuple[MatchOutcome, ...], list[Loads]]:
+        self.check_rids([item.rid for item in items], "match")
+        keys = [self.check_tokens(item.tokens) for item in items]  # all, before any lock moves
+        outcomes, loads = [], []
+        for item, tokens in zip(items, keys, strict=True):
+            rid = item.rid
+            state = self.table.get(rid)
+            if state is None:
+                state = self.table[rid] = RequestState()
+            self._view(state, tokens)
+            state.tokens = tokens
+            state.failed_load = False
+            state.loaded_back = False
+            self._ctx.counters.device_hit_tokens += len(state.prefix_slots)
+            self._ctx.out.info(
+                "tree.match",
+                rid=rid,
+                tokens=len(tokens),
+                device_hit=len(state.prefix_slots),
+                host_hit=state.host_len,
+            )
+            outcomes.append(
+                MatchOutcome(rid=rid, device_slots=state.prefix_slots, host_len=state.host_len)
+            )
+            loads.append(tuple(state.loads))
+        return tuple(outcomes), loads
+
+    # ------------------------------------------------------------------ load back (L2 -> L1)
+    def load_back_batch(
+        self, rids: Sequence[RequestId], done: list[tuple[LoadBackOutcome, Loads]]
+    ) -> Wait | None:
+        """Load back each request in turn, appending to `done`; a `Wait` parks the batch,
+        which goes on from where it stopped once retried."""
+        if not done:
+            self.check_rids(rids, "load_back")
+            for rid in rids:
+                self.state(rid, "load_back")
+        for rid in rids[len(done) :]:
+            state = self.state(rid, "load_back")
+            loaded = 0
+            if not state.failed_load:  # else: its prefix is not in L1 any more
+                if state.host_len and not state.loaded_back and not state.owned:
+                    # What the match saw of its L2-only stretch may be stale: another request
+                    # may have loaded or cached part of it since. Take the tree's prefix now.
+                    self.rematch(state)
+                state.loaded_back = True
+                got = self._loads.load_back(rid, state)
+                if isinstance(got, Wait):
+                    return got
+                loaded = got
+            ops = tuple(op for op in state.loads if op in self._loads.loads)
+            done.append(
+                (
+                    LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=loaded),
+                    ops,
+                )
+            )
+        return None
+
+    # ------------------------------------------------------------------ allocation
+    def alloc_batch(self, sizes: Sequence[tuple[RequestId, int]]) -> tuple[np.ndarray, ...] | Wait:
+        """Slots for every request of the step, or none (a CapacityError naming the first
+        request that does not fit)."""
+        self.check_rids([rid for rid, _ in sizes], "allocate")
+        for rid, n in sizes:
+            self.state(rid, "allocate")
+            if n < 0:
+                raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
+        page = self._ctx.cfg.page_size
+        wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
+        pooled = self._space.device(sum(wanted))  # one allocation, evicting, for the step
+        if isinstance(pooled, Wait):
+            return pooled
+        if pooled is None:
+            available = self._space.ledgers["device"].available
+            total = 0
+            for (rid, n), want in zip(sizes, wanted, strict=True):
+                total += want
+                if total > available:
+                    raise CapacityError("device", n, available, rid=rid)
+            raise AssertionError("the step fits, yet its allocation failed")
+        out, offset = [], 0
+        for (rid, n), want in zip(sizes, wanted, strict=True):
+            state = self.table[rid]
+            before = state.padding
+            # Fill the request's partial last page first, so every page stays one device page.
+            reuse = before[:n]
+            rest = n - len(reuse)
+            fresh = pooled[offset : offset + want] if rest else EMPTY_SLOTS
+            offset += want
+            state.padding = np.concatenate([before[n:], fresh[rest:]]) if rest else before[n:]
+            slots = np.concatenate([reuse, fresh[:rest]])
+            state.owned.append(slots)
+            out.append(slots)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ insert
+    def cache_batch(
+        self, items: Sequence[CacheItem]
+    ) -> tuple[tuple[CacheOutcome, ...], list[Loads]]:
+        self.check_rids([item.rid for item in items], "cache")
+        checked = [self._check_cache(item) for item in items]  # the whole batch, first
+        candidates: list[NodeId] = []
+        outcomes, loads = [], []
+        for item, (tokens, slots) in zip(items, checked, strict=True):
+            outcome, ops = self._cache(item, tokens, slots, candidates)
+            outcomes.append(outcome)
+            loads.append(ops)
+        self._writes.start_backups(candidates)  # what was inserted, for the whole step at once
+        return tuple(outcomes), loads
+
+    def _check_cache(self, item: CacheItem) -> tuple[Any, np.ndarray]:
+        """A cache_* item's mistakes, found before anything changes; returns its tokens (in
+        the tree's encoding) and slots."""
+        state = self.state(item.rid, "cache")
+        tokens = self.check_tokens(item.tokens)
+        slots = np.asarray(item.device_slots, dtype=np.int64)
+        rid = item.rid
+        if len(slots) != len(tokens):
+            raise InvalidRequest(
+                f"request {rid!r}: {len(tokens)} tokens but {len(slots)} device slots"
+            )
+        if state.failed_load:
+            raise InvalidRequest(
+                f"request {rid!r}: a load its prefix depends on failed; "
+                "release it (or match it again) instead of caching it"
+            )
+        own = len(state.prefix_slots)
+        # The prefix's KV belongs to the tokens it was matched for: caching it under other
+        # tokens would serve one request's KV to another. One comparison of the prefix.
+        if len(tokens) < own or not np.array_equal(
+            np.asarray(tokens[:own]), np.asarray(state.tokens[:own])
+        ):
+            raise InvalidRequest(
+                f"request {rid!r}: the first {own} tokens differ from the "
+                "tokens its prefix was matched for"
+            )
+        # The slots must be the request's prefix, then exactly the slots allocated to it: any
+        # other slot would hand the tree pages it does not own.
+        if not np.array_equal(slots[:own], state.prefix_slots):
+            raise InvalidRequest(
+                f"request {rid!r}: the first {own} device slots must be the "
+                "prefix slots the cache gave it (match / load_back / cache_unfinished)"
+            )
+        allocated = np.concatenate(state.owned) if state.owned else EMPTY_SLOTS
+        if not np.array_equal(slots[own:], allocated):
+            raise InvalidRequest(
+                f"request {rid!r}: after its {own}-token prefix, the device slots "
+                f"must be the {len(allocated)} slots allocated to it, in order; got "
+                f"{len(slots) - own}"
+            )
+        return tokens, slots
+
+    def _cache(
+        self, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
+    ) -> tuple[CacheOutcome, Loads]:
+        ctx, tree = self._ctx, self._ctx.tree
+        state = self.table[item.rid]
+        aligned = len(tokens) // ctx.cfg.page_size * ctx.cfg.page_size
+        own = len(state.prefix_slots)
+        result = tree.insert(
+            tokens[:aligned], slots[:aligned], now=ctx.now, chunked=not item.finished
+        )
+        # The request's own prefix slots are the tree's; passed slots for tokens someone else
+        # cached meanwhile are duplicates and go back to the ledger.
+        self._space.free("device", slots[own : max(own, result.prefix_len)])
+        new_tokens = aligned - max(own, result.prefix_len)
+        candidates.extend(result.backup_candidates)
+        ops: Loads = ()
+        if item.finished:
+            self._space.free("device", np.concatenate([slots[aligned:], state.padding]))
+            self._relock(state, None)
+            del self.table[item.rid]
+            prefix = slots[:aligned]
+            if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
+                prefix = tree.match(tokens[:aligned], now=ctx.now).device_slots
+        else:
+            self._view(state, tokens[:aligned])
+            state.host_len = 0
+            state.tokens = tokens
+            state.owned = [slots[aligned:]] if len(tokens) > aligned else []
+            prefix = state.prefix_slots
+            # Tokens the tree already held may still be landing (another request's load):
+            # the request must wait for those before reading its prefix.
+            ops = tuple(state.loads)
+        ctx.out.info(
+            "tree.insert",
+            rid=item.rid,
+            tokens=aligned,
+            new=new_tokens,
+            finished=item.finished,
+            backups=len(result.backup_candidates),
+        )
+        return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens), ops
+
+    def release_batch(self, rids: Sequence[RequestId]) -> None:
+        self.check_rids(rids, "release")
+        for rid in rids:
+            self.state(rid, "release")
+        for rid in rids:
+            state = self.table.pop(rid)
+            self._relock(state, None)
+            self._space.free("device", np.concatenate([*state.owned, state.padding]))

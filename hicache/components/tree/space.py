@@ -1,0 +1,138 @@
+"""Where the controller's slots come from: its two ledgers (both tiers, leased whole from the
+allocator at start) and eviction, L1 then L2.
+
+An allocation either succeeds, is impossible now (None: everything left is locked by running
+requests), or must wait for an op in flight (`Wait`): an eviction backup that will free device
+slots, an upload that holds the only evictable host pages. The caller parks on a `Wait` and is
+retried once that op has ended; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from hicache.components.allocator.core import SlotLedger
+from hicache.components.tree.context import Context, Wait
+from hicache.types import EMPTY_SLOTS, NodeId, OpId
+
+
+class Writes(Protocol):
+    """What eviction needs of the write flows (`writes.py`), which allocate from here."""
+
+    def evicting_tokens(self) -> int: ...
+
+    def oldest_write(self) -> OpId | None: ...
+
+    def oldest_live_upload(self) -> OpId | None: ...
+
+    def start_backup(self, node: NodeId, *, evicting: bool) -> bool | Wait: ...
+
+
+class Space:
+    def __init__(self, ctx: Context) -> None:
+        cfg = ctx.cfg
+        self._ctx = ctx
+        self.ledgers = {
+            tier: SlotLedger(size=size, page_size=cfg.page_size, tier=tier)
+            for tier, size in (("device", cfg.device_tokens), ("host", cfg.host_capacity))
+        }
+        self.writes: Writes | None = None  # set once the write flows exist (they use this)
+
+    def alloc(self, tier: str, n: int) -> np.ndarray | None:
+        return self.ledgers[tier].alloc(n)
+
+    def free(self, tier: str, slots: np.ndarray) -> None:
+        if len(slots):
+            self.ledgers[tier].free(slots)
+
+    def view(self) -> dict[str, dict[str, int]]:
+        """Each tier's size, used and available tokens."""
+        return {
+            tier: {"size": led.size, "used": led.used, "available": led.available}
+            for tier, led in self.ledgers.items()
+        }
+
+    def device(self, n: int) -> np.ndarray | Wait | None:
+        """Device slots for n tokens, evicting L1 (backing up first where the policy says so)."""
+        if n == 0:
+            return EMPTY_SLOTS
+        writes = self.writes
+        assert writes is not None
+        while True:
+            slots = self.alloc("device", n)
+            if slots is not None:
+                return slots
+            # Evict what is missing, less what eviction backups in flight will free: asking for
+            # all of n each time round would back up (and keep in both tiers) more leaves.
+            short = n - self.ledgers["device"].available - writes.evicting_tokens()
+            if short > 0:
+                freed = self._evict_device(short)
+                if freed is True:
+                    continue
+                if isinstance(freed, Wait):
+                    return freed
+            oldest = writes.oldest_write()
+            return None if oldest is None else Wait("write", oldest)
+
+    def _evict_device(self, n: int) -> bool | Wait:
+        """Evict about n tokens from L1 and start the backups the policy wants first. True when
+        a device slot was freed; else the first wait met (no write credit, no host room)."""
+        ctx, tree, writes = self._ctx, self._ctx.tree, self.writes
+        assert writes is not None
+        exclusive = ctx.cfg.exclusive
+        ev = tree.evict_device(n, now=ctx.now, require_host_copy=exclusive)
+        self.free("device", ev.freed)
+        self.free("host", ev.freed_host)
+        freed = len(ev.freed)
+        if freed:
+            ctx.counters.device_evictions += freed
+            ctx.out.info(
+                "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
+            )
+        wait: Wait | None = None
+        for node in ev.needs_backup:  # write_back / exclusive: copy to L2, then evict
+            if exclusive and not tree.outranks_host(node):
+                # Older than everything L2 could give up: drop it rather than displace hotter
+                # pages, so the two tiers together evict like one LRU of their total size.
+                gone = tree.discard_device(node)
+                self.free("device", gone.freed)
+                self.free("host", gone.freed_host)
+                ctx.counters.device_evictions += len(gone.freed)
+                ctx.out.info(
+                    "tree.evict_device",
+                    tokens=len(gone.freed),
+                    demoted=0,
+                    removed=len(gone.removed),
+                    reason="older_than_l2",
+                )
+                freed += len(gone.freed)
+            elif wait is None:
+                started = writes.start_backup(node, evicting=True)
+                if isinstance(started, Wait):
+                    wait = started  # the rest stay on L1, found again by the next eviction
+        if freed:
+            return True
+        return wait if wait is not None else False
+
+    def host(self, n: int) -> np.ndarray | Wait | None:
+        """Host slots for n tokens, evicting L2."""
+        ctx = self._ctx
+        while True:
+            slots = self.alloc("host", n)
+            if slots is not None:
+                return slots
+            ev = ctx.tree.evict_host(
+                n - self.ledgers["host"].available,  # the shortfall
+                by_pages=ctx.cfg.exclusive,
+            )
+            if len(ev.freed):
+                ctx.counters.host_evictions += len(ev.freed)
+                ctx.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
+                self.free("host", ev.freed)
+                continue
+            # An upload pins the candidates: wait for it, never for one past its deadline.
+            assert self.writes is not None
+            upload = self.writes.oldest_live_upload()
+            return None if upload is None else Wait("upload", upload)

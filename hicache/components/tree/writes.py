@@ -1,0 +1,210 @@
+"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to.
+
+Owns every write and upload in flight (issue order), their credits and backlogs, and the
+completions that arrived for them and are not applied yet. A write-through backup that finds
+no credit or no host room waits in the backlog, retried as writes and uploads end; an eviction
+backup cannot go on without its copy, so it returns a `Wait` for its caller to park on. A
+finished backup uploads every piece its node was split into meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from hicache.backends.keys import chain_page_hashes
+from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.records import UploadOp, WriteOp
+from hicache.components.tree.space import Space
+from hicache.messages import Backup, Upload
+from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
+
+
+class WriteFlows:
+    def __init__(self, ctx: Context, space: Space, credits: int) -> None:
+        self._ctx = ctx
+        self._space = space
+        self.writes: dict[OpId, WriteOp] = {}
+        self.uploads: dict[OpId, UploadOp] = {}
+        self.write_backlog: deque[NodeId] = deque()  # waiting for a write credit or host room
+        self.upload_backlog: deque[tuple[NodeId, ...]] = deque()  # waiting for an upload credit
+        self.write_credits = self.upload_credits = credits
+        # completions that arrived and are not applied yet (applied at sync points)
+        self.arrived_writes: dict[OpId, tuple[bool, str]] = {}
+        self.arrived_uploads: dict[OpId, int] = {}
+
+    # ------------------------------------------------------------------ what eviction asks
+    def evicting_tokens(self) -> int:
+        return sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
+
+    def oldest_write(self) -> OpId | None:
+        return next(iter(self.writes), None)
+
+    def oldest_live_upload(self) -> OpId | None:
+        return next((op for op, job in self.uploads.items() if not job.timed_out), None)
+
+    def pending(self) -> bool:
+        """What a flush waits for: uploads past their deadline no longer count."""
+        return bool(
+            self.writes
+            or self.write_backlog
+            or self.upload_backlog
+            or any(not job.timed_out for job in self.uploads.values())
+        )
+
+    # ------------------------------------------------------------------ L1 -> L2
+    def start_backup(self, node: NodeId, *, evicting: bool) -> bool | Wait:
+        """Copy a device-only node to L2. True when started. A write-through backup with no
+        credit or no host room goes to the backlog (False); an eviction's returns the `Wait`."""
+        tree = self._ctx.tree
+        if self.write_credits == 0:
+            oldest = self.oldest_write()
+            if evicting and oldest is not None:
+                return Wait("write", oldest)
+            self.write_backlog.append(node)
+            return False
+        if not tree.needs_backup(node):
+            return False
+        length = tree.num_tokens(node)
+        host = self._space.host(length)
+        if isinstance(host, Wait):
+            if evicting:
+                return host
+            self.write_backlog.append(node)
+            return False
+        if host is None or not tree.needs_backup(node):
+            self._space.free("host", EMPTY_SLOTS if host is None else host)
+            if host is None:
+                self._ctx.out.warning(
+                    "tree.backup_skipped", node=node, tokens=length, reason="host_full"
+                )
+            return False
+        self._issue_backup(node, host, evicting=evicting)
+        return True
+
+    def start_backups(self, nodes: Iterable[NodeId]) -> None:
+        """Write-through backups for a whole step: one host allocation for all of them when
+        credits and free slots allow, else one by one."""
+        tree = self._ctx.tree
+        todo = [n for n in dict.fromkeys(nodes) if tree.needs_backup(n)]
+        lengths = [tree.num_tokens(n) for n in todo]
+        pooled = None
+        if 1 < len(todo) <= self.write_credits:
+            pooled = self._space.alloc("host", sum(lengths))
+        if pooled is None:
+            for node in todo:
+                self.start_backup(node, evicting=False)
+            return
+        offset = 0
+        for node, length in zip(todo, lengths, strict=True):
+            self._issue_backup(node, pooled[offset : offset + length])
+            offset += length
+
+    def _issue_backup(self, node: NodeId, host: np.ndarray, *, evicting: bool = False) -> None:
+        ctx = self._ctx
+        ctx.tree.begin_backup(node, host)
+        op = ctx.op()
+        self.write_credits -= 1
+        self.writes[op] = WriteOp(node=node, host_slots=host, evicting=evicting)
+        device = ctx.tree.device_slots(node)
+        assert device is not None
+        ctx.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
+        ctx.counters.d2h_bytes += len(host) * ctx.bytes_per_token
+
+    def finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
+        ctx = self._ctx
+        op = self.writes.pop(op_id)
+        self.write_credits += 1
+        pieces = ctx.tree.backup_pieces(op.node)  # the node may have been split meanwhile
+        self._space.free("host", ctx.tree.end_backup(op.node, ok=ok))
+        if not ok:
+            ctx.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
+        elif ctx.storage_on:
+            self._upload(pieces)
+        self.retry_backlog()
+
+    def retry_backlog(self) -> None:
+        """Start what the write backlog holds while credits last; stop at the first that
+        still finds no host room (it goes back in front)."""
+        while self.write_backlog and self.write_credits:
+            node = self.write_backlog.popleft()
+            before = len(self.write_backlog)
+            self.start_backup(node, evicting=False)
+            if len(self.write_backlog) > before:  # requeued at the back: keep its place
+                self.write_backlog.appendleft(self.write_backlog.pop())
+                break
+
+    # ------------------------------------------------------------------ L2 -> L3
+    def _upload(self, pieces: tuple[NodeId, ...]) -> None:
+        """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
+        their host pages stay protected until the upload is done."""
+        ctx, tree = self._ctx, self._ctx.tree
+        node = pieces[-1]  # the deepest: protecting it protects the path above it
+        if not tree.has_host_copy(node):
+            return
+        if self.upload_credits == 0:
+            if len(self.upload_backlog) >= ctx.cfg.max_upload_backlog:
+                # Storage is slower than the writes: skip rather than queue without bound.
+                ctx.counters.skipped_uploads += 1
+                ctx.out.warning(
+                    "tree.upload_skipped",
+                    node=node,
+                    reason="backlog_full",
+                    backlog=len(self.upload_backlog),
+                )
+                return
+            self.upload_backlog.append(pieces)
+            return
+        hashes = [h for p in pieces for h in self.node_hashes(p)]
+        host_slots = np.concatenate([tree.host_slots(p) for p in pieces])
+        op = ctx.op()
+        self.upload_credits -= 1
+        tree.protect_host(node)
+        self.uploads[op] = UploadOp(node=node, pages=len(hashes))
+        ctx.out.send("uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots))
+
+    def upload_timed_out(self, op_id: OpId) -> None:
+        job = self.uploads.get(op_id)
+        if job is not None and not job.timed_out:
+            job.timed_out = True
+            self._ctx.counters.upload_timeouts += 1
+
+    def finish_upload(self, op_id: OpId) -> None:
+        tree = self._ctx.tree
+        job = self.uploads.pop(op_id)
+        self.upload_credits += 1
+        tree.release_host(job.node)
+        while self.upload_backlog and self.upload_credits:
+            pieces = self.upload_backlog.popleft()
+            if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
+                self._upload(pieces)
+        self.retry_backlog()  # host pages may be evictable again
+
+    def node_hashes(self, node: NodeId) -> tuple[PageHash, ...]:
+        """The node's chained page hashes, computed on first use from its parent's last one."""
+        tree = self._ctx.tree
+        hashes = tree.page_hashes(node)
+        if hashes is None:
+            parent = tree.parent(node)
+            assert parent is not None
+            prior = None if parent == tree.root else self.node_hashes(parent)[-1]
+            hashes = tuple(chain_page_hashes(tree.key(node), self._ctx.cfg.page_size, prior=prior))
+            tree.set_page_hashes(node, hashes)
+        return hashes
+
+    # ------------------------------------------------------------------ close
+    def abandon(self) -> None:
+        """End every write and upload as failed (close past its deadline)."""
+        self.write_backlog.clear()
+        self.upload_backlog.clear()
+        for op_id in list(self.writes):
+            self.arrived_writes.pop(op_id, None)
+            self.finish_write(op_id, False, "abandoned at close")
+        self.upload_backlog.clear()  # finished writes may have queued more
+        self.write_backlog.clear()
+        for op_id in list(self.uploads):
+            self.arrived_uploads.pop(op_id, None)
+            self.finish_upload(op_id)
+        self.write_backlog.clear()

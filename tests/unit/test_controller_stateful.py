@@ -1,0 +1,385 @@
+"""The tree controller driven by Hypothesis, with no event loop: random requests (match,
+load_back, allocate, compute, cache, release, prefetch) interleaved with random worker
+progress (backups, loads, uploads, prefetch reads landing, some failing), against a model of
+what every slot holds.
+
+Each slot's content is the token prefix whose KV it would hold (a rolling hash). Workers copy
+contents when their op completes (a backup: device -> host, a load: host -> device, an upload:
+host -> the L3 dict, a prefetch read: L3 -> host). A request that computes first waits for the
+loads its answer named, then checks that every prefix slot holds exactly its own prefix: any
+wrong KV handed out fails the test. After every step: both ledgers and the tree are whole, no
+call is parked with nothing in flight; at teardown a drain returns every slot and leaves every
+table empty.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hicache.components.topology import Topology
+from hicache.components.tree.controller import Controller
+from hicache.components.tree.core import RadixTree
+from hicache.components.tree.effects import (
+    Answer,
+    CancelTimer,
+    Drained,
+    Event,
+    Fail,
+    LoadEnded,
+    Send,
+    StartTimer,
+    SubmitLoad,
+)
+from hicache.config import CacheConfig
+from hicache.messages import (
+    AllocBatch,
+    Backup,
+    CacheBatch,
+    CacheItem,
+    Drain,
+    LoadBackBatch,
+    LoadDone,
+    MatchBatch,
+    MatchItem,
+    PrefetchBatch,
+    PrefetchProgress,
+    ReadPrefetch,
+    ReleaseBatch,
+    StartPrefetch,
+    StopPrefetch,
+    Upload,
+    UploadDone,
+    WriteDone,
+)
+from hicache.policies.eviction import make_strategy
+from hicache.policies.write import write_policy
+from hicache.results import CacheError, CapacityError
+
+PAGE = 2
+
+
+class Reply:
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.loads: tuple[tuple[int, ...], ...] | None = None
+
+    def set(self, value: Any) -> None:
+        assert not self.done, "a reply answered twice"
+        self.done, self.value = True, value
+
+    def fail(self, error: BaseException) -> None:
+        assert not self.done, "a reply answered twice"
+        self.done, self.error = True, error
+
+
+def contents(tokens: list[int]) -> list[int]:
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class ControllerMachine(RuleBasedStateMachine):
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        exclusive=st.booleans(),
+        storage=st.booleans(),
+        eviction=st.sampled_from(["lru", "lfu", "fifo"]),
+    )
+    def setup(self, policy: str, exclusive: bool, storage: bool, eviction: str) -> None:
+        cfg, _ = CacheConfig(
+            kv="mha:1:1:1:float16",
+            page_size=PAGE,
+            device_tokens=12 * PAGE,
+            host_tokens=24 * PAGE,
+            write_policy=policy,
+            exclusive=exclusive,
+            eviction=eviction,
+            load_back_threshold=1,
+            prefetch_threshold=PAGE,
+            channel_capacity=16,
+            storage="memory" if storage else None,
+            model_id="m",
+        ).resolve()
+        tree = RadixTree(
+            page_size=PAGE,
+            eviction=make_strategy(cfg.eviction),
+            write_policy=write_policy(cfg.write_policy),
+        )
+        self.core = Controller(
+            config=cfg,
+            tree=tree,
+            bytes_per_token=1,
+            credits=Topology.for_capacity(16).credits,
+            storage_on=storage,
+        )
+        self.tree = tree
+        self.now = 0.0
+        self.device: dict[int, int] = {}  # slot -> content
+        self.host: dict[int, int] = {}
+        self.l3: dict[str, tuple[int, ...]] = {}  # page hash -> contents
+        self.queues: dict[str, deque[Any]] = {
+            w: deque() for w in ("writer", "loader", "uploader", "prefetcher")
+        }
+        self.prefetch_state: dict[int, dict[str, Any]] = {}
+        self.failed_loads: set[int] = set()
+        self.landed: set[int] = set()
+        self.requests: dict[int, dict[str, Any]] = {}
+        self.next_rid = 0
+        self.timers: set[int] = set()
+        self.drained: Drained | None = None
+
+    # ------------------------------------------------------------------ driving
+    def execute(self, effects: list[Any]) -> None:
+        for e in effects:
+            if isinstance(e, Send):
+                self.queues[e.to].append(e.msg)
+            elif isinstance(e, SubmitLoad):
+                self.queues["loader"].append(e)
+            elif isinstance(e, Answer):
+                e.reply.set(e.value)
+                e.reply.loads = e.loads
+            elif isinstance(e, Fail):
+                e.reply.fail(e.error)
+            elif isinstance(e, StartTimer):
+                self.timers.add(e.op)
+            elif isinstance(e, CancelTimer):
+                self.timers.remove(e.op)
+            elif isinstance(e, Drained):
+                self.drained = e
+                for reply in e.replies:
+                    reply.set(e.tables)
+            else:
+                assert isinstance(e, (Event, LoadEnded)), e
+
+    def pump(self) -> None:
+        while self.core.ready() is not None:
+            self.now += 1
+            self.execute(self.core.run(self.now))
+
+    def call(self, make: Any) -> Reply:
+        reply = Reply()
+        self.core.accept(make(reply))
+        self.pump()
+        while not reply.done:  # parked: let the oldest write or upload end
+            assert self.step_worker("writer") or self.step_worker("uploader"), (
+                "a call is parked with nothing in flight"
+            )
+        return reply
+
+    def complete(self, msg: Any) -> None:
+        self.core.record(msg)
+        seen = self.core.progress()
+        self.now += 1
+        self.execute(self.core.apply(seen, seen.mins, seen.maxes, self.now))
+        self.pump()
+
+    def step_worker(self, worker: str, ok: bool = True) -> bool:
+        queue = self.queues[worker]
+        if not queue:
+            return False
+        cmd = queue.popleft()
+        if isinstance(cmd, Backup):
+            if ok:
+                for d, h in zip(cmd.device_slots.tolist(), cmd.host_slots.tolist(), strict=True):
+                    self.host[h] = self.device[d]
+            self.complete(WriteDone(op=cmd.op, ok=ok))
+        elif isinstance(cmd, SubmitLoad):
+            if ok:
+                for h, d in zip(cmd.host_slots.tolist(), cmd.device_slots.tolist(), strict=True):
+                    self.device[d] = self.host[h]
+                self.landed.add(cmd.op)
+            else:
+                self.failed_loads.add(cmd.op)
+            self.complete(LoadDone(op=cmd.op, ok=ok))
+        elif isinstance(cmd, Upload):
+            slots = cmd.host_slots.tolist()
+            for i, h in enumerate(cmd.hashes):
+                self.l3[h] = tuple(self.host[s] for s in slots[i * PAGE : (i + 1) * PAGE])
+            self.complete(UploadDone(op=cmd.op, stored_pages=len(cmd.hashes)))
+        else:
+            self.step_prefetcher(cmd)
+        return True
+
+    def step_prefetcher(self, cmd: Any) -> None:
+        st_ = self.prefetch_state.setdefault(cmd.op, {"hit": -1, "done": 0, "over": False})
+        if st_["over"]:
+            return
+        if isinstance(cmd, StartPrefetch):
+            hit = 0
+            while hit < len(cmd.hashes) and cmd.hashes[hit] in self.l3:
+                hit += 1
+            st_["hit"], st_["hashes"] = hit, cmd.hashes
+            self.complete(PrefetchProgress(op=cmd.op, hit_pages=hit, done_pages=0, finished=False))
+        elif isinstance(cmd, ReadPrefetch):
+            slots = cmd.host_slots.tolist()
+            for i in range(st_["hit"]):
+                for j, c in enumerate(self.l3[st_["hashes"][i]]):
+                    self.host[slots[i * PAGE + j]] = c
+            st_["done"], st_["over"] = st_["hit"], True
+            self.complete(
+                PrefetchProgress(
+                    op=cmd.op, hit_pages=st_["hit"], done_pages=st_["hit"], finished=True
+                )
+            )
+        else:
+            assert isinstance(cmd, StopPrefetch)
+            st_["over"] = True
+            self.complete(
+                PrefetchProgress(
+                    op=cmd.op,
+                    hit_pages=max(st_["hit"], 0),
+                    done_pages=st_["done"],
+                    finished=True,
+                    stopped=True,
+                )
+            )
+
+    # ------------------------------------------------------------------ requests
+    def rid_of(self, i: int) -> int | None:
+        return sorted(self.requests)[i % len(self.requests)] if self.requests else None
+
+    @rule(
+        pages=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+        extra=st.integers(0, 1),
+        load=st.booleans(),
+        prefetch=st.booleans(),
+    )
+    def new_request(self, pages: list[int], extra: int, load: bool, prefetch: bool) -> None:
+        tokens = [p for p in pages for _ in range(PAGE)] + [7] * extra
+        rid = self.next_rid
+        self.next_rid += 1
+        arr = np.array(tokens, dtype=np.uint32)
+        reply = self.call(lambda r: MatchBatch(items=(MatchItem(rid=rid, tokens=arr),), reply=r))
+        (out,) = reply.value
+        req = {"tokens": tokens, "prefix": out.device_slots, "waits": set(), "owned": None}
+        req["waits"] |= set(reply.loads[0]) if reply.loads else set()
+        self.requests[rid] = req
+        if prefetch:
+            self.call(lambda r: PrefetchBatch(items=(MatchItem(rid=rid, tokens=arr),), reply=r))
+        if load:
+            reply = self.call(lambda r: LoadBackBatch(rids=(rid,), reply=r))
+            (lb,) = reply.value
+            req["prefix"] = lb.device_slots
+            req["waits"] |= set(reply.loads[0]) if reply.loads else set()
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 20))
+    def compute_and_cache(self, i: int) -> None:
+        rid = self.rid_of(i)
+        req = self.requests[rid]
+        tokens = req["tokens"]
+        while req["waits"] - self.landed - self.failed_loads:  # wait for its loads to land
+            assert self.step_worker("loader")
+        if req["waits"] & self.failed_loads:
+            reply = self.call(
+                lambda r: CacheBatch(
+                    items=(
+                        CacheItem(
+                            rid=rid,
+                            tokens=np.array(tokens, dtype=np.uint32),
+                            device_slots=np.arange(len(tokens)),
+                            finished=True,
+                        ),
+                    ),
+                    reply=r,
+                )
+            )
+            assert isinstance(reply.error, CacheError)
+            self.release(rid)
+            return
+        prefix = req["prefix"]
+        want = contents(tokens)
+        got = [self.device.get(s) for s in prefix.tolist()]
+        assert got == want[: len(prefix)], f"request {rid} read wrong KV"
+        n = len(tokens) - len(prefix)
+        reply = self.call(lambda r: AllocBatch(sizes=((rid, n),), reply=r))
+        if isinstance(reply.error, CapacityError):
+            self.release(rid)
+            return
+        assert reply.error is None, reply.error
+        (slots,) = reply.value
+        for s, c in zip(slots.tolist(), want[len(prefix) :], strict=True):
+            self.device[s] = c  # the model computes the request's new KV
+        all_slots = np.concatenate([prefix, slots])
+        reply = self.call(
+            lambda r: CacheBatch(
+                items=(
+                    CacheItem(
+                        rid=rid,
+                        tokens=np.array(tokens, dtype=np.uint32),
+                        device_slots=all_slots,
+                        finished=True,
+                    ),
+                ),
+                reply=r,
+            )
+        )
+        assert reply.error is None, reply.error
+        del self.requests[rid]
+
+    def release(self, rid: int) -> None:
+        reply = self.call(lambda r: ReleaseBatch(rids=(rid,), reply=r))
+        assert reply.error is None
+        del self.requests[rid]
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 20))
+    def release_one(self, i: int) -> None:
+        rid = self.rid_of(i)
+        assert rid is not None
+        self.release(rid)
+
+    # ------------------------------------------------------------------ workers
+    @rule(
+        worker=st.sampled_from(["writer", "loader", "uploader", "prefetcher"]),
+        ok=st.sampled_from([True, True, True, False]),
+    )
+    def worker_step(self, worker: str, ok: bool) -> None:
+        self.step_worker(worker, ok=ok or worker not in ("writer", "loader"))
+
+    # ------------------------------------------------------------------ checks
+    @invariant()
+    def whole(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        self.tree.check_integrity()
+        for led in self.core.space.ledgers.values():
+            led.check_integrity()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        for rid in list(self.requests):
+            self.release(rid)
+        reply = Reply()
+        self.core.accept(Drain(reply=reply))
+        self.pump()
+        for _ in range(10_000):
+            if reply.done:
+                break
+            assert any(self.step_worker(w) for w in self.queues), "drain waits on nothing"
+        assert reply.done and self.drained is not None
+        assert not any(reply.value.values()), reply.value
+        for tier, slots in self.drained.lease.items():
+            assert len(slots) == self.core.space.ledgers[tier].size, f"{tier} slots leaked"
+        assert not self.timers
+
+
+ControllerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+TestController = ControllerMachine.TestCase
