@@ -18,7 +18,7 @@ import numpy as np
 
 from hicache.components.topology import Topology
 from hicache.components.tree.agreement import RankAgreement, SingleRank
-from hicache.components.tree.controller import COMPLETIONS, Controller
+from hicache.components.tree.controller import Controller
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import (
     Answer,
@@ -34,6 +34,7 @@ from hicache.components.tree.effects import (
     SubmitLoad,
 )
 from hicache.components.tree.records import Counters
+from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads, LoadHandle
 from hicache.messages import Alloc, Free, LedgerStats, Load, TimerFired, TreeInbox

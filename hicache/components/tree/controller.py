@@ -19,6 +19,7 @@ from typing import Any
 
 from typing_extensions import assert_never
 
+from hicache.components.tree import sync
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
@@ -28,6 +29,7 @@ from hicache.components.tree.prefetches import PrefetchFlows
 from hicache.components.tree.records import Counters
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
+from hicache.components.tree.sync import Completion, Progress
 from hicache.components.tree.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
@@ -52,29 +54,14 @@ from hicache.messages import (
     UploadTimedOut,
     WriteDone,
 )
-from hicache.results import CacheError, CacheStats, LoadBackOutcome, TierStats
+from hicache.results import CacheError, CacheStats, LoadBackOutcome
 from hicache.types import OpId
-
-Completion = WriteDone | LoadDone | UploadDone | UploadTimedOut | PrefetchProgress | TimerFired
-COMPLETIONS = (WriteDone, LoadDone, UploadDone, UploadTimedOut, PrefetchProgress, TimerFired)
 
 
 @dataclass(slots=True)
 class Parked:
     wait: Wait
     done: list[tuple[LoadBackOutcome, tuple[OpId, ...]]] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    """What this rank has seen of every op in flight, as the vectors the ranks agree on."""
-
-    writes: list[OpId]
-    loads: list[OpId]
-    uploads: list[OpId]
-    prefetches: list[OpId]
-    mins: list[int]
-    maxes: list[int]
 
 
 class Controller:
@@ -246,98 +233,23 @@ class Controller:
 
     # ------------------------------------------------------------------ completions
     def record(self, msg: Completion) -> None:
-        """Note a completion; applied at the next sync point. One for an op that already
-        ended (a timer that fired as its prefetch ended, work abandoned at close) is stale
-        and dropped."""
-        writes, prefetches = self.writes, self.prefetches
-        match msg:
-            case WriteDone(op=op, ok=ok, error=error):
-                if op in writes.writes:
-                    writes.arrived_writes.setdefault(op, (ok, error))
-            case LoadDone(op=op, ok=ok, error=error):
-                if op in self.loads.loads:
-                    self.loads.arrived.setdefault(op, (ok, error))
-            case UploadDone(op=op, stored_pages=stored):
-                if op in writes.uploads:
-                    writes.arrived_uploads.setdefault(op, stored)
-            case UploadTimedOut(op=op):
-                writes.upload_timed_out(op)
-            case PrefetchProgress(op=op):
-                if op in prefetches.ops:
-                    prefetches.reports[op] = msg  # later reports supersede earlier ones
-            case TimerFired(op=op):
-                if op in prefetches.ops:
-                    prefetches.timers_fired.add(op)
+        """Note a completion; applied at the next sync point (`sync.py`)."""
+        sync.record(msg, self.writes, self.loads, self.prefetches)
 
     def progress(self) -> Progress:
-        """This rank's view of every op in flight: MIN-agreed (arrived, ok so far; prefetch
-        hit, read, finished, stopped) and MAX-agreed (a prefetch timer fired)."""
-        writes, loads = list(self.writes.writes), list(self.loads.loads)
-        uploads, prefetches = list(self.writes.uploads), list(self.prefetches.ops)
-        mins: list[int] = []
-        for table, arrived in ((writes, self.writes.arrived_writes), (loads, self.loads.arrived)):
-            for op in table:
-                got = arrived.get(op)
-                mins += [got is not None, got is None or got[0]]
-        mins += [op in self.writes.arrived_uploads for op in uploads]
-        maxes: list[int] = []
-        reports, fired = self.prefetches.reports, self.prefetches.timers_fired
-        for op in prefetches:
-            report = reports.get(op)
-            if report is None:
-                mins += [-1, 0, 0, 0]
-            else:
-                mins += [report.hit_pages, report.done_pages, report.finished, report.stopped]
-            maxes.append(op in fired)
-        return Progress(
-            writes, loads, uploads, prefetches, [int(v) for v in mins], [int(v) for v in maxes]
-        )
+        """This rank's view of every op in flight, as the vectors the ranks agree on."""
+        return sync.progress(self.writes, self.loads, self.prefetches)
 
     def apply(
         self, seen: Progress, agreed: list[int], agreed_max: list[int], now: float
     ) -> list[Effect]:
-        """Apply what every rank has got (for one rank: `seen.mins`, `seen.maxes`), in issue
-        order: writes, loads, then uploads and prefetch steps."""
+        """Apply what every rank has got (for one rank: `seen.mins`, `seen.maxes`)."""
         self.ctx.now = now
-        at = 0
-        for table, arrived, finish in (
-            (seen.writes, self.writes.arrived_writes, self._finish_write),
-            (seen.loads, self.loads.arrived, self._finish_load),
-        ):
-            flags, at = agreed[at : at + 2 * len(table)], at + 2 * len(table)
-            for i, op in enumerate(table):
-                if not flags[2 * i]:
-                    break  # some rank is not there yet: later ones wait too (issue order)
-                finish(op, bool(flags[2 * i + 1]), arrived.pop(op)[1])
-        flags, at = agreed[at : at + len(seen.uploads)], at + len(seen.uploads)
-        uploaded = False
-        for op, got in zip(seen.uploads, flags, strict=True):
-            if got:  # uploads end independently: a hung one holds up no other
-                self.writes.arrived_uploads.pop(op, None)
-                self.writes.finish_upload(op)
-                uploaded = True
-        for i, op in enumerate(seen.prefetches):
-            hit, done, finished, stopped = agreed[at + 4 * i : at + 4 * i + 4]
-            self.prefetches.agreed(
-                op,
-                hit=hit,
-                done=done,
-                finished=bool(finished),
-                stopped=bool(stopped),
-                timed_out=bool(agreed_max[i]),
-            )
-        if uploaded and self.prefetches.host_waiting:
-            self.prefetches.retry_reads()
+        sync.apply(
+            seen, agreed, agreed_max, self.writes, self.loads, self.prefetches, self.requests
+        )
         self._settle()
         return self.ctx.out.take()
-
-    def _finish_write(self, op: OpId, ok: bool, error: str) -> None:
-        self.writes.finish_write(op, ok, error)
-
-    def _finish_load(self, op: OpId, ok: bool, error: str) -> None:
-        self.loads.finish(op, ok, error)
-        if not ok:
-            self.requests.load_failed(op)
 
     # ------------------------------------------------------------------ flush, close, stats
     def _settle(self) -> None:
@@ -388,61 +300,30 @@ class Controller:
         w.abandon()
         for op in list(self.loads.loads):
             self.loads.arrived.pop(op, None)
-            self._finish_load(op, False, "abandoned at close")
+            self.loads.finish(op, False, "abandoned at close")
+            self.requests.load_failed(op)
         self.prefetches.abandon()
         self.ctx.counters.abandoned_ops += sum(counts.values())
         self.ctx.out.warning("tree.abandoned", **counts)
 
     def bookkeeping(self) -> dict[str, int]:
         """Sizes of every table that grows with requests or ops: all 0 after a drain."""
-        w, p = self.writes, self.prefetches
         return {
-            "requests": len(self.requests.table),
-            "writes": len(w.writes),
-            "loads": len(self.loads.loads),
-            "uploads": len(w.uploads),
-            "prefetches": len(p.ops),
-            "prefetch_by_rid": len(p.by_rid),
-            "write_backlog": len(w.write_backlog),
-            "upload_backlog": len(w.upload_backlog),
-            "arrived_writes": len(w.arrived_writes),
-            "arrived_loads": len(self.loads.arrived),
-            "arrived_uploads": len(w.arrived_uploads),
-            "prefetch_reports": len(p.reports),
-            "timers_fired": len(p.timers_fired),
-            "prefetch_host_waiting": len(p.host_waiting),
+            **self.requests.tables(),
+            **self.writes.tables(),
+            **self.loads.tables(),
+            **self.prefetches.tables(),
             "flush_waiters": len(self._flush_waiters),
             "calls": len(self._calls),
         }
 
     def stats(self) -> CacheStats:
-        tree, c = self.ctx.tree, self.ctx.counters
-        ledgers = self.space.view()
-        dev, host = ledgers["device"], ledgers["host"]
-        return CacheStats(
-            device=TierStats(
-                size=dev["size"],
-                used=dev["used"],
-                cached_tokens=tree.cached_tokens("device"),
-                evictable_tokens=tree.evictable_device_tokens(),
-                evictions=c.device_evictions,
-                hit_tokens=c.device_hit_tokens,
-            ),
-            host=TierStats(
-                size=host["size"],
-                used=host["used"],
-                cached_tokens=tree.cached_tokens("host"),
-                evictable_tokens=tree.evictable_host_tokens(),
-                evictions=c.host_evictions,
-                hit_tokens=c.host_hit_tokens,
-            ),
-            storage_hit_tokens=c.storage_hit_tokens,
-            bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
-            inflight={
-                "writes": len(self.writes.writes),
-                "loads": len(self.loads.loads),
-                "uploads": len(self.writes.uploads),
-                "prefetches": len(self.prefetches.ops),
-                "requests": len(self.requests.table),
-            },
-        )
+        w = self.writes
+        inflight = {
+            "writes": len(w.writes),
+            "loads": len(self.loads.loads),
+            "uploads": len(w.uploads),
+            "prefetches": len(self.prefetches.ops),
+            "requests": len(self.requests.table),
+        }
+        return self.space.stats(inflight)

@@ -12,24 +12,25 @@ from hicache.components.tree.node import Node
 
 class TreeState(Protocol):
     """What the check reads of a tree: its nodes and the facts it keeps incrementally
-    (`RadixTree` has these; this module does not import it, so the dependency points one way)."""
+    (`TreeStructure`, which a `RadixTree` owns, has these; this module imports neither, so the
+    dependencies point one way)."""
 
     page_size: int
-    _codec: KeyCodec
-    _root: Node
-    _nodes: dict[int, Node]
-    _device_leaves: dict[int, Node]
-    _host_leaves: dict[int, Node]
-    _evictable_device: int
-    _evictable_host: int
-    _backups: dict[int, int]
+    codec: KeyCodec
+    root: Node
+    nodes: dict[int, Node]
+    device_leaves: dict[int, Node]
+    host_leaves: dict[int, Node]
+    evictable_device: int
+    evictable_host: int
+    backups: dict[int, int]
 
 
 def check_tree(tree: TreeState) -> None:
     """Raise AssertionError naming the first broken invariant. Does not mutate. O(tree size)."""
-    codec = tree._codec
+    codec = tree.codec
     ps, pb = tree.page_size, codec.page_bytes
-    root = tree._root
+    root = tree.root
     seen: dict[int, Node] = {}
     device_leaves: set[int] = set()
     host_leaves: set[int] = set()
@@ -42,7 +43,7 @@ def check_tree(tree: TreeState) -> None:
         x = stack.pop()
         assert x.id not in seen, f"node {x.id} reached twice"
         seen[x.id] = x
-        assert tree._nodes.get(x.id) is x, f"node {x.id} is in the tree but not registered"
+        assert tree.nodes.get(x.id) is x, f"node {x.id} is in the tree but not registered"
         assert x.lock_ref >= 0 and x.host_ref >= 0, f"node {x.id}: negative ref count"
         assert sum(c.lock_ref for c in x.children.values()) <= x.lock_ref or x is root, (
             f"node {x.id}: lock_ref {x.lock_ref} below its children's"
@@ -97,14 +98,14 @@ def check_tree(tree: TreeState) -> None:
                 evictable_device += n
             elif x.host_ref == 0:
                 evictable_host += n
-    assert len(seen) == len(tree._nodes), "registered nodes unreachable from the root"
-    assert set(tree._device_leaves) == device_leaves, "device leaf set is stale"
-    assert set(tree._host_leaves) == host_leaves, "host leaf set is stale"
-    assert tree._evictable_device == evictable_device, "evictable device count is stale"
-    assert tree._evictable_host == evictable_host, "evictable host count is stale"
-    assert backup_pieces == tree._backups, "in-flight backup pieces are stale"
+    assert len(seen) == len(tree.nodes), "registered nodes unreachable from the root"
+    assert set(tree.device_leaves) == device_leaves, "device leaf set is stale"
+    assert set(tree.host_leaves) == host_leaves, "host leaf set is stale"
+    assert tree.evictable_device == evictable_device, "evictable device count is stale"
+    assert tree.evictable_host == evictable_host, "evictable host count is stale"
+    assert backup_pieces == tree.backups, "in-flight backup pieces are stale"
     for bid in backup_pieces:
-        assert tree._nodes.get(bid) is not None and tree._nodes[bid].backup == bid, (
+        assert tree.nodes.get(bid) is not None and tree.nodes[bid].backup == bid, (
             f"backup {bid} lost its node"
         )
     for name, parts in (("device", device_parts), ("host", host_parts)):

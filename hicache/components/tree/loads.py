@@ -25,6 +25,9 @@ class LoadFlows:
         self.credits = credits
         self.arrived: dict[OpId, tuple[bool, str]] = {}
 
+    def tables(self) -> dict[str, int]:
+        return {"loads": len(self.loads), "arrived_loads": len(self.arrived)}
+
     def under(self, node: NodeId | None) -> list[OpId]:
         """The loads still landing on the path root..node (wait before reading). A load fills
         the nodes between its anchor and its lock, however a match or insert split them since

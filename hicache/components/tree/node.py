@@ -6,6 +6,8 @@ import enum
 
 import numpy as np
 
+from hicache.types import NodeId, PageHash
+
 __all__ = ["Node", "NodeState"]
 
 
@@ -48,7 +50,7 @@ class Node:
 
     def __init__(
         self,
-        node_id: int,
+        node_id: NodeId,
         parent: Node | None,
         key: bytes,
         num_tokens: int,
@@ -64,10 +66,9 @@ class Node:
         self.key = key  # the tokens' bytes (uint32 each, or two uint32 for bigram keys)
         self.num_tokens = num_tokens
         self.device = device  # L1 slots, or None when not on the device
-        self.host = (
-            host  # L2 slots, or None when no host copy (or, with backup set, one being written)
-        )
-        self.hashes: tuple[str, ...] | None = None  # L3 page hashes, one per page, when known
+        # L2 slots, or None when no host copy (or, with backup set, one being written)
+        self.host = host
+        self.hashes: tuple[PageHash, ...] | None = None  # L3 page hashes, one per page, when known
         self.lock_ref = 0  # running requests / in-flight device reads on this node or below
         self.host_ref = 0  # in-flight host transfers protecting this node or below
         self.hit_count = 0

@@ -42,6 +42,15 @@ class PrefetchFlows:
         self.timers_fired: set[OpId] = set()
         self.host_waiting: list[OpId] = []  # probed, waiting for host room to read into
 
+    def tables(self) -> dict[str, int]:
+        return {
+            "prefetches": len(self.ops),
+            "prefetch_by_rid": len(self.by_rid),
+            "prefetch_reports": len(self.reports),
+            "timers_fired": len(self.timers_fired),
+            "prefetch_host_waiting": len(self.host_waiting),
+        }
+
     def start(self, state: RequestState, rid: RequestId, tokens: Any) -> PrefetchOutcome:
         ctx, tree = self._ctx, self._ctx.tree
         cfg = ctx.cfg

@@ -42,6 +42,9 @@ class Requests:
         self.table: dict[RequestId, RequestState] = {}
 
     # ------------------------------------------------------------------ the table
+    def tables(self) -> dict[str, int]:
+        return {"requests": len(self.table)}
+
     def get(self, rid: RequestId) -> RequestState | None:
         return self.table.get(rid)
 

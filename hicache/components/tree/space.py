@@ -15,6 +15,7 @@ import numpy as np
 
 from hicache.components.allocator.core import SlotLedger
 from hicache.components.tree.context import Context, Wait
+from hicache.results import CacheStats, TierStats
 from hicache.types import EMPTY_SLOTS, NodeId, OpId
 
 
@@ -53,6 +54,31 @@ class Space:
             tier: {"size": led.size, "used": led.used, "available": led.available}
             for tier, led in self.ledgers.items()
         }
+
+    def stats(self, inflight: dict[str, int]) -> CacheStats:
+        tree, c = self._ctx.tree, self._ctx.counters
+        dev, host = self.ledgers["device"], self.ledgers["host"]
+        return CacheStats(
+            device=TierStats(
+                size=dev.size,
+                used=dev.used,
+                cached_tokens=tree.cached_tokens("device"),
+                evictable_tokens=tree.evictable_device_tokens(),
+                evictions=c.device_evictions,
+                hit_tokens=c.device_hit_tokens,
+            ),
+            host=TierStats(
+                size=host.size,
+                used=host.used,
+                cached_tokens=tree.cached_tokens("host"),
+                evictable_tokens=tree.evictable_host_tokens(),
+                evictions=c.host_evictions,
+                hit_tokens=c.host_hit_tokens,
+            ),
+            storage_hit_tokens=c.storage_hit_tokens,
+            bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
+            inflight=inflight,
+        )
 
     def device(self, n: int) -> np.ndarray | Wait | None:
         """Device slots for n tokens, evicting L1 (backing up first where the policy says so)."""

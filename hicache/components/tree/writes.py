@@ -35,6 +35,16 @@ class WriteFlows:
         self.arrived_writes: dict[OpId, tuple[bool, str]] = {}
         self.arrived_uploads: dict[OpId, int] = {}
 
+    def tables(self) -> dict[str, int]:
+        return {
+            "writes": len(self.writes),
+            "uploads": len(self.uploads),
+            "write_backlog": len(self.write_backlog),
+            "upload_backlog": len(self.upload_backlog),
+            "arrived_writes": len(self.arrived_writes),
+            "arrived_uploads": len(self.arrived_uploads),
+        }
+
     # ------------------------------------------------------------------ what eviction asks
     def evicting_tokens(self) -> int:
         return sum(len(op.host_slots) for op in self.writes.values() if op.evicting)

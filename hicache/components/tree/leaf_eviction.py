@@ -1,0 +1,162 @@
+"""Leaf-first eviction: which nodes leave L1 or L2 and how (demoted to host-only, or removed with
+their host-only descendants), in the strategy's order (`evict_in_order`). Functions over a
+`TreeStructure`; ``RadixTree``'s methods of the same names call them and document them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.components.tree.node import Node
+from hicache.components.tree.results import DeviceEviction, HostEviction, TreeError
+from hicache.components.tree.slot_arrays import concat
+from hicache.components.tree.structure import TreeStructure
+from hicache.policies.eviction import EvictionStrategy, evict_in_order
+from hicache.policies.write import WritePolicy
+from hicache.types import EMPTY_SLOTS, NodeId
+
+__all__ = ["discard_device", "evict_device", "evict_host", "outranks_host"]
+
+
+def _ident(x: Node) -> int:
+    return x.id
+
+
+def evict_device(
+    s: TreeStructure,
+    num_tokens: int,
+    eviction: EvictionStrategy,
+    write_policy: WritePolicy,
+    require_host_copy: bool,
+) -> DeviceEviction:
+    if num_tokens < 0:
+        raise TreeError(f"evict_device: num_tokens must be >= 0, got {num_tokens}")
+    keep_unbacked = require_host_copy or write_policy.backup_on_evict
+    freed: list[np.ndarray] = []
+    freed_host: list[np.ndarray] = []
+    demoted: list[NodeId] = []
+    removed: list[NodeId] = []
+    needs_backup: list[NodeId] = []
+    root = s.root
+    page = s.page_size
+    left = [num_tokens]  # tokens still wanted
+
+    def evict(x: Node) -> tuple[int, Node | None]:
+        want = -(-left[0] // page) * page
+        if require_host_copy and x.num_tokens > want > 0:
+            s.split(x, x.num_tokens - want)  # x keeps its id and the last `want` tokens
+        units, exposed = evict_whole(x)
+        left[0] -= units
+        return units, exposed
+
+    def evict_whole(x: Node) -> tuple[int, Node | None]:
+        parent = x.parent
+        device = x.device
+        assert parent is not None and device is not None
+        if x.host is not None:
+            freed.append(device)
+            s.set_device(x, None)
+            demoted.append(x.id)
+        elif keep_unbacked:
+            # Counts toward the target: it goes once its backup lands. Counting it as 0
+            # would report every leaf of L1 and back up all of it.
+            needs_backup.append(x.id)
+            return x.num_tokens, None
+        elif x.host_ref:
+            return 0, None
+        else:
+            freed.append(device)
+            s.set_device(x, None)
+            s.remove_subtree(x, freed_host, removed)
+        exposed = (
+            parent
+            if parent is not root and parent.device_children == 0 and parent.lock_ref == 0
+            else None
+        )
+        return x.num_tokens, exposed
+
+    candidates = [x for x in s.device_leaves.values() if x.lock_ref == 0]
+    evict_in_order(candidates, key=eviction.key, ident=_ident, evict=evict, target=num_tokens)
+    return DeviceEviction(
+        freed=concat(freed),
+        demoted=tuple(demoted),
+        removed=tuple(removed),
+        needs_backup=tuple(needs_backup),
+        freed_host=concat(freed_host),
+    )
+
+
+def evict_host(
+    s: TreeStructure, num_tokens: int, eviction: EvictionStrategy, by_pages: bool
+) -> HostEviction:
+    if num_tokens < 0:
+        raise TreeError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
+    freed: list[np.ndarray] = []
+    removed: list[NodeId] = []
+    root = s.root
+    page = s.page_size
+    left = [num_tokens]  # tokens still wanted
+
+    def evict(x: Node) -> tuple[int, Node | None]:
+        want = -(-left[0] // page) * page
+        if by_pages and x.num_tokens > want > 0:
+            s.split(x, x.num_tokens - want)  # x keeps its id and the last `want` tokens
+        units, exposed = evict_whole(x)
+        left[0] -= units
+        return units, exposed
+
+    def evict_whole(x: Node) -> tuple[int, Node | None]:
+        parent = x.parent
+        host = x.host
+        assert parent is not None and host is not None
+        freed.append(host)
+        removed.append(x.id)
+        s.remove(x)
+        exposed = None
+        if (
+            parent is not root
+            and parent.device is None
+            and not parent.children
+            and parent.lock_ref == 0
+            and parent.host_ref == 0
+        ):
+            exposed = parent
+        return x.num_tokens, exposed
+
+    candidates = [x for x in s.host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
+    evict_in_order(candidates, key=eviction.key, ident=_ident, evict=evict, target=num_tokens)
+    return HostEviction(freed=concat(freed), removed=tuple(removed))
+
+
+def outranks_host(s: TreeStructure, node: NodeId, eviction: EvictionStrategy) -> bool:
+    key = eviction.key
+    mine = key(s.node(node))
+    victims = [key(x) for x in s.host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
+    return not victims or bool(mine >= min(victims))
+
+
+def discard_device(s: TreeStructure, node: NodeId) -> DeviceEviction:
+    x = s.node(node)
+    if x is s.root or x.device is None or x.host is not None:
+        raise TreeError(f"discard_device of node {node}: not a device-only node")
+    if x.lock_ref or x.device_children or x.backup is not None:
+        raise TreeError(f"discard_device of node {node}: locked, in flight or not a leaf")
+    if _protected_below(x):
+        return DeviceEviction(
+            freed=EMPTY_SLOTS, demoted=(), removed=(), needs_backup=(), freed_host=EMPTY_SLOTS
+        )
+    freed = x.device
+    freed_host: list[np.ndarray] = []
+    removed: list[NodeId] = []
+    s.set_device(x, None)
+    s.remove_subtree(x, freed_host, removed)
+    return DeviceEviction(
+        freed=freed,
+        demoted=(),
+        removed=tuple(removed),
+        needs_backup=(),
+        freed_host=concat(freed_host),
+    )
+
+
+def _protected_below(x: Node) -> bool:
+    return bool(x.host_ref) or any(_protected_below(c) for c in x.children.values())
