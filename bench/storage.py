@@ -8,7 +8,8 @@ layer-first host layout (one piece per layer and K/V), the shape the host pool h
 its own redis-server, RedisBackend against the raw redis.asyncio client) and the Mooncake case
 (bench/storage_mooncake.py: its own master and storage process, MooncakeBackend against the
 raw Mooncake client), each printing its ratios to its raw client (target >= 0.9); a summary
-of every ratio ends the run. `--redis-args` / `--mooncake-args` pass options to those cases.
+of every ratio ends the run. `--backends sealed` runs bench/storage_sealed.py (memory, file and
+Redis with value tags and with encryption at rest, as ratios to plaintext; no target). `--redis-args` / `--mooncake-args` pass options to those cases.
 
 Other backends add themselves as further cases from their own files:
 
@@ -200,7 +201,10 @@ def run_file(args: argparse.Namespace) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--backends", nargs="+", choices=("file", "redis", "mooncake"), default=["file"]
+        "--backends",
+        nargs="+",
+        choices=("file", "redis", "mooncake", "sealed"),
+        default=["file"],
     )
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
@@ -219,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
 
             rows = storage_redis.main(shlex.split(args.redis_args))
             summary += [("redis", f"{op} {kib} KiB", r, 0.9) for kib, op, r in rows]
+        elif name == "sealed":
+            from bench import storage_sealed
+
+            for backend, case, r in storage_sealed.main(["--backends", "memory", "file", "redis"]):
+                summary.append((f"{backend}+seal", case, r, 0.0))
         else:
             from bench import storage_mooncake
 

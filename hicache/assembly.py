@@ -20,6 +20,7 @@ import anyio.to_thread
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend
+from hicache.backends.sealed import seal_backend
 from hicache.components.allocator.actor import AllocatorActor
 from hicache.components.allocator.core import SlotLedger
 from hicache.components.loader.actor import LoaderActor
@@ -156,10 +157,18 @@ async def _assemble(
             rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
             layout=cfg.layout,
+            seal=cfg.storage_seal(),  # keyed names and sealed values with a secret
         )
         backend = parts.backend
         if backend is None:
             backend = await _open_backend(cfg, namespace, kernel, host, resources)
+        else:  # a backend passed in is sealed here (open_backend seals what it opens)
+            backend = seal_backend(
+                backend,
+                namespace,
+                emit=kernel.log.bind("storage").warning,
+                virtual_time=cfg.deterministic,
+            )
         uploader = UploaderActor(
             backend=backend,
             namespace=namespace,

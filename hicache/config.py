@@ -11,11 +11,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
+from hicache.backends.seal import MIN_SECRET_BYTES, Seal, crypto_missing
+
 # The names come from the registries that implement them (all four modules are torch-free).
 from hicache.kernels.names import IO_BACKENDS, LAYOUTS
 from hicache.policies.eviction import STRATEGIES
 from hicache.policies.prefetch import PREFETCH_POLICIES
 from hicache.policies.write import WRITE_POLICIES as _WRITE_POLICIES
+from hicache.secrets import load_credential, redact_text, redact_url, safe_repr
 
 EVICTION_POLICIES: tuple[str, ...] = tuple(STRATEGIES)
 WRITE_POLICIES: tuple[str, ...] = tuple(_WRITE_POLICIES)
@@ -59,6 +62,12 @@ class CacheConfig:
     storage: str | None = None  # None | "memory" | "file:DIR" | "redis://..." | "module:Class"
     model_id: str = _DEFAULT_MODEL_ID  # must be set when storage is on (part of every L3 key)
     tenant: str = ""
+    # L3 protection (docs/security.md): a secret (>= 16 bytes) keys the page names and tags
+    # every value; give it one way: inline, a file or an environment variable. Never shown.
+    secret: bytes | str | None = field(default=None, repr=False)
+    secret_file: str | None = None
+    secret_env: str | None = None
+    encrypt_at_rest: bool = False  # AES-256-GCM per value; needs a secret and `cryptography`
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int = 256  # tokens; clamped up to page_size
     prefetch_timeout_base: float = 1.0  # seconds
@@ -96,6 +105,30 @@ class CacheConfig:
 
     extra: dict[str, object] = field(default_factory=dict)  # backend options
 
+    def __repr__(self) -> str:  # the storage spec and backend options may hold passwords
+        return safe_repr(self)
+
+    def load_secret(self) -> bytes | None:
+        """The secret from `secret`, `secret_file` or `secret_env` (None: none configured).
+        Reads the file or the environment; raises ConfigError naming the field, not the value."""
+        try:
+            return load_credential(
+                "secret",
+                value=self.secret,
+                env=self.secret_env,
+                file=self.secret_file,
+                min_bytes=MIN_SECRET_BYTES,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def storage_seal(self) -> Seal | None:
+        """The `Seal` for this instance's L3 namespace (keys.Namespace(seal=...)), or None
+        without a secret. Raises ConfigError as `load_secret` and `resolve` do."""
+        secret = self.load_secret()
+        _check_encryption(self.encrypt_at_rest, secret is not None)
+        return None if secret is None else Seal(secret, encrypt=self.encrypt_at_rest)
+
     @property
     def host_capacity(self) -> int:
         return self.host_tokens if self.host_tokens is not None else 2 * self.device_tokens
@@ -109,7 +142,8 @@ class CacheConfig:
         return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * num_tokens / 1024
 
     def resolve(self) -> tuple[CacheConfig, tuple[Rewrite, ...]]:
-        """Validate, then rewrite unsupported combinations. Pure; raises ConfigError."""
+        """Validate, then rewrite unsupported combinations. Raises ConfigError. Pure but for
+        reading `secret_file` / `secret_env` where set (so a missing secret fails here)."""
         _check_choice("eviction", self.eviction, EVICTION_POLICIES)
         _check_choice("write_policy", self.write_policy, WRITE_POLICIES)
         _check_choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
@@ -152,16 +186,21 @@ class CacheConfig:
                 f"prefetch_rate_fraction={self.prefetch_rate_fraction!r} must be in (0, 1]"
             )
         if not isinstance(self.extra, dict):
-            raise ConfigError(f"extra={self.extra!r} must be a dict of backend options")
+            raise ConfigError(
+                f"extra={redact_text(repr(self.extra))} must be a dict of backend options"
+            )
         if not isinstance(self.model_id, str) or not self.model_id.strip():
             raise ConfigError(f"model_id={self.model_id!r} must be a non-empty string")
         if not isinstance(self.tenant, str):
             raise ConfigError(f"tenant={self.tenant!r} must be a string")
+        _check_encryption(self.encrypt_at_rest, self.load_secret() is not None)
         if self.storage is not None and not isinstance(self.storage, str):
-            raise ConfigError(f"storage={self.storage!r} must be None or a backend spec string")
+            raise ConfigError(
+                f"storage={redact_text(repr(self.storage))} must be None or a backend spec string"
+            )
         if self.storage and self.model_id == _DEFAULT_MODEL_ID:
             raise ConfigError(
-                f"storage={self.storage!r} needs model_id: set model_id to name the model "
+                f"storage={redact_url(self.storage)!r} needs model_id: set model_id to name the model "
                 f"(it is part of every L3 key; with the default model_id={_DEFAULT_MODEL_ID!r} "
                 "two models of the same geometry would share L3 keys and read each other's KV)"
             )
@@ -208,6 +247,17 @@ class CacheConfig:
             )
             cfg = replace(cfg, write_policy="write_back")
         return cfg, tuple(rewrites)
+
+
+def _check_encryption(encrypt: object, has_secret: bool) -> None:
+    if not isinstance(encrypt, bool):
+        raise ConfigError(f"encrypt_at_rest={encrypt!r} must be True or False")
+    if encrypt and not has_secret:
+        raise ConfigError(
+            "encrypt_at_rest=True needs a secret: set secret, secret_file or secret_env"
+        )
+    if encrypt and (why := crypto_missing()):
+        raise ConfigError(f"encrypt_at_rest=True: {why}")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

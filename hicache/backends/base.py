@@ -18,12 +18,20 @@ the cache that opened it, with the host pool whose pages it will move (Mooncake 
 buffer for zero-copy transfers); and a class attribute `VIRTUAL_TIME_OPTIONS`, options the
 registry fills in when a deterministic (virtual-time) cache opens it (the file store runs its
 calls inline there: no real threads on a virtual clock).
+
+Expiry: a backend that can enforce a per-value time-to-live says so with a true attribute
+`enforces_ttl` and takes `set_from(keys, sources, *, ttl=None)` (`ExpiringBackend`): `ttl` is
+seconds from the write until the values are misses; None never expires; a ttl <= 0 stores
+nothing and removes any older value under the key (expired on arrival), and still counts as
+stored. Callers go through `set_from_ttl`, which drops the ttl for backends without it (their
+values then live until evicted), so `StorageBackend` itself is unchanged for out-of-tree stores.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 
 class BackendUnavailable(ConnectionError):
@@ -74,3 +82,44 @@ class StorageBackend(Protocol):
     async def aclose(self) -> None:
         """Release connections and threads. Idempotent."""
         ...
+
+
+class ExpiringBackend(StorageBackend, Protocol):
+    """A StorageBackend whose writes may carry a time-to-live (see the module docstring)."""
+
+    enforces_ttl: bool
+
+    async def set_from(
+        self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None
+    ) -> int:
+        """As StorageBackend.set_from; with `ttl`, the values are misses `ttl` seconds later."""
+        ...
+
+
+def enforces_ttl(backend: object) -> bool:
+    """Whether `backend` makes values written with a ttl expire (Redis, file, memory: yes;
+    Mooncake and most out-of-tree stores: no)."""
+    return getattr(backend, "enforces_ttl", False) is True
+
+
+def check_ttl(ttl: float | None) -> None:
+    """A ttl is None or a finite number of seconds (bool is not a number here)."""
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl)
+    ):
+        raise ValueError(f"ttl must be None or a finite number of seconds, got {ttl!r}")
+
+
+async def set_from_ttl(
+    backend: StorageBackend,
+    keys: Sequence[str],
+    sources: Sequence[PageBuffer],
+    *,
+    ttl: float | None = None,
+) -> int:
+    """`backend.set_from(keys, sources)`, passing `ttl` where the backend enforces expiry and
+    dropping it elsewhere (values then live until evicted); the stored prefix count."""
+    check_ttl(ttl)
+    if ttl is None or not enforces_ttl(backend):
+        return await backend.set_from(keys, sources)
+    return await cast(ExpiringBackend, backend).set_from(keys, sources, ttl=ttl)

@@ -7,7 +7,9 @@ at different positions or after different prefixes therefore get different hashe
 
 A `Namespace` covers everything that shapes the stored bytes (model, attention kind, geometry,
 dtype, page size, host layout), a tenant salt, and for MHA the tensor-parallel rank and size, so
-no two of those ever share a key. Pure functions and immutable values only.
+no two of those ever share a key. With a `Seal` (seal.py: a secret), the digest and every
+page's key suffix are HMAC-SHA-256 under keys derived from the secret instead, so the store's
+names say nothing a reader without the secret can test. Pure functions and immutable values only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hicache.backends.seal import Seal
 from hicache.types import PageHash
 
 HASH_HEX_LEN = 64
@@ -132,6 +135,7 @@ class Namespace:
     rank: int | None = None
     tp_size: int | None = None
     layout: str = ""  # host layout: the byte order of a stored page depends on it
+    seal: Seal | None = field(default=None, repr=False)  # keyed names and sealed values
     digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,12 +172,18 @@ class Namespace:
             self.key_tp_size,
             self.layout,
         )
+        if self.seal is not None and not isinstance(self.seal, Seal):
+            raise ValueError(f"seal must be None or a Seal, got {type(self.seal).__name__}")
         # Length-prefixed fields so no two field tuples serialise alike.
-        h = hashlib.sha256()
-        for f in fields:
-            b = repr(f).encode()
-            h.update(len(b).to_bytes(4, "little") + b)
-        object.__setattr__(self, "digest", h.hexdigest()[:20])
+        blob = b"".join(
+            len(b).to_bytes(4, "little") + b for b in (repr(f).encode() for f in fields)
+        )
+        digest = (
+            hashlib.sha256(blob).hexdigest()[:20]
+            if self.seal is None
+            else self.seal.namespace_digest(blob)
+        )
+        object.__setattr__(self, "digest", digest)
 
     @property
     def attention(self) -> str:
@@ -201,16 +211,20 @@ class Namespace:
         return f"hicache:{self.digest}:"
 
     def key(self, page_hash: PageHash | str) -> str:
-        """The full L3 key of one page."""
-        _hash_bytes(page_hash, "page_hash")
-        return self.prefix + page_hash
+        """The full L3 key of one page: the prefix, then the page hash, or with a seal its
+        keyed name (HMAC of the digest and the hash)."""
+        raw = _hash_bytes(page_hash, "page_hash")
+        if self.seal is None:
+            return self.prefix + page_hash
+        return self.prefix + self.seal.page_name(self.digest, raw)
 
     def keys(self, page_hashes: Sequence[PageHash | str]) -> list[str]:
         """`key` of each hash, in order."""
         return [self.key(h) for h in page_hashes]
 
     def page_hash_of(self, key: str) -> PageHash:
-        """The page hash of a key in this namespace; ValueError for a foreign key."""
+        """The page hash of a key in this namespace (with a seal: its keyed name, which is
+        all a backend needs, e.g. for a file path); ValueError for a foreign key."""
         if not key.startswith(self.prefix):
             raise ValueError(f"key {key!r} is not in namespace {self.prefix!r}")
         rest = key[len(self.prefix) :]

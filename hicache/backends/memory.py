@@ -6,6 +6,10 @@ the least recently used values (by get or put) until the framed total fits; a va
 than the whole capacity is not stored (a failed set, not an error). Calls run inline (no
 threads): a dict needs none, and deterministic runs need their absence.
 
+Expiry: a value put with `ttl` seconds is a miss (and dropped) once `clock()` (monotonic by
+default) has passed its deadline; expired values are also the first to go when the capacity
+needs room.
+
 Several backends (e.g. two cache instances in one test) share values by being given the same
 `MemoryStore`; `clear` then removes only the caller's namespace.
 """
@@ -13,8 +17,9 @@ Several backends (e.g. two cache instances in one test) share values by being gi
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hicache.backends.keys import Namespace
@@ -22,10 +27,14 @@ from hicache.backends.simple import EventSink, SimpleStoreBackend
 
 
 class MemoryStore:
-    """A dict of framed values with an optional LRU byte capacity. Thread-safe; every
-    method but `get`'s recency update leaves other keys alone."""
+    """A dict of framed values with an optional LRU byte capacity and per-value expiry.
+    Thread-safe; every method but `get`'s recency update leaves other keys alone."""
 
-    def __init__(self, capacity_bytes: int | None = None) -> None:
+    enforces_ttl = True
+
+    def __init__(
+        self, capacity_bytes: int | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if capacity_bytes is not None and (
             isinstance(capacity_bytes, bool)
             or not isinstance(capacity_bytes, int)
@@ -36,42 +45,62 @@ class MemoryStore:
             )
         self.capacity_bytes = capacity_bytes
         self._values: OrderedDict[str, bytes] = OrderedDict()
+        self._deadlines: dict[str, float] = {}  # only values put with a ttl
+        self._clock = clock
         self._bytes = 0
         self._lock = threading.Lock()
         self.evictions = 0  # values dropped to stay within capacity
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
+            if self._expired(key, self._clock()):
+                self._drop(key)
             value = self._values.get(key)
             if value is not None:
                 self._values.move_to_end(key)
             return value
 
     def contains(self, key: str) -> bool:
-        return key in self._values
+        with self._lock:
+            return key in self._values and not self._expired(key, self._clock())
 
-    def put(self, key: str, value: bytes) -> bool:
-        """Store `value`; False when it alone exceeds the capacity (nothing changes then)."""
+    def put(self, key: str, value: bytes, ttl: float | None = None) -> bool:
+        """Store `value` (expiring `ttl` seconds from now, if given; a ttl <= 0 only removes
+        the old value); False when it alone exceeds the capacity (nothing changes then)."""
         size = len(value)
         with self._lock:
             if self.capacity_bytes is not None and size > self.capacity_bytes:
                 return False
-            old = self._values.pop(key, None)
-            if old is not None:
-                self._bytes -= len(old)
+            self._drop(key)
+            if ttl is not None and ttl <= 0:
+                return True
             self._values[key] = bytes(value)
             self._bytes += size
+            if ttl is not None:
+                self._deadlines[key] = self._clock() + ttl
+            if self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
+                now = self._clock()
+                for expired in [k for k in self._deadlines if self._expired(k, now)]:
+                    self._drop(expired)
+                    self.evictions += 1
             while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
-                _, dropped = self._values.popitem(last=False)
-                self._bytes -= len(dropped)
+                self._drop(next(iter(self._values)))
                 self.evictions += 1
             return True
 
     def delete(self, key: str) -> None:
         with self._lock:
-            old = self._values.pop(key, None)
-            if old is not None:
-                self._bytes -= len(old)
+            self._drop(key)
+
+    def _expired(self, key: str, now: float) -> bool:
+        deadline = self._deadlines.get(key)
+        return deadline is not None and deadline <= now
+
+    def _drop(self, key: str) -> None:
+        old = self._values.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old)
+        self._deadlines.pop(key, None)
 
     def scan(self, prefix: str) -> Iterator[str]:
         with self._lock:

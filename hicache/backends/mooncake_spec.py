@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
+from hicache.secrets import redact_url, safe_repr
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -90,6 +92,9 @@ class MooncakeSpec:
     probe_timeout: float  # seconds after which an `exists` probe counts as a miss
     retry: float  # seconds to answer misses without trying after the master was unreachable
 
+    def __repr__(self) -> str:  # the metadata URL may carry a password
+        return safe_repr(self)
+
     @property
     def master(self) -> str:
         return f"{self.master_host}:{self.master_port}"
@@ -124,18 +129,25 @@ _OPTION_NAMES = (
 
 def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> MooncakeSpec:
     """Validate `spec` (and keyword `options`, which win over the query). Raises ValueError
-    naming the offending part; never touches the network."""
+    naming the offending part (the spec's credentials, if any, shown as ***); never touches
+    the network."""
     if not isinstance(spec, str) or not spec.startswith("mooncake://"):
-        raise ValueError(f"a Mooncake spec starts with mooncake://, got {spec!r}")
+        raise ValueError(f"a Mooncake spec starts with mooncake://, got {redact_url(str(spec))!r}")
     parts = urlsplit(spec)
     try:
         host, port = parts.hostname, parts.port
     except ValueError as exc:
-        raise ValueError(f"Mooncake spec {spec!r}: bad master address ({exc})") from None
+        raise ValueError(
+            f"Mooncake spec {redact_url(spec)!r}: bad master address ({exc})"
+        ) from None
     if not host or port is None:
-        raise ValueError(f"Mooncake spec {spec!r} must name the master as mooncake://HOST:PORT")
+        raise ValueError(
+            f"Mooncake spec {redact_url(spec)!r} must name the master as mooncake://HOST:PORT"
+        )
     if parts.path not in ("", "/") or parts.fragment:
-        raise ValueError(f"Mooncake spec {spec!r}: unexpected path or fragment after HOST:PORT")
+        raise ValueError(
+            f"Mooncake spec {redact_url(spec)!r}: unexpected path or fragment after HOST:PORT"
+        )
     query = dict(parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False))
     merged: dict[str, object] = {**query, **dict(options or {})}
     unknown = sorted(set(merged) - set(_OPTION_NAMES))
@@ -153,7 +165,7 @@ def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> Moonca
     if metadata != "P2PHANDSHAKE" and not re.match(r"(https?|etcd|redis)://", metadata):
         raise ValueError(
             f"Mooncake spec: metadata must be a http://, etcd:// or redis:// URL "
-            f"or P2PHANDSHAKE, got {metadata!r}"
+            f"or P2PHANDSHAKE, got {redact_url(metadata)!r}"
         )
     lanes = _positive_int(merged.get("lanes", 4), "lanes")
     staging = parse_size(merged.get("staging", "64MiB"), "staging")

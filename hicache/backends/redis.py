@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from hicache.backends.base import BackendUnavailable, PageBuffer
+from hicache.backends.base import BackendUnavailable, PageBuffer, check_ttl
 from hicache.backends.framing import CorruptValue, encode_header, header_size
 from hicache.backends.redis_client import FAILURES, RedisLink, is_unreachable, is_wrong_type
 from hicache.backends.redis_direct import Landed, Target, WrongLength
@@ -48,6 +48,7 @@ from hicache.backends.redis_values import (
     verify_landed,
 )
 from hicache.backends.redis_wire import Parts
+from hicache.secrets import redact_text
 
 if TYPE_CHECKING:
     from hicache.backends.keys import Namespace
@@ -108,11 +109,19 @@ class RedisBackend:
         self._counters = _Counters()
         self._reachable = True
         self._closed = False
+        self.enforces_ttl = True  # per-value expiry: set_from(..., ttl=) sends SET ... PX
         ttl_ms = None if spec.ttl_s is None else max(1, round(spec.ttl_s * 1000))
         self._set_tail: tuple[Any, ...] = () if ttl_ms is None else ("PX", ttl_ms)
         refresh = ttl_ms is not None and spec.refresh_ttl
         self._get_head: str = "GETEX" if refresh else "GET"
         self._get_tail: tuple[Any, ...] = ("PX", ttl_ms) if refresh else ()
+        if spec.tls and not spec.tls_verify:  # anyone on the path can pose as the server
+            self._emit(
+                "storage.tls_unverified",
+                backend="redis",
+                server=spec.redacted(),
+                detail="verify=no: the server's certificate is not checked (testing only)",
+            )
 
     @classmethod
     def from_spec(
@@ -229,9 +238,14 @@ class RedisBackend:
         self._counters.get_hits += hits
         return hits
 
-    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
-        """Store each page under its key (with the TTL, if any); count of the stored prefix."""
+    async def set_from(
+        self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None
+    ) -> int:
+        """Store each page under its key; count of the stored prefix. `ttl` (seconds) is this
+        batch's expiry (`SET ... PX`), overriding the spec's `ttl`; a ttl <= 0 unlinks the key
+        instead (expired on arrival) and counts as stored. Without it, the spec's ttl."""
         self._check_keys(keys)
+        check_ttl(ttl)
         if len(sources) != len(keys):
             raise ValueError(f"set_from: {len(keys)} keys but {len(sources)} sources")
         pages = [
@@ -243,12 +257,22 @@ class RedisBackend:
         sizes = [sum(p.nbytes for p in page) for page in pages]
         ok = [False] * len(keys)
 
+        if ttl is not None and ttl <= 0:
+            await self._run(
+                "set", [("UNLINK", key) for key in keys], [0] * len(keys), self._unlinked(ok)
+            )
+            stored = _prefix_count(ok)
+            self._counters.sets += len(keys)
+            self._counters.set_ok += stored
+            return stored
+
         def take(index: int, reply: Any) -> None:
             ok[index] = reply is True or reply in (b"OK", "OK")
 
+        tail = self._set_tail if ttl is None else ("PX", max(1, round(ttl * 1000)))
         # The header goes before the pieces on the wire; the pieces are never joined.
         commands = [
-            ("SET", key, Parts((encode_header(key, page), *page)), *self._set_tail)
+            ("SET", key, Parts((encode_header(key, page), *page)), *tail)
             for key, page in zip(keys, pages)
         ]
         await self._run(
@@ -304,6 +328,13 @@ class RedisBackend:
         return replies in ([True], [b"PONG"])
 
     # --- mechanism ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _unlinked(ok: list[bool]) -> Callable[[int, Any], None]:
+        def take(index: int, reply: Any) -> None:
+            ok[index] = isinstance(reply, int)
+
+        return take
 
     def _check_keys(self, keys: Sequence[str]) -> None:
         if self._closed:
@@ -373,7 +404,7 @@ class RedisBackend:
 
     def _failed(self, op: str, error: BaseException) -> None:
         self._counters.errors += 1
-        message = f"{type(error).__name__}: {error}"
+        message = redact_text(f"{type(error).__name__}: {error}", self.spec.password)
         if not is_unreachable(error):
             self._emit("storage.error", backend="redis", op=op, error=message)
         elif self._reachable:

@@ -8,15 +8,20 @@ Accepted forms (query options and keyword options are the same names; keyword op
     redis+cluster://host:port[,host:port...][?...]     Redis Cluster (db must be 0)
     rediss+cluster://...               Redis Cluster over TLS
 
-Pure: no I/O, no client objects. Every error is a ValueError naming the spec and what was wrong.
+The password may also come from `password_env=NAME` (an environment variable) or
+`password_file=PATH` (one trailing newline dropped), so it need not appear in any spec string.
+Pure but for reading those: no client objects. Every error is a ValueError naming the spec,
+with its password replaced by *** (the password itself never appears), and what was wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote
+
+from hicache.secrets import load_credential, redact_text, redact_url
 
 DEFAULT_PORT = 6379
 DEFAULT_POOL = 16
@@ -36,7 +41,7 @@ class RedisSpec:
     path: str | None  # unix socket path
     db: int
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)  # never in a repr, message or event
     ttl_s: float | None  # expiry of written values; None: never expire
     refresh_ttl: bool  # reads push expiry back (GETEX), so pages in use stay
     pool: int  # max connections (per node in a cluster); also the in-flight call limit
@@ -109,22 +114,37 @@ _OPTION_NAMES = frozenset(
     {
         "db", "username", "password", "ttl", "refresh_ttl", "pool", "timeout",
         "connect_timeout", "pipeline_bytes", "ca", "cert", "key", "verify", "check_hostname",
-        "lazy_connect",
+        "lazy_connect", "password_env", "password_file",
     }
 )  # fmt: skip
 
 
 def parse_redis_spec(spec: str, options: Mapping[str, Any] | None = None) -> RedisSpec:
     """Validate `spec` plus keyword `options` (which override query options) into a RedisSpec."""
+    shown = redact_url(spec)
+    try:
+        return _parse(shown, spec, options)
+    except ValueError as exc:  # belt and braces: no part of a password in any message
+        userinfo = spec.partition("?")[0].rpartition("@")[0]
+        pass_text = userinfo.partition(":")[2]
+        given = (options or {}).get("password")
+        hidden = [p for p in (pass_text, unquote(pass_text), given) if isinstance(p, str)]
+        raise ValueError(redact_text(str(exc), *hidden)) from None
+
+
+def _parse(shown: str, spec: str, options: Mapping[str, Any] | None) -> RedisSpec:
+    # Errors name `shown` (the spec, password redacted) as "spec"; `spec` is only parsed.
     scheme, sep, rest = spec.partition("://")
     if not sep or scheme not in SCHEMES:
-        raise ValueError(f"{spec!r}: scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
+        raise ValueError(
+            f"{shown!r}: scheme must be one of {', '.join(s + '://' for s in SCHEMES)}"
+        )
     rest, _, query = rest.partition("?")
     opts: dict[str, Any] = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False))
     opts.update(options or {})
     unknown = sorted(set(opts) - _OPTION_NAMES)
     if unknown:
-        raise ValueError(f"{spec!r}: unknown option(s) {', '.join(unknown)}")
+        raise ValueError(f"{shown!r}: unknown option(s) {', '.join(unknown)}")
 
     username = password = None
     endpoints: tuple[tuple[str, int], ...] = ()
@@ -135,40 +155,56 @@ def parse_redis_spec(spec: str, options: Mapping[str, Any] | None = None) -> Red
         if not at:
             userinfo, where = "", rest
         if not where.startswith("/") or where == "/":
-            raise ValueError(f"{spec!r}: unix:// needs an absolute socket path, as unix:///path")
+            raise ValueError(f"{shown!r}: unix:// needs an absolute socket path, as unix:///path")
         path = unquote(where)
     else:
-        netloc, _slash, db_text = rest.partition("/")
-        userinfo, at, hosts = netloc.rpartition("@")
+        # userinfo first: a password may hold "/" (hosts and db never hold "@")
+        userinfo, at, netloc = rest.rpartition("@")
         if not at:
-            userinfo, hosts = "", netloc
+            userinfo, netloc = "", rest
+        hosts, _slash, db_text = netloc.partition("/")
         if not hosts:
-            raise ValueError(f"{spec!r}: no host given")
-        endpoints = tuple(_endpoint(spec, h) for h in hosts.split(","))
+            raise ValueError(f"{shown!r}: no host given")
+        endpoints = tuple(_endpoint(shown, h) for h in hosts.split(","))
         if len(endpoints) > 1 and not scheme.endswith("+cluster"):
-            raise ValueError(f"{spec!r}: several hosts need redis+cluster://")
+            raise ValueError(f"{shown!r}: several hosts need redis+cluster://")
         if db_text:
-            db = _number(spec, "db", db_text, int, 0)
+            db = _number(shown, "db", db_text, int, 0)
     if userinfo:
         user_text, colon, pass_text = userinfo.partition(":")
         username = unquote(user_text) or None
         password = unquote(pass_text) if colon else None
     if "db" in opts:
-        db = _number(spec, "db", opts["db"], int, 0)
+        db = _number(shown, "db", opts["db"], int, 0)
     if scheme.endswith("+cluster") and db != 0:
-        raise ValueError(f"{spec!r}: Redis Cluster has only db 0, got db {db}")
+        raise ValueError(f"{shown!r}: Redis Cluster has only db 0, got db {db}")
     username = opts.get("username", username) or None
     password = opts.get("password", password)
     if password == "":
         password = None
+    try:
+        stored = load_credential(
+            "password", env=opts.get("password_env"), file=opts.get("password_file")
+        )
+    except ValueError as exc:
+        raise ValueError(f"{shown!r}: {exc}") from None
+    if stored is not None:
+        if password is not None:
+            raise ValueError(
+                f"{shown!r}: a password in the spec or password= and in password_env/"
+                "password_file: give it one way"
+            )
+        password = stored.decode()
 
-    timeout = _number(spec, "timeout", opts.get("timeout", DEFAULT_TIMEOUT_S), float, 0.001)
+    timeout = _number(shown, "timeout", opts.get("timeout", DEFAULT_TIMEOUT_S), float, 0.001)
     ttl = opts.get("ttl")
     tls_options = {"ca", "cert", "key", "verify", "check_hostname"} & set(opts)
     if tls_options and not scheme.startswith("rediss"):
-        raise ValueError(f"{spec!r}: TLS option(s) {', '.join(sorted(tls_options))} need rediss://")
+        raise ValueError(
+            f"{shown!r}: TLS option(s) {', '.join(sorted(tls_options))} need rediss://"
+        )
     if (opts.get("cert") is None) != (opts.get("key") is None):
-        raise ValueError(f"{spec!r}: TLS cert and key must be given together")
+        raise ValueError(f"{shown!r}: TLS cert and key must be given together")
     return RedisSpec(
         scheme=scheme,
         endpoints=endpoints,
@@ -176,20 +212,20 @@ def parse_redis_spec(spec: str, options: Mapping[str, Any] | None = None) -> Red
         db=db,
         username=username,
         password=password,
-        ttl_s=None if ttl in (None, "", 0, "0") else _number(spec, "ttl", ttl, float, 0.001),
-        refresh_ttl=_flag(spec, "refresh_ttl", opts.get("refresh_ttl", True)),
-        pool=_number(spec, "pool", opts.get("pool", DEFAULT_POOL), int, 1),
+        ttl_s=None if ttl in (None, "", 0, "0") else _number(shown, "ttl", ttl, float, 0.001),
+        refresh_ttl=_flag(shown, "refresh_ttl", opts.get("refresh_ttl", True)),
+        pool=_number(shown, "pool", opts.get("pool", DEFAULT_POOL), int, 1),
         timeout_s=timeout,
         connect_timeout_s=_number(
-            spec, "connect_timeout", opts.get("connect_timeout", timeout), float, 0.001
+            shown, "connect_timeout", opts.get("connect_timeout", timeout), float, 0.001
         ),
         pipeline_bytes=_number(
-            spec, "pipeline_bytes", opts.get("pipeline_bytes", DEFAULT_PIPELINE_BYTES), int, 0
+            shown, "pipeline_bytes", opts.get("pipeline_bytes", DEFAULT_PIPELINE_BYTES), int, 0
         ),
         tls_ca=opts.get("ca") or None,
         tls_cert=opts.get("cert") or None,
         tls_key=opts.get("key") or None,
-        tls_verify=_flag(spec, "verify", opts.get("verify", True)),
-        tls_check_hostname=_flag(spec, "check_hostname", opts.get("check_hostname", True)),
-        lazy_connect=_flag(spec, "lazy_connect", opts.get("lazy_connect", False)),
+        tls_verify=_flag(shown, "verify", opts.get("verify", True)),
+        tls_check_hostname=_flag(shown, "check_hostname", opts.get("check_hostname", True)),
+        lazy_connect=_flag(shown, "lazy_connect", opts.get("lazy_connect", False)),
     )

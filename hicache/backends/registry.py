@@ -11,7 +11,9 @@ Known forms:
 Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`; the full
 spec string is passed through unchanged. `open_backend` builds the backend (no I/O for the
 shipped ones); `connect_backend` builds it and then awaits its optional `connect()` check
-(base.py), which is how the cache opens storage.
+(base.py), which is how the cache opens storage. When the namespace carries a `Seal` (a
+secret), the backend comes back wrapped by `sealed.seal_backend`: keyed names come from the
+namespace itself, sealed values from the wrapper, whatever the backend.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import anyio
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
+from hicache.backends.sealed import seal_backend
 from hicache.backends.simple import EventSink
+from hicache.secrets import redact_url
 
 _SCHEMES: tuple[tuple[str, str], ...] = (
     ("redis://", "hicache.backends.redis:RedisBackend"),
@@ -71,7 +75,9 @@ def resolve(spec: str) -> str:
     m = _IMPORT_PATH.fullmatch(spec)
     if m and m.group(1) not in _RESERVED:
         return f"{m.group(1)}:{m.group(2)}"
-    raise ValueError(f"unknown storage spec {spec!r}; known forms: {', '.join(KNOWN_FORMS)}")
+    raise ValueError(
+        f"unknown storage spec {redact_url(spec)!r}; known forms: {', '.join(KNOWN_FORMS)}"
+    )
 
 
 def open_backend(
@@ -85,33 +91,35 @@ def open_backend(
     """Build the backend `spec` names for `namespace`. With `virtual_time` (a deterministic
     cache), the class's own `VIRTUAL_TIME_OPTIONS` (e.g. the file store's `threads=0`: no real
     threads on a virtual clock) fill in options not given. Raises ValueError for an unknown or
-    malformed spec, ImportError (with the spec) when the backend's module cannot load."""
+    malformed spec, ImportError (with the spec) when the backend's module cannot load. Error
+    messages show the spec with its password replaced by ***."""
     if not isinstance(namespace, Namespace):
         raise TypeError(
             f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
         )
     target = resolve(spec)
+    shown = redact_url(spec)
     module_name, class_name = target.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImportError(
-            f"storage spec {spec!r} needs module {module_name!r}, which failed to import: {exc} (known forms: {', '.join(KNOWN_FORMS)})"
+            f"storage spec {shown!r} needs module {module_name!r}, which failed to import: {exc} (known forms: {', '.join(KNOWN_FORMS)})"
         ) from exc
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise ValueError(f"storage spec {spec!r}: module {module_name!r} has no {class_name!r}")
+        raise ValueError(f"storage spec {shown!r}: module {module_name!r} has no {class_name!r}")
     from_spec = getattr(cls, "from_spec", None)
     if not callable(from_spec):
-        raise TypeError(f"storage spec {spec!r}: {target} has no from_spec classmethod")
+        raise TypeError(f"storage spec {shown!r}: {target} has no from_spec classmethod")
     if virtual_time:
         options = {**getattr(cls, "VIRTUAL_TIME_OPTIONS", {}), **options}
     backend = from_spec(spec, namespace=namespace, emit=emit, **options)
     if not isinstance(backend, StorageBackend):
         raise TypeError(
-            f"storage spec {spec!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend"
+            f"storage spec {shown!r}: {target}.from_spec returned {type(backend).__name__}, not a StorageBackend"
         )
-    return backend
+    return seal_backend(backend, namespace, emit=emit, virtual_time=virtual_time)
 
 
 async def connect_backend(

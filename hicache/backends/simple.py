@@ -3,7 +3,9 @@
 An out-of-tree store needs just `get(key) -> bytes | None` and `put(key, value)` (returning
 False when it did not store the value);
 `delete(key)`, `contains(key) -> bool` and `scan(prefix) -> Iterable[str]` are used when
-present (`clear` needs `delete` and `scan`). The adapter frames every value with
+present (`clear` needs `delete` and `scan`). A store whose `put` takes `ttl=` (seconds) and
+that says so with a true `enforces_ttl` gets the ttl of `set_from(..., ttl=)`; for any other
+store the ttl is dropped. The adapter frames every value with
 `framing.py`'s header, so a torn or foreign value is a miss, a `storage.corrupt` event and a
 deletion, never KV. Unlike zero-copy backends it joins a page's pieces into one bytes object
 on write and copies out of the returned bytes on read.
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from hicache.backends.base import PageBuffer
+from hicache.backends.base import PageBuffer, check_ttl
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.framing import CorruptValue, decode_header, encode_header, verify_payload
@@ -64,6 +66,11 @@ class SimpleStoreBackend:
         self._runner = BlockingRunner(threads)
         self._counters = Counters()
 
+    @property
+    def enforces_ttl(self) -> bool:
+        """Whether the store expires values put with a ttl (base.ExpiringBackend)."""
+        return getattr(self.store, "enforces_ttl", False) is True
+
     # -- protocol ------------------------------------------------------------------------
 
     async def exists(self, keys: Sequence[str]) -> int:
@@ -101,11 +108,19 @@ class SimpleStoreBackend:
         self._counters.get_hits += hits
         return hits
 
-    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
+    async def set_from(
+        self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None
+    ) -> int:
+        """Store each page; with `ttl` (and a store that enforces it) expiring that many
+        seconds from now. The stored prefix."""
         pages = check_buffers(self.namespace, keys, sources, writable=False)
+        check_ttl(ttl)
         self._counters.sets += len(keys)
         framed = [_frame(k, p) for k, p in zip(keys, pages)]
-        results = await self._runner.map(self._store_one, list(zip(keys, framed)))
+        expiry = ttl if self.enforces_ttl else None
+        results = await self._runner.map(
+            self._store_one, [(k, v, expiry) for k, v in zip(keys, framed)]
+        )
         oks = []
         for key, pieces, result in zip(keys, pages, results):
             if isinstance(result, Exception):
@@ -161,9 +176,13 @@ class SimpleStoreBackend:
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             return exc
 
-    def _store_one(self, item: tuple[str, bytes]) -> bool | Exception:
+    def _store_one(self, item: tuple[str, bytes, float | None]) -> bool | Exception:
+        key, value, ttl = item
         try:
-            return self.store.put(*item) is not False
+            if ttl is not None:
+                put: Callable[..., bool | None] = self.store.put
+                return put(key, value, ttl=ttl) is not False
+            return self.store.put(key, value) is not False
         except Exception as exc:  # noqa: BLE001 - a failed store is reported, not raised
             return exc
 

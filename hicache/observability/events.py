@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import structlog
 
 from hicache.observability.capture import deliver_to_captures
+from hicache.secrets import safe_fields
 
 LEVELS: dict[str, int] = {
     "debug": logging.DEBUG,
@@ -36,7 +37,7 @@ def plain(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return safe_fields(value)  # no password or secret field reaches a log
     if isinstance(value, BaseException):
         return f"{type(value).__name__}: {value}"
     return f"<{type(value).__name__}>"

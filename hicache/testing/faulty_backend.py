@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from hicache.backends.base import PageBuffer, StorageBackend
+from hicache.backends.base import PageBuffer, StorageBackend, enforces_ttl, set_from_ttl
 
 METHODS = ("exists", "get_into", "set_from")
 
@@ -146,11 +146,17 @@ class FaultyBackend:
             self.injected["corrupt"] += 1
         return await self.inner.get_into(keys, targets)
 
-    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
+    @property
+    def enforces_ttl(self) -> bool:
+        return enforces_ttl(self.inner)
+
+    async def set_from(
+        self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None
+    ) -> int:
         _, failed = await self._enter("set_from")
         if failed:
             return 0
-        return await self.inner.set_from(keys, sources)
+        return await set_from_ttl(self.inner, keys, sources, ttl=ttl)
 
     async def delete(self, keys: Sequence[str]) -> None:
         await self.inner.delete(keys)

@@ -12,7 +12,7 @@ import pytest
 import redis
 from redis_helpers import Pages, namespace, page_keys
 
-from hicache.backends.base import StorageBackend
+from hicache.backends.base import StorageBackend, enforces_ttl, set_from_ttl
 from hicache.backends.framing import encode_header
 from hicache.backends.redis import RedisBackend
 from hicache.backends.redis_spec import DEFAULT_PIPELINE_BYTES
@@ -110,6 +110,25 @@ async def test_ttl_is_set_on_write_and_pushed_back_by_reads(server, ns, inspect)
     assert fixed.stats()["corrupt"] == 0
     for backend in (plain, expiring, fixed):
         await backend.aclose()
+
+
+async def test_per_value_ttl_sets_px_and_a_past_ttl_is_a_miss(server, ns, inspect):
+    keys = page_keys(ns, 3)
+    pages = Pages(3).fill(seed=5)
+    backend = RedisBackend.from_spec(server.url + "?ttl=1000", namespace=ns)
+    assert enforces_ttl(backend)
+    assert await set_from_ttl(backend, keys[:2], pages.buffers(range(2)), ttl=30) == 2
+    assert 25_000 < inspect.pttl(keys[0]) <= 30_000  # the value's ttl, not the spec's 1000 s
+    assert await backend.set_from(keys[2:], pages.buffers([2])) == 1
+    assert 990_000 < inspect.pttl(keys[2]) <= 1_000_000  # no ttl given: the spec's
+    # A ttl already past stores nothing and removes the older value: a miss, counted stored.
+    assert await set_from_ttl(backend, keys[:1], pages.buffers([0]), ttl=-1) == 1
+    assert inspect.exists(keys[0]) == 0
+    assert await backend.get_into(keys[:1], Pages(1).buffers([0])) == 0
+    assert await backend.exists(keys[1:]) == 2
+    with pytest.raises(ValueError, match="ttl"):
+        await backend.set_from(keys[:1], pages.buffers([0]), ttl=float("inf"))
+    await backend.aclose()
 
 
 async def test_tenants_and_dtypes_never_share_keys(server, inspect):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from hicache.backends import file as file_mod
+from hicache.backends import file_io as file_mod
 from hicache.backends.file import FileBackend, value_path
 from hicache.backends.registry import open_backend
 

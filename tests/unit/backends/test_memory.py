@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from hicache.backends.base import enforces_ttl, set_from_ttl
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.backends.simple import SimpleStoreBackend
 
@@ -90,3 +91,41 @@ async def test_simple_store_adapter_get_put_only(ns, pool, threads):
 def test_simple_store_adapter_rejects_non_stores(ns):
     with pytest.raises(TypeError, match="get\\(key\\) and put"):
         SimpleStoreBackend(object(), namespace=ns)
+
+
+async def test_values_put_with_a_ttl_expire_on_the_stores_clock(ns, pool):
+    now = [100.0]
+    store = MemoryStore(clock=lambda: now[0])
+    backend = MemoryBackend(namespace=ns, store=store)
+    keys = page_keys(ns, 3)
+    assert enforces_ttl(backend)
+    pages = [pool.page_buffer(i) for i in range(3)]
+    assert await set_from_ttl(backend, keys[:2], pages[:2], ttl=5) == 2
+    assert await set_from_ttl(backend, keys[2:], pages[2:]) == 1  # no ttl: never expires
+    now[0] += 4.9
+    assert await backend.exists(keys) == 3
+    now[0] += 0.2
+    assert await backend.exists(keys[:2]) == 0 and await backend.exists(keys[2:]) == 1
+    out = FakeHostPool(pages=1)
+    assert await backend.get_into(keys[:1], [out.page_buffer(0)]) == 0
+    assert await set_from_ttl(backend, keys[2:], pages[2:], ttl=0) == 1  # expired on arrival
+    assert await backend.exists(keys[2:]) == 0
+    store.check_integrity()
+
+
+async def test_a_store_without_expiry_keeps_the_value_and_drops_the_ttl(ns, pool):
+    class Plain:
+        def __init__(self) -> None:
+            self.values: dict[str, bytes] = {}
+
+        def get(self, key: str) -> bytes | None:
+            return self.values.get(key)
+
+        def put(self, key: str, value: bytes) -> None:  # no ttl parameter at all
+            self.values[key] = value
+
+    backend = SimpleStoreBackend(Plain(), namespace=ns, threads=0)
+    keys = page_keys(ns, 1)
+    assert not enforces_ttl(backend)
+    assert await set_from_ttl(backend, keys, [pool.page_buffer(0)], ttl=5) == 1
+    assert await backend.exists(keys) == 1
