@@ -11,8 +11,8 @@ tokens, tokens loaded back from L2; with --batch > 1 one line per scheduler step
     ~/.cache/hicache-peers/sglang/bin/python bench/parity.py sglang --cache radix \
         --capacity 600000 --out lru600.jsonl
 
-    # hicache: the replay (actors, inline copies), its synchronous core model (what
-    # `hicache sweep` runs), or one tier through the tree core alone
+    # hicache: the replay (actors, inline copies), the tree controller driven synchronously
+    # with instant workers (what `hicache sweep` runs), or one tier through the tree core alone
     .venv/bin/python bench/parity.py replay --out hc.jsonl [--exclusive] [--batch 8]
     .venv/bin/python bench/parity.py core --out core.jsonl [--exclusive]
     .venv/bin/python bench/parity.py single --capacity 600000 --out one.jsonl
@@ -89,9 +89,6 @@ def run_sglang(args) -> None:
 # ----------------------------------------------------------------------------- hicache sides
 VARIANTS = (
     "split-stamp",
-    "evict-shortfall",
-    "host-evict-shortfall",
-    "evict-inflight",
     "partial-device",
     "partial-host",
     "drop-host-all",
@@ -106,21 +103,15 @@ def _apply_variants(names) -> None:
       that was not matched) with the call's `now` too, as SGLang does (UnifiedTreeCore.
       _split_node sets child.last_access_time; the legacy RadixCache stamps the child before
       splitting it). hicache keeps the suffix's old stamp.
-    evict-shortfall: when an L1 allocation of n tokens fails, evict n - available tokens
-      (the shortfall, as SGLang's evict_from_tree_cache does), not n.
-    host-evict-shortfall: the same for L2: a host allocation of n tokens that fails evicts
-      n - available host tokens (SGLang's _execute_kv_backup: evict_host(kv_tokens -
-      host_avail)), not n.
-    evict-inflight: an L1 allocation that waits for eviction backups (write_back, exclusive)
-      counts the tokens of those still in flight as on their way out: it evicts only
-      n - available - in flight, so it does not start a backup of more leaves each time round
-      the loop (implies evict-shortfall).
     partial-device: exclusive mode: L1 eviction takes whole pages, not whole leaves: the last
       leaf it picks, when larger than what is still needed, is split and only its last pages
       (the ones needed, rounded up to a page) leave L1; the rest stays.
     partial-host: the same for L2 eviction (any mode).
     drop-host-all: exclusive mode: once a load has landed, every loaded node gives up its
       host copy, also one with host-only children (drop_host keeps those today).
+
+    Evicting only the shortfall (L1 and L2) and counting eviction backups in flight, once
+    variants here, are what the tree controller does now (`hicache/components/tree/space.py`).
     """
     from hicache.components.tree.core import RadixTree
 
@@ -137,19 +128,6 @@ def _apply_variants(names) -> None:
             return upper
 
         RadixTree._descend, RadixTree._split = _descend, _split
-    if "evict-shortfall" in names:
-        from hicache.cli.coremodel import CoreModel
-        from hicache.components.tree.actor import TreeActor
-
-        core_evict, actor_evict = CoreModel._evict_device, TreeActor._evict_device
-
-        def core_shortfall(self, n):
-            return core_evict(self, max(0, n - self.ledgers["device"].available))
-
-        async def actor_shortfall(self, n):
-            return await actor_evict(self, max(0, n - self._slots["device"].available))
-
-        CoreModel._evict_device, TreeActor._evict_device = core_shortfall, actor_shortfall
     if "partial-device" in names or "partial-host" in names:
         import hicache.components.tree.core as core_mod
         from hicache.policies.eviction import evict_in_order as whole_leaves
@@ -210,103 +188,6 @@ def _apply_variants(names) -> None:
             return _concat(freed)
 
         RadixTree.drop_host = drop_host
-    if "evict-inflight" in names:
-        from hicache.cli.coremodel import CoreModel
-        from hicache.components.tree.actor import TreeActor
-        from hicache.types import EMPTY_SLOTS
-
-        def inflight(self, tree) -> int:
-            nodes = self.__dict__.setdefault("_parity_evicting", set())
-            total = 0
-            for node in list(nodes):
-                x = tree._nodes.get(node)
-                if x is None or x.backup != x.id:
-                    nodes.discard(node)
-                    continue
-                while x is not None and x.backup == node:  # the node and pieces split off it
-                    total += x.num_tokens
-                    x = x.parent
-            return total
-
-        core_start, actor_start = CoreModel._start_backup, TreeActor._start_backup
-
-        def core_start_backup(self, node, *, evicting):
-            ok = core_start(self, node, evicting=evicting)
-            if ok and evicting:
-                self.__dict__.setdefault("_parity_evicting", set()).add(node)
-            return ok
-
-        async def actor_start_backup(self, node, *, evicting):
-            ok = await actor_start(self, node, evicting=evicting)
-            if ok and evicting:
-                self.__dict__.setdefault("_parity_evicting", set()).add(node)
-            return ok
-
-        def core_alloc_device(self, n):
-            if n == 0:
-                return EMPTY_SLOTS
-            while True:
-                slots = self._alloc("device", n)
-                if slots is not None:
-                    return slots
-                short = n - self.ledgers["device"].available - inflight(self, self.tree)
-                if short > 0 and self._evict_device(short):
-                    continue
-                if not self._writes:
-                    return None
-                self._await_write(next(iter(self._writes)))
-
-        async def actor_alloc_device(self, n):
-            if n == 0:
-                return EMPTY_SLOTS
-            while True:
-                slots = self._alloc("device", n)
-                if slots is not None:
-                    return slots
-                short = n - self._slots["device"].available - inflight(self, self._tree)
-                if short > 0 and await self._evict_device(short):
-                    continue
-                if not self._writes:
-                    return None
-                await self._await_write(next(iter(self._writes)))
-
-        CoreModel._start_backup, TreeActor._start_backup = core_start_backup, actor_start_backup
-        CoreModel._alloc_device, TreeActor._alloc_device = core_alloc_device, actor_alloc_device
-    if "host-evict-shortfall" in names:
-        from hicache.cli.coremodel import CoreModel
-        from hicache.components.tree.actor import TreeActor
-
-        def core_alloc_host(self, n):  # CoreModel._alloc_host, evicting the shortfall
-            while True:
-                slots = self._alloc("host", n)
-                if slots is not None:
-                    return slots
-                ev = self.tree.evict_host(n - self.ledgers["host"].available)
-                if len(ev.freed):
-                    self.host_evictions += len(ev.freed)
-                    self._free("host", ev.freed)
-                    continue
-                waiting = next(iter(self._uploads), None)
-                if waiting is None:
-                    return None
-                self._await_upload(waiting)
-
-        async def actor_alloc_host(self, n):  # TreeActor._alloc_host, evicting the shortfall
-            while True:
-                slots = self._alloc("host", n)
-                if slots is not None:
-                    return slots
-                ev = self._tree.evict_host(n - self._slots["host"].available)
-                if len(ev.freed):
-                    self.counters.host_evictions += len(ev.freed)
-                    self._free("host", ev.freed)
-                    continue
-                waiting = next((op for op, job in self._uploads.items() if not job.timed_out), None)
-                if waiting is None:
-                    return None
-                await self._await_upload(waiting)
-
-        CoreModel._alloc_host, TreeActor._alloc_host = core_alloc_host, actor_alloc_host
 
 
 def _config(args):
@@ -374,14 +255,15 @@ def run_core(args) -> None:
     orig = coremodel._run_step
 
     def step(model, step_reqs, tally, tokens_of):
-        d0, h0, t0 = tally.device_hit, model.host_hit, tally.input_tokens
+        counters = model.core.counters  # the controller's (an InstantCache drives it)
+        d0, h0, t0 = tally.device_hit, counters.host_hit_tokens, tally.input_tokens
         orig(model, step_reqs, tally, tokens_of)
         rows.append(
             {
                 "i": len(rows),
                 "len": tally.input_tokens - t0,
                 "l1": tally.device_hit - d0,
-                "l2": model.host_hit - h0,
+                "l2": counters.host_hit_tokens - h0,
             }
         )
 

@@ -1,8 +1,8 @@
-"""`hicache sweep`: hit rate per tier against capacity, from the cores alone.
+"""`hicache sweep`: hit rate per tier against capacity, from the control plane alone.
 
-Every point of the grid (L1 sizes x L2 sizes x L3 on/off) replays the trace through a
-`CoreModel` (`hicache/cli/coremodel.py`: the radix tree and the slot ledgers driven through
-the tree actor's decisions, no bytes, no actors, no clock), in the scheduler steps of
+Every point of the grid (L1 sizes x L2 sizes x L3 on/off) replays the trace through the tree
+actor's own controller driven synchronously, with instant workers (`hicache/cli/coremodel.py`,
+`hicache/testing/instant.py`: no bytes, no actors, no clock), in the scheduler steps of
 `hicache replay`. It writes `sweep.csv` (one row per point) and, with matplotlib installed,
 `sweep.png` (L1, L2 and L3 hit rates stacked against the L1 size, one panel per L2 size and
 L3 setting, the trace's bound dashed).
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.cli.coremodel import PageIds, replay_trace
+from hicache.cli.coremodel import replay_trace
 from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace
 from hicache.config import CacheConfig
 
@@ -136,7 +136,6 @@ def run_point(
     exclusive: bool,
     bound: float,
     tokens_of: Callable[[TraceRequest], np.ndarray] | None = None,
-    pages: PageIds | None = None,
 ) -> dict[str, Any]:
     cfg = CacheConfig(
         page_size=page_size,
@@ -155,7 +154,6 @@ def run_point(
         block_tokens=block_tokens,
         batch=batch,
         tokens_of=tokens_of,
-        pages=pages,
     )
     seconds = time.perf_counter() - t0
     s = tally.summary()
@@ -314,7 +312,6 @@ def run(args: argparse.Namespace) -> int:
             t = tokens[r.index] = r.tokens(args.block_tokens).astype(np.uint32)
         return t
 
-    pages = PageIds(args.page_size, args.block_tokens)
     rows = []
     show = not args.quiet
     for n, point in enumerate(points, 1):
@@ -329,7 +326,6 @@ def run(args: argparse.Namespace) -> int:
             exclusive=args.exclusive,
             bound=bound,
             tokens_of=tokens_of,
-            pages=pages,
         )
         rows.append(row)
         if show:

@@ -1,4 +1,5 @@
-"""`hicache sweep`: the cores alone against the full replay, and the CSV and PNG it writes."""
+"""`hicache sweep`: the tree controller with instant workers against the full replay, and the CSV
+and PNG it writes."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hicache.backends.keys import chain_page_hashes
-from hicache.cli.coremodel import PageIds
+from hicache.cli.coremodel import replay_trace
 from hicache.cli.main import main
 from hicache.cli.sweep import CSV_FIELDS, grid, parse_tokens, read_csv
-from hicache.cli.trace import read_trace
+from hicache.cli.trace import bound_hit_rate, read_trace
+from hicache.config import CacheConfig
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_trace_400.jsonl"
 LIMIT = "200"
@@ -77,9 +78,9 @@ def sweep(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 def test_sweep_equals_the_replay_where_l3_is_on(sweep, tmp_path):
     """With L3 on, every step waits for each request's prefetch before it loads or allocates,
-    and by then the replay's backups and uploads of the step before have landed: the core
-    model's order of events (every completion applied before the next call) is the replay's,
-    and so are the numbers, to the token."""
+    and by then the replay's backups and uploads of the step before have landed: the sweep's
+    order of events (every completion applied before the next call) is the replay's, and so
+    are the numbers, to the token."""
     _, rows = sweep
     for row in rows:
         if row["storage"] != "inf" or row["host_tokens"] != 2 * row["device_tokens"]:
@@ -98,7 +99,7 @@ def test_sweep_equals_the_replay_where_l3_is_on(sweep, tmp_path):
 
 def test_sweep_is_close_to_the_replay_without_l3(sweep, tmp_path):
     """Without L3 a step's backups may still be landing when the next step evicts (two calls
-    later): the replay can then evict other pages than the model. Close, not always equal."""
+    later): the replay can then evict other pages than the sweep. Close, not always equal."""
     _, rows = sweep
     for row in rows:
         if row["storage"] != "0" or row["device_tokens"] != 65536:
@@ -168,23 +169,25 @@ def test_bad_sweep_flags_are_clear_errors(capsys, tmp_path):
     assert capsys.readouterr().err.startswith("hicache sweep: error:")
 
 
-@pytest.mark.parametrize("page, block", [(64, 512), (48, 512), (1024, 512)])
-def test_page_ids_are_equal_exactly_when_the_chained_hashes_are(page, block):
-    """The model's stand-in for the L3 keys: equal ids for equal token prefixes, as the
-    chained SHA-256 page hashes (whether or not blocks and pages align)."""
-    requests = read_trace(TRACE, limit=40, block_tokens=block)
-    ids = PageIds(page, block)
-    seen: dict[str, int] = {}
-    for r in requests:
-        tokens = r.tokens(block)
-        mine = ids.of_request(r.index, tokens.astype("uint32"))
-        theirs = chain_page_hashes(tokens, page)
-        assert len(mine) == len(theirs)
-        for h, i in zip(theirs, mine):
-            assert seen.setdefault(h, i) == i
-    assert len(set(seen.values())) == len(seen)  # distinct hashes, distinct ids
-    # a chain from the middle (an anchor's last page) lands on the same ids
-    tokens = requests[3].tokens(block).astype("uint32")
-    whole = ids.chain(tokens, 0)
-    cut = 5 * page
-    assert ids.chain(tokens[cut:], whole[4]) == whole[5:]
+@pytest.mark.parametrize(
+    "write_policy, exclusive, storage",
+    [("write_back", False, True), ("write_through", True, True), ("write_back", True, False)],
+)
+def test_the_sweep_replays_calls_that_wait(write_policy, exclusive, storage):
+    """write_back and exclusive L1 evictions back pages up first: an allocation parks on
+    those writes (and uploads), and the instant workers answer until it goes on. Every slot
+    and every table entry comes back at the end (replay_trace checks)."""
+    requests = read_trace(TRACE, limit=60, block_tokens=512)
+    cfg = CacheConfig(
+        page_size=64,
+        device_tokens=32768,
+        host_tokens=65536,
+        write_policy=write_policy,
+        exclusive=exclusive,
+        prefetch_policy="wait_complete",
+    )
+    tally = replay_trace(cfg, requests, storage=storage)
+    s = tally.summary()
+    assert s["requests"] == 60 and tally.device_evictions > 0
+    assert 0 < s["hit_rate"] <= bound_hit_rate(requests, block_tokens=512, page_size=64)
+    assert (tally.storage_hit > 0) == storage

@@ -1,0 +1,243 @@
+"""The tree controller with instant workers: the cache's control plane without bytes, actors
+or time (what `hicache sweep` replays, `hicache/cli/coremodel.py`).
+
+`InstantCache` drives the tree actor's own controller (`hicache/components/tree/controller.py`)
+in one thread, as `actor.py` drives it, and carries out the effects it returns with workers
+that take no time and never fail: a backup or a load has landed as soon as it is asked for, an
+upload puts its page hashes in a set (L3, when on: an unbounded store that never loses a
+page), a prefetch probes that set and reads what it holds. No KV bytes exist: slots are only
+counted (on the controller's own ledgers). Its clock is the count of steps it has taken.
+
+Time is the order of calls: every completion a worker would report (a backup, a load, an
+upload, a prefetch's probe and read) is applied before the next frontend call, as the actor
+applies it when the worker answers in time. Inside a call that has to wait for an op (an
+allocation parked on an eviction backup or an upload), the workers answer one at a time, in
+the order they were asked, until the call can go on. A real cache whose transfers or storage
+calls are still in flight when the next call arrives can therefore take other decisions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from hicache.components.topology import Topology
+from hicache.components.tree.controller import Controller
+from hicache.components.tree.core import RadixTree
+from hicache.components.tree.effects import (
+    Answer,
+    ClearStorage,
+    Drained,
+    Effect,
+    Fail,
+    Send,
+    SubmitLoad,
+)
+from hicache.config import CacheConfig
+from hicache.messages import (
+    Backup,
+    Drain,
+    LoadDone,
+    PrefetchProgress,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
+    TreeInbox,
+    Upload,
+    UploadDone,
+    WriteDone,
+)
+from hicache.policies.eviction import make_strategy
+from hicache.policies.write import write_policy
+from hicache.results import LoadBackOutcome
+from hicache.types import OpId, PageHash
+
+__all__ = ["InstantCache"]
+
+Work = Backup | SubmitLoad | Upload | StartPrefetch | ReadPrefetch | StopPrefetch
+
+
+class _Reply:
+    """A frontend call's reply: the value, or the error, once the controller answers."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def set(self, value: Any) -> None:
+        self.value, self.done = value, True
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.done = error, True
+
+
+class _Landed:
+    """The handle of a load with no bytes: every layer has landed."""
+
+    def wait(self, layer: int) -> None:
+        return None
+
+    async def wait_async(self, layer: int) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def layer_done(self, layer: int) -> bool:
+        return True
+
+
+_LANDED = _Landed()
+
+
+class InstantCache:
+    """One cache's control plane, driven synchronously. `config` as for `HiCache` (resolved
+    here); `storage`: an unbounded L3 or none. With L3, the `wait_complete` prefetch policy
+    only: the others stop prefetches at times only a clock decides."""
+
+    def __init__(self, config: CacheConfig, *, storage: bool) -> None:
+        cfg, _ = config.resolve()
+        if storage and cfg.prefetch_policy != "wait_complete":
+            raise ValueError(
+                "instant workers model prefetch_policy='wait_complete' only "
+                f"(got {cfg.prefetch_policy!r}): the others depend on timing"
+            )
+        self.cfg = cfg
+        tree = RadixTree(
+            page_size=cfg.page_size,
+            eviction=make_strategy(cfg.eviction),
+            write_policy=write_policy(cfg.write_policy),
+        )
+        self.core = Controller(
+            config=cfg,
+            tree=tree,
+            bytes_per_token=1,  # the byte counters count tokens
+            credits=Topology.for_capacity(cfg.channel_capacity).credits,
+            storage_on=storage,
+        )
+        self.storage = storage
+        self.stored: set[PageHash] = set()  # L3: every page uploaded
+        self._probed: dict[OpId, int] = {}  # the prefetcher's ops: op -> pages storage has
+        self._owed: deque[Work] = deque()  # what the workers were asked, not reported yet
+        self._clock = 0
+
+    def _now(self) -> float:
+        self._clock += 1
+        return float(self._clock)
+
+    # ------------------------------------------------------------------ frontend calls
+    def call(self, make: Callable[[Any], TreeInbox]) -> Any:
+        """One frontend call, after every completion owed has been applied: its answer, or
+        the error it failed with, raised. `make(reply)` builds the message; the reply is a
+        plain object (`set` / `fail`), not a kernel's `Reply`: nothing here awaits."""
+        self.settle()
+        reply = _Reply()
+        core = self.core
+        core.accept(make(reply))
+        while True:
+            while core.ready() is not None:
+                self._execute(core.run(self._now()))
+            if reply.done or not self._owed:
+                break
+            self._land()  # parked (or answered later): the oldest worker reports
+        if not reply.done:
+            raise AssertionError("the call was not answered, and nothing is in flight")
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def settle(self) -> None:
+        """Apply every completion the workers owe, and those they owe next, until none is."""
+        while self._owed:
+            self._land()
+
+    # ------------------------------------------------------------------ the workers
+    def _land(self) -> None:
+        """The oldest op owed reports, and the controller applies it: one sync point per
+        completion, as the actor takes them on one rank."""
+        work = self._owed.popleft()
+        report: WriteDone | LoadDone | UploadDone | PrefetchProgress | None
+        if isinstance(work, Backup):
+            report = WriteDone(op=work.op, ok=True)
+        elif isinstance(work, SubmitLoad):
+            report = LoadDone(op=work.op, ok=True)
+        elif isinstance(work, Upload):
+            self.stored.update(work.hashes)
+            report = UploadDone(op=work.op, stored_pages=len(work.hashes))
+        else:
+            report = self._prefetch(work)
+        if report is None:
+            return
+        core = self.core
+        core.record(report)
+        seen = core.progress()
+        self._execute(core.apply(seen, seen.mins, seen.maxes, self._now()))
+
+    def _prefetch(
+        self, work: StartPrefetch | ReadPrefetch | StopPrefetch
+    ) -> PrefetchProgress | None:
+        """The prefetcher's report (`components/prefetcher/actor.py`), its I/O instant."""
+        op = work.op
+        if isinstance(work, StartPrefetch):
+            hit = 0
+            for h in work.hashes:
+                if h not in self.stored:
+                    break
+                hit += 1
+            if hit:
+                self._probed[op] = hit
+            return PrefetchProgress(op=op, hit_pages=hit, done_pages=0, finished=hit == 0)
+        hit = self._probed.pop(op, -1)
+        if hit < 0:  # over already: a stop or a read that came after the end is dropped
+            return None
+        if isinstance(work, StopPrefetch):
+            return PrefetchProgress(op=op, hit_pages=hit, done_pages=0, finished=True, stopped=True)
+        hit = min(hit, len(work.host_slots) // self.cfg.page_size)
+        return PrefetchProgress(op=op, hit_pages=hit, done_pages=hit, finished=True)
+
+    def _execute(self, effects: list[Effect]) -> None:
+        """Carry out the controller's effects, as the actor does (events and timers: none)."""
+        for effect in effects:
+            if isinstance(effect, Send):
+                if not isinstance(effect.msg, Work):
+                    raise AssertionError(f"no instant worker takes {effect.msg!r}")
+                self._owed.append(effect.msg)
+            elif isinstance(effect, SubmitLoad):
+                self._owed.append(effect)
+            elif isinstance(effect, Answer):
+                value = effect.value
+                if effect.loads is not None:
+                    value = tuple(
+                        _with_handles(outcome, len(ops)) if ops else outcome
+                        for outcome, ops in zip(value, effect.loads, strict=True)
+                    )
+                effect.reply.set(value)
+            elif isinstance(effect, Fail):
+                effect.reply.fail(effect.error)
+            elif isinstance(effect, ClearStorage):
+                self.stored.clear()
+                effect.reply.set(True)
+            elif isinstance(effect, Drained):
+                for reply in effect.replies:
+                    reply.set((self.core.space.view(), effect.tables))
+
+    # ------------------------------------------------------------------ close
+    def drain(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """Close: finish everything, release every request, free every slot the tree holds;
+        the ledgers and the bookkeeping tables after (all empty)."""
+        drained: tuple[dict[str, dict[str, int]], dict[str, int]] = self.call(
+            lambda r: Drain(reply=r)
+        )
+        return drained
+
+
+def _with_handles(outcome: Any, loads: int) -> Any:
+    """An outcome that waits for loads, with their handles (`actor._with_handles`)."""
+    if isinstance(outcome, LoadBackOutcome):
+        return replace(outcome, handle=_LANDED)
+    return replace(outcome, pending=(_LANDED,) * loads)
