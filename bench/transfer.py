@@ -191,7 +191,7 @@ def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
     no device-side scatter: an upper bound for the per-layer `load` rows."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hicache.kernels.memory import cpu_bytes
+    from hicache.kernels.huge_pages import cpu_bytes
     from hicache.kernels.native import native_rows
 
     copier = native_rows()

@@ -44,6 +44,7 @@ from hicache.observability import EventLog
 from hicache.results import (
     CacheOutcome,
     CacheStats,
+    InvalidRequest,
     LoadBackOutcome,
     MatchOutcome,
     PrefetchOutcome,
@@ -223,15 +224,18 @@ class HiCache:
         return self._kernel
 
     # ------------------------------------------------------------------ the API
-    async def match(self, rid: RequestId, tokens: Sequence[int] | np.ndarray) -> MatchOutcome:
-        """Match the longest cached page-aligned prefix and lock it for this request."""
-        (out,) = await self.match_many([(rid, tokens)])
+    async def match(
+        self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
+    ) -> MatchOutcome:
+        """Match the longest cached page-aligned prefix and lock it for this request. With a
+        `salt` (a tenant's, say), only pages cached under the same salt are found: in L1, L2
+        and L3 (docs/security.md)."""
+        (out,) = await self.match_many([(rid, tokens, salt)])
         return out
 
-    async def match_many(
-        self, items: Iterable[tuple[RequestId, Sequence[int] | np.ndarray]]
-    ) -> tuple[MatchOutcome, ...]:
-        batch = tuple(MatchItem(rid=rid, tokens=_tokens(t)) for rid, t in items)
+    async def match_many(self, items: Iterable[TokensItem]) -> tuple[MatchOutcome, ...]:
+        """`(rid, tokens)` or `(rid, tokens, salt)` per request."""
+        batch = tuple(_match_item(item) for item in items)
         return await self._call(lambda r: MatchBatch(items=batch, reply=r))
 
     async def load_back(self, rid: RequestId) -> LoadBackOutcome:
@@ -257,9 +261,12 @@ class HiCache:
         rid: RequestId,
         tokens: Sequence[int] | np.ndarray,
         device_slots: Sequence[int] | np.ndarray,
+        *,
+        salt: Salt = None,
     ) -> CacheOutcome:
-        """Insert a finished request's KV, free duplicates, count hits, release its lock."""
-        (out,) = await self.cache_many([(rid, tokens, device_slots, True)])
+        """Insert a finished request's KV, free duplicates, count hits, release its lock. The
+        salt must be the one it was matched under."""
+        (out,) = await self.cache_many([(rid, tokens, device_slots, True, salt)])
         return out
 
     async def cache_unfinished(
@@ -267,26 +274,16 @@ class HiCache:
         rid: RequestId,
         tokens: Sequence[int] | np.ndarray,
         device_slots: Sequence[int] | np.ndarray,
+        *,
+        salt: Salt = None,
     ) -> CacheOutcome:
         """Insert a chunk of a running request (no hit count); the lock moves to the new end."""
-        (out,) = await self.cache_many([(rid, tokens, device_slots, False)])
+        (out,) = await self.cache_many([(rid, tokens, device_slots, False, salt)])
         return out
 
-    async def cache_many(
-        self,
-        items: Iterable[
-            tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool]
-        ],
-    ) -> tuple[CacheOutcome, ...]:
-        batch = tuple(
-            CacheItem(
-                rid=rid,
-                tokens=_tokens(t),
-                device_slots=np.asarray(s, dtype=np.int64),
-                finished=bool(f),
-            )
-            for rid, t, s, f in items
-        )
+    async def cache_many(self, items: Iterable[CacheItemTuple]) -> tuple[CacheOutcome, ...]:
+        """`(rid, tokens, device_slots, finished)` or the same with the salt last."""
+        batch = tuple(_cache_item(item) for item in items)
         return await self._call(lambda r: CacheBatch(items=batch, reply=r))
 
     async def release(self, rid: RequestId) -> None:
@@ -297,16 +294,18 @@ class HiCache:
         batch = tuple(rids)
         await self._call(lambda r: ReleaseBatch(rids=batch, reply=r))
 
-    async def prefetch(self, rid: RequestId, tokens: Sequence[int] | np.ndarray) -> PrefetchOutcome:
-        """Start fetching, from L3 into L2, the part of `tokens` past the request's last match.
-        Admission checks may skip it (see the outcome's `reason`)."""
-        (out,) = await self.prefetch_many([(rid, tokens)])
+    async def prefetch(
+        self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
+    ) -> PrefetchOutcome:
+        """Start fetching, from L3 into L2, the part of `tokens` past the request's last match
+        (under the salt it was matched under). Admission checks may skip it (see the outcome's
+        `reason`)."""
+        (out,) = await self.prefetch_many([(rid, tokens, salt)])
         return out
 
-    async def prefetch_many(
-        self, items: Iterable[tuple[RequestId, Sequence[int] | np.ndarray]]
-    ) -> tuple[PrefetchOutcome, ...]:
-        batch = tuple(MatchItem(rid=rid, tokens=_tokens(t)) for rid, t in items)
+    async def prefetch_many(self, items: Iterable[TokensItem]) -> tuple[PrefetchOutcome, ...]:
+        """`(rid, tokens)` or `(rid, tokens, salt)` per request."""
+        batch = tuple(_match_item(item) for item in items)
         return await self._call(lambda r: PrefetchBatch(items=batch, reply=r))
 
     async def prefetch_wait(self, rid: RequestId) -> PrefetchOutcome:
@@ -339,6 +338,50 @@ class HiCache:
 
     async def dump(self) -> list[dict[str, Any]]:
         return await self._call(lambda r: DumpTree(reply=r))
+
+
+Salt = str | bytes | None
+TokensItem = (
+    tuple[RequestId, Sequence[int] | np.ndarray]
+    | tuple[RequestId, Sequence[int] | np.ndarray, Salt]
+)
+CacheItemTuple = (
+    tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool]
+    | tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool, Salt]
+)
+
+
+def _salt(salt: Salt) -> bytes:
+    """A salt as bytes (str as UTF-8; None and empty: the shared space)."""
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode()
+    if isinstance(salt, (bytes, bytearray)):
+        return bytes(salt)
+    raise InvalidRequest(f"salt must be str, bytes or None, got {type(salt).__name__}")
+
+
+def _match_item(item: TokensItem) -> MatchItem:
+    if len(item) not in (2, 3):
+        raise InvalidRequest(f"expected (rid, tokens[, salt]), got {len(item)} fields")
+    salt = item[2] if len(item) == 3 else None
+    return MatchItem(rid=item[0], tokens=_tokens(item[1]), salt=_salt(salt))
+
+
+def _cache_item(item: CacheItemTuple) -> CacheItem:
+    if len(item) not in (4, 5):
+        raise InvalidRequest(
+            f"expected (rid, tokens, device_slots, finished[, salt]), got {len(item)} fields"
+        )
+    salt = item[4] if len(item) == 5 else None
+    return CacheItem(
+        rid=item[0],
+        tokens=_tokens(item[1]),
+        device_slots=np.asarray(item[2], dtype=np.int64),
+        finished=bool(item[3]),
+        salt=_salt(salt),
+    )
 
 
 def _tokens(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | tuple[Any, ...]:

@@ -42,6 +42,7 @@ class Asks(Protocol[_T]):
 class MatchItem:
     rid: RequestId
     tokens: Any  # sequence or int ndarray of token ids (tuples for bigram keys)
+    salt: bytes = b""  # pages cached under one salt are found only under the same salt
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +69,7 @@ class CacheItem:
     tokens: Any
     device_slots: np.ndarray  # one per token, the request's whole sequence so far
     finished: bool  # False: a chunk of an unfinished request (no hit count, lock moves)
+    salt: bytes = b""  # must be the salt the request was matched under
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

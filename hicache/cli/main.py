@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hicache.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache.policies.prefetch import PREFETCH_POLICIES
+from hicache.secrets import redact_text
 
 _REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -30,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
         "--storage",
         default="file",
         help="none | memory | file (a temporary directory) | file:DIR | SPEC",
+    )
+    r.add_argument(
+        "--storage-max-bytes",
+        default=None,
+        help="size cap of a file store (64MiB, 10GB, bytes); default: what it holds at "
+        "open plus 90%% of the filesystem's free space",
     )
     r.add_argument(
         "--model-id",
@@ -58,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
     r.add_argument(
+        "--salts",
+        type=int,
+        default=0,
+        help="spread requests over N salts (tenants): request i runs under salt-{i %% N}",
+    )
+    r.add_argument(
         "--deterministic",
         action="store_true",
         help="virtual time and simulated transfers: identical runs, identical logs",
@@ -73,6 +86,15 @@ def _parser() -> argparse.ArgumentParser:
         "that reaches L1 from a lower tier (--no-verify: neither; bytes still move)",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--secret-env", default=None, help="L3 secret from this environment variable (keyed L3)"
+    )
+    r.add_argument("--secret-file", default=None, help="L3 secret from this file (keyed L3)")
+    r.add_argument(
+        "--encrypt-at-rest",
+        action="store_true",
+        help="encrypt L3 values (AES-256-GCM; needs --secret-env or --secret-file)",
+    )
     r.add_argument(
         "--metrics-port",
         type=int,
@@ -127,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(args)
         except (ValueError, OSError) as exc:  # bad flags, trace or storage: say which, no trace
-            print(f"hicache replay: error: {exc}", file=sys.stderr)
+            print(f"hicache replay: error: {redact_text(str(exc))}", file=sys.stderr)
             return 2
     if args.command == "sweep":
         from hicache.cli.sweep import run as run_sweep

@@ -31,6 +31,7 @@ from hicache.config import CacheConfig
 from hicache.observability import EventLog
 from hicache.results import CapacityError
 from hicache.runtime import run_deterministic
+from hicache.secrets import redact_url
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId
 
@@ -48,6 +49,8 @@ class Tally:
     loaded: int = 0  # tokens loaded back so far (the live hit rate; host_hit is the cache's)
     control_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # with --salts: salt -> [input tokens, hit tokens (L1 at match + loaded back)]
+    per_salt: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _Timer:
@@ -71,11 +74,14 @@ async def _run_step(
     block_tokens: int,
     verify: bool,
     storage_on: bool,
+    salts: int = 0,
 ) -> None:
-    """One scheduler step: match, prefetch, load back (verified), allocate, compute, insert."""
+    """One scheduler step: match, prefetch, load back (verified), allocate, compute, insert.
+    With `salts`, request i runs under salt `salt-{i % salts}` (tenants sharing the cache)."""
     page = cache.config.page_size
     pool = cache.device_pool
     toks = {RequestId(f"r{r.index}"): r.tokens(block_tokens) for r in step}
+    salt = {RequestId(f"r{r.index}"): f"salt-{r.index % salts}" if salts else None for r in step}
     # One seed per whole page, plus one for a partial last page (computed, never cached).
     # Without verification nothing reads the KV's content: the stand-in model writes none
     # (the transfers still move every byte).
@@ -88,10 +94,10 @@ async def _run_step(
         else {}
     )
     with timer:
-        matches = await cache.match_many(toks.items())
+        matches = await cache.match_many((rid, t, salt[rid]) for rid, t in toks.items())
     if storage_on:
         with timer:
-            await cache.prefetch_many(toks.items())
+            await cache.prefetch_many((rid, t, salt[rid]) for rid, t in toks.items())
             for rid in toks:
                 await cache.prefetch_wait(rid)
     with timer:
@@ -115,10 +121,16 @@ async def _run_step(
     for lb, new in zip(loads, news):
         if verify:
             fill(pool, new, seeds[lb.rid], page_size=page, first=len(lb.device_slots))
-        items.append((lb.rid, toks[lb.rid], np.concatenate([lb.device_slots, new]), True))
+        slots = np.concatenate([lb.device_slots, new])
+        items.append((lb.rid, toks[lb.rid], slots, True, salt[lb.rid]))
     with timer:
         await cache.cache_many(items)
     tally.device_hit += sum(m.device_len for m in matches)
+    if salts:
+        for m, lb in zip(matches, loads):
+            counts = tally.per_salt.setdefault(salt[m.rid] or "", [0, 0])
+            counts[0] += len(toks[m.rid])
+            counts[1] += m.device_len + lb.loaded_tokens
     tally.corrupt_pages += bad
     tally.verified_pages += verified
     tally.requests += len(step)
@@ -135,6 +147,7 @@ async def replay(
     log: EventLog | None,
     progress: Callable[[int], object],
     on_step: Callable[[Tally], object] | None = None,
+    salts: int = 0,
 ) -> tuple[Tally, dict[str, Any]]:
     """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
     running counts: the live hit rate is (device_hit + loaded) / input_tokens)."""
@@ -151,14 +164,14 @@ async def replay(
             )
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
             try:
-                await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on)
+                await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on, salts)
             except CapacityError:
                 # Too much at once for L1: drop the step's state and run it one by one.
                 await cache.release_many(RequestId(f"r{r.index}") for r in step)
                 for req in step:
                     try:
                         await _run_step(
-                            cache, [req], tally, timer, block_tokens, verify, storage_on
+                            cache, [req], tally, timer, block_tokens, verify, storage_on, salts
                         )
                     except CapacityError:
                         await cache.release(RequestId(f"r{req.index}"))
@@ -302,6 +315,16 @@ def _scratch_dir() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def _storage_options(args: argparse.Namespace) -> dict[str, object]:
+    """Backend options from the flags: the file store's cap."""
+    cap = getattr(args, "storage_max_bytes", None)
+    if cap is None:
+        return {}
+    from hicache.backends.mooncake_spec import parse_size
+
+    return {"max_bytes": parse_size(cap, "--storage-max-bytes")}
+
+
 def run(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=_scratch_dir()) as tmp:
@@ -317,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
             write_policy=args.write_policy,
             exclusive=args.exclusive,
             storage=None if storage == "none" else storage,
+            extra=_storage_options(args),
             model_id=args.model_id,
             metrics_port=getattr(args, "metrics_port", None),
             prefetch_policy=args.prefetch_policy,
@@ -324,6 +348,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             layout=args.layout,
             io_backend=args.io,
+            secret_env=getattr(args, "secret_env", None),
+            secret_file=getattr(args, "secret_file", None),
+            encrypt_at_rest=getattr(args, "encrypt_at_rest", False),
             **({"cpu_transfers": args.cpu_transfers} if args.cpu_transfers else {}),
         )
         with contextlib.ExitStack() as files:
@@ -346,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
                         log=log,
                         progress=lambda done: None,
                         on_step=show,
+                        salts=args.salts,
                     )
 
                 if args.deterministic:
@@ -398,7 +426,11 @@ def summarize(
             "page_size": cfg.page_size,
             "device_tokens": cfg.device_tokens,
             "host_tokens": cfg.host_capacity,
-            "storage": storage,
+            "storage": redact_url(storage),
+            "keyed_storage": any(
+                x is not None for x in (cfg.secret, cfg.secret_env, cfg.secret_file)
+            ),
+            "encrypt_at_rest": cfg.encrypt_at_rest,
             "write_policy": cfg.write_policy,
             "eviction": cfg.eviction,
             "exclusive": cfg.exclusive,
@@ -407,6 +439,10 @@ def summarize(
     }
     if "backend" in extra:
         summary["storage_stats"] = extra["backend"]
+    if tally.per_salt:  # requests spread over salts: each salt's own hit rate (live measure)
+        summary["hit_rate_per_salt"] = {
+            k: round(hit / max(total, 1), 4) for k, (total, hit) in sorted(tally.per_salt.items())
+        }
     return summary
 
 
@@ -429,6 +465,16 @@ def _print_table(s: dict[str, Any]) -> None:
         ("wall", f"{s['wall_s']:.2f} s"),
         ("control plane", f"{s['control_us_per_request']:.0f} us/request"),
     ]
+    store = s.get("storage_stats", {})
+    if "peak_stored_bytes" in store:  # a file store: how full it got against its cap
+        sizes = (store["stored_bytes"], store["peak_stored_bytes"], store["max_bytes"])
+        rows.append(("L3 bytes stored / peak / cap", " / ".join(f"{n:,}" for n in sizes)))
+    per_salt = s.get("hit_rate_per_salt")
+    if per_salt:
+        rates = sorted(per_salt.values())
+        rows.append(
+            (f"hit rate per salt ({len(rates)})", f"{rates[0]:.4f} min / {rates[-1]:.4f} max")
+        )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from hicache.kernels.geometry import Geometry
+from hicache.kernels.huge_pages import cpu_bytes
 from hicache.kernels.indices import SlotArray
 from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
 from hicache.kernels.layouts import header_room as header_room_of
-from hicache.kernels.memory import cpu_bytes
 
 
 class PagePieces(list[memoryview]):

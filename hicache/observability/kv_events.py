@@ -641,7 +641,11 @@ class TreeKVEvents:
         tree = self._tree
         hashes = self._hashes(node)
         parent = tree.parent(node)
-        prior = None if parent is None or parent == tree.root else self._hashes(parent)[-1]
+        prior: str | None
+        if parent is None or tree.is_root(parent):  # a salt's chain starts at its seed
+            prior = None if parent is None else tree.seed(parent)
+        else:
+            prior = self._hashes(parent)[-1]
         tokens = np.asarray(tree.key(node))
         if tokens.ndim == 2:
             tokens = tokens[:, 0]
@@ -656,11 +660,14 @@ class TreeKVEvents:
             return tuple(cached)
         todo = [node]
         up = tree.parent(node)
-        while up is not None and up != tree.root and tree.page_hashes(up) is None:
+        while up is not None and not tree.is_root(up) and tree.page_hashes(up) is None:
             todo.append(up)
             up = tree.parent(up)
-        above = None if up is None or up == tree.root else tree.page_hashes(up)
-        prior = None if not above else above[-1]
+        if up is None or tree.is_root(up):
+            prior = None if up is None else tree.seed(up)
+        else:
+            above = tree.page_hashes(up)
+            prior = None if not above else above[-1]
         for n in reversed(todo):
             computed = chain_page_hashes(tree.key(n), self._ps, prior=prior)
             tree.set_page_hashes(n, computed)

@@ -78,12 +78,23 @@ def test_summary_has_every_field_and_storage_hits(tmp_path, capsys):
     assert "hit rate" in capsys.readouterr().out
 
 
+def test_storage_max_bytes_caps_the_file_store(tmp_path, capsys):
+    summary = tmp_path / "summary.json"
+    argv = ["replay", *SMALL, "--storage-max-bytes", "1MiB", "--json", str(summary)]
+    assert main(argv) == 0
+    store = json.loads(summary.read_text())["storage_stats"]
+    assert store["max_bytes"] == 1 << 20 and store["peak_stored_bytes"] <= 1 << 20
+    assert store["evictions"] > 0
+    assert "L3 bytes stored / peak / cap" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--kv", "mha:2:x:8:float16"], "heads"),
         (["--page-size", "0"], "page_size"),
         (["--storage", "nosuch://x"], "nosuch"),
+        (["--storage-max-bytes", "lots"], "--storage-max-bytes"),
     ],
 )
 def test_bad_flags_are_clear_errors(capsys, argv, message):

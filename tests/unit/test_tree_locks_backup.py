@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hicache.components.tree.node import NodeState
-from hicache.components.tree.results import TreeError
+from hicache.components.tree.returns import TreeError
 from tests.unit.tree_helpers import SlotSource, make_tree
 
 

@@ -132,7 +132,8 @@ class TreeActor(Actor[TreeInbox]):
         while (fresh := core.ready()) is not None:
             if fresh:
                 self._tick += 1
-            await self._sync()  # frontend calls reach every rank in the same order
+            if not self._agreement.trivial:  # one rank applied every completion on arrival
+                await self._sync()  # frontend calls reach every rank in the same order
             await self._execute(core.run(self._now()))
 
     async def _sync(self) -> None:

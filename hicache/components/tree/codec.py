@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.results import TreeError
+from hicache.components.tree.returns import TreeError
 
 __all__ = ["KeyCodec"]
 

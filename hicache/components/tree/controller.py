@@ -54,7 +54,7 @@ from hicache.messages import (
     UploadTimedOut,
     WriteDone,
 )
-from hicache.results import CacheError, CacheStats, LoadBackOutcome
+from hicache.results import CacheError, CacheStats, InvalidRequest, LoadBackOutcome
 from hicache.types import OpId
 
 
@@ -200,7 +200,10 @@ class Controller:
                 requests.check_rids([item.rid for item in items], "prefetch")
                 keys = []
                 for item in items:
-                    requests.state(item.rid, "prefetch")
+                    if requests.state(item.rid, "prefetch").salt != item.salt:
+                        raise InvalidRequest(
+                            f"prefetch: request {item.rid!r} names another salt than its match"
+                        )
                     keys.append(requests.check_tokens(item.tokens))
                 out.answer(
                     reply,

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from hicache.components.tree import leaf_eviction, refs, transfers, views
+from hicache.components.tree.codec import KeyCodec
 from hicache.components.tree.integrity import check_tree
-from hicache.components.tree.keys import KeyCodec
 from hicache.components.tree.node import NodeState
 from hicache.components.tree.observer import Tier, TreeObserver
 from hicache.components.tree.prefix import PrefixIndex
-from hicache.components.tree.results import (
+from hicache.components.tree.returns import (
     ClearedSlots,
     DeviceEviction,
     HostEviction,
@@ -79,10 +79,13 @@ class RadixTree:
         self._s.observer = observer
 
     # ----------------------------------------------------------------------------- match / insert
-    def match(self, key: Sequence[Any] | np.ndarray, *, now: float) -> MatchResult:
-        """Longest whole-page prefix of ``key`` in the tree. Mutates: stamps ``now`` as the last access
-        of every matched node and splits the last one if the match ends inside it."""
-        return self._prefix.match(key, now)
+    def match(
+        self, key: Sequence[Any] | np.ndarray, *, now: float, salt: bytes = b""
+    ) -> MatchResult:
+        """Longest whole-page prefix of ``key`` among the pages cached under ``salt``. Mutates:
+        stamps ``now`` as the last access of every matched node and splits the last one if the
+        match ends inside it. With nothing matched, ``last_node`` is the tree's root."""
+        return self._prefix.match(key, now, salt)
 
     def insert(
         self,
@@ -92,6 +95,7 @@ class RadixTree:
         now: float,
         chunked: bool = False,
         priority: int = 0,
+        salt: bytes = b"",
     ) -> InsertResult:
         """Add ``key`` (whole pages) with the device slots holding its KV. Mutates.
 
@@ -100,7 +104,9 @@ class RadixTree:
         DEVICE_ONLY leaf. Matched device nodes and the new leaf count a hit unless ``chunked``; every
         matched node is stamped ``now`` and raised to at least ``priority``.
         """
-        return self._prefix.insert(key, device_slots, now, chunked, priority, self.write_policy)
+        return self._prefix.insert(
+            key, device_slots, now, chunked, priority, self.write_policy, salt
+        )
 
     def insert_host(
         self,
@@ -110,13 +116,16 @@ class RadixTree:
         page_hashes: Sequence[PageHash],
         *,
         now: float,
+        salt: bytes = b"",
     ) -> InsertHostResult:
         """Hang prefetched pages (host copy only) under ``parent``. Mutates.
 
         What already exists under ``parent`` is skipped (stamped ``now``; its passed host slots are
         returned as duplicates); the rest becomes one HOST_ONLY leaf with its page hashes.
         """
-        return self._prefix.insert_host(parent, key_suffix, host_slots, page_hashes, now=now)
+        return self._prefix.insert_host(
+            parent, key_suffix, host_slots, page_hashes, now=now, salt=salt
+        )
 
     # ----------------------------------------------------------------------------- locks
     def lock(self, node: NodeId) -> None:
@@ -242,6 +251,15 @@ class RadixTree:
 
     def host_slots(self, node: NodeId) -> np.ndarray | None:
         return self._s.node(node).host
+
+    def is_root(self, node: NodeId) -> bool:
+        """The tree's root, or a salt's (the pages cached under a salt hang below its own)."""
+        return self._s.node(node).parent is None
+
+    def seed(self, root: NodeId) -> PageHash | None:
+        """The page hash a root's first pages chain from: None for the tree's root, the salt's
+        seed (`salt_seed`) for a salt's root."""
+        return self._s.seed_of(self._s.node(root))
 
     def parent(self, node: NodeId) -> NodeId | None:
         p = self._s.node(node).parent

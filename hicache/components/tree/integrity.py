@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hicache.components.tree.keys import KeyCodec
+from hicache.components.tree.codec import KeyCodec
 from hicache.components.tree.node import Node
 
 
@@ -18,6 +18,7 @@ class TreeState(Protocol):
     page_size: int
     codec: KeyCodec
     root: Node
+    salt_roots: dict[bytes, Node]
     nodes: dict[int, Node]
     device_leaves: dict[int, Node]
     host_leaves: dict[int, Node]
@@ -38,17 +39,20 @@ def check_tree(tree: TreeState) -> None:
     device_parts: list[np.ndarray] = []
     host_parts: list[np.ndarray] = []
     backup_pieces: dict[int, int] = {}
-    stack = [root]
+    stack = [root, *tree.salt_roots.values()]
+    for top in stack[1:]:
+        assert top.parent is None and top.num_tokens == 0, f"salt root {top.id} is not a root"
+        assert top.children, f"salt root {top.id} has no pages below it"
     while stack:
         x = stack.pop()
         assert x.id not in seen, f"node {x.id} reached twice"
         seen[x.id] = x
         assert tree.nodes.get(x.id) is x, f"node {x.id} is in the tree but not registered"
         assert x.lock_ref >= 0 and x.host_ref >= 0, f"node {x.id}: negative ref count"
-        assert sum(c.lock_ref for c in x.children.values()) <= x.lock_ref or x is root, (
+        assert sum(c.lock_ref for c in x.children.values()) <= x.lock_ref or x.parent is None, (
             f"node {x.id}: lock_ref {x.lock_ref} below its children's"
         )
-        assert sum(c.host_ref for c in x.children.values()) <= x.host_ref or x is root, (
+        assert sum(c.host_ref for c in x.children.values()) <= x.host_ref or x.parent is None, (
             f"node {x.id}: host_ref {x.host_ref} below its children's"
         )
         device_children = 0
@@ -58,11 +62,11 @@ def check_tree(tree: TreeState) -> None:
                 f"node {c.id}: child key is not its first page"
             )
             device_children += c.device is not None
-            if x.device is None and x is not root:
+            if x.device is None and x.parent is not None:
                 assert c.device is None, f"node {c.id} is on the device below evicted node {x.id}"
             stack.append(c)
         assert device_children == x.device_children, f"node {x.id}: device_children count is stale"
-        if x is root:
+        if x.parent is None:
             continue
         n = x.num_tokens
         assert n > 0 and n % ps == 0, f"node {x.id}: {n} tokens is not a positive multiple of {ps}"

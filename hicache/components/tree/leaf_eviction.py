@@ -4,10 +4,12 @@ their host-only descendants), in the strategy's order (`evict_in_order`). Functi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from hicache.components.tree.node import Node
-from hicache.components.tree.results import DeviceEviction, HostEviction, TreeError
+from hicache.components.tree.returns import DeviceEviction, HostEviction, TreeError
 from hicache.components.tree.slot_arrays import concat
 from hicache.components.tree.structure import TreeStructure
 from hicache.policies.eviction import EvictionStrategy, evict_in_order
@@ -19,6 +21,27 @@ __all__ = ["discard_device", "evict_device", "evict_host", "outranks_host"]
 
 def _ident(x: Node) -> int:
     return x.id
+
+
+Take = Callable[[Node], tuple[int, "Node | None"]]
+
+
+def _by_pages(s: TreeStructure, num_tokens: int, split_to_fit: bool, take_whole: Take) -> Take:
+    """The step `evict_in_order` takes per victim: with `split_to_fit`, first cut the victim
+    to the pages still wanted (it keeps its id and its last pages; exclusive mode evicts by
+    pages, like one LRU of both tiers), then take it whole and count what it gave."""
+    page = s.page_size
+    left = [num_tokens]  # tokens still wanted
+
+    def evict(x: Node) -> tuple[int, Node | None]:
+        want = -(-left[0] // page) * page
+        if split_to_fit and x.num_tokens > want > 0:
+            s.split(x, x.num_tokens - want)
+        units, exposed = take_whole(x)
+        left[0] -= units
+        return units, exposed
+
+    return evict
 
 
 def evict_device(
@@ -36,17 +59,6 @@ def evict_device(
     demoted: list[NodeId] = []
     removed: list[NodeId] = []
     needs_backup: list[NodeId] = []
-    root = s.root
-    page = s.page_size
-    left = [num_tokens]  # tokens still wanted
-
-    def evict(x: Node) -> tuple[int, Node | None]:
-        want = -(-left[0] // page) * page
-        if require_host_copy and x.num_tokens > want > 0:
-            s.split(x, x.num_tokens - want)  # x keeps its id and the last `want` tokens
-        units, exposed = evict_whole(x)
-        left[0] -= units
-        return units, exposed
 
     def evict_whole(x: Node) -> tuple[int, Node | None]:
         parent = x.parent
@@ -69,12 +81,13 @@ def evict_device(
             s.remove_subtree(x, freed_host, removed)
         exposed = (
             parent
-            if parent is not root and parent.device_children == 0 and parent.lock_ref == 0
+            if parent.parent is not None and parent.device_children == 0 and parent.lock_ref == 0
             else None
         )
         return x.num_tokens, exposed
 
     candidates = [x for x in s.device_leaves.values() if x.lock_ref == 0]
+    evict = _by_pages(s, num_tokens, require_host_copy, evict_whole)
     evict_in_order(candidates, key=eviction.key, ident=_ident, evict=evict, target=num_tokens)
     return DeviceEviction(
         freed=concat(freed),
@@ -92,17 +105,6 @@ def evict_host(
         raise TreeError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
     freed: list[np.ndarray] = []
     removed: list[NodeId] = []
-    root = s.root
-    page = s.page_size
-    left = [num_tokens]  # tokens still wanted
-
-    def evict(x: Node) -> tuple[int, Node | None]:
-        want = -(-left[0] // page) * page
-        if by_pages and x.num_tokens > want > 0:
-            s.split(x, x.num_tokens - want)  # x keeps its id and the last `want` tokens
-        units, exposed = evict_whole(x)
-        left[0] -= units
-        return units, exposed
 
     def evict_whole(x: Node) -> tuple[int, Node | None]:
         parent = x.parent
@@ -113,7 +115,7 @@ def evict_host(
         s.remove(x)
         exposed = None
         if (
-            parent is not root
+            parent.parent is not None
             and parent.device is None
             and not parent.children
             and parent.lock_ref == 0
@@ -123,6 +125,7 @@ def evict_host(
         return x.num_tokens, exposed
 
     candidates = [x for x in s.host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
+    evict = _by_pages(s, num_tokens, by_pages, evict_whole)
     evict_in_order(candidates, key=eviction.key, ident=_ident, evict=evict, target=num_tokens)
     return HostEviction(freed=concat(freed), removed=tuple(removed))
 
@@ -136,7 +139,7 @@ def outranks_host(s: TreeStructure, node: NodeId, eviction: EvictionStrategy) ->
 
 def discard_device(s: TreeStructure, node: NodeId) -> DeviceEviction:
     x = s.node(node)
-    if x is s.root or x.device is None or x.host is not None:
+    if x.parent is None or x.device is None or x.host is not None:
         raise TreeError(f"discard_device of node {node}: not a device-only node")
     if x.lock_ref or x.device_children or x.backup is not None:
         raise TreeError(f"discard_device of node {node}: locked, in flight or not a leaf")

@@ -20,6 +20,7 @@ from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.records import PrefetchOp, RequestState
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
+from hicache.components.tree.structure import salt_seed
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch
 from hicache.results import PrefetchOutcome
@@ -72,7 +73,10 @@ class PrefetchFlows:
             ctx.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
             state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
             return state.prefetch  # what a later wait or poll reports too
-        prior = None if anchor == tree.root else self._writes.node_hashes(anchor)[-1]
+        if anchor == tree.root:  # nothing matched: the salt's chain starts at its seed
+            prior = salt_seed(state.salt) if state.salt else None
+        else:
+            prior = self._writes.node_hashes(anchor)[-1]
         new_tokens = tokens[matched:end]
         hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
         op_id = ctx.op()
@@ -86,6 +90,7 @@ class PrefetchFlows:
             tokens=new_tokens,
             hashes=hashes,
             host_slots=EMPTY_SLOTS,
+            salt=state.salt,
             timer=timed,
         )
         self.by_rid[rid] = op_id
@@ -213,6 +218,7 @@ class PrefetchFlows:
                 op.host_slots[:used_tokens],
                 op.hashes[:done],
                 now=ctx.now,
+                salt=op.salt,
             )
             self._space.free("host", inserted.duplicate_slots)
         tree.release_host(op.anchor)

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from hicache.components.tree.node import Node
-from hicache.components.tree.results import InsertHostResult, InsertResult, MatchResult, TreeError
+from hicache.components.tree.returns import InsertHostResult, InsertResult, MatchResult, TreeError
 from hicache.components.tree.slot_arrays import concat, frozen_slots
 from hicache.components.tree.structure import TreeStructure
 from hicache.policies.write import WritePolicy
-from hicache.types import NodeId, PageHash
+from hicache.types import EMPTY_SLOTS, NodeId, PageHash
 
 __all__ = ["PrefixIndex"]
 
@@ -78,10 +78,13 @@ class PrefixIndex:
             child = nxt
         return path, pos // isz
 
-    def match(self, key: Sequence[Any] | np.ndarray, now: float) -> MatchResult:
+    def match(self, key: Sequence[Any] | np.ndarray, now: float, salt: bytes) -> MatchResult:
         """``RadixTree.match``."""
         arr = self._codec.encode(key)
-        path, _ = self.descend(self._root, arr, arr.size - arr.size % self._codec.page_size, now)
+        start = self._s.root_of(salt, create=False)
+        if start is None:  # nothing was ever cached under this salt
+            return MatchResult(device_slots=EMPTY_SLOTS, host_len=0, last_node=self._root.id)
+        path, _ = self.descend(start, arr, arr.size - arr.size % self._codec.page_size, now)
         device_parts = []
         host_len = 0
         for x in path:
@@ -92,7 +95,7 @@ class PrefixIndex:
         return MatchResult(
             device_slots=concat(device_parts),
             host_len=host_len,
-            last_node=path[-1].id if path else self._root.id,
+            last_node=path[-1].id if path else self._root.id,  # never a salt's root
         )
 
     def insert(
@@ -103,6 +106,7 @@ class PrefixIndex:
         chunked: bool,
         priority: int,
         write_policy: WritePolicy,
+        salt: bytes,
     ) -> InsertResult:
         """``RadixTree.insert``."""
         arr = self._codec.encode(key)
@@ -114,7 +118,8 @@ class PrefixIndex:
         # Chunked-prefill inserts neither count hits nor propose backups (as the seed).
         threshold = None if chunked else write_policy.backup_threshold
         hit = 0 if chunked else 1
-        path, matched = self.descend(self._root, arr, n, now)
+        start = self._s.root_of(salt, create=n > 0) or self._root
+        path, matched = self.descend(start, arr, n, now)
         prefix_len = 0
         pos = 0
         candidates: list[NodeId] = []
@@ -131,7 +136,7 @@ class PrefixIndex:
             if priority > x.priority:
                 x.priority = priority
             pos += x.num_tokens
-        node = path[-1] if path else self._root
+        node = path[-1] if path else start
         if matched < n:
             leaf_slots = slots[matched:]
             if matched:  # a view would keep the caller's whole array (duplicates included) alive
@@ -166,11 +171,14 @@ class PrefixIndex:
         page_hashes: Sequence[PageHash],
         *,
         now: float,
+        salt: bytes,
     ) -> InsertHostResult:
         """``RadixTree.insert_host``."""
         start = self._s.node(parent, "insert_host parent")
         arr = self._codec.encode(key_suffix)
         n = arr.size
+        if start is self._root and salt:  # nothing of the salt was matched: below its root
+            start = self._s.root_of(salt, create=n > 0) or self._root
         ps = self._codec.page_size
         if n % ps:
             raise TreeError(
@@ -196,5 +204,7 @@ class PrefixIndex:
             self._s.attach(leaf)
             node = leaf
         return InsertHostResult(
-            matched_len=matched, duplicate_slots=slots[:matched], last_node=node.id
+            matched_len=matched,
+            duplicate_slots=slots[:matched],
+            last_node=self._root.id if node.parent is None else node.id,
         )

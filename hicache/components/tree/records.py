@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.results import LoadPlan
+from hicache.components.tree.returns import LoadPlan
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash, RequestId
 
@@ -25,6 +25,7 @@ class RequestState:
     # the rest of its last page, unused
     padding: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     tokens: Any = None  # the tokens of the last match, for re-matching after a prefetch
+    salt: bytes = b""  # the pages it may read and caches are those of this salt
     prefetch: PrefetchOutcome | None = None  # the last prefetch's outcome once it ended
     loads: list[OpId] = field(default_factory=list)  # the loads its prefix waits on
     failed_load: bool = False  # one of them failed: its prefix slots are no longer its
@@ -51,6 +52,7 @@ class PrefetchOp:
     rid: RequestId
     anchor: NodeId  # deepest matched node with a host copy; new nodes go below it
     tokens: Any  # the page-aligned tokens to fetch, after the anchor
+    salt: bytes  # its request's
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
     timer: bool = False  # the timeout policy's timer is running (cancelled when the op ends)

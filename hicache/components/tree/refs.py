@@ -6,7 +6,7 @@ Both count along the whole path node..root; the root's stay 0. Functions over a
 from __future__ import annotations
 
 from hicache.components.tree.node import Node
-from hicache.components.tree.results import TreeError
+from hicache.components.tree.returns import TreeError
 from hicache.components.tree.structure import TreeStructure
 from hicache.types import NodeId
 
@@ -15,8 +15,7 @@ __all__ = ["add_lock", "lock", "protect_host", "release_host", "unlock"]
 
 def add_lock(s: TreeStructure, x: Node, delta: int) -> None:
     """Add ``delta`` to ``lock_ref`` on x..root."""
-    root = s.root
-    while x is not root:
+    while x.parent is not None:
         s.untrack(x)
         x.lock_ref += delta
         s.track(x)
@@ -26,8 +25,7 @@ def add_lock(s: TreeStructure, x: Node, delta: int) -> None:
 
 
 def _add_host_ref(s: TreeStructure, x: Node, delta: int) -> None:
-    root = s.root
-    while x is not root:
+    while x.parent is not None:
         s.untrack(x)
         x.host_ref += delta
         s.track(x)
@@ -42,7 +40,7 @@ def lock(s: TreeStructure, node: NodeId) -> None:
 
 def unlock(s: TreeStructure, node: NodeId) -> None:
     x = s.node(node)
-    if x is not s.root and x.lock_ref <= 0:
+    if x.parent is not None and x.lock_ref <= 0:
         raise TreeError(f"unlock of node {node}: it is not locked (lock_ref would go below 0)")
     add_lock(s, x, -1)
 
@@ -56,7 +54,7 @@ def protect_host(s: TreeStructure, node: NodeId) -> None:
 
 def release_host(s: TreeStructure, node: NodeId) -> None:
     x = s.node(node)
-    if x is not s.root and x.host_ref <= 0:
+    if x.parent is not None and x.host_ref <= 0:
         raise TreeError(
             f"release_host of node {node}: it is not protected (host_ref would go below 0)"
         )

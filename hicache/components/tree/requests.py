@@ -16,7 +16,7 @@ import numpy as np
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.records import RequestState
-from hicache.components.tree.results import TreeError
+from hicache.components.tree.returns import TreeError
 from hicache.components.tree.space import Space
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import CacheItem, MatchItem
@@ -89,7 +89,7 @@ class Requests:
 
     def _view(self, state: RequestState, tokens: Any) -> None:
         """Point the request at the tree's current prefix for `tokens` (locked for it)."""
-        result = self._ctx.tree.match(tokens, now=self._ctx.now)
+        result = self._ctx.tree.match(tokens, now=self._ctx.now, salt=state.salt)
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
@@ -123,6 +123,7 @@ class Requests:
             state = self.table.get(rid)
             if state is None:
                 state = self.table[rid] = RequestState()
+            state.salt = item.salt
             self._view(state, tokens)
             state.tokens = tokens
             state.failed_load = False
@@ -236,6 +237,10 @@ class Requests:
             raise InvalidRequest(
                 f"request {rid!r}: {len(tokens)} tokens but {len(slots)} device slots"
             )
+        if item.salt != state.salt:
+            raise InvalidRequest(
+                f"request {rid!r}: cached under another salt than it was matched under"
+            )
         if state.failed_load:
             raise InvalidRequest(
                 f"request {rid!r}: a load its prefix depends on failed; "
@@ -275,7 +280,11 @@ class Requests:
         aligned = len(tokens) // ctx.cfg.page_size * ctx.cfg.page_size
         own = len(state.prefix_slots)
         result = tree.insert(
-            tokens[:aligned], slots[:aligned], now=ctx.now, chunked=not item.finished
+            tokens[:aligned],
+            slots[:aligned],
+            now=ctx.now,
+            chunked=not item.finished,
+            salt=state.salt,
         )
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
         # cached meanwhile are duplicates and go back to the ledger.
@@ -289,7 +298,7 @@ class Requests:
             del self.table[item.rid]
             prefix = slots[:aligned]
             if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
-                prefix = tree.match(tokens[:aligned], now=ctx.now).device_slots
+                prefix = tree.match(tokens[:aligned], now=ctx.now, salt=state.salt).device_slots
         else:
             self._view(state, tokens[:aligned])
             state.host_len = 0

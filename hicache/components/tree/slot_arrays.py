@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache.components.tree.results import TreeError
+from hicache.components.tree.returns import TreeError
 from hicache.types import EMPTY_SLOTS
 
 __all__ = ["concat", "frozen_slots"]

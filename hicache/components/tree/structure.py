@@ -18,16 +18,25 @@ Rules (see docs/tree.md):
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
-from hicache.components.tree.keys import KeyCodec
+from hicache.components.tree.codec import KeyCodec
 from hicache.components.tree.node import Node
 from hicache.components.tree.observer import TreeObserver
-from hicache.components.tree.results import ClearedSlots, TreeError
+from hicache.components.tree.returns import ClearedSlots, TreeError
 from hicache.components.tree.slot_arrays import concat
 from hicache.types import EMPTY_SLOTS, NodeId, PageHash
 
-__all__ = ["TreeStructure"]
+__all__ = ["TreeStructure", "salt_seed"]
+
+
+def salt_seed(salt: bytes) -> PageHash:
+    """What a salt's page hash chain starts from (the empty salt starts from nothing, so its
+    L3 keys are those of a cache without salts): equal salts give equal keys on every
+    instance, so instances of one tenant share a store."""
+    return PageHash(hashlib.sha256(b"hicache salt\0" + salt).hexdigest())
 
 
 class TreeStructure:
@@ -44,6 +53,11 @@ class TreeStructure:
         self.root = self.new_node(
             None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0
         )
+        # One more root per salt in use (docs/tree.md, "Salts"): a salt's pages hang below its
+        # own root, so no other salt's walk can reach them. Created by the first insert under
+        # the salt, removed with its last child; nobody outside the tree holds its id.
+        self.salt_roots: dict[bytes, Node] = {}
+        self.root_salts: dict[int, tuple[bytes, PageHash]] = {}  # salt root id -> salt, seed
         # Eviction candidates (id -> node; iteration order is insertion order).
         self.device_leaves: dict[int, Node] = {}  # device-resident, no device-resident child
         self.host_leaves: dict[int, Node] = {}  # host-only, no children
@@ -77,6 +91,30 @@ class TreeStructure:
         self.nodes[node.id] = node
         return node
 
+    def root_of(self, salt: bytes, *, create: bool) -> Node | None:
+        """The root of a salt's pages (the tree's root for the empty salt)."""
+        if not salt:
+            return self.root
+        root = self.salt_roots.get(salt)
+        if root is None and create:
+            root = self.new_node(
+                None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0
+            )
+            self.salt_roots[salt] = root
+            self.root_salts[root.id] = (salt, salt_seed(salt))
+        return root
+
+    def seed_of(self, root: Node) -> PageHash | None:
+        """The page hash before a root's first pages: None for the tree's root."""
+        entry = self.root_salts.get(root.id)
+        return None if entry is None else entry[1]
+
+    def _drop_salt_root(self, root: Node) -> None:
+        """A salt root whose last child went: retire it (nothing else holds its id)."""
+        salt, _ = self.root_salts.pop(root.id)
+        del self.salt_roots[salt]
+        del self.nodes[root.id]
+
     def node(self, node_id: NodeId, what: str = "node") -> Node:
         """The live node of an id; TreeError for a removed or unknown one."""
         node = self.nodes.get(node_id)
@@ -88,7 +126,7 @@ class TreeStructure:
 
     def untrack(self, node: Node) -> None:
         """Take node out of the leaf sets and counters before its state changes."""
-        if node is self.root:
+        if node.parent is None:  # a root (or a removed node)
             return
         self.device_leaves.pop(node.id, None)
         self.host_leaves.pop(node.id, None)
@@ -100,7 +138,7 @@ class TreeStructure:
 
     def track(self, node: Node) -> None:
         """Put node back into the leaf sets and counters after its state changed."""
-        if node is self.root:
+        if node.parent is None:  # a root (or a removed node)
             return
         if node.device is not None:
             if node.device_children == 0:
@@ -166,6 +204,8 @@ class TreeStructure:
         del self.nodes[node.id]
         node.parent = None
         self.track(parent)
+        if parent.parent is None and parent is not self.root and not parent.children:
+            self._drop_salt_root(parent)
 
     def remove_subtree(self, x: Node, freed_host: list[np.ndarray], removed: list[NodeId]) -> None:
         """Remove x (now without device copy) and its host-only descendants, deepest first,
@@ -183,7 +223,7 @@ class TreeStructure:
         busy = [
             x.id
             for x in self.nodes.values()
-            if x is not root and (x.lock_ref or x.host_ref or x.backup is not None)
+            if x.parent is not None and (x.lock_ref or x.host_ref or x.backup is not None)
         ]
         if busy:
             raise TreeError(f"clear: nodes {busy[:8]} are locked, protected or in flight")
@@ -191,8 +231,9 @@ class TreeStructure:
         host = [x.host for x in self.nodes.values() if x.host is not None]
         obs, self.observer = self.observer, None  # one tree_cleared, not one call per node
         try:
-            for child in list(root.children.values()):
-                self._remove_all(child)
+            for top in [root, *self.salt_roots.values()]:
+                for child in list(top.children.values()):
+                    self._remove_all(child)
         finally:
             self.observer = obs
         if obs is not None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from hicache.components.tree.node import Node
 from hicache.components.tree.refs import add_lock
-from hicache.components.tree.results import LoadPlan, TreeError
+from hicache.components.tree.returns import LoadPlan, TreeError
 from hicache.components.tree.slot_arrays import concat, frozen_slots
 from hicache.components.tree.structure import TreeStructure
 from hicache.types import EMPTY_SLOTS, NodeId
@@ -27,8 +27,8 @@ __all__ = [
 
 def begin_backup(s: TreeStructure, node: NodeId, host_slots: np.ndarray) -> None:
     x = s.node(node)
-    if x is s.root:
-        raise TreeError("begin_backup: the root has no KV to back up")
+    if x.parent is None:
+        raise TreeError("begin_backup: a root has no KV to back up")
     if x.device is None:
         raise TreeError(f"begin_backup of node {node}: it has no device copy")
     if x.host is not None:

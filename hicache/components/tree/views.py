@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from hicache.components.tree.node import NodeState
-from hicache.components.tree.results import TreeError
+from hicache.components.tree.returns import TreeError
 from hicache.components.tree.structure import TreeStructure
 from hicache.types import NodeId
 
@@ -28,12 +28,12 @@ def state(s: TreeStructure, node: NodeId) -> NodeState:
 
 def needs_backup(s: TreeStructure, node: NodeId) -> bool:
     x = s.nodes.get(node)
-    return x is not None and x is not s.root and x.device is not None and x.host is None
+    return x is not None and x.parent is not None and x.device is not None and x.host is None
 
 
 def has_host_copy(s: TreeStructure, node: NodeId) -> bool:
     x = s.node(node)
-    return x is s.root or (x.host is not None and x.backup is None)
+    return x.parent is None or (x.host is not None and x.backup is None)
 
 
 def cached_tokens(s: TreeStructure, tier: str) -> int:
@@ -53,7 +53,7 @@ def dump(s: TreeStructure) -> list[dict[str, Any]]:
                 "id": x.id,
                 "parent": None if x.parent is None else x.parent.id,
                 "tokens": x.num_tokens,
-                "state": "root" if x is s.root else state(s, x.id).value,
+                "state": "root" if x.parent is None else state(s, x.id).value,
                 "lock_ref": x.lock_ref,
                 "host_ref": x.host_ref,
                 "hit_count": x.hit_count,

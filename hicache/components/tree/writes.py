@@ -199,7 +199,7 @@ class WriteFlows:
         if hashes is None:
             parent = tree.parent(node)
             assert parent is not None
-            prior = None if parent == tree.root else self.node_hashes(parent)[-1]
+            prior = tree.seed(parent) if tree.is_root(parent) else self.node_hashes(parent)[-1]
             hashes = tuple(chain_page_hashes(tree.key(node), self._ctx.cfg.page_size, prior=prior))
             tree.set_page_hashes(node, hashes)
         return hashes

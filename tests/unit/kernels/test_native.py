@@ -13,7 +13,7 @@ import torch
 
 from hicache.kernels import DevicePool, HostPool, MHAGeometry, backup, load_layer
 from hicache.kernels.engines import CpuEngine
-from hicache.kernels.memory import HUGE_PAGE, cpu_bytes
+from hicache.kernels.huge_pages import HUGE_PAGE, cpu_bytes
 from hicache.kernels.native import native_rows, unavailable_reason
 from tests.unit.kernels.reference import randomize
 
