@@ -33,11 +33,17 @@ class StepRecord:
 
 class ScriptedScheduler:
     def __init__(
-        self, cache: HiCache, *, compute: Compute | None = None, wait_prefetch: bool = True
+        self,
+        cache: HiCache,
+        *,
+        compute: Compute | None = None,
+        wait_prefetch: bool = True,
+        salt_of: Callable[[RequestId], str | None] | None = None,
     ) -> None:
         self.cache = cache
         self.compute = compute
         self.wait_prefetch = wait_prefetch
+        self.salt_of = salt_of  # each request's salt (tenant); None: the shared space
         self.records: list[StepRecord] = []
 
     async def run(
@@ -49,10 +55,12 @@ class ScriptedScheduler:
 
     async def step(self, index: int, requests: list[tuple[RequestId, np.ndarray]]) -> None:
         cache = self.cache
-        matches = await cache.match_many(requests)
+        salt = {rid: self.salt_of(rid) if self.salt_of else None for rid, _ in requests}
+        salted = [(rid, tokens, salt[rid]) for rid, tokens in requests]
+        matches = await cache.match_many(salted)
         states = {rid: "none" for rid, _ in requests}
         if cache.backend is not None:
-            await cache.prefetch_many(requests)
+            await cache.prefetch_many(salted)
             if self.wait_prefetch:
                 for rid, _ in requests:
                     states[rid] = (await cache.prefetch_wait(rid)).state
@@ -73,7 +81,7 @@ class ScriptedScheduler:
                 result = self.compute(rid, tokens, slots, first)
                 if result is not None:
                     await result
-            items.append((rid, tokens, slots, True))
+            items.append((rid, tokens, slots, True, salt[rid]))
             self.records.append(
                 StepRecord(
                     step=index,

@@ -71,7 +71,9 @@ def main(rank: int, world: int, init_file: str, out_dir: str, kv: str, seed: int
         async with HiCache(
             cfg, backend=backend, transfer_faults=slow_copies, tp_group=group
         ) as cache:
-            sched = ScriptedScheduler(cache)
+            # Seed 1 spreads the requests over two tenants (salts): the ranks must still agree.
+            salts = (lambda rid: f"tenant-{int(rid[-1]) % 2}") if seed == 1 else None
+            sched = ScriptedScheduler(cache, salt_of=salts)
             for i, step in enumerate(workload(seed, 24)):
                 await sched.step(i, step)
                 dumps.append(await cache.dump())
