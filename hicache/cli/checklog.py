@@ -25,6 +25,11 @@ and the fields that would):
 - requests: a `tree.insert`, a load-back or prefetch (started or skipped) follows a
   `tree.match` of its request (since its last finished insert); a load-back never loads more tokens than the request's last match found in L2
   plus what its prefetches since brought (no load from a tier that does not hold the page);
+- locks: every matched request ends (a finished `tree.insert` or a `tree.release`, the
+  drain's included) once, and none is open at `cache.closed`;
+- slots: from `tree.slots` (written whenever the log records), no slot of either tier is
+  handed out while it is still out, none is taken back that is not out, and none is still
+  out at `cache.closed` (`hicache/cli/slotcheck.py`);
 - L1: the device tokens the tree holds, re-derived (inserted `new` + loaded - evicted - freed
   by failed loads), never go below 0 or below a match's device hit, and with
   `--device-tokens N` (the L1 size the log was written with) never above N.
@@ -39,6 +44,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
+
+from hicache.cli.slotcheck import SlotOwnership
 
 _WORKERS = ("tree", "writer", "loader", "uploader", "prefetcher")
 
@@ -73,6 +80,7 @@ class Report:
     matches: int = 0
     inserts: int = 0
     max_device_tokens: int = 0
+    slot_events: int = 0
 
 
 class LogChecker:
@@ -101,6 +109,7 @@ class LogChecker:
         self._open_matches: dict[object, int] = {}  # rid -> L2 tokens it may still load
         self._device = 0  # tokens the tree holds in L1, re-derived
         self._abandoned = False
+        self._slots = SlotOwnership()  # every slot the tree's ledgers have out, re-derived
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, message: str) -> NoReturn:
@@ -208,10 +217,23 @@ class LogChecker:
         self._end_of_run()
         self._run = None
 
+    def _on_tree_slots(self, e: dict[str, Any]) -> None:
+        self._need_run()
+        self.report.slot_events += 1
+        broken = self._slots.apply(e)
+        if broken is not None:
+            self._fail(broken)
+
     def _on_cache_closed(self, e: dict[str, Any]) -> None:
         used = {tier: n for tier, n in (e.get("used") or {}).items() if n}
         if used:
             self._fail(f"the ledgers do not balance at close: {used} slots still held")
+        held = self._slots.held()
+        if held and not self._abandoned:
+            self._fail(f"slots handed out and never taken back by close: {held}")
+        if self._open_matches and not self._abandoned:
+            open_rids = sorted(map(repr, self._open_matches))[:8]
+            self._fail(f"requests still holding their locks at close: {open_rids}")
         if e.get("tables_left"):
             self._fail(f"bookkeeping tables not empty at close: {e['tables_left']}")
 
@@ -273,6 +295,12 @@ class LogChecker:
             self._open_matches[rid] = 0  # re-matched by the insert: its L2 part is in L1 now
         self._add_device(new, "insert")
         self.report.inserts += 1
+
+    def _on_tree_release(self, e: dict[str, Any]) -> None:
+        self._need_run()
+        rid = _rid(e)
+        if self._open_matches.pop(rid, None) is None:
+            self._fail(f"request {rid!r} released but it was not open (no match since its end)")
 
     # ------------------------------------------------------------------ tree: L1
     def _on_tree_evict_device(self, e: dict[str, Any]) -> None:

@@ -14,9 +14,10 @@ import logging
 from collections.abc import Callable
 from typing import Any, TextIO
 
+import numpy as np
 import structlog
 
-from hicache.observability.capture import deliver_to_captures
+from hicache.observability.capture import _CAPTURES, deliver_to_captures
 from hicache.secrets import safe_fields
 
 LEVELS: dict[str, int] = {
@@ -29,7 +30,10 @@ RESERVED_FIELDS = frozenset({"event", "seq", "t", "component", "level"})
 
 
 def plain(value: Any) -> Any:
-    """JSON fallback: a stable, address-free rendering of values `json` cannot encode."""
+    """JSON fallback: a stable, address-free rendering of values `json` cannot encode. A slot
+    array becomes its runs of consecutive slots, `[[first, end), ...]` (a page is one run)."""
+    if isinstance(value, np.ndarray):
+        return slot_runs(value)
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, (set, frozenset)):
@@ -41,6 +45,17 @@ def plain(value: Any) -> Any:
     if isinstance(value, BaseException):
         return f"{type(value).__name__}: {value}"
     return f"<{type(value).__name__}>"
+
+
+def slot_runs(slots: np.ndarray) -> list[list[int]]:
+    """`[[first, end), ...]`: the runs of consecutive values of a 1-D int array, in order."""
+    arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if not arr.size:
+        return []
+    cuts = np.flatnonzero(np.diff(arr) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [arr.size]])
+    return [[int(arr[s]), int(arr[e - 1]) + 1] for s, e in zip(starts, ends)]
 
 
 def _default_clock() -> Callable[[], float]:
@@ -90,6 +105,14 @@ class EventLog:
             wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
             context_class=dict,
             cache_logger_on_first_use=True,
+        )
+
+    @property
+    def recording(self) -> bool:
+        """Whether an emitted event goes anywhere (a sink, the capture list, a listener, a
+        test's `capture_events`): detail events are worth building only then."""
+        return bool(
+            self._sink is not None or self._events is not None or self._listeners or _CAPTURES.get()
         )
 
     @property
@@ -163,6 +186,10 @@ class BoundEvents:
 
     def bind(self, **ids: Any) -> BoundEvents:
         return BoundEvents(self._log, self.component, {**self._ids, **ids})
+
+    @property
+    def recording(self) -> bool:
+        return self._log.recording
 
     def debug(self, event: str, **fields: Any) -> None:
         self._log.emit(event, component=self.component, level="debug", **self._ids, **fields)

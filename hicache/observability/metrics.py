@@ -116,6 +116,12 @@ class CacheMetrics:
             "host = what the match did not find in L1, storage = every prefetch's length",
             ["tier"],
         )
+        self.salt_class_tokens = counter(
+            "hicache_match_tokens_by_salt_class",
+            "Matched (queried) and L1-hit tokens by salt class: shared = no salt, salted = "
+            "a request's own salt (salts themselves are not labels: unbounded cardinality)",
+            ["salt_class", "kind"],
+        )
         self.evicted_tokens = counter(
             "hicache_evicted_tokens",
             "Tokens evicted from a tier (storage: values dropped by "
@@ -265,6 +271,9 @@ def _on_match(m: CacheMetrics, e: dict[str, Any], i: str) -> None:
     m.queried_tokens.labels(i, "device").inc(tokens)
     m.hit_tokens.labels(i, "device").inc(dev)
     m.queried_tokens.labels(i, "host").inc(max(tokens - dev, 0))
+    salt_class = "salted" if e.get("salted") else "shared"
+    m.salt_class_tokens.labels(i, salt_class, "queried").inc(tokens)
+    m.salt_class_tokens.labels(i, salt_class, "hit").inc(dev)
 
 
 def _remember(starts: OrderedDict[Any, float], op: Any, t: float) -> None:

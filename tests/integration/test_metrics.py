@@ -223,3 +223,20 @@ def test_a_listener_that_raises_does_not_break_the_log():
     log.add_listener(lambda e: seen.append(e["event"]))
     log.emit("x.y", component="cache")
     assert seen == ["x.y"] and log.events[0]["event"] == "x.y"
+
+
+def test_matches_are_counted_by_salt_class():
+    log = EventLog(capture=True, clock=lambda: 1.0)
+    metrics = CacheMetrics(log=log, instance="unit", page_size=64, page_nbytes=1024)
+    tree = log.bind("tree")
+    tree.info("tree.match", rid="a", tokens=640, device_hit=128, host_hit=0, salted=True)
+    tree.info("tree.match", rid="b", tokens=320, device_hit=64, host_hit=0, salted=False)
+    tree.info("tree.match", rid="c", tokens=64, device_hit=0, host_hit=0)  # an older log
+    found = samples(metrics.text())["hicache_match_tokens_by_salt_class_total"]
+    got = {(labels["salt_class"], labels["kind"]): value for labels, value in found}
+    assert got == {
+        ("salted", "queried"): 640.0,
+        ("salted", "hit"): 128.0,
+        ("shared", "queried"): 384.0,
+        ("shared", "hit"): 64.0,
+    }

@@ -38,10 +38,15 @@ from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads, LoadHandle
 from hicache.messages import Alloc, Free, LedgerStats, Load, TimerFired, TreeInbox
+from hicache.observability.events import slot_runs
 from hicache.results import LoadBackOutcome, StorageTimeout
 from hicache.runtime import Actor, Mailbox, Reply
 from hicache.runtime.clock import TimerHandle
 from hicache.types import OpId
+
+# Events worth building only when the log goes somewhere: every slot the ledgers hand out or
+# take back (what `hicache check-log` re-derives slot ownership from).
+DETAIL_EVENTS = frozenset({"tree.slots"})
 
 
 class TreeActor(Actor[TreeInbox]):
@@ -151,7 +156,10 @@ class TreeActor(Actor[TreeInbox]):
         for effect in effects:
             match effect:
                 case Event(name=name, fields=fields, level=level):
-                    getattr(log, level)(name, **fields)
+                    if name not in DETAIL_EVENTS:
+                        getattr(log, level)(name, **fields)
+                    elif log.recording:  # slots as runs: small, comparable, JSON as they are
+                        log.info(name, **{**fields, "slots": slot_runs(fields["slots"])})
                 case Answer(reply=reply, value=value, loads=loads):
                     reply.set(value if loads is None else self._with_handles(value, loads))
                 case Send(to=to, msg=msg):

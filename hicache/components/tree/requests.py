@@ -102,7 +102,7 @@ class Requests:
         self._view(state, state.tokens)
 
     def release_all(self) -> None:
-        self.release_batch(tuple(self.table))
+        self.release_batch(tuple(self.table), reason="close")
 
     def load_failed(self, op: OpId) -> None:
         """Requests that counted on this load may not cache what they hold: their prefix slots
@@ -135,6 +135,7 @@ class Requests:
                 tokens=len(tokens),
                 device_hit=len(state.prefix_slots),
                 host_hit=state.host_len,
+                salted=bool(state.salt),
             )
             outcomes.append(
                 MatchOutcome(rid=rid, device_slots=state.prefix_slots, host_len=state.host_len)
@@ -318,7 +319,7 @@ class Requests:
         )
         return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens), ops
 
-    def release_batch(self, rids: Sequence[RequestId]) -> None:
+    def release_batch(self, rids: Sequence[RequestId], reason: str = "caller") -> None:
         self.check_rids(rids, "release")
         for rid in rids:
             self.state(rid, "release")
@@ -326,3 +327,4 @@ class Requests:
             state = self.table.pop(rid)
             self._relock(state, None)
             self._space.free("device", np.concatenate([*state.owned, state.padding]))
+            self._ctx.out.info("tree.release", rid=rid, reason=reason)
