@@ -80,8 +80,10 @@ class Reply:
         self.done, self.error = True, error
 
 
-def contents(tokens: list[int]) -> list[int]:
-    out, h = [], 0
+def contents(tokens: list[int], salt: bytes = b"") -> list[int]:
+    """Each token's KV: a rolling hash of the prefix, started from the salt, so that a page
+    served to a request under another salt is wrong KV."""
+    out, h = [], hash(salt)
     for t in tokens:
         h = hash((h, t))
         out.append(h)
@@ -253,19 +255,23 @@ class ControllerMachine(RuleBasedStateMachine):
         extra=st.integers(0, 1),
         load=st.booleans(),
         prefetch=st.booleans(),
+        salt=st.sampled_from([b"", b"", b"tenant-a", b"tenant-b"]),
     )
-    def new_request(self, pages: list[int], extra: int, load: bool, prefetch: bool) -> None:
+    def new_request(
+        self, pages: list[int], extra: int, load: bool, prefetch: bool, salt: bytes
+    ) -> None:
         tokens = [p for p in pages for _ in range(PAGE)] + [7] * extra
         rid = self.next_rid
         self.next_rid += 1
         arr = np.array(tokens, dtype=np.uint32)
-        reply = self.call(lambda r: MatchBatch(items=(MatchItem(rid=rid, tokens=arr),), reply=r))
+        item = MatchItem(rid=rid, tokens=arr, salt=salt)
+        reply = self.call(lambda r: MatchBatch(items=(item,), reply=r))
         (out,) = reply.value
-        req = {"tokens": tokens, "prefix": out.device_slots, "waits": set(), "owned": None}
+        req = {"tokens": tokens, "prefix": out.device_slots, "waits": set(), "salt": salt}
         req["waits"] |= set(reply.loads[0]) if reply.loads else set()
         self.requests[rid] = req
         if prefetch:
-            self.call(lambda r: PrefetchBatch(items=(MatchItem(rid=rid, tokens=arr),), reply=r))
+            self.call(lambda r: PrefetchBatch(items=(item,), reply=r))
         if load:
             reply = self.call(lambda r: LoadBackBatch(rids=(rid,), reply=r))
             (lb,) = reply.value
@@ -289,6 +295,7 @@ class ControllerMachine(RuleBasedStateMachine):
                             tokens=np.array(tokens, dtype=np.uint32),
                             device_slots=np.arange(len(tokens)),
                             finished=True,
+                            salt=req["salt"],
                         ),
                     ),
                     reply=r,
@@ -298,7 +305,7 @@ class ControllerMachine(RuleBasedStateMachine):
             self.release(rid)
             return
         prefix = req["prefix"]
-        want = contents(tokens)
+        want = contents(tokens, req["salt"])
         got = [self.device.get(s) for s in prefix.tolist()]
         assert got == want[: len(prefix)], f"request {rid} read wrong KV"
         n = len(tokens) - len(prefix)
@@ -319,6 +326,7 @@ class ControllerMachine(RuleBasedStateMachine):
                         tokens=np.array(tokens, dtype=np.uint32),
                         device_slots=all_slots,
                         finished=True,
+                        salt=req["salt"],
                     ),
                 ),
                 reply=r,
