@@ -26,6 +26,7 @@ from hicache.messages import (
     Asks,
     CacheBatch,
     CacheItem,
+    Clear,
     ClearStorage,
     Drain,
     DumpTree,
@@ -44,6 +45,7 @@ from hicache.observability import EventLog
 from hicache.results import (
     CacheOutcome,
     CacheStats,
+    ClearOutcome,
     InvalidRequest,
     LoadBackOutcome,
     MatchOutcome,
@@ -322,6 +324,15 @@ class HiCache:
 
     async def prefetch_poll(self, rid: RequestId) -> PrefetchOutcome:
         return await self._call(lambda r: PrefetchPoll(rid=rid, reply=r))
+
+    async def clear(self, tiers: Iterable[str] = ("device", "host", "storage")) -> ClearOutcome:
+        """Drop every unlocked page of these tiers once the work in flight has ended (pages
+        locked by running requests stay theirs), and clear the L3 namespace with "storage".
+        What it dropped; `InvalidRequest` for an unknown tier."""
+        asked = tuple(tiers)
+        out = await self._until(lambda r: Clear(tiers=asked, reply=r, poll=self._polling))
+        assert out is not None  # answered once nothing is in flight
+        return out
 
     async def clear_storage(self) -> bool:
         """Remove every L3 value of this cache's namespace. False when storage is off."""

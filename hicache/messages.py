@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from hicache.results import (
         CacheOutcome,
         CacheStats,
+        ClearOutcome,
         LoadBackOutcome,
         MatchOutcome,
         PrefetchOutcome,
@@ -125,6 +126,15 @@ class ClearStorage:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Clear:
+    """Drop every unlocked page of `tiers` once nothing is in flight."""
+
+    tiers: tuple[str, ...]
+    reply: Reply[ClearOutcome | None]  # None while work is in flight (with `poll`)
+    poll: bool = False  # answer None at once while work is in flight (TP ranks poll)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Drain:
     """Close: finish in-flight work, then answer with the final ledger balance."""
 
@@ -195,6 +205,7 @@ TreeInbox = (
     | PrefetchWait
     | PrefetchPoll
     | ClearStorage
+    | Clear
     | Drain
     | WriteDone
     | LoadDone

@@ -110,6 +110,16 @@ class PrefetchOutcome:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ClearOutcome:
+    """What `clear` dropped: the tokens of unlocked pages in L1 and in L2 (pages locked by
+    running requests stay theirs), and whether the L3 namespace was cleared."""
+
+    device_tokens: int = 0
+    host_tokens: int = 0
+    storage: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TierStats:
     size: int  # slots (tokens) in the tier
     used: int  # slots held: by the tree, by running requests, by transfers in flight

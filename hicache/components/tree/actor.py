@@ -180,8 +180,8 @@ class TreeActor(Actor[TreeInbox]):
                     )
                 case CancelTimer(op=op):
                     self._timers.pop(op).cancel()
-                case ClearStorage(reply=reply):
-                    await self._clear(reply)
+                case ClearStorage(reply=reply, answer=answer):
+                    await self._clear(reply, answer)
                 case Drained(replies=replies, lease=lease, tables=tables):
                     for tier, slots in lease.items():
                         await self._allocator.send(Free(tier=tier, slots=slots))
@@ -212,7 +212,7 @@ class TreeActor(Actor[TreeInbox]):
                 out.append(replace(outcome, pending=tuple(handles)))
         return tuple(out)
 
-    async def _clear(self, reply: Any) -> None:
+    async def _clear(self, reply: Any, answer: Any) -> None:
         assert self._clear_storage is not None
         timeout = self._cfg.storage_timeout
         with self.kernel.clock.move_on_after(timeout) as scope:
@@ -222,7 +222,7 @@ class TreeActor(Actor[TreeInbox]):
             reply.fail(StorageTimeout(f"clear_storage: no answer within {timeout} s"))
         else:
             self.log.info("tree.storage_cleared")
-            reply.set(True)
+            reply.set(True if answer is None else replace(answer, storage=True))
 
 
 def _lease(tier: str, n: int) -> Callable[[Reply[np.ndarray | None]], Alloc]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from typing_extensions import assert_never
 
-from hicache.components.tree import sync
+from hicache.components.tree import reset, sync
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
@@ -35,6 +35,7 @@ from hicache.config import CacheConfig
 from hicache.messages import (
     AllocBatch,
     CacheBatch,
+    Clear,
     ClearStorage,
     Drain,
     DumpTree,
@@ -54,7 +55,13 @@ from hicache.messages import (
     UploadTimedOut,
     WriteDone,
 )
-from hicache.results import CacheError, CacheStats, InvalidRequest, LoadBackOutcome
+from hicache.results import (
+    CacheError,
+    CacheStats,
+    ClearOutcome,
+    InvalidRequest,
+    LoadBackOutcome,
+)
 from hicache.types import OpId
 
 
@@ -87,6 +94,7 @@ class Controller:
         self._parked: Parked | None = None  # the head call, waiting for an op to end
         self._flush_waiters: list[Any] = []  # answered when no write is pending
         self._drain_waiters: list[Any] = []  # answered when nothing at all is in flight
+        self._clear_waiters: list[Clear] = []  # run when nothing at all is in flight
         self._lease_returned = False
 
     @property
@@ -216,6 +224,18 @@ class Controller:
                 prefetches.wait(rid, reply, poll=poll)
             case PrefetchPoll(rid=rid, reply=reply):
                 out.answer(reply, prefetches.outcome(rid, prefetches.by_rid.get(rid)))
+            case Clear(tiers=tiers, reply=reply, poll=poll):
+                bad = [t for t in tiers if t not in reset.TIERS]
+                if bad or not tiers:
+                    raise InvalidRequest(
+                        f"clear: tiers must be some of {reset.TIERS}, got {tiers!r}"
+                    )
+                if not self.in_flight():
+                    self._clear(msg)
+                elif poll:
+                    out.answer(reply, None)
+                else:
+                    self._clear_waiters.append(msg)
             case ClearStorage(reply=reply):
                 if self.ctx.storage_on:
                     out.add(ClearStorageEffect(reply))
@@ -255,12 +275,28 @@ class Controller:
         return self.ctx.out.take()
 
     # ------------------------------------------------------------------ flush, close, stats
+    def _clear(self, msg: Clear) -> None:
+        """Drop every unlocked page of the tiers asked (nothing is in flight now)."""
+        ctx = self.ctx
+        device = reset.drop_device(ctx, self.space) if "device" in msg.tiers else 0
+        host = reset.drop_host(ctx, self.space) if "host" in msg.tiers else 0
+        outcome = ClearOutcome(device_tokens=device, host_tokens=host)
+        ctx.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
+        if "storage" in msg.tiers and ctx.storage_on:
+            ctx.out.add(ClearStorageEffect(msg.reply, outcome))
+        else:
+            ctx.out.answer(msg.reply, outcome)
+
     def _settle(self) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
                 self.ctx.out.answer(reply, None)
             self._flush_waiters.clear()
+        if self._clear_waiters and not self.in_flight():
+            waiting, self._clear_waiters = self._clear_waiters, []
+            for msg in waiting:
+                self._clear(msg)
         if self._drain_waiters and not self.in_flight():
             waiters, self._drain_waiters = self._drain_waiters, []
             self._drain(tuple(waiters))
@@ -317,6 +353,7 @@ class Controller:
             **self.loads.tables(),
             **self.prefetches.tables(),
             "flush_waiters": len(self._flush_waiters),
+            "clear_waiters": len(self._clear_waiters),
             "calls": len(self._calls),
         }
 

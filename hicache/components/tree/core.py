@@ -195,6 +195,11 @@ class RadixTree:
         the host slots to free. Mutates."""
         return transfers.drop_host(self._s, plan)
 
+    def drop_host_copies(self) -> np.ndarray:
+        """`clear` of L2: every unlocked node on the device gives up its host copy (protected
+        or in-flight ones keep theirs). Returns the host slots to free. Mutates."""
+        return transfers.drop_unlocked_host_copies(self._s)
+
     # ----------------------------------------------------------------------------- eviction
     def evictable_device_tokens(self) -> int:
         """Device tokens in unlocked nodes (some may first need a backup under write_back)."""

@@ -75,9 +75,11 @@ class CancelTimer:
 
 @dataclass(frozen=True, slots=True)
 class ClearStorage:
-    """Run the backend's clear (with its deadline) and answer `reply`."""
+    """Run the backend's clear (with its deadline) and answer `reply`: True, or `answer`
+    with `storage=True` when given (a `clear` of several tiers)."""
 
     reply: Any
+    answer: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,11 +134,22 @@ def revert_load_back(s: TreeStructure, plan: LoadPlan) -> tuple[np.ndarray, tupl
 
 
 def drop_host(s: TreeStructure, plan: LoadPlan) -> np.ndarray:
+    return _drop_host_copies(s, [s.nodes.get(i) for i in reversed(plan.nodes)])
+
+
+def drop_unlocked_host_copies(s: TreeStructure) -> np.ndarray:
+    """Every unlocked node on the device gives up its host copy (`clear` of L2)."""
+    return _drop_host_copies(s, [x for x in s.nodes.values() if x.lock_ref == 0])
+
+
+def _drop_host_copies(s: TreeStructure, nodes: list[Node | None]) -> np.ndarray:
+    """Nodes that are gone, not on the device, or whose host copy is in use keep it."""
     freed: list[np.ndarray] = []
-    for i in reversed(plan.nodes):
-        x = s.nodes.get(i)
+    for x in nodes:
         if x is None or x.host is None or x.device is None or x.host_ref or x.backup:
             continue
+        if x.parent is None:
+            continue  # a root
         s.untrack(x)
         freed.append(x.host)
         x.host = None
