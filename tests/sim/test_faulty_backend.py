@@ -69,7 +69,7 @@ def test_outage_windows_latency_and_slow_calls_follow_the_clock(inner):
         backend = FaultyBackend(inner, faults)
         assert await backend.set_from(KEYS, pages(3)) == 3
         assert await backend.get_into(KEYS, pages()) == 3
-        await anyio.sleep(1.5 - anyio.current_time())
+        await anyio.sleep(1.5 - anyio.current_time())  # virtual time (run_virtual)
         assert await backend.exists(KEYS) == 0  # in the outage
         start = anyio.current_time()
         assert await backend.get_into(KEYS, pages()) == 3  # slow, and done after the outage

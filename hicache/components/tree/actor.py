@@ -44,10 +44,6 @@ from hicache.runtime import Actor, Mailbox, Reply
 from hicache.runtime.clock import TimerHandle
 from hicache.types import OpId
 
-# Events worth building only when the log goes somewhere: every slot the ledgers hand out or
-# take back (what `hicache check-log` re-derives slot ownership from).
-DETAIL_EVENTS = frozenset({"tree.slots"})
-
 
 class TreeActor(Actor[TreeInbox]):
     def __init__(
@@ -128,6 +124,9 @@ class TreeActor(Actor[TreeInbox]):
     # ------------------------------------------------------------------ the loop
     async def handle(self, msg: TreeInbox) -> None:
         core = self.core
+        # Every slot the ledgers hand out or take back is an event (what `hicache check-log`
+        # re-derives slot ownership from), built only while the log goes somewhere.
+        core.ctx.detail = self.log.recording
         if isinstance(msg, COMPLETIONS):
             core.record(msg)
             if self._agreement.trivial or core.wants_sync():
@@ -156,10 +155,9 @@ class TreeActor(Actor[TreeInbox]):
         for effect in effects:
             match effect:
                 case Event(name=name, fields=fields, level=level):
-                    if name not in DETAIL_EVENTS:
-                        getattr(log, level)(name, **fields)
-                    elif log.recording:  # slots as runs: small, comparable, JSON as they are
-                        log.info(name, **{**fields, "slots": slot_runs(fields["slots"])})
+                    if name == "tree.slots":  # slots as runs: small, comparable, JSON as is
+                        fields = {**fields, "slots": slot_runs(fields["slots"])}
+                    getattr(log, level)(name, **fields)
                 case Answer(reply=reply, value=value, loads=loads):
                     reply.set(value if loads is None else self._with_handles(value, loads))
                 case Send(to=to, msg=msg):

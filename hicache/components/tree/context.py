@@ -23,6 +23,7 @@ class Context:
     out: Effects = field(default_factory=Effects)
     counters: Counters = field(default_factory=Counters)
     now: float = 0.0  # the step's time: given by the driver with each call
+    detail: bool = False  # build detail events (`tree.slots`): the driver's log records
     last_op: int = 0
 
     def op(self) -> OpId:

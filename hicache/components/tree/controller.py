@@ -355,6 +355,7 @@ class Controller:
             "flush_waiters": len(self._flush_waiters),
             "clear_waiters": len(self._clear_waiters),
             "calls": len(self._calls),
+            "salt_roots": self.ctx.tree.salts,
         }
 
     def stats(self) -> CacheStats:

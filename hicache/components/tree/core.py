@@ -257,6 +257,11 @@ class RadixTree:
     def host_slots(self, node: NodeId) -> np.ndarray | None:
         return self._s.node(node).host
 
+    @property
+    def salts(self) -> int:
+        """Salts with pages in the tree (each has a root of its own until its last page goes)."""
+        return len(self._s.salt_roots)
+
     def is_root(self, node: NodeId) -> bool:
         """The tree's root, or a salt's (the pages cached under a salt hang below its own)."""
         return self._s.node(node).parent is None

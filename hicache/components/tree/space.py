@@ -43,14 +43,15 @@ class Space:
 
     def alloc(self, tier: str, n: int) -> np.ndarray | None:
         slots = self.ledgers[tier].alloc(n)
-        if slots is not None and len(slots):  # for `hicache check-log` (when a log records)
+        if slots is not None and len(slots) and self._ctx.detail:  # for `hicache check-log`
             self._ctx.out.info("tree.slots", tier=tier, op="alloc", slots=slots)
         return slots
 
     def free(self, tier: str, slots: np.ndarray) -> None:
         if len(slots):
             self.ledgers[tier].free(slots)
-            self._ctx.out.info("tree.slots", tier=tier, op="free", slots=slots)
+            if self._ctx.detail:
+                self._ctx.out.info("tree.slots", tier=tier, op="free", slots=slots)
 
     def view(self) -> dict[str, dict[str, int]]:
         """Each tier's size, used and available tokens."""

@@ -206,15 +206,13 @@ class WriteFlows:
 
     # ------------------------------------------------------------------ close
     def abandon(self) -> None:
-        """End every write and upload as failed (close past its deadline)."""
+        """End every write and upload as failed (close past its deadline). With the backlogs
+        emptied first, nothing ending here starts new work (a failed write uploads nothing)."""
         self.write_backlog.clear()
         self.upload_backlog.clear()
         for op_id in list(self.writes):
             self.arrived_writes.pop(op_id, None)
             self.finish_write(op_id, False, "abandoned at close")
-        self.upload_backlog.clear()  # finished writes may have queued more
-        self.write_backlog.clear()
         for op_id in list(self.uploads):
             self.arrived_uploads.pop(op_id, None)
             self.finish_upload(op_id)
-        self.write_backlog.clear()

@@ -42,7 +42,7 @@ def run_virtual(body):
         async with anyio.create_task_group() as tg:
 
             async def later(delay, callback):
-                await anyio.sleep(delay)
+                await anyio.sleep(delay)  # virtual: the MockClock jumps, nothing waits
                 callback()
 
             streams, selection = make_streams(
