@@ -95,7 +95,7 @@ def direct_path(cfg: CacheConfig, requests, batch: int) -> tuple[float, int, int
     def alloc_host(n):
         slots = hled.alloc(n)
         if slots is None:
-            ev = tree.evict_host(n)
+            ev = tree.evict_host(n, now=now)
             if len(ev.freed):
                 hled.free(ev.freed)
             slots = hled.alloc(n)

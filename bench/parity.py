@@ -164,10 +164,10 @@ def _apply_variants(names) -> None:
             finally:
                 state["tree"] = None
 
-        def partial_host(self, num_tokens):
+        def partial_host(self, num_tokens, **kw):
             state["tree"] = self if "partial-host" in names else None
             try:
-                return evict_host(self, num_tokens)
+                return evict_host(self, num_tokens, **kw)
             finally:
                 state["tree"] = None
 

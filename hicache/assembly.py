@@ -6,11 +6,16 @@ order, everything the steps started: the transfer streams' threads, a backend th
 opened, the metrics exporter. The facade enters the kernel last and closes `resources` after
 the kernel has stopped; if any step raises, `assemble` closes what the earlier ones started
 before the error propagates, so a failed open leaves no thread or connection behind.
+
+The uploader and prefetcher are built with or without storage, so that L3 can be attached at
+run time (`open_storage` / `adopt_storage` make the attachment, as at open). Which backend is
+attached is the tree actor's to know (`TreeActor.storage`); at close the stack closes the one
+attached then, if the cache opened it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,11 +41,12 @@ from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.native import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
-from hicache.messages import TreeInbox
+from hicache.messages import StorageAttachment, TreeInbox
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.runtime import Kernel, Mailbox
+from hicache.secrets import redact_url
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -68,7 +74,8 @@ class Assembly:
     agreement: RankAgreement
     tree_inbox: Mailbox[TreeInbox]
     tree: RadixTree  # the tree actor's core, for observers (KV events) to read
-    backend: StorageBackend | None  # None without storage
+    namespace: Namespace  # the L3 namespace of every backend attached, at open or later
+    attached: Callable[[], StorageAttachment | None]  # the L3 attached now (the tree actor's)
     resources: AsyncExitStack  # closes streams, an owned backend; the caller adds more
 
 
@@ -116,6 +123,7 @@ async def _assemble(
         page_size=cfg.page_size,
         eviction=make_strategy(cfg.eviction),
         write_policy=write_policy(cfg.write_policy),
+        default_priority=cfg.default_priority,
     )
     allocator = AllocatorActor(
         device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
@@ -145,58 +153,45 @@ async def _assemble(
         capacity=edges["loader"].capacity,
         reserve=edges["loader"].reserve,
     )
-    actors: list[Any] = [tree_actor, allocator, writer, loader]
-    storage: dict[str, Any] = {}
-    backend: StorageBackend | None = None
-    if parts.backend is not None or cfg.storage:
-        namespace = Namespace(
-            model=cfg.model_id,
-            kv=cfg.kv,
-            page_size=cfg.page_size,
-            tenant=cfg.tenant,
-            rank=cfg.tp_rank,
-            tp_size=cfg.tp_size,
-            layout=cfg.layout,
-            seal=cfg.storage_seal(),  # keyed names and sealed values with a secret
+    namespace = storage_namespace(cfg)
+    resources.push_async_callback(tree_actor.close_storage)  # what is attached at close
+    storage: StorageAttachment | None = None
+    if parts.backend is not None:
+        storage = adopt_storage(cfg, parts.backend, namespace=namespace, log=kernel.log)
+    elif cfg.storage:
+        storage = await open_storage(
+            cfg, cfg.storage, cfg.extra, namespace=namespace, log=kernel.log, host=host
         )
-        backend = parts.backend
-        if backend is None:
-            backend = await _open_backend(cfg, namespace, kernel, host, resources)
-        else:  # a backend passed in is sealed here (open_backend seals what it opens)
-            backend = seal_backend(
-                backend,
-                namespace,
-                emit=kernel.log.bind("storage").warning,
-                virtual_time=cfg.deterministic,
-            )
-        uploader = UploaderActor(
-            backend=backend,
-            namespace=namespace,
-            host_pool=host,
-            tree=tree_actor.inbox,
-            retries=cfg.upload_retries,
-            backoff=cfg.upload_backoff,
-            timeout=cfg.storage_timeout,
-            capacity=edges["uploader"].capacity,
-            reserve=edges["uploader"].reserve,
-        )
-        prefetcher = PrefetcherActor(
-            backend=backend,
-            namespace=namespace,
-            host_pool=host,
-            tree=tree_actor.inbox,
-            batch_pages=cfg.storage_batch_pages,
-            timeout=cfg.storage_timeout,
-            capacity=edges["prefetcher"].capacity,
-            reserve=edges["prefetcher"].reserve,
-        )
-        actors += [uploader, prefetcher]
-        storage = dict(
-            uploader=uploader.inbox,
-            prefetcher=prefetcher.inbox,
-            clear_storage=backend.clear,
-        )
-    tree_actor.connect(writer=writer.inbox, loader=loader.inbox, **storage)
+    backend = None if storage is None else storage.backend
+    uploader = UploaderActor(
+        backend=backend,
+        namespace=namespace,
+        host_pool=host,
+        tree=tree_actor.inbox,
+        retries=cfg.upload_retries,
+        backoff=cfg.upload_backoff,
+        timeout=cfg.storage_timeout,
+        capacity=edges["uploader"].capacity,
+        reserve=edges["uploader"].reserve,
+    )
+    prefetcher = PrefetcherActor(
+        backend=backend,
+        namespace=namespace,
+        host_pool=host,
+        tree=tree_actor.inbox,
+        batch_pages=cfg.storage_batch_pages,
+        timeout=cfg.storage_timeout,
+        capacity=edges["prefetcher"].capacity,
+        reserve=edges["prefetcher"].reserve,
+    )
+    tree_actor.connect(
+        writer=writer.inbox,
+        loader=loader.inbox,
+        uploader=uploader.inbox,
+        prefetcher=prefetcher.inbox,
+        storage=storage,
+    )
+    actors: list[Any] = [tree_actor, allocator, writer, loader, uploader, prefetcher]
     for actor in actors:
         kernel.add(actor)
     return Assembly(
@@ -208,7 +203,8 @@ async def _assemble(
         agreement=agreement,
         tree_inbox=tree_actor.inbox,
         tree=tree,
-        backend=backend,
+        namespace=namespace,
+        attached=lambda: tree_actor.storage,
         resources=resources,
     )
 
@@ -266,27 +262,62 @@ async def _streams(
     return streams
 
 
-async def _open_backend(
-    cfg: CacheConfig,
-    namespace: Namespace,
-    kernel: Kernel,
-    host: HostPool,
-    resources: AsyncExitStack,
-) -> StorageBackend:
-    emit = kernel.log.bind("storage").warning
-    assert cfg.storage is not None
-    backend = await connect_backend(
-        cfg.storage,
-        namespace=namespace,
-        emit=emit,
-        virtual_time=cfg.deterministic,
-        **dict(cfg.extra),
+def storage_namespace(cfg: CacheConfig) -> Namespace:
+    """The L3 namespace of this cache's pages, whichever backend holds them."""
+    return Namespace(
+        model=cfg.model_id,
+        kv=cfg.kv,
+        page_size=cfg.page_size,
+        tenant=cfg.tenant,
+        rank=cfg.tp_rank,
+        tp_size=cfg.tp_size,
+        layout=cfg.layout,
+        seal=cfg.storage_seal(),  # keyed names and sealed values with a secret
     )
-    resources.push_async_callback(backend.aclose)
-    attach = getattr(backend, "attach_host_pool", None)
-    if callable(attach):  # only for a backend this cache owns: the pool outlives it
-        attach(host)
-    return backend
+
+
+async def open_storage(
+    cfg: CacheConfig,
+    spec: str,
+    options: Mapping[str, object],
+    *,
+    namespace: Namespace,
+    log: EventLog,
+    host: HostPool,
+) -> StorageAttachment:
+    """Open (and connect) the backend `spec` names, sealed for `namespace`, with the host pool
+    registered where the backend wants it: an attachment the cache owns and closes. Raises
+    what `connect_backend` raises (ValueError, ImportError, BackendUnavailable), leaving
+    nothing open."""
+    backend = await connect_backend(
+        spec,
+        namespace=namespace,
+        emit=log.bind("storage").warning,
+        virtual_time=cfg.deterministic,
+        **dict(options),
+    )
+    try:
+        attach = getattr(backend, "attach_host_pool", None)
+        if callable(attach):  # only for a backend this cache owns: the pool outlives it
+            attach(host)
+    except BaseException:
+        await backend.aclose()
+        raise
+    return StorageAttachment(backend=backend, spec=redact_url(spec), owned=True)
+
+
+def adopt_storage(
+    cfg: CacheConfig, backend: StorageBackend, *, namespace: Namespace, log: EventLog
+) -> StorageAttachment:
+    """A caller's backend as an attachment: sealed here (open_storage seals what it opens),
+    not closed by the cache, not given the host pool; shown by its class."""
+    cls = type(backend)
+    sealed = seal_backend(
+        backend, namespace, emit=log.bind("storage").warning, virtual_time=cfg.deterministic
+    )
+    return StorageAttachment(
+        backend=sealed, spec=f"{cls.__module__}:{cls.__qualname__}", owned=False
+    )
 
 
 def _device(spec: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,17 +18,19 @@ import anyio
 import numpy as np
 from typing_extensions import Self
 
-from hicache.assembly import Parts, assemble
+from hicache.assembly import Parts, adopt_storage, assemble, open_storage
 from hicache.components.tree.agreement import RankAgreement, SingleRank
-from hicache.config import CacheConfig
+from hicache.config import CacheConfig, ConfigError
 from hicache.kernels.pools import DevicePool
 from hicache.messages import (
     AllocBatch,
     Asks,
+    AttachStorage,
     CacheBatch,
     CacheItem,
     Clear,
     ClearStorage,
+    DetachStorage,
     Drain,
     DumpTree,
     Flush,
@@ -35,11 +38,14 @@ from hicache.messages import (
     LoadBackBatch,
     MatchBatch,
     MatchItem,
+    Pin,
     PrefetchBatch,
     PrefetchPoll,
     PrefetchWait,
     ReleaseBatch,
+    StorageAttachment,
     TreeInbox,
+    Unpin,
 )
 from hicache.observability import EventLog
 from hicache.results import (
@@ -49,7 +55,9 @@ from hicache.results import (
     InvalidRequest,
     LoadBackOutcome,
     MatchOutcome,
+    PinOutcome,
     PrefetchOutcome,
+    Retention,
 )
 from hicache.runtime import Kernel, Mailbox, Reply
 from hicache.types import RequestId
@@ -58,6 +66,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from hicache.backends.base import StorageBackend
+    from hicache.backends.keys import Namespace
     from hicache.kernels.streams.base import FaultHook, TransferStreams
     from hicache.observability.kv_events import TreeKVEvents
     from hicache.observability.metrics import CacheMetrics
@@ -102,7 +111,8 @@ class HiCache:
         self._transfer_faults = transfer_faults
         self._tp_group = tp_group
         self._agreement: RankAgreement = SingleRank()
-        self.backend: StorageBackend | None = None
+        self._attached: Callable[[], StorageAttachment | None] = lambda: None  # see `backend`
+        self._namespace: Namespace | None = None  # L3's, for `attach_storage`
         self._kernel: Kernel | None = None
         self._streams: TransferStreams | None = None
         self._resources = AsyncExitStack()
@@ -128,7 +138,8 @@ class HiCache:
             self.device_pool, self.host_pool = built.device_pool, built.host_pool
             self._kernel, self._streams = built.kernel, built.streams
             self.topology, self._agreement = built.topology, built.agreement
-            self._tree_inbox, self.backend = built.tree_inbox, built.backend
+            self._tree_inbox, self._attached = built.tree_inbox, built.attached
+            self._namespace = built.namespace
             if self.config.metrics_port is not None:  # Prometheus /metrics, fed by the log
                 from hicache.observability.metrics import serve_cache_metrics
 
@@ -227,16 +238,22 @@ class HiCache:
 
     # ------------------------------------------------------------------ the API
     async def match(
-        self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        salt: Salt = None,
+        retention: Sequence[Retention] = (),
     ) -> MatchOutcome:
         """Match the longest cached page-aligned prefix and lock it for this request. With a
         `salt` (a tenant's, say), only pages cached under the same salt are found: in L1, L2
-        and L3 (docs/security.md)."""
-        (out,) = await self.match_many([(rid, tokens, salt)])
+        and L3 (docs/security.md). `retention` ranges rank the request's pages for eviction
+        (`Retention`): the matched ones now, the ones it caches later as they are cached."""
+        (out,) = await self.match_many([(rid, tokens, salt, retention)])
         return out
 
-    async def match_many(self, items: Iterable[TokensItem]) -> tuple[MatchOutcome, ...]:
-        """`(rid, tokens)` or `(rid, tokens, salt)` per request."""
+    async def match_many(self, items: Iterable[MatchItemTuple]) -> tuple[MatchOutcome, ...]:
+        """`(rid, tokens)`, `(rid, tokens, salt)` or `(rid, tokens, salt, retention)`."""
         batch = tuple(_match_item(item) for item in items)
         return await self._call(lambda r: MatchBatch(items=batch, reply=r))
 
@@ -334,9 +351,110 @@ class HiCache:
         assert out is not None  # answered once nothing is in flight
         return out
 
+    async def pin(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        tiers: Iterable[str] = ("device", "host"),
+        ttl: float | None = None,
+        salt: Salt = None,
+    ) -> PinOutcome:
+        """Keep the whole pages of `tokens` (a prefix) in `tiers` ("device": not evicted from
+        L1; "host": not removed from L2) for `ttl` seconds of the cache's clock (None: until
+        `unpin`). Pages of the prefix cached later, or prefetched back from L3, are pinned as
+        they arrive. A pin of the same prefix replaces it. `PinLimitError` (a CapacityError)
+        past `max_pinned_device_tokens` / `max_pinned_host_tokens`; nothing changes then."""
+        asked = tuple(dict.fromkeys(tiers))
+        if ttl is not None and not (isinstance(ttl, (int, float)) and 0 < ttl < float("inf")):
+            raise InvalidRequest(f"pin: ttl must be None or a finite number > 0, got {ttl!r}")
+        key = _tokens(tokens)
+        return await self._call(
+            lambda r: Pin(tokens=key, salt=_salt(salt), tiers=asked, ttl=ttl, reply=r)
+        )
+
+    async def unpin(self, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None) -> bool:
+        """End the pin of exactly this prefix (its whole pages); False when there was none.
+        Pages other pins cover stay pinned."""
+        key = _tokens(tokens)
+        return await self._call(lambda r: Unpin(tokens=key, salt=_salt(salt), reply=r))
+
     async def clear_storage(self) -> bool:
         """Remove every L3 value of this cache's namespace. False when storage is off."""
         return await self._call(lambda r: ClearStorage(reply=r))
+
+    # ------------------------------------------------------------------ L3 at run time
+    @property
+    def backend(self) -> StorageBackend | None:
+        """The L3 backend attached now (sealed where the cache seals values); None without
+        storage, and once `detach_storage()` has returned."""
+        storage = self._attached()
+        return None if storage is None else storage.backend
+
+    async def attach_storage(self, storage: str | StorageBackend, **options: object) -> None:
+        """Turn L3 on while the cache runs: `storage` is a spec string (as `CacheConfig.storage`,
+        opened with these backend `options` and closed by the cache) or a `StorageBackend`
+        the caller owns (as `HiCache(backend=)`). Requests after this call see it. Raises
+        what opening raises (`ValueError` for a bad spec, naming it; `BackendUnavailable`;
+        `ConfigError` for the default `model_id`), and `InvalidRequest` when a backend is
+        attached already; either way nothing changed. `ConfigError` with `tp_size > 1`."""
+        self._check_storage_switch("attach_storage")
+        assert self._kernel is not None and self._namespace is not None
+        log = self._kernel.log
+        if isinstance(storage, str):
+            replace(self.config, storage=storage).resolve()  # the spec's type, model_id
+            opened = await open_storage(
+                self.config,
+                storage,
+                options,
+                namespace=self._namespace,
+                log=log,
+                host=self.host_pool,
+            )
+        else:
+            from hicache.backends.base import StorageBackend as Backend
+
+            if not isinstance(storage, Backend):
+                raise TypeError(
+                    "attach_storage takes a spec string or a StorageBackend, "
+                    f"got {type(storage).__name__}"
+                )
+            opened = adopt_storage(self.config, storage, namespace=self._namespace, log=log)
+        try:
+            accepted = await self._call(lambda r: AttachStorage(storage=opened, reply=r))
+        except BaseException:
+            await _close_storage(opened)
+            raise
+        if not accepted:
+            await _close_storage(opened)
+            current = self._attached()
+            raise InvalidRequest(
+                f"attach_storage({opened.spec!r}): storage "
+                f"{current.spec if current is not None else ''!r} is attached already; "
+                "call detach_storage() first"
+            )
+
+    async def detach_storage(self) -> bool:
+        """Turn L3 off while the cache runs: no upload or prefetch starts from now on (uploads
+        still waiting for a credit are skipped, running prefetches stop with what has
+        arrived), and once those in flight have ended the backend is dropped, and closed if
+        the cache opened it. Requests keep running meanwhile and never fail for it. False when
+        no storage was attached. `ConfigError` with `tp_size > 1`."""
+        self._check_storage_switch("detach_storage")
+        detached = await self._call(lambda r: DetachStorage(reply=r))
+        if detached is None:
+            return False
+        await _close_storage(detached)
+        return True
+
+    def _check_storage_switch(self, call: str) -> None:
+        if self.config.tp_size > 1:
+            raise ConfigError(
+                f"{call} is not supported with tp_size={self.config.tp_size}: every rank would "
+                "have to open the backend and switch at the same call, and a failed open on one "
+                "rank would split them; open each rank's cache with storage= instead"
+            )
+        if self._kernel is None:
+            raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
 
     async def flush(self) -> None:
         """Wait until every pending write (L1 -> L2, and on to L3) has completed."""
@@ -356,10 +474,20 @@ TokensItem = (
     tuple[RequestId, Sequence[int] | np.ndarray]
     | tuple[RequestId, Sequence[int] | np.ndarray, Salt]
 )
+MatchItemTuple = (
+    TokensItem | tuple[RequestId, Sequence[int] | np.ndarray, Salt, Sequence[Retention]]
+)
 CacheItemTuple = (
     tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool]
     | tuple[RequestId, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, bool, Salt]
 )
+
+
+async def _close_storage(storage: StorageAttachment) -> None:
+    """Close a backend the cache opened (a caller's stays open), even when cancelled."""
+    if storage.owned:
+        with anyio.CancelScope(shield=True):
+            await storage.backend.aclose()
 
 
 def _salt(salt: Salt) -> bytes:
@@ -373,11 +501,36 @@ def _salt(salt: Salt) -> bytes:
     raise InvalidRequest(f"salt must be str, bytes or None, got {type(salt).__name__}")
 
 
-def _match_item(item: TokensItem) -> MatchItem:
-    if len(item) not in (2, 3):
-        raise InvalidRequest(f"expected (rid, tokens[, salt]), got {len(item)} fields")
-    salt = item[2] if len(item) == 3 else None
-    return MatchItem(rid=item[0], tokens=_tokens(item[1]), salt=_salt(salt))
+def _match_item(item: MatchItemTuple) -> MatchItem:
+    if len(item) not in (2, 3, 4):
+        raise InvalidRequest(f"expected (rid, tokens[, salt[, retention]]), got {len(item)} fields")
+    salt = item[2] if len(item) >= 3 else None
+    retention = _retention(item[3]) if len(item) == 4 else ()
+    return MatchItem(rid=item[0], tokens=_tokens(item[1]), salt=_salt(salt), retention=retention)
+
+
+def _retention(ranges: Sequence[Retention]) -> tuple[tuple[int, float, int, float], ...]:
+    """Retention ranges checked and flattened (an open end or duration as infinity)."""
+    out = []
+    for r in ranges:
+        if not isinstance(r, Retention):
+            raise InvalidRequest(f"retention: expected Retention ranges, got {type(r).__name__}")
+        end = float("inf") if r.end is None else r.end
+        if not (_is_index(r.start) and (r.end is None or _is_index(r.end)) and r.start < end):
+            raise InvalidRequest(f"retention: need 0 <= start < end, got {r.start}..{r.end}")
+        if not (_is_index(r.priority) and r.priority <= 100):
+            raise InvalidRequest(f"retention: priority must be in [0, 100], got {r.priority!r}")
+        duration = float("inf") if r.duration is None else r.duration
+        if not (isinstance(duration, (int, float)) and duration > 0):
+            raise InvalidRequest(
+                f"retention: duration must be None or a number > 0, got {r.duration!r}"
+            )
+        out.append((r.start, end, r.priority, float(duration)))
+    return tuple(out)
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 0)
 
 
 def _cache_item(item: CacheItemTuple) -> CacheItem:

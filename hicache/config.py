@@ -58,6 +58,13 @@ class CacheConfig:
     # exclusive L2: a victim tier that takes what L1 drops and gives up its copy on load-back
     exclusive: bool = False
     load_back_threshold: int = 10  # tokens; smaller L2 hits are not worth a transfer
+    # Retention (docs/api.md, "Retention and pins"): priorities 0-100; pages outside every
+    # range have this one. Eviction takes the lowest priority first, then the strategy's order.
+    default_priority: int = 35
+    # Tokens that pins may hold per tier (None: half the tier); `pin` past it raises
+    # PinLimitError, so pinned pages never leave too little room to run requests.
+    max_pinned_device_tokens: int | None = None
+    max_pinned_host_tokens: int | None = None
 
     storage: str | None = None  # None | "memory" | "file:DIR" | "redis://..." | "module:Class"
     model_id: str = _DEFAULT_MODEL_ID  # must be set when storage is on (part of every L3 key)
@@ -133,6 +140,14 @@ class CacheConfig:
     def host_capacity(self) -> int:
         return self.host_tokens if self.host_tokens is not None else 2 * self.device_tokens
 
+    def pin_cap(self, tier: str) -> int:
+        """Tokens pins may hold in "device" or "host"."""
+        if tier == "device":
+            cap, size = self.max_pinned_device_tokens, self.device_tokens
+        else:
+            cap, size = self.max_pinned_host_tokens, self.host_capacity
+        return size // 2 if cap is None else cap
+
     @property
     def effective_prefetch_threshold(self) -> int:
         return max(self.prefetch_threshold, self.page_size)
@@ -157,6 +172,12 @@ class CacheConfig:
         _check_positive("channel_capacity", self.channel_capacity)
         _check_positive("storage_batch_pages", self.storage_batch_pages)
         _check_int("load_back_threshold", self.load_back_threshold, minimum=0)
+        _check_int("default_priority", self.default_priority, minimum=0)
+        if self.default_priority > 100:
+            raise ConfigError(f"default_priority={self.default_priority!r} must be in [0, 100]")
+        for name in ("max_pinned_device_tokens", "max_pinned_host_tokens"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
         _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
         _check_int("upload_retries", self.upload_retries, minimum=0)
         _check_int("max_upload_backlog", self.max_upload_backlog, minimum=0)

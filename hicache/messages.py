@@ -16,6 +16,7 @@ import numpy as np
 from hicache.types import OpId, PageHash, RequestId
 
 if TYPE_CHECKING:
+    from hicache.backends.base import StorageBackend
     from hicache.kernels.streams.base import LoadHandle
     from hicache.results import (
         CacheOutcome,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         ClearOutcome,
         LoadBackOutcome,
         MatchOutcome,
+        PinOutcome,
         PrefetchOutcome,
     )
     from hicache.runtime import Reply
@@ -44,6 +46,8 @@ class MatchItem:
     rid: RequestId
     tokens: Any  # sequence or int ndarray of token ids (tuples for bigram keys)
     salt: bytes = b""  # pages cached under one salt are found only under the same salt
+    # retention ranges (start, end, priority, duration; end and duration may be inf)
+    retention: tuple[tuple[int, float, int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +129,35 @@ class ClearStorage:
     reply: Reply[bool]
 
 
+# ---------------------------------------------------------------- attach / detach L3 at run time
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageAttachment:
+    """An L3 backend attached to the cache: the backend (sealed as the cache seals), its spec
+    as events show it (password redacted), and whether the cache opened it (then the cache
+    closes it, on detach or at close; a caller's backend is the caller's to close)."""
+
+    backend: StorageBackend
+    spec: str
+    owned: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttachStorage:
+    """Turn L3 on with `storage`, in call order; answered False (nothing changed) when a
+    backend is attached already."""
+
+    storage: StorageAttachment
+    reply: Reply[bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DetachStorage:
+    """Turn L3 off for new work at once; answered, with what was attached, once no upload or
+    prefetch of it is in flight (None: nothing was attached)."""
+
+    reply: Reply[StorageAttachment | None]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Clear:
     """Drop every unlocked page of `tiers` once nothing is in flight."""
@@ -132,6 +165,24 @@ class Clear:
     tiers: tuple[str, ...]
     reply: Reply[ClearOutcome | None]  # None while work is in flight (with `poll`)
     poll: bool = False  # answer None at once while work is in flight (TP ranks poll)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pin:
+    """Pin a prefix in some tiers (see `pins.py`); answers a PinOutcome."""
+
+    tokens: Any
+    salt: bytes
+    tiers: tuple[str, ...]
+    ttl: float | None
+    reply: Reply[PinOutcome]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unpin:
+    tokens: Any
+    salt: bytes
+    reply: Reply[bool]  # False: no pin of exactly that prefix
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,7 +257,11 @@ TreeInbox = (
     | PrefetchPoll
     | ClearStorage
     | Clear
+    | Pin
+    | Unpin
     | Drain
+    | AttachStorage
+    | DetachStorage
     | WriteDone
     | LoadDone
     | UploadDone
@@ -272,6 +327,7 @@ class Upload:
     op: OpId
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
+    ttl: float | None = None  # seconds the values should live (a retention range's rest)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,7 +368,15 @@ class IoDeadline:
     call: int
 
 
-UploaderInbox = Upload | IoDone | IoDeadline
-PrefetcherInbox = StartPrefetch | ReadPrefetch | StopPrefetch | IoDone | IoDeadline
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UseBackend:
+    """From now on make storage calls to `backend` (None: storage detached). Sent by the tree
+    only while the worker has nothing in flight."""
+
+    backend: StorageBackend | None
+
+
+UploaderInbox = Upload | IoDone | IoDeadline | UseBackend
+PrefetcherInbox = StartPrefetch | ReadPrefetch | StopPrefetch | IoDone | IoDeadline | UseBackend
 
 __all__ = [name for name in dir() if name[0].isupper()]

@@ -32,6 +32,21 @@ class CapacityError(CacheError):
         self.tier, self.wanted, self.available, self.rid = tier, wanted, available, rid
 
 
+class PinLimitError(CapacityError):
+    """`pin` would pin more tokens of a tier than its cap (`max_pinned_device_tokens`,
+    `max_pinned_host_tokens`); nothing was pinned."""
+
+    def __init__(self, tier: str, added: int, total: int, cap: int) -> None:
+        CacheError.__init__(
+            self,
+            f"pin: {tier} would hold {total} pinned tokens ({added} more), over its cap of "
+            f"{cap} (max_pinned_{tier}_tokens)",
+        )
+        self.tier, self.wanted, self.rid = tier, added, None
+        self.available = max(0, cap - (total - added))
+        self.cap = cap
+
+
 class UnknownRequest(CacheError):
     def __init__(self, rid: RequestId, action: str) -> None:
         super().__init__(f"request {rid!r} is unknown to the cache ({action}); match it first")
@@ -136,3 +151,28 @@ class CacheStats:
     storage_hit_tokens: int = 0
     bytes: dict[str, int] = field(default_factory=dict)  # "d2h", "h2d": bytes moved so far
     inflight: dict[str, int] = field(default_factory=dict)  # ops and requests in flight, by kind
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """Keep a request's tokens [start, end) (end None: to its end) at `priority` for
+    `duration` seconds of the cache's clock (None: as long as they stay cached). Priorities
+    run from 0 to 100; pages outside every range have the configured `default_priority`
+    (35). Eviction in L1 and L2 takes the lowest priority first, then the eviction strategy's
+    order; a page partly inside a range counts as inside. Given at `match`, applied to the
+    request's pages then and whenever it caches more."""
+
+    start: int
+    end: int | None
+    priority: int
+    duration: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PinOutcome:
+    """What `pin` pinned: its prefix's whole-page tokens, how many of them are cached now (the
+    rest are pinned as they arrive), and when the pin ends (cache clock; None: at `unpin`)."""
+
+    tokens: int
+    cached_tokens: int
+    until: float | None

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hicache.backends.base import PageBuffer, StorageBackend
+from hicache.backends.base import PageBuffer, StorageBackend, enforces_ttl, set_from_ttl
 from hicache.backends.batch import check_buffers
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.keys import Namespace
@@ -89,10 +89,16 @@ class SealedBackend:
     async def exists(self, keys: Sequence[str]) -> int:
         return await self.inner.exists(keys)
 
-    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
+    @property
+    def enforces_ttl(self) -> bool:
+        return enforces_ttl(self.inner)
+
+    async def set_from(
+        self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None
+    ) -> int:
         pages = check_buffers(self.namespace, keys, sources, writable=False)
         sealed = await self._runner.map(self._seal_one, list(zip(keys, pages)))
-        return await self.inner.set_from(keys, sealed)
+        return await set_from_ttl(self.inner, keys, sealed, ttl=ttl)
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
         pages = check_buffers(self.namespace, keys, targets, writable=True)

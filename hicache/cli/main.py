@@ -39,6 +39,20 @@ def _parser() -> argparse.ArgumentParser:
         "open plus 90%% of the filesystem's free space",
     )
     r.add_argument(
+        "--detach-at",
+        type=int,
+        default=None,
+        metavar="N",
+        help="detach L3 at run time once N requests are done (the replay goes on without it)",
+    )
+    r.add_argument(
+        "--attach-at",
+        type=int,
+        default=None,
+        metavar="M",
+        help="attach the same --storage again once M requests are done (M > --detach-at)",
+    )
+    r.add_argument(
         "--model-id",
         default="replay",
         help="the model id in the L3 keys (replays of other traces or geometries "
@@ -69,6 +83,15 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="spread requests over N salts (tenants): request i runs under salt-{i %% N}",
+    )
+    r.add_argument(
+        "--pin-first-block",
+        nargs="?",
+        const="device,host",
+        default=None,
+        metavar="TIERS",
+        help="pin each request's first block (its system prompt) in TIERS "
+        "(default device,host; or device, or host) once cached",
     )
     r.add_argument(
         "--deterministic",

@@ -4,6 +4,10 @@ Each request, in steps of `--batch`, is matched, prefetched from L3 (when storag
 loaded back from L2, computed (no model: the KV of its new tokens is written as a pure function
 of page key, layer and position), inserted and released. Every page that reaches L1 from L2 is
 checked against what it must be (`--verify`).
+
+`--detach-at N` detaches L3 at run time after the step in which the Nth request finished
+(`HiCache.detach_storage`), and `--attach-at M` attaches the same `--storage` again after the
+Mth (`HiCache.attach_storage`): the replay goes on through both, requests see no L3 meanwhile.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from hicache.cache import HiCache
 from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace, scheduler_steps
 from hicache.config import CacheConfig
 from hicache.observability import EventLog
-from hicache.results import CapacityError
+from hicache.results import CapacityError, PinLimitError
 from hicache.runtime import run_deterministic
 from hicache.secrets import redact_url
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
@@ -51,6 +55,9 @@ class Tally:
     extra: dict[str, Any] = field(default_factory=dict)
     # with --salts: salt -> [input tokens, hit tokens (L1 at match + loaded back)]
     per_salt: dict[str, list[int]] = field(default_factory=dict)
+    # with --pin-first-block: first blocks pinned, refused at the cap (by block id)
+    pinned: set[tuple[str | None, int]] = field(default_factory=set)
+    pins_refused: int = 0
 
 
 class _Timer:
@@ -75,9 +82,12 @@ async def _run_step(
     verify: bool,
     storage_on: bool,
     salts: int = 0,
+    pin_first_block: tuple[str, ...] = (),
 ) -> None:
     """One scheduler step: match, prefetch, load back (verified), allocate, compute, insert.
-    With `salts`, request i runs under salt `salt-{i % salts}` (tenants sharing the cache)."""
+    With `salts`, request i runs under salt `salt-{i % salts}` (tenants sharing the cache);
+    with `pin_first_block`, each request's first block (its system prompt, in the trace's
+    terms) is pinned in those tiers once cached."""
     page = cache.config.page_size
     pool = cache.device_pool
     toks = {RequestId(f"r{r.index}"): r.tokens(block_tokens) for r in step}
@@ -125,6 +135,8 @@ async def _run_step(
         items.append((lb.rid, toks[lb.rid], slots, True, salt[lb.rid]))
     with timer:
         await cache.cache_many(items)
+        if pin_first_block:
+            await _pin_first_blocks(cache, step, toks, salt, block_tokens, pin_first_block, tally)
     tally.device_hit += sum(m.device_len for m in matches)
     if salts:
         for m, lb in zip(matches, loads):
@@ -135,6 +147,30 @@ async def _run_step(
     tally.verified_pages += verified
     tally.requests += len(step)
     tally.input_tokens += sum(len(t) for t in toks.values())
+
+
+async def _pin_first_blocks(
+    cache: HiCache,
+    step: list[TraceRequest],
+    toks: dict[RequestId, np.ndarray],
+    salt: dict[RequestId, str | None],
+    block_tokens: int,
+    tiers: tuple[str, ...],
+    tally: Tally,
+) -> None:
+    page = cache.config.page_size
+    for req in step:
+        rid = RequestId(f"r{req.index}")
+        first = min(block_tokens, len(toks[rid])) // page * page
+        block = (salt[rid], req.hash_ids[0]) if req.hash_ids else None
+        if not first or block is None or block in tally.pinned:
+            continue
+        try:
+            await cache.pin(toks[rid][:first], tiers=tiers, salt=salt[rid])
+        except PinLimitError:
+            tally.pins_refused += 1
+        else:
+            tally.pinned.add(block)
 
 
 async def replay(
@@ -148,30 +184,51 @@ async def replay(
     progress: Callable[[int], object],
     on_step: Callable[[Tally], object] | None = None,
     salts: int = 0,
+    detach_at: int | None = None,
+    attach_at: int | None = None,
+    pin_first_block: tuple[str, ...] = (),
 ) -> tuple[Tally, dict[str, Any]]:
     """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
-    running counts: the live hit rate is (device_hit + loaded) / input_tokens)."""
+    running counts: the live hit rate is (device_hit + loaded) / input_tokens). With
+    `detach_at`, L3 is detached once that many requests are done; with `attach_at`, attached
+    again (the same `cfg.storage`, with `cfg.extra`) once that many are."""
+    check_storage_switch(cfg, detach_at, attach_at)
+    if any(t not in ("device", "host") for t in pin_first_block):
+        raise ValueError(
+            f"pin_first_block: tiers must be device and/or host, got {pin_first_block}"
+        )
     tally = Tally()
     timer = _Timer(tally)
     async with HiCache(cfg, log=log) as cache:
-        backend = cache.backend
-        storage_on = backend is not None
+        switches = _StorageSwitches(cfg, detach_at, attach_at)
         exporter = getattr(cache, "_metrics", None)
         if exporter is not None:
             print(
                 f"hicache replay: Prometheus metrics on http://localhost:{exporter.port}/metrics",
                 file=sys.stderr,
             )
+        pins = pin_first_block
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
+            storage_on = cache.backend is not None
             try:
-                await _run_step(cache, step, tally, timer, block_tokens, verify, storage_on, salts)
+                await _run_step(
+                    cache, step, tally, timer, block_tokens, verify, storage_on, salts, pins
+                )
             except CapacityError:
                 # Too much at once for L1: drop the step's state and run it one by one.
                 await cache.release_many(RequestId(f"r{r.index}") for r in step)
                 for req in step:
                     try:
                         await _run_step(
-                            cache, [req], tally, timer, block_tokens, verify, storage_on, salts
+                            cache,
+                            [req],
+                            tally,
+                            timer,
+                            block_tokens,
+                            verify,
+                            storage_on,
+                            salts,
+                            pins,
                         )
                     except CapacityError:
                         await cache.release(RequestId(f"r{req.index}"))
@@ -181,6 +238,8 @@ async def replay(
             progress(tally.requests)
             if on_step is not None:
                 on_step(tally)
+            await switches.after(cache, tally.requests)
+        backend = cache.backend
         with timer:
             await cache.flush()
             stats = await cache.stats()
@@ -196,6 +255,35 @@ async def replay(
             extra["bytes"]["h2s"] = int(backend_stats.get("bytes_written", 0))
             extra["bytes"]["s2h"] = int(backend_stats.get("bytes_read", 0))
     return tally, extra
+
+
+def check_storage_switch(cfg: CacheConfig, detach_at: int | None, attach_at: int | None) -> None:
+    """ValueError for --detach-at / --attach-at that cannot work."""
+    if detach_at is not None and (not cfg.storage or detach_at < 1):
+        raise ValueError("--detach-at needs storage (--storage) and a count of requests >= 1")
+    if attach_at is not None and (detach_at is None or attach_at <= detach_at):
+        raise ValueError(
+            "--attach-at needs --detach-at and a larger count: storage is attached from the "
+            "start and re-attached only after it was detached"
+        )
+
+
+class _StorageSwitches:
+    """Detach L3 once `detach_at` requests are done, attach it again at `attach_at`."""
+
+    def __init__(self, cfg: CacheConfig, detach_at: int | None, attach_at: int | None) -> None:
+        self._cfg = cfg
+        self._detach_at = detach_at
+        self._attach_at = attach_at
+
+    async def after(self, cache: HiCache, done: int) -> None:
+        if self._detach_at is not None and done >= self._detach_at:
+            self._detach_at = None
+            await cache.detach_storage()
+        elif self._attach_at is not None and self._detach_at is None and done >= self._attach_at:
+            self._attach_at = None
+            assert self._cfg.storage is not None  # check_storage_switch
+            await cache.attach_storage(self._cfg.storage, **self._cfg.extra)
 
 
 def live_hit_rate(tally: Tally) -> float:
@@ -326,6 +414,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
+    _pin_tiers(getattr(args, "pin_first_block", None))  # a bad tier fails before any work
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=_scratch_dir()) as tmp:
         storage = args.storage
@@ -374,6 +463,9 @@ def run(args: argparse.Namespace) -> int:
                         progress=lambda done: None,
                         on_step=show,
                         salts=args.salts,
+                        detach_at=getattr(args, "detach_at", None),
+                        attach_at=getattr(args, "attach_at", None),
+                        pin_first_block=_pin_tiers(getattr(args, "pin_first_block", None)),
                     )
 
                 if args.deterministic:
@@ -384,10 +476,26 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(
         tally, extra, cfg, requests, block_tokens=args.block_tokens, storage=args.storage, wall=wall
     )
+    tiers = _pin_tiers(getattr(args, "pin_first_block", None))
+    if tiers:
+        summary["config"]["pin_first_block"] = list(tiers)
+        summary["pins"] = {"first_blocks": len(tally.pinned), "refused": tally.pins_refused}
+    for flag in ("detach_at", "attach_at"):  # L3 switched at run time (only when asked)
+        if getattr(args, flag, None) is not None:
+            summary["config"][flag] = getattr(args, flag)
     _print_table(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 1 if summary["corrupt_pages"] else 0
+
+
+def _pin_tiers(value: str | None) -> tuple[str, ...]:
+    """`--pin-first-block device,host` as the tiers to pin in (empty: no pins)."""
+    tiers = tuple(t.strip() for t in (value or "").split(",") if t.strip())
+    bad = [t for t in tiers if t not in ("device", "host")]
+    if bad or (value is not None and not tiers):
+        raise ValueError(f"--pin-first-block: tiers must be device and/or host, got {value!r}")
+    return tiers
 
 
 def summarize(

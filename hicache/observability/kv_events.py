@@ -16,8 +16,8 @@ A router built for vLLM's KV events (`vllm/distributed/kv_events.py`) consumes t
   default: the digest's last 8 bytes as an unsigned big-endian int (`block_hash="bytes"`: the
   whole 32-byte digest).
 
-`TreeKVEvents` turns a `RadixTree`'s tier changes (it is the tree's `TreeObserver`) and two
-events of the cache's log (`uploader.stored`, `tree.storage_cleared`) into these events;
+`TreeKVEvents` turns a `RadixTree`'s tier changes (it is the tree's `TreeObserver`) and three
+events of the cache's log (`uploader.stored`, `tree.storage_cleared`, `storage.detached`) into these events;
 `KVEventPublisher` batches and sends them from a thread of its own; `start_kv_events` wires
 both from a `CacheConfig`. docs/kv-events.md has what a router sees and what it cannot.
 """
@@ -568,7 +568,7 @@ class TreeKVEvents:
     # ---------------------------------------------------------------- the event log
     def _on_log_event(self, event: dict[str, Any]) -> None:
         name = event.get("event")
-        if name not in ("uploader.stored", "tree.storage_cleared"):
+        if name not in ("uploader.stored", "tree.storage_cleared", "storage.detached"):
             return
         try:
             self._storage_event(name, event)
@@ -582,7 +582,7 @@ class TreeKVEvents:
             if isinstance(last, str) and isinstance(pages, int):
                 with self._lock:
                     self._uploaded(last, pages)
-        elif name == "tree.storage_cleared":
+        else:  # tree.storage_cleared, storage.detached: L3 holds nothing this cache can read
             with self._lock:
                 gone = sorted(self._held[STORAGE])
                 self._held[STORAGE].clear()

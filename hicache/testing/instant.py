@@ -112,6 +112,7 @@ class InstantCache:
             page_size=cfg.page_size,
             eviction=make_strategy(cfg.eviction),
             write_policy=write_policy(cfg.write_policy),
+            default_priority=cfg.default_priority,
         )
         self.core = Controller(
             config=cfg,

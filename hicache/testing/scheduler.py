@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.cache import HiCache
+from hicache.results import Retention
 from hicache.types import RequestId
 
 # compute(rid, tokens, all_slots, first_new): write KV for tokens[first_new:] into all_slots
@@ -39,11 +40,13 @@ class ScriptedScheduler:
         compute: Compute | None = None,
         wait_prefetch: bool = True,
         salt_of: Callable[[RequestId], str | None] | None = None,
+        retention_of: Callable[[RequestId], Sequence[Retention]] | None = None,
     ) -> None:
         self.cache = cache
         self.compute = compute
         self.wait_prefetch = wait_prefetch
         self.salt_of = salt_of  # each request's salt (tenant); None: the shared space
+        self.retention_of = retention_of  # each request's retention ranges, given at match
         self.records: list[StepRecord] = []
 
     async def run(
@@ -57,7 +60,8 @@ class ScriptedScheduler:
         cache = self.cache
         salt = {rid: self.salt_of(rid) if self.salt_of else None for rid, _ in requests}
         salted = [(rid, tokens, salt[rid]) for rid, tokens in requests]
-        matches = await cache.match_many(salted)
+        retention = self.retention_of or (lambda rid: ())
+        matches = await cache.match_many([(*item, retention(item[0])) for item in salted])
         states = {rid: "none" for rid, _ in requests}
         if cache.backend is not None:
             await cache.prefetch_many(salted)

@@ -36,6 +36,7 @@ cache, the workload, `ctx.compute` (the synthetic forward pass) and the checks
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import tempfile
@@ -53,7 +54,7 @@ from hicache.config import EVICTION_POLICIES, WRITE_POLICIES, CacheConfig
 from hicache.kernels.faults import FaultPlan
 from hicache.kernels.streams.base import FaultPoint, LoadHandle, OnDone, TransferFailed
 from hicache.policies.prefetch import PREFETCH_POLICIES
-from hicache.results import CapacityError, UnknownRequest
+from hicache.results import CapacityError, PinLimitError, Retention, UnknownRequest
 from hicache.runtime import run_deterministic
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.synthetic import kv_seeds
@@ -392,6 +393,10 @@ class RequestSpec:
     abandon_at: str
     think: float
     alloc_batches: int  # allocate a chunk in this many calls (1 or 2)
+    retention: tuple[Retention, ...] = ()  # ranges given at its match
+    # after it finished: pin its first `pin[0]` tokens in tiers `pin[1]` for `pin[2]` seconds
+    pin: tuple[int, tuple[str, ...], float | None] | None = None
+    unpin: bool = False  # after it finished: unpin its first page (often no pin: False back)
 
 
 @dataclass(frozen=True)
@@ -474,6 +479,25 @@ def generate_workload(sim: SimConfig, *, skip: Iterable[str] = ()) -> Workload:
                 prefetch = _pick(rng, ("none", "wait", "wait", "wait", "poll", "nowait"))
                 if fate == "release_mid_prefetch":
                     prefetch = "nowait"
+            retention: tuple[Retention, ...] = ()
+            if rng.random() < 0.2:  # a range of its tokens kept (or dropped) ahead of LRU
+                a = int(rng.integers(0, len(tokens)))
+                b = int(rng.integers(a + 1, len(tokens) + 1))
+                retention = (
+                    Retention(
+                        a,
+                        b if rng.random() < 0.8 else None,
+                        int(rng.integers(0, 101)),
+                        _pick(rng, (None, 0.05, 0.5)),
+                    ),
+                )
+            pin = None
+            if rng.random() < 0.06 and prompt_len >= page:
+                pin = (
+                    int(rng.integers(1, prompt_len // page + 1)) * page,
+                    _pick(rng, (("device",), ("host",), ("device", "host"))),
+                    _pick(rng, (None, 0.1, 1.0)),
+                )
             per_client[c].append(
                 RequestSpec(
                     rid=f"c{c}r{i}",
@@ -487,6 +511,9 @@ def generate_workload(sim: SimConfig, *, skip: Iterable[str] = ()) -> Workload:
                     abandon_at=_pick(rng, ("match", "load", "compute")),
                     think=float(rng.exponential(0.02)),
                     alloc_batches=1 + int(rng.random() < 0.2),
+                    retention=retention,
+                    pin=pin,
+                    unpin=bool(rng.random() < 0.04) and len(tokens) >= page,
                 )
             )
     clients = [tuple(r) for r in per_client]
@@ -1018,7 +1045,10 @@ async def _run_request(ctx: SimContext, spec: RequestSpec, hurry: bool = False) 
         short = matched[: len(matched) // 2]
         m0 = await ctx.call(f"match({rid})", cache.match, rid, short)
         _check_match(ctx, rid, short, m0)
-    m = await ctx.call(f"match({rid})", cache.match, rid, matched)
+    match = functools.partial(cache.match, retention=spec.retention)
+    if spec.retention:
+        ctx.counts["retained"] += 1
+    m = await ctx.call(f"match({rid})", match, rid, matched)
     _check_match(ctx, rid, matched, m)
     ctx.counts["matched_tokens"] += len(matched)
     ctx.counts["hit_l1_tokens"] += m.device_len
@@ -1219,6 +1249,16 @@ async def _compute(ctx: SimContext, spec: RequestSpec, prefix: np.ndarray) -> No
     aligned = len(tokens) // page * page
     _check_slots(ctx, f"cache_finished({rid})", out.device_slots, n=aligned)
     ctx.counts["finished"] += 1
+    if spec.pin is not None:
+        length, tiers, ttl = spec.pin
+        pin = functools.partial(cache.pin, tiers=tiers, ttl=ttl)
+        try:
+            await ctx.call(f"pin({rid})", pin, tokens[:length], allowed=(PinLimitError,))
+            ctx.counts["pins"] += 1
+        except PinLimitError:
+            ctx.counts["pins_refused"] += 1
+    if spec.unpin and await ctx.call(f"unpin({rid})", cache.unpin, tokens[:page]):
+        ctx.counts["unpinned"] += 1
     if spec.fate == "finish_then_poke":
         # The request is over: anything on it must be UnknownRequest, changing nothing.
         poke = int(ctx.rng.integers(3))

@@ -506,9 +506,10 @@ def test_publisher_thread_idles_on_its_timer(monkeypatch):
     assert pub.dropped_events == 1
 
 
-def test_upload_named_by_last_hash_is_storage():
+@pytest.mark.parametrize("ending", ["tree.storage_cleared", "storage.detached"])
+def test_upload_named_by_last_hash_is_storage(ending):
     """`uploader.stored` names the upload's pages by its last hash; they are published as
-    STORAGE with their tokens; clear_storage removes every STORAGE page."""
+    STORAGE with their tokens; clear_storage (or detaching L3) removes every STORAGE page."""
     ctx = zmq.Context()
     pub = KVEventPublisher("inproc://kv-up", replay_endpoint="inproc://kv-up-replay", context=ctx)
     sub = Subscriber(ctx, "inproc://kv-up")
@@ -526,7 +527,7 @@ def test_upload_named_by_last_hash_is_storage():
         kv._on_log_event(
             {"event": "uploader.stored", "op": 2, "pages": 3, "last_hash": page_hashes[2]}
         )  # again, and one more
-        kv._on_log_event({"event": "tree.storage_cleared"})
+        kv._on_log_event({"event": ending})
         assert kv.flush()
         sub.drain_until(pub.next_seq - 1)
         got = replay(ctx, "inproc://kv-up-replay", 0)

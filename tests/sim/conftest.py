@@ -53,6 +53,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"({counts['released_mid_prefetch']:,} released mid-prefetch); capacity "
         f"errors {counts['capacity_errors']:,}; abandoned {counts['abandoned']:,}"
     )
+    tr.write_line(
+        f"retention ranges {counts['retained']:,}; pins {counts['pins']:,} "
+        f"({counts['pins_refused']:,} refused at the cap); unpins {counts['unpinned']:,}"
+    )
     for name in sorted(features):
         values = ", ".join(f"{v}:{n}" for v, n in sorted(features[name].items(), key=str))
         tr.write_line(f"  {name:<16} {values}")

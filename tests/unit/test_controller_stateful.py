@@ -47,19 +47,21 @@ from hicache.messages import (
     LoadDone,
     MatchBatch,
     MatchItem,
+    Pin,
     PrefetchBatch,
     PrefetchProgress,
     ReadPrefetch,
     ReleaseBatch,
     StartPrefetch,
     StopPrefetch,
+    Unpin,
     Upload,
     UploadDone,
     WriteDone,
 )
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
-from hicache.results import CacheError, CapacityError
+from hicache.results import CacheError, CapacityError, PinLimitError
 
 PAGE = 2
 
@@ -256,15 +258,34 @@ class ControllerMachine(RuleBasedStateMachine):
         load=st.booleans(),
         prefetch=st.booleans(),
         salt=st.sampled_from([b"", b"", b"tenant-a", b"tenant-b"]),
+        keep=st.one_of(
+            st.none(),
+            st.tuples(
+                st.integers(0, 3),
+                st.integers(1, 4),
+                st.integers(0, 100),
+                st.sampled_from([1.0, 5.0, float("inf")]),
+            ),
+        ),
     )
     def new_request(
-        self, pages: list[int], extra: int, load: bool, prefetch: bool, salt: bytes
+        self,
+        pages: list[int],
+        extra: int,
+        load: bool,
+        prefetch: bool,
+        salt: bytes,
+        keep: tuple[int, int, int, float] | None,
     ) -> None:
         tokens = [p for p in pages for _ in range(PAGE)] + [7] * extra
         rid = self.next_rid
         self.next_rid += 1
         arr = np.array(tokens, dtype=np.uint32)
-        item = MatchItem(rid=rid, tokens=arr, salt=salt)
+        retention = ()
+        if keep is not None:  # a range of pages [start, start + length) with a priority
+            start, length, priority, duration = keep
+            retention = ((start * PAGE, (start + length) * PAGE, priority, duration),)
+        item = MatchItem(rid=rid, tokens=arr, salt=salt, retention=retention)
         reply = self.call(lambda r: MatchBatch(items=(item,), reply=r))
         (out,) = reply.value
         req = {"tokens": tokens, "prefix": out.device_slots, "waits": set(), "salt": salt}
@@ -346,6 +367,24 @@ class ControllerMachine(RuleBasedStateMachine):
         rid = self.rid_of(i)
         assert rid is not None
         self.release(rid)
+
+    # ------------------------------------------------------------------ pins
+    @rule(
+        pages=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+        tiers=st.sampled_from([("device",), ("host",), ("device", "host")]),
+        ttl=st.sampled_from([None, 3.0, 20.0]),
+        salt=st.sampled_from([b"", b"tenant-a"]),
+    )
+    def pin(self, pages: list[int], tiers: tuple[str, ...], ttl: float | None, salt: bytes) -> None:
+        tokens = np.array([p for p in pages for _ in range(PAGE)], dtype=np.uint32)
+        reply = self.call(lambda r: Pin(tokens=tokens, salt=salt, tiers=tiers, ttl=ttl, reply=r))
+        assert reply.error is None or isinstance(reply.error, PinLimitError), reply.error
+
+    @rule(pages=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def unpin(self, pages: list[int]) -> None:
+        tokens = np.array([p for p in pages for _ in range(PAGE)], dtype=np.uint32)
+        reply = self.call(lambda r: Unpin(tokens=tokens, salt=b"", reply=r))
+        assert reply.error is None and isinstance(reply.value, bool)
 
     # ------------------------------------------------------------------ workers
     @rule(

@@ -76,7 +76,7 @@ def test_one_strategy_serves_both_tiers():
         tree.begin_backup(node, src.take(1))
         tree.end_backup(node, ok=True)
     demoted = [ids[tree.evict_device(1, now=10).demoted[0]] for _ in range(4)]
-    removed = [ids[tree.evict_host(1).removed[0]] for _ in range(4)]
+    removed = [ids[tree.evict_host(1, now=0.0).removed[0]] for _ in range(4)]
     assert demoted == removed == list("CDBA")
 
 

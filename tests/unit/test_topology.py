@@ -21,7 +21,5 @@ def test_every_inbox_has_its_declared_bounds(storage, capacity):
                 for name, actor in cache.kernel.actors.items()
             }
 
-    edges = Topology.for_capacity(capacity).edges()
-    if storage is None:
-        del edges["uploader"], edges["prefetcher"]
+    edges = Topology.for_capacity(capacity).edges()  # every worker, with or without storage
     assert run_virtual(main) == edges

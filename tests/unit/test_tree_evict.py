@@ -103,7 +103,7 @@ def test_host_eviction_only_takes_host_only_leaves():
     gone = backed_up(tree, src, np.arange(10, 12), now=2)
     tree.evict_device(2, now=3)  # demotes `both` (older)
     assert tree.state(both) == NodeState.HOST_ONLY
-    ev = tree.evict_host(10)
+    ev = tree.evict_host(10, now=0.0)
     assert ev.removed == (both,) and tree.state(gone) == NodeState.BOTH
     tree.check_integrity()
 
@@ -115,9 +115,9 @@ def test_host_eviction_exposes_host_only_parents_and_skips_locked():
     b = backed_up(tree, src, np.arange(4), now=2)
     tree.evict_device(4, now=3)
     tree.lock(b)  # a request about to load them back
-    assert tree.evict_host(4).removed == ()
+    assert tree.evict_host(4, now=0.0).removed == ()
     tree.unlock(b)
-    ev = tree.evict_host(4)
+    ev = tree.evict_host(4, now=0.0)
     assert ev.removed == (b, a) and ev.freed.size == 4
     assert tree.evictable_host_tokens() == 0
 
@@ -127,5 +127,5 @@ def test_evict_zero_is_safe_and_does_nothing():
     tree.insert(np.arange(2), np.arange(2), now=1)
     before = tree.dump()
     assert tree.evict_device(0, now=1).freed.size == 0
-    assert tree.evict_host(0).freed.size == 0
+    assert tree.evict_host(0, now=0.0).freed.size == 0
     assert tree.dump() == before

@@ -76,11 +76,11 @@ def test_protect_host_path_and_release_below_zero():
     tree.protect_host(b)
     assert (tree.host_ref(a), tree.host_ref(b)) == (1, 1)
     assert tree.evictable_host_tokens() == 0
-    assert tree.evict_host(4).removed == ()
+    assert tree.evict_host(4, now=0.0).removed == ()
     tree.release_host(b)
     with pytest.raises(TreeError, match="not protected"):
         tree.release_host(b)
-    assert tree.evict_host(4).removed == (b, a)
+    assert tree.evict_host(4, now=0.0).removed == (b, a)
     tree.check_integrity()
 
 

@@ -101,7 +101,7 @@ class TreeMachine(RuleBasedStateMachine):
     def alloc_host(self, n):
         slots = self.host.alloc(n)
         if slots is None:
-            self.free_host(self.tree.evict_host(n - self.host.available).freed)
+            self.free_host(self.tree.evict_host(n - self.host.available, now=self.now).freed)
             slots = self.host.alloc(n)
         return slots
 
@@ -184,7 +184,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, HOST_PAGES))
     def evict_host(self, n):
-        self.free_host(self.tree.evict_host(n * self.page_size).freed)
+        self.free_host(self.tree.evict_host(n * self.page_size, now=self.now).freed)
 
     @rule(i=st.integers(0, 999))
     def protect_host(self, i):

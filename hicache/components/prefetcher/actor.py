@@ -14,6 +14,10 @@ Every storage call has a deadline (`storage_timeout`). Past it the call is cance
 op is stopped as if the tree had asked (the stop report settles the request with what had
 arrived); the end report, which returns the op's host slots, still waits until the call has
 really returned, since a call in a thread may still be writing into them.
+
+The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
+run time); the tree switches only while no prefetch is in flight. A `StartPrefetch` with none
+attached (which the tree never sends) finds nothing: a miss.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from hicache.messages import (
     StartPrefetch,
     StopPrefetch,
     TreeInbox,
+    UseBackend,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
@@ -59,7 +64,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
     def __init__(
         self,
         *,
-        backend: StorageBackend,
+        backend: StorageBackend | None,
         namespace: Namespace,
         host_pool: HostPool,
         tree: Mailbox[TreeInbox],
@@ -79,6 +84,9 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
 
     async def handle(self, msg: PrefetcherInbox) -> None:
         match msg:
+            case UseBackend(backend=backend):
+                assert not self._ops, "storage switched with prefetches in flight"
+                self._backend = backend
             case StartPrefetch(op=op):
                 self._ops[op] = _Op(msg)
                 self._spawn(op)
@@ -177,11 +185,15 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         state = self._ops[op]
         msg = state.msg
         pages, error = 0, ""
+        backend = self._backend
+        if backend is None:  # not sent by the tree: storage is off, a miss
+            self.inbox.send_nowait(IoDone(op=op, pages=0, error="no storage attached"))
+            return
         with scope:
             try:
                 if state.hit_pages < 0:
                     keys = [self._ns.key(h) for h in msg.hashes]
-                    pages = await self._probe(keys)
+                    pages = await self._probe(backend, keys)
                 else:
                     start = state.done_pages
                     end = min(state.hit_pages, start + self._batch)
@@ -190,19 +202,19 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     assert state.host_slots is not None  # reads start only after ReadPrefetch
                     slots = state.host_slots[start * page : end * page]
                     targets = self._host.page_buffers(slots)
-                    pages = await self._backend.get_into(keys, targets)
+                    pages = await backend.get_into(keys, targets)
             except Exception as exc:  # noqa: BLE001 - a backend bug is a miss, never a crashed cache
                 pages, error = 0, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             pages, error = 0, f"timed out after {self._timeout} s"
         self.inbox.send_nowait(IoDone(op=op, pages=pages, error=error))  # reserved room
 
-    async def _probe(self, keys: list[str]) -> int:
+    async def _probe(self, backend: StorageBackend, keys: list[str]) -> int:
         """Consecutive present pages, asked in batches; stops at the first hole."""
         hit = 0
         for start in range(0, len(keys), self._batch):
             chunk = keys[start : start + self._batch]
-            found = await self._backend.exists(chunk)
+            found = await backend.exists(chunk)
             hit += found
             if found < len(chunk):
                 break

@@ -3,8 +3,13 @@
 It leases both tiers from the allocator at start, feeds the controller each message with the
 time, runs the sync points with the other TP ranks (`agreement.py`), and carries out the
 effects the controller returns: commands to the workers, answers, events, timers, the loads'
-handles, the backend's clear and, at close, the lease's return. Every decision is the
-controller's; what is here is I/O.
+handles, the backend's clear, the switch of L3 backends (attach / detach at run time) and, at
+close, the lease's return. Every decision is the controller's; what is here is I/O.
+
+The storage attached now (`storage`) is this driver's: it hands the backend to the uploader and
+prefetcher (`UseBackend`) when the controller switches, clears it for `clear_storage`, and
+closes it at close if the cache opened it (`close_storage`, run after the kernel stopped). A
+detached backend is handed to the facade in the detach's answer, which closes it if owned.
 """
 
 from __future__ import annotations
@@ -32,12 +37,22 @@ from hicache.components.tree.effects import (
     Send,
     StartTimer,
     SubmitLoad,
+    SwitchStorage,
 )
 from hicache.components.tree.records import Counters
 from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads, LoadHandle
-from hicache.messages import Alloc, Free, LedgerStats, Load, TimerFired, TreeInbox
+from hicache.messages import (
+    Alloc,
+    Free,
+    LedgerStats,
+    Load,
+    StorageAttachment,
+    TimerFired,
+    TreeInbox,
+    UseBackend,
+)
 from hicache.observability.events import slot_runs
 from hicache.results import LoadBackOutcome, StorageTimeout
 from hicache.runtime import Actor, Mailbox, Reply
@@ -72,7 +87,7 @@ class TreeActor(Actor[TreeInbox]):
         )
         self._workers: dict[str, Mailbox[Any]] = {}
         self._loader: Mailbox[Any] | None = None
-        self._clear_storage: Callable[[], Any] | None = None
+        self.storage: StorageAttachment | None = None  # the L3 attached now (None: storage off)
         self._handles: dict[OpId, LoadHandle] = {}  # loads in flight (until LoadEnded)
         self._timers: dict[OpId, TimerHandle] = {}  # prefetch timeouts (until CancelTimer)
         self._tick = 0  # frontend calls run so far: the tree's clock across TP ranks
@@ -82,16 +97,22 @@ class TreeActor(Actor[TreeInbox]):
         *,
         writer: Mailbox[Any],
         loader: Mailbox[Any],
-        uploader: Mailbox[Any] | None = None,
-        prefetcher: Mailbox[Any] | None = None,
-        clear_storage: Callable[[], Any] | None = None,
+        uploader: Mailbox[Any],
+        prefetcher: Mailbox[Any],
+        storage: StorageAttachment | None = None,
     ) -> None:
-        """Set the workers' inboxes (they are built after the tree: they report to its inbox)."""
-        self._workers = {"writer": writer}
-        if uploader is not None and prefetcher is not None:
-            self._workers |= {"uploader": uploader, "prefetcher": prefetcher}
+        """Set the workers' inboxes (they are built after the tree: they report to its inbox)
+        and the storage attached at open (the workers were built with its backend)."""
+        self._workers = {"writer": writer, "uploader": uploader, "prefetcher": prefetcher}
         self._loader = loader
-        self._clear_storage = clear_storage
+        self.storage = storage
+
+    async def close_storage(self) -> None:
+        """At close, after the kernel stopped: close the attached backend if the cache opened
+        it (a caller's backend is the caller's)."""
+        storage, self.storage = self.storage, None
+        if storage is not None and storage.owned:
+            await storage.backend.aclose()
 
     @property
     def counters(self) -> Counters:
@@ -180,6 +201,8 @@ class TreeActor(Actor[TreeInbox]):
                     self._timers.pop(op).cancel()
                 case ClearStorage(reply=reply, answer=answer):
                     await self._clear(reply, answer)
+                case SwitchStorage(reply=reply, storage=storage, fields=fields):
+                    await self._switch(reply, storage, fields or {})
                 case Drained(replies=replies, lease=lease, tables=tables):
                     for tier, slots in lease.items():
                         await self._allocator.send(Free(tier=tier, slots=slots))
@@ -210,11 +233,32 @@ class TreeActor(Actor[TreeInbox]):
                 out.append(replace(outcome, pending=tuple(handles)))
         return tuple(out)
 
+    async def _switch(
+        self, reply: Any, storage: StorageAttachment | None, fields: dict[str, Any]
+    ) -> None:
+        """Attach `storage`, or detach (None): the workers have nothing in flight, and get the
+        new backend before any command the controller issues after this step."""
+        old, self.storage = self.storage, storage
+        backend = None if storage is None else storage.backend
+        for worker in ("uploader", "prefetcher"):
+            await self._workers[worker].send(UseBackend(backend=backend))
+        if storage is not None:
+            self.kernel.log.emit(
+                "storage.attached", component="cache", spec=storage.spec, owned=storage.owned
+            )
+            reply.set(True)
+        else:
+            assert old is not None  # the controller detaches only what it attached
+            self.kernel.log.emit(
+                "storage.detached", component="cache", spec=old.spec, owned=old.owned, **fields
+            )
+            reply.set(old)
+
     async def _clear(self, reply: Any, answer: Any) -> None:
-        assert self._clear_storage is not None
+        assert self.storage is not None
         timeout = self._cfg.storage_timeout
         with self.kernel.clock.move_on_after(timeout) as scope:
-            await self._clear_storage()
+            await self.storage.backend.clear()
         if scope.cancelled_caught:
             self.log.warning("tree.storage_timeout", call="clear", timeout=timeout)
             reply.fail(StorageTimeout(f"clear_storage: no answer within {timeout} s"))

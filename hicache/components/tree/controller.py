@@ -25,18 +25,22 @@ from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
 from hicache.components.tree.effects import Drained, Effect
 from hicache.components.tree.loads import LoadFlows
+from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
 from hicache.components.tree.records import Counters
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
+from hicache.components.tree.storage import StorageSwitch
 from hicache.components.tree.sync import Completion, Progress
 from hicache.components.tree.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
     AllocBatch,
+    AttachStorage,
     CacheBatch,
     Clear,
     ClearStorage,
+    DetachStorage,
     Drain,
     DumpTree,
     Flush,
@@ -44,6 +48,7 @@ from hicache.messages import (
     LoadBackBatch,
     LoadDone,
     MatchBatch,
+    Pin,
     PrefetchBatch,
     PrefetchPoll,
     PrefetchProgress,
@@ -51,6 +56,7 @@ from hicache.messages import (
     ReleaseBatch,
     TimerFired,
     TreeInbox,
+    Unpin,
     UploadDone,
     UploadTimedOut,
     WriteDone,
@@ -88,8 +94,12 @@ class Controller:
         self.writes = WriteFlows(ctx, self.space, credits)
         self.space.writes = self.writes
         self.loads = LoadFlows(ctx, self.space, credits)
-        self.requests = Requests(ctx, self.space, self.writes, self.loads)
-        self.prefetches = PrefetchFlows(ctx, self.space, self.writes, self.requests, credits)
+        self.pins = PinTable(ctx)
+        self.requests = Requests(ctx, self.space, self.writes, self.loads, self.pins)
+        self.prefetches = PrefetchFlows(
+            ctx, self.space, self.writes, self.requests, self.pins, credits
+        )
+        self.storage = StorageSwitch(ctx, self.writes, self.prefetches)  # attach / detach L3
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
         self._flush_waiters: list[Any] = []  # answered when no write is pending
@@ -236,6 +246,12 @@ class Controller:
                     out.answer(reply, None)
                 else:
                     self._clear_waiters.append(msg)
+            case AttachStorage() | DetachStorage():
+                self.storage.accept(msg)  # applied in order, as in-flight work allows (_settle)
+            case Pin(tokens=tokens, salt=salt, tiers=tiers, ttl=ttl, reply=reply):
+                out.answer(reply, self.pins.pin(tokens, salt, tiers, ttl))
+            case Unpin(tokens=tokens, salt=salt, reply=reply):
+                out.answer(reply, self.pins.unpin(tokens, salt))
             case ClearStorage(reply=reply):
                 if self.ctx.storage_on:
                     out.add(ClearStorageEffect(reply))
@@ -289,6 +305,7 @@ class Controller:
 
     def _settle(self) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
+        self.storage.step()  # a detach waits for the uploads and prefetches in flight
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
                 self.ctx.out.answer(reply, None)
@@ -315,7 +332,9 @@ class Controller:
     def _drain(self, replies: tuple[Any, ...]) -> None:
         """Release every request and free every slot the tree holds; the driver returns the
         lease and answers with the ledgers and the bookkeeping tables (all empty now)."""
+        self.storage.step()  # nothing in flight: a detach still queued goes through first
         self.requests.release_all()
+        self.pins.clear()
         freed = self.ctx.tree.clear()
         self.space.free("device", freed.device)
         self.space.free("host", freed.host)
@@ -352,9 +371,11 @@ class Controller:
             **self.writes.tables(),
             **self.loads.tables(),
             **self.prefetches.tables(),
+            **self.pins.tables(),
             "flush_waiters": len(self._flush_waiters),
             "clear_waiters": len(self._clear_waiters),
             "calls": len(self._calls),
+            **self.storage.tables(),
             "salt_roots": self.ctx.tree.salts,
         }
 

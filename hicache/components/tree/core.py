@@ -6,7 +6,7 @@ slots come in with inserts, and every call that lets go of slots returns them fo
 
 The rules it keeps are listed in `structure.py` (and docs/tree.md). This module is the API; the
 work is done in `structure.py` (nodes, incremental facts), `prefix.py` (match, insert), `refs.py`,
-`transfers.py`, `leaf_eviction.py`, `views.py` and `integrity.py`.
+`transfers.py`, `leaf_eviction.py`, `retention.py`, `views.py` and `integrity.py`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree import leaf_eviction, refs, transfers, views
+from hicache.components.tree import leaf_eviction, refs, retention, transfers, views
 from hicache.components.tree.codec import KeyCodec
 from hicache.components.tree.integrity import check_tree
-from hicache.components.tree.node import NodeState
+from hicache.components.tree.node import INF, NodeState
 from hicache.components.tree.observer import Tier, TreeObserver
 from hicache.components.tree.prefix import PrefixIndex
 from hicache.components.tree.returns import (
@@ -56,6 +56,7 @@ class RadixTree:
         write_policy: WritePolicy,
         bigram: bool = False,
         observer: TreeObserver | None = None,
+        default_priority: int = 0,
     ) -> None:
         if page_size < 1:
             raise TreeError(f"page_size must be >= 1, got {page_size}")
@@ -63,11 +64,18 @@ class RadixTree:
         self.eviction = eviction
         self.write_policy = write_policy
         self._codec = KeyCodec(page_size=page_size, bigram=bigram)
-        self._s = TreeStructure(codec=self._codec, observer=observer)
+        self._s = TreeStructure(
+            codec=self._codec, observer=observer, default_priority=default_priority
+        )
         self._prefix = PrefixIndex(self._s)
         self._root = self._s.root
         self._nodes = self._s.nodes  # the same dict, never replaced
         self.root: NodeId = self._root.id
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of an encoded key (``check_key``)."""
+        return self._codec.page_bytes
 
     @property
     def observer(self) -> TreeObserver | None:
@@ -94,7 +102,7 @@ class RadixTree:
         *,
         now: float,
         chunked: bool = False,
-        priority: int = 0,
+        priority: int | None = None,
         salt: bytes = b"",
     ) -> InsertResult:
         """Add ``key`` (whole pages) with the device slots holding its KV. Mutates.
@@ -102,8 +110,8 @@ class RadixTree:
         Tokens already on the device keep their slots (the passed ones are returned as duplicates);
         host-only nodes on the path take the passed slots (they become BOTH); the rest becomes a new
         DEVICE_ONLY leaf. Matched device nodes and the new leaf count a hit unless ``chunked``; every
-        matched node is stamped ``now`` and raised to at least ``priority``.
-        """
+        matched node is stamped ``now`` and raised to at least ``priority`` (which only the
+        ``priority`` strategy reads; ``retain`` ranks for every strategy)."""
         return self._prefix.insert(
             key, device_slots, now, chunked, priority, self.write_policy, salt
         )
@@ -200,6 +208,57 @@ class RadixTree:
         or in-flight ones keep theirs). Returns the host slots to free. Mutates."""
         return transfers.drop_unlocked_host_copies(self._s)
 
+    # ----------------------------------------------------------------------------- retention, pins
+    def retain(
+        self,
+        key: Sequence[Any] | np.ndarray,
+        ranges: Sequence[retention.Range],
+        *,
+        now: float,
+        salt: bytes = b"",
+    ) -> None:
+        """Give the cached pages of ``key`` the priorities of ``ranges`` ((start, end, priority,
+        until) in tokens and cache time; a page partly inside counts as inside). Mutates: splits
+        at the ranges' page boundaries, stamps ``now`` on the path."""
+        start = self._s.root_of(salt, create=False)
+        if start is not None:
+            retention.retain(self._s, self._prefix, start, self._codec.encode(key), ranges, now)
+
+    def mark_pins(
+        self,
+        key: Sequence[Any] | np.ndarray,
+        *,
+        device_until: float,
+        host_until: float,
+        now: float,
+        salt: bytes = b"",
+    ) -> int:
+        """Pin the cached pages of ``key`` (whole pages) in L1 until ``device_until`` and in L2
+        until ``host_until``; returns how many of its tokens are cached. Mutates (a split at
+        the key's end, stamps)."""
+        start = self._s.root_of(salt, create=False)
+        if start is None:
+            return 0
+        arr = self._codec.encode(key)
+        return retention.mark_pins(self._s, self._prefix, start, arr, device_until, host_until, now)
+
+    def unmark_pins(
+        self, key: Sequence[Any] | np.ndarray, *, now: float, salt: bytes = b""
+    ) -> None:
+        """Clear every pin mark along ``key``; the caller marks again what other pins cover."""
+        start = self._s.root_of(salt, create=False)
+        if start is not None:
+            retention.unmark_pins(self._s, self._prefix, start, self._codec.encode(key), now)
+
+    def retained_for(self, nodes: Sequence[NodeId], *, now: float) -> float | None:
+        """Seconds the nodes' live retention ranges still run (the longest), or None when one
+        of them has none or an open-ended one: what an upload of their pages asks storage to
+        keep them for. Does not mutate."""
+        ends = [self._s.node(n).retain_until for n in nodes]
+        if not ends or max(ends) == INF or min(ends) <= now:
+            return None
+        return max(ends) - now
+
     # ----------------------------------------------------------------------------- eviction
     def evictable_device_tokens(self) -> int:
         """Device tokens in unlocked nodes (some may first need a backup under write_back)."""
@@ -219,23 +278,23 @@ class RadixTree:
         Never touches locked nodes, or removes a host-protected one. With ``require_host_copy``
         the last leaf taken, when longer than what is still wanted, is split and only its last
         pages (the wanted tokens, rounded up to a page) are evicted: in exclusive mode a leaf
-        moves into L2 whole, and moving more than wanted evicts as much more from L2. ``now`` is
-        unused today (kept for time-aware strategies). Mutates."""
+        moves into L2 whole, and moving more than wanted evicts as much more from L2. Retention
+        and pins are read at ``now`` (``retention.py``). Mutates."""
         policies = (self.eviction, self.write_policy)
-        return leaf_eviction.evict_device(self._s, num_tokens, *policies, require_host_copy)
+        return leaf_eviction.evict_device(self._s, num_tokens, *policies, require_host_copy, now)
 
-    def evict_host(self, num_tokens: int, *, by_pages: bool = False) -> HostEviction:
+    def evict_host(self, num_tokens: int, *, now: float, by_pages: bool = False) -> HostEviction:
         """Free at least ``num_tokens`` host slots if possible by removing host-only leaves that are
         neither locked nor host-protected, cheapest first by the strategy; a parent left host-only and
         childless joins the candidates. With ``by_pages`` (exclusive mode) the last leaf taken, when
         longer than what is still wanted, is split and only its last pages are removed. Mutates."""
-        return leaf_eviction.evict_host(self._s, num_tokens, self.eviction, by_pages)
+        return leaf_eviction.evict_host(self._s, num_tokens, self.eviction, by_pages, now)
 
-    def outranks_host(self, node: NodeId) -> bool:
+    def outranks_host(self, node: NodeId, *, now: float) -> bool:
         """Exclusive mode: whether a device leaf about to leave L1 should take an L2 place, i.e. the
         strategy would keep it over L2's next victim (or L2 has no victim). A leaf that loses to all
         of L2 is dropped instead of displacing something hotter. Does not mutate."""
-        return leaf_eviction.outranks_host(self._s, node, self.eviction)
+        return leaf_eviction.outranks_host(self._s, node, self.eviction, now)
 
     def discard_device(self, node: NodeId) -> DeviceEviction:
         """Drop an unlocked device leaf without a host copy (and its host-only descendants)

@@ -83,6 +83,18 @@ class ClearStorage:
 
 
 @dataclass(frozen=True, slots=True)
+class SwitchStorage:
+    """Attach `storage` (a `StorageAttachment`) or, with None, detach what is attached (no
+    upload or prefetch is in flight then): hand the uploader and prefetcher the backend, keep
+    the attachment, emit `storage.attached` / `storage.detached` (with `fields`), answer
+    `reply` (attach: True; detach: the attachment, which the facade closes if it owns it)."""
+
+    reply: Any
+    storage: Any = None
+    fields: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Drained:
     """Everything is released and the tree is empty: give the allocator back `lease` (tier ->
     the free slots of the controller's ledger), then answer each reply with the allocator's
@@ -103,6 +115,7 @@ Effect = (
     | StartTimer
     | CancelTimer
     | ClearStorage
+    | SwitchStorage
     | Drained
 )
 

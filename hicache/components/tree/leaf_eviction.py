@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hicache.components.tree.node import Node
+from hicache.components.tree.retention import ranking
 from hicache.components.tree.returns import DeviceEviction, HostEviction, TreeError
 from hicache.components.tree.slot_arrays import concat
 from hicache.components.tree.structure import TreeStructure
@@ -50,6 +51,7 @@ def evict_device(
     eviction: EvictionStrategy,
     write_policy: WritePolicy,
     require_host_copy: bool,
+    now: float,
 ) -> DeviceEviction:
     if num_tokens < 0:
         raise TreeError(f"evict_device: num_tokens must be >= 0, got {num_tokens}")
@@ -68,9 +70,10 @@ def evict_device(
             freed.append(device)
             s.set_device(x, None)
             demoted.append(x.id)
-        elif keep_unbacked:
+        elif keep_unbacked or x.host_pin_until > now:
             # Counts toward the target: it goes once its backup lands. Counting it as 0
-            # would report every leaf of L1 and back up all of it.
+            # would report every leaf of L1 and back up all of it. (Pinned to L2: it may
+            # leave L1 only once it is there.)
             needs_backup.append(x.id)
             return x.num_tokens, None
         elif x.host_ref:
@@ -81,14 +84,20 @@ def evict_device(
             s.remove_subtree(x, freed_host, removed)
         exposed = (
             parent
-            if parent.parent is not None and parent.device_children == 0 and parent.lock_ref == 0
+            if parent.parent is not None
+            and parent.device_children == 0
+            and parent.lock_ref == 0
+            and parent.device_pin_until <= now
             else None
         )
         return x.num_tokens, exposed
 
-    candidates = [x for x in s.device_leaves.values() if x.lock_ref == 0]
+    candidates = [
+        x for x in s.device_leaves.values() if x.lock_ref == 0 and x.device_pin_until <= now
+    ]
     evict = _by_pages(s, num_tokens, require_host_copy, evict_whole)
-    evict_in_order(candidates, key=eviction.key, ident=_ident, evict=evict, target=num_tokens)
+    key = ranking(s, eviction, now)
+    evict_in_order(candidates, key=key, ident=_ident, evict=evict, target=num_tokens)
     return DeviceEviction(
         freed=concat(freed),
         demoted=tuple(demoted),
@@ -99,7 +108,7 @@ def evict_device(
 
 
 def evict_host(
-    s: TreeStructure, num_tokens: int, eviction: EvictionStrategy, by_pages: bool
+    s: TreeStructure, num_tokens: int, eviction: EvictionStrategy, by_pages: bool, now: float
 ) -> HostEviction:
     if num_tokens < 0:
         raise TreeError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
@@ -120,21 +129,33 @@ def evict_host(
             and not parent.children
             and parent.lock_ref == 0
             and parent.host_ref == 0
+            and parent.host_pin_until <= now
         ):
             exposed = parent
         return x.num_tokens, exposed
 
-    candidates = [x for x in s.host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
     evict = _by_pages(s, num_tokens, by_pages, evict_whole)
-    evict_in_order(candidates, key=eviction.key, ident=_ident, evict=evict, target=num_tokens)
+    key = ranking(s, eviction, now)
+    evict_in_order(_host_candidates(s, now), key=key, ident=_ident, evict=evict, target=num_tokens)
     return HostEviction(freed=concat(freed), removed=tuple(removed))
 
 
-def outranks_host(s: TreeStructure, node: NodeId, eviction: EvictionStrategy) -> bool:
-    key = eviction.key
-    mine = key(s.node(node))
-    victims = [key(x) for x in s.host_leaves.values() if x.lock_ref == 0 and x.host_ref == 0]
+def outranks_host(s: TreeStructure, node: NodeId, eviction: EvictionStrategy, now: float) -> bool:
+    key = ranking(s, eviction, now)
+    x = s.node(node)
+    if x.host_pin_until > now:
+        return True  # pinned to L2: it goes there whatever it displaces
+    mine = key(x)
+    victims = [key(v) for v in _host_candidates(s, now)]
     return not victims or bool(mine >= min(victims))
+
+
+def _host_candidates(s: TreeStructure, now: float) -> list[Node]:
+    return [
+        x
+        for x in s.host_leaves.values()
+        if x.lock_ref == 0 and x.host_ref == 0 and x.host_pin_until <= now
+    ]
 
 
 def discard_device(s: TreeStructure, node: NodeId) -> DeviceEviction:

@@ -8,7 +8,9 @@ import numpy as np
 
 from hicache.types import NodeId, PageHash
 
-__all__ = ["Node", "NodeState"]
+__all__ = ["INF", "Node", "NodeState"]
+
+INF = float("inf")
 
 
 class NodeState(enum.Enum):
@@ -44,6 +46,9 @@ class Node:
         "last_access",
         "created",
         "priority",
+        "retain_until",
+        "device_pin_until",
+        "host_pin_until",
         "backup",
         "device_children",
     )
@@ -74,6 +79,12 @@ class Node:
         self.hit_count = 0
         self.last_access = now
         self.created = now
+        # Retention (docs/tree.md, "Retention and pins"): eviction takes the lowest priority
+        # first; past `retain_until` (cache clock) the node's priority is the default again.
         self.priority = priority
+        self.retain_until = INF
+        # Pins (cache clock): until then the node is not evicted from L1 / not removed from L2.
+        self.device_pin_until = -INF
+        self.host_pin_until = -INF
         self.backup: int | None = None  # id of the in-flight backup whose host copy this node holds
         self.device_children = 0  # children with a device copy (a node with none is an L1 leaf)

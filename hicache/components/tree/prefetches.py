@@ -17,6 +17,7 @@ from typing import Any
 from hicache.backends.keys import chain_page_hashes
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.effects import CancelTimer, StartTimer
+from hicache.components.tree.pins import PinTable
 from hicache.components.tree.records import PrefetchOp, RequestState
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
@@ -29,9 +30,16 @@ from hicache.types import EMPTY_SLOTS, OpId, RequestId
 
 class PrefetchFlows:
     def __init__(
-        self, ctx: Context, space: Space, writes: WriteFlows, requests: Requests, credits: int
+        self,
+        ctx: Context,
+        space: Space,
+        writes: WriteFlows,
+        requests: Requests,
+        pins: PinTable,
+        credits: int,
     ) -> None:
         self._ctx = ctx
+        self._pins = pins
         self._space = space
         self._writes = writes
         self._requests = requests
@@ -88,6 +96,7 @@ class PrefetchFlows:
             rid=rid,
             anchor=anchor,
             tokens=new_tokens,
+            prefix=tokens[:end],
             hashes=hashes,
             host_slots=EMPTY_SLOTS,
             salt=state.salt,
@@ -221,6 +230,7 @@ class PrefetchFlows:
                 salt=op.salt,
             )
             self._space.free("host", inserted.duplicate_slots)
+            self._pins.after_insert(op.prefix, op.salt)  # pins hold for pages back from L3
         tree.release_host(op.anchor)
         op.state = "revoked" if revoked else "done"
         ctx.out.info(

@@ -104,7 +104,7 @@ class PrefixIndex:
         device_slots: np.ndarray,
         now: float,
         chunked: bool,
-        priority: int,
+        priority: int | None,
         write_policy: WritePolicy,
         salt: bytes,
     ) -> InsertResult:
@@ -133,7 +133,7 @@ class PrefixIndex:
                 x.hit_count += hit
                 if threshold is not None and x.host is None and x.hit_count >= threshold:
                     candidates.append(x.id)
-            if priority > x.priority:
+            if priority is not None and priority > x.priority:
                 x.priority = priority
             pos += x.num_tokens
         node = path[-1] if path else start
@@ -149,7 +149,7 @@ class PrefixIndex:
                 device=leaf_slots,
                 host=None,
                 now=now,
-                priority=priority,
+                priority=self._s.default_priority if priority is None else priority,
             )
             leaf.hit_count = hit
             self._s.attach(leaf)
@@ -198,7 +198,7 @@ class PrefixIndex:
                 device=None,
                 host=slots[matched:],
                 now=now,
-                priority=node.priority,
+                priority=self._s.default_priority,
             )
             leaf.hashes = hashes[matched // ps :]
             self._s.attach(leaf)

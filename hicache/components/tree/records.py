@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.tree.retention import Range
 from hicache.components.tree.returns import LoadPlan
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash, RequestId
@@ -30,6 +31,7 @@ class RequestState:
     loads: list[OpId] = field(default_factory=list)  # the loads its prefix waits on
     failed_load: bool = False  # one of them failed: its prefix slots are no longer its
     loaded_back: bool = False  # load_back ran since the last match: its prefix is fixed now
+    retention: tuple[Range, ...] = ()  # its ranges (start, end, priority, until), from the match
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class PrefetchOp:
     rid: RequestId
     anchor: NodeId  # deepest matched node with a host copy; new nodes go below it
     tokens: Any  # the page-aligned tokens to fetch, after the anchor
+    prefix: Any  # its request's tokens up to the end of `tokens` (pins mark what lands)
     salt: bytes  # its request's
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray

@@ -15,7 +15,9 @@ import numpy as np
 
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.loads import LoadFlows
+from hicache.components.tree.pins import PinTable
 from hicache.components.tree.records import RequestState
+from hicache.components.tree.retention import Range
 from hicache.components.tree.returns import TreeError
 from hicache.components.tree.space import Space
 from hicache.components.tree.writes import WriteFlows
@@ -34,8 +36,11 @@ Loads = tuple[OpId, ...]
 
 
 class Requests:
-    def __init__(self, ctx: Context, space: Space, writes: WriteFlows, loads: LoadFlows) -> None:
+    def __init__(
+        self, ctx: Context, space: Space, writes: WriteFlows, loads: LoadFlows, pins: PinTable
+    ) -> None:
         self._ctx = ctx
+        self._pins = pins
         self._space = space
         self._writes = writes
         self._loads = loads
@@ -126,6 +131,9 @@ class Requests:
             state.salt = item.salt
             self._view(state, tokens)
             state.tokens = tokens
+            state.retention = self._ranges(item.retention)
+            if state.retention:  # the matched pages take the request's ranges now
+                self._ctx.tree.retain(tokens, state.retention, now=self._ctx.now, salt=state.salt)
             state.failed_load = False
             state.loaded_back = False
             self._ctx.counters.device_hit_tokens += len(state.prefix_slots)
@@ -142,6 +150,27 @@ class Requests:
             )
             loads.append(tuple(state.loads))
         return tuple(outcomes), loads
+
+    def _split_pieces(self, candidates: Sequence[NodeId]) -> list[NodeId]:
+        """A range or pin may have cut a backup candidate at a page boundary: its upper
+        pieces (new nodes, device-only) are candidates too, root-most first."""
+        tree, pieces = self._ctx.tree, list[NodeId]()
+        for node in candidates:
+            above = []
+            parent = tree.parent(node)
+            while parent is not None and tree.needs_backup(parent):
+                above.append(parent)
+                parent = tree.parent(parent)
+            pieces.extend(reversed(above))
+        return pieces
+
+    def _ranges(self, retention: tuple[tuple[int, float, int, float], ...]) -> tuple[Range, ...]:
+        """A match's retention ranges with their ends on the cache clock."""
+        now = self._ctx.now
+        return tuple(
+            (start, int(min(end, 2**62)), priority, now + duration)
+            for start, end, priority, duration in retention
+        )
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def load_back_batch(
@@ -287,6 +316,11 @@ class Requests:
             chunked=not item.finished,
             salt=state.salt,
         )
+        if state.retention or self._pins.entries:
+            if state.retention:
+                tree.retain(tokens[:aligned], state.retention, now=ctx.now, salt=state.salt)
+            self._pins.after_insert(tokens[:aligned], state.salt)
+            candidates.extend(self._split_pieces(result.backup_candidates))
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
         # cached meanwhile are duplicates and go back to the ledger.
         self._space.free("device", slots[own : max(own, result.prefix_len)])

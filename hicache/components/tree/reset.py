@@ -1,10 +1,12 @@
 """`clear(tiers)`: drop every unlocked page of L1 and/or L2 (locked pages stay with their
 requests). Run by the controller once nothing is in flight, so no backup, load, upload or
-prefetch still uses a page it drops."""
+prefetch still uses a page it drops. Pins do not hold against a clear (eviction runs as if at
+the end of time): pinned pages leave too, and come back pinned when cached or prefetched again."""
 
 from __future__ import annotations
 
 from hicache.components.tree.context import Context
+from hicache.components.tree.node import INF
 from hicache.components.tree.space import Space
 
 TIERS = ("device", "host", "storage")
@@ -15,7 +17,7 @@ def drop_device(ctx: Context, space: Space) -> int:
     policy would back up first are dropped without a copy. Tokens freed."""
     tree, dropped = ctx.tree, 0
     while tree.evictable_device_tokens():
-        ev = tree.evict_device(tree.evictable_device_tokens(), now=ctx.now)
+        ev = tree.evict_device(tree.evictable_device_tokens(), now=INF)
         space.free("device", ev.freed)
         space.free("host", ev.freed_host)
         freed = len(ev.freed)
@@ -37,7 +39,7 @@ def drop_host(ctx: Context, space: Space) -> int:
     space.free("host", copies)
     dropped = len(copies)
     while tree.evictable_host_tokens():
-        ev = tree.evict_host(tree.evictable_host_tokens())
+        ev = tree.evict_host(tree.evictable_host_tokens(), now=INF)
         if not len(ev.freed):
             break
         space.free("host", ev.freed)

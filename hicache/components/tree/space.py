@@ -124,7 +124,7 @@ class Space:
             )
         wait: Wait | None = None
         for node in ev.needs_backup:  # write_back / exclusive: copy to L2, then evict
-            if exclusive and not tree.outranks_host(node):
+            if exclusive and not tree.outranks_host(node, now=ctx.now):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
                 gone = tree.discard_device(node)
@@ -156,6 +156,7 @@ class Space:
                 return slots
             ev = ctx.tree.evict_host(
                 n - self.ledgers["host"].available,  # the shortfall
+                now=ctx.now,
                 by_pages=ctx.cfg.exclusive,
             )
             if len(ev.freed):

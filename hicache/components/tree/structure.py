@@ -44,14 +44,18 @@ class TreeStructure:
     incrementally: which nodes are eviction candidates, how many tokens are evictable, how many
     pieces each in-flight backup covers. ``check_tree`` recomputes all of it from scratch."""
 
-    def __init__(self, *, codec: KeyCodec, observer: TreeObserver | None) -> None:
+    def __init__(
+        self, *, codec: KeyCodec, observer: TreeObserver | None, default_priority: int = 0
+    ) -> None:
         self.codec = codec
+        self.default_priority = default_priority  # a node's priority outside any live range
+        self.ranked = False  # some node was given a priority: eviction ranks by it first
         self.page_size = codec.page_size
         self.observer = observer
         self.next_id = 0
         self.nodes: dict[int, Node] = {}  # live nodes by id
         self.root = self.new_node(
-            None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0
+            None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=default_priority
         )
         # One more root per salt in use (docs/tree.md, "Salts"): a salt's pages hang below its
         # own root, so no other salt's walk can reach them. Created by the first insert under
@@ -98,7 +102,13 @@ class TreeStructure:
         root = self.salt_roots.get(salt)
         if root is None and create:
             root = self.new_node(
-                None, b"", 0, device=EMPTY_SLOTS, host=EMPTY_SLOTS, now=0.0, priority=0
+                None,
+                b"",
+                0,
+                device=EMPTY_SLOTS,
+                host=EMPTY_SLOTS,
+                now=0.0,
+                priority=self.default_priority,
             )
             self.salt_roots[salt] = root
             self.root_salts[root.id] = (salt, salt_seed(salt))
@@ -267,6 +277,9 @@ class TreeStructure:
         upper.lock_ref = node.lock_ref
         upper.host_ref = node.host_ref
         upper.backup = node.backup
+        upper.retain_until = node.retain_until
+        upper.device_pin_until = node.device_pin_until
+        upper.host_pin_until = node.host_pin_until
         if node.hashes is not None:
             pages = num_tokens // self.page_size
             upper.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]

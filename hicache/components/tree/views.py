@@ -60,6 +60,9 @@ def dump(s: TreeStructure) -> list[dict[str, Any]]:
                 "last_access": x.last_access,
                 "created": x.created,
                 "priority": x.priority,
+                "retain_until": x.retain_until,
+                "device_pin_until": x.device_pin_until,
+                "host_pin_until": x.host_pin_until,
                 "backup_in_flight": x.backup is not None,
                 "hashes": x.hashes is not None,
             }

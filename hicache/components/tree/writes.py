@@ -173,7 +173,18 @@ class WriteFlows:
         self.upload_credits -= 1
         tree.protect_host(node)
         self.uploads[op] = UploadOp(node=node, pages=len(hashes))
-        ctx.out.send("uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots))
+        ttl = tree.retained_for(pieces, now=ctx.now)  # a range's duration reaches storage
+        ctx.out.send(
+            "uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots, ttl=ttl)
+        )
+
+    def drop_upload_backlog(self) -> int:
+        """Storage is being detached: what waits for an upload credit is not uploaded (its
+        pages were never protected for it). How many nodes were dropped (counted as skipped)."""
+        dropped = len(self.upload_backlog)
+        self.upload_backlog.clear()
+        self._ctx.counters.skipped_uploads += dropped
+        return dropped
 
     def upload_timed_out(self, op_id: OpId) -> None:
         job = self.uploads.get(op_id)

@@ -10,6 +10,11 @@ tree is told at once (`UploadTimedOut`), so neither a flush nor a
 host allocation waits on a hung store. The op's one `UploadDone` still comes only when the
 call has really returned: a call running in a thread may still be reading the host pages, and
 they stay protected until then. A timed-out upload is not retried.
+
+The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
+run time; at open, the one it was built with). The tree switches only while no upload is in
+flight, so every call of an upload goes to one backend; an `Upload` with none attached (which
+the tree never sends) fails at once, storing nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 import anyio
 from typing_extensions import assert_never
 
-from hicache.backends.base import StorageBackend
+from hicache.backends.base import StorageBackend, set_from_ttl
 from hicache.backends.keys import Namespace
 from hicache.components.deadline import CallDeadline
 from hicache.kernels.pools import HostPool
@@ -32,6 +37,7 @@ from hicache.messages import (
     UploadDone,
     UploaderInbox,
     UploadTimedOut,
+    UseBackend,
 )
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
@@ -50,7 +56,7 @@ class UploaderActor(Actor[UploaderInbox]):
     def __init__(
         self,
         *,
-        backend: StorageBackend,
+        backend: StorageBackend | None,
         namespace: Namespace,
         host_pool: HostPool,
         tree: Mailbox[TreeInbox],
@@ -72,6 +78,9 @@ class UploaderActor(Actor[UploaderInbox]):
 
     async def handle(self, msg: UploaderInbox) -> None:
         match msg:
+            case UseBackend(backend=backend):
+                assert not self._jobs, "storage switched with uploads in flight"
+                self._backend = backend
             case Upload(op=op):
                 self._jobs[op] = _Job(msg, started=self.kernel.now())
                 self._start(op)
@@ -139,12 +148,16 @@ class UploaderActor(Actor[UploaderInbox]):
             # through the tree like everywhere else, so every rank's tree changes alike.
             self.inbox.send_nowait(IoDone(op=op, pages=len(job.hashes)))
             return
+        backend = self._backend
+        if backend is None:  # not sent by the tree: storage is off
+            self.inbox.send_nowait(IoDone(op=op, pages=0, error="no storage attached"))
+            return
         keys = [self._ns.key(h) for h in job.hashes]
         pages = self._host.page_buffers(job.host_slots)
         stored, error = 0, ""
         with scope:
             try:
-                stored = await self._backend.set_from(keys, pages)
+                stored = await set_from_ttl(backend, keys, pages, ttl=job.ttl)
             except Exception as exc:  # noqa: BLE001 - a backend bug is a failed upload, not a crash
                 stored, error = 0, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:

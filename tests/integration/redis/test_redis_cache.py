@@ -127,8 +127,8 @@ async def test_server_killed_and_restarted_mid_replay(server, monkeypatch):
             await fresh.prefetch(rid, tokens)
             found += (await fresh.prefetch_wait(rid)).done_tokens
             await fresh.release(rid)
-    assert found > 0
-    assert fresh.backend.stats()["corrupt"] == 0
+        corrupt = fresh.backend.stats()["corrupt"]
+    assert found > 0 and corrupt == 0
 
 
 # ---------------------------------------------------------------- two processes, one Redis
@@ -172,3 +172,36 @@ async def test_second_process_cache_hits_what_the_first_wrote(shared_url, reques
         foreign, foreign_stats = await read_in_this_process(shared_url, **other)
         assert foreign.prefetch.hit_tokens == 0 and foreign.load.loaded_tokens == 0
         assert foreign_stats.storage_hit_tokens == 0
+
+
+# ---------------------------------------------------------------- retention reaches Redis
+
+
+async def test_a_retention_range_duration_becomes_the_values_expiry(server):
+    """Pages cached under a range with a duration are uploaded with that expiry (Redis PX):
+    their keys carry a TTL no longer than the range; pages without a range carry none."""
+    from hicache import Retention
+    from hicache.testing import ScriptedScheduler, synthetic_compute
+
+    cfg = config(storage=server.url, deterministic=False, tenant="retention")
+    prefix = namespace_of(cfg).prefix.encode()
+    kept, plain = tokens_from(0, 16), tokens_from(5000, 16)
+    with anyio.fail_after(BOUND_S):
+        async with HiCache(cfg) as cache:
+            for rid, tokens, ranges in (
+                ("kept", kept, [Retention(0, None, priority=90, duration=600.0)]),
+                ("plain", plain, []),
+            ):
+                await ScriptedScheduler(
+                    cache,
+                    compute=synthetic_compute(cache),
+                    wait_prefetch=False,
+                    retention_of=lambda _, r=ranges: r,
+                ).run([[(rid, tokens)]])
+            await cache.flush()
+    client = redis.Redis(port=server.port, socket_timeout=5)
+    ttls = sorted(client.pttl(key) for key in client.keys(prefix + b"*"))
+    client.close()
+    assert len(ttls) == 8  # four pages each
+    assert ttls[:4] == [-1] * 4  # the plain request's: no expiry
+    assert all(0 < ttl <= 600_000 for ttl in ttls[4:])  # the range's: at most its duration

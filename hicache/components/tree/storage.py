@@ -1,0 +1,105 @@
+"""Attach and detach L3 at run time: the controller's storage switch.
+
+`AttachStorage` and `DetachStorage` are frontend calls, taken in call order, but they do not
+hold up the calls behind them: each waits here, in its own queue, until it can be applied.
+
+- A detach turns `storage_on` off at once: no upload or prefetch starts from then on (uploads
+  waiting for a credit are dropped and counted as skipped, running prefetches are stopped and
+  settle with what has arrived, which the backend verified). It then waits until no upload and
+  no prefetch is in flight, so that nothing still calls the backend, and only then asks the
+  driver to swap the backend out (`SwitchStorage(storage=None)`): the uploader and prefetcher
+  drop it, and the facade closes it if the cache opened it.
+- An attach behind a detach waits for it; at the head of the queue it turns `storage_on` on
+  and asks the driver to install the backend first (the `UseBackend` command reaches each
+  worker before any upload or prefetch started after it). With a backend attached already it
+  is answered False and changes nothing.
+
+Requests never wait for a switch and never fail because of one: while detached they just see
+no L3 (`prefetch` answers state `none`, backups are not uploaded).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hicache.components.tree.context import Context
+from hicache.components.tree.effects import SwitchStorage
+from hicache.components.tree.prefetches import PrefetchFlows
+from hicache.components.tree.writes import WriteFlows
+from hicache.messages import AttachStorage, DetachStorage
+
+
+@dataclass(slots=True)
+class _Detaching:
+    """The detach at the head of the queue, started: what it found in flight, and when."""
+
+    started: float
+    uploads: int
+    prefetches: int
+    skipped_uploads: int
+
+
+class StorageSwitch:
+    def __init__(self, ctx: Context, writes: WriteFlows, prefetches: PrefetchFlows) -> None:
+        self._ctx = ctx
+        self._writes = writes
+        self._prefetches = prefetches
+        self.calls: deque[AttachStorage | DetachStorage] = deque()  # in call order
+        self._detaching: _Detaching | None = None
+
+    def tables(self) -> dict[str, int]:
+        return {"storage_calls": len(self.calls)}
+
+    def accept(self, msg: AttachStorage | DetachStorage) -> None:
+        self.calls.append(msg)
+
+    def step(self) -> None:
+        """Apply the queued switches that can be applied now, in order."""
+        ctx = self._ctx
+        while self.calls:
+            msg = self.calls[0]
+            if isinstance(msg, AttachStorage):
+                self.calls.popleft()
+                if ctx.storage_on:
+                    ctx.out.answer(msg.reply, False)
+                else:
+                    ctx.storage_on = True
+                    ctx.out.add(SwitchStorage(msg.reply, msg.storage))
+                continue
+            if self._detaching is None:
+                if not ctx.storage_on:
+                    self.calls.popleft()
+                    ctx.out.answer(msg.reply, None)
+                    continue
+                self._detaching = self._start_detach()
+            if self._writes.uploads or self._prefetches.ops:
+                return  # retried after every completion applied (`Controller._settle`)
+            self.calls.popleft()
+            done, self._detaching = self._detaching, None
+            ctx.out.add(
+                SwitchStorage(
+                    msg.reply,
+                    None,
+                    {
+                        "uploads": done.uploads,
+                        "prefetches": done.prefetches,
+                        "skipped_uploads": done.skipped_uploads,
+                        "seconds": round(ctx.now - done.started, 6),
+                    },
+                )
+            )
+
+    def _start_detach(self) -> _Detaching:
+        """Storage off for new work; stop what would still start storage calls."""
+        ctx, prefetches = self._ctx, self._prefetches
+        ctx.storage_on = False
+        skipped = self._writes.drop_upload_backlog()
+        running = sum(op.state == "running" for op in prefetches.ops.values())
+        prefetches.stop_all()
+        return _Detaching(
+            started=ctx.now,
+            uploads=len(self._writes.uploads),
+            prefetches=running,
+            skipped_uploads=skipped,
+        )
