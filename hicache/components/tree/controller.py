@@ -23,7 +23,7 @@ from hicache.components.tree import reset, sync
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
-from hicache.components.tree.effects import Drained, Effect
+from hicache.components.tree.effects import Drained, Effect, LoadEnded
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
@@ -105,6 +105,9 @@ class Controller:
         self._flush_waiters: list[Any] = []  # answered when no write is pending
         self._drain_waiters: list[Any] = []  # answered when nothing at all is in flight
         self._clear_waiters: list[Clear] = []  # run when nothing at all is in flight
+        # LoadEnded of loads a parked load-back has already started: the driver keeps their
+        # handles until that call answers (its answer names them).
+        self._held_ends: list[LoadEnded] = []
         self._lease_returned = False
 
     @property
@@ -167,7 +170,7 @@ class Controller:
                 self._parked = wait
                 self._calls.appendleft(msg)
         self._settle()
-        return ctx.out.take()
+        return self._take()
 
     def _dispatch(self, msg: TreeInbox, parked: Parked | None) -> Parked | None:
         out, requests, prefetches = self.ctx.out, self.requests, self.prefetches
@@ -288,7 +291,25 @@ class Controller:
             seen, agreed, agreed_max, self.writes, self.loads, self.prefetches, self.requests
         )
         self._settle()
-        return self.ctx.out.take()
+        return self._take()
+
+    def _take(self) -> list[Effect]:
+        """The step's effects, holding back the end of any load a parked call will name."""
+        effects = self.ctx.out.take()
+        parked = self._parked
+        named = {op for _, ops in parked.done for op in ops} if parked is not None else set()
+        if named:
+            kept = []
+            for effect in effects:
+                if isinstance(effect, LoadEnded) and effect.op in named:
+                    self._held_ends.append(effect)
+                else:
+                    kept.append(effect)
+            return kept
+        if self._held_ends:  # the parked call has answered (or was failed at close)
+            effects.extend(self._held_ends)
+            self._held_ends.clear()
+        return effects
 
     # ------------------------------------------------------------------ flush, close, stats
     def _clear(self, msg: Clear) -> None:
@@ -374,6 +395,7 @@ class Controller:
             **self.pins.tables(),
             "flush_waiters": len(self._flush_waiters),
             "clear_waiters": len(self._clear_waiters),
+            "held_load_ends": len(self._held_ends),
             "calls": len(self._calls),
             **self.storage.tables(),
             "salt_roots": self.ctx.tree.salts,

@@ -8,6 +8,8 @@ eviction can hand those slots to another request under a copy still landing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from hicache.components.tree.context import Context, Wait
@@ -60,13 +62,21 @@ class LoadFlows:
             ctx.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
             return 0
         plan = tree.plan_load_back(state.last_node)
+        anchor = tree.parent(plan.nodes[0])
+        if self.under(anchor):
+            # The pages above are still landing: if that load failed, pages loaded below them
+            # would keep its nodes on L1 with KV that never arrived. The request computes the
+            # rest itself (or loads it on a later match, once the load above has ended).
+            ctx.out.warning(
+                "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="above_loading"
+            )
+            return 0
         device_slots = self._space.device(plan.num_tokens)
         if isinstance(device_slots, Wait):
             return device_slots
         if device_slots is None:
             ctx.out.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
             return 0
-        anchor = tree.parent(plan.nodes[0])
         assert anchor is not None
         tree.commit_load_back(plan, device_slots)
         tree.lock(plan.nodes[-1])
@@ -82,6 +92,15 @@ class LoadFlows:
         ctx.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
         return plan.num_tokens
 
+    def _filled(self, op: LoadOp) -> tuple[NodeId, ...]:
+        """The nodes between the load's anchor and its lock, root first."""
+        tree, nodes = self._ctx.tree, []
+        y: NodeId | None = op.lock
+        while y is not None and y != op.anchor:
+            nodes.append(y)
+            y = tree.parent(y)
+        return tuple(reversed(nodes))
+
     def finish(self, op_id: OpId, ok: bool, error: str) -> None:
         """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
         the requests that counted on it)."""
@@ -90,8 +109,11 @@ class LoadFlows:
         self.credits += 1
         tree.unlock(op.lock)
         ctx.out.add(LoadEnded(op_id))
+        # The nodes it filled now: a match or insert may have split them since the plan (a
+        # split's upper piece is a new node), and every piece must go back or give up its copy.
+        filled = replace(op.plan, nodes=self._filled(op))
         if not ok:
-            freed, kept = tree.revert_load_back(op.plan)
+            freed, kept = tree.revert_load_back(filled)
             self._space.free("device", freed)
             ctx.out.error(
                 "tree.load_failed",
@@ -101,4 +123,4 @@ class LoadFlows:
                 kept_nodes=list(kept),
             )
         elif ctx.cfg.exclusive:
-            self._space.free("host", tree.drop_host(op.plan))
+            self._space.free("host", tree.drop_host(filled))
