@@ -34,7 +34,8 @@ class Context:
 @dataclass(frozen=True, slots=True)
 class Wait:
     """An allocation that can go on only once this op has ended (its backup frees device
-    slots, its upload unprotects host pages): the caller parks, and is retried then."""
+    slots, its upload unprotects host pages, its load unlocks the pages it filled): the
+    caller parks, and is retried then."""
 
-    kind: Literal["write", "upload"]
+    kind: Literal["write", "upload", "load"]
     op: OpId

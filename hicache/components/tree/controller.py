@@ -94,6 +94,7 @@ class Controller:
         self.writes = WriteFlows(ctx, self.space, credits)
         self.space.writes = self.writes
         self.loads = LoadFlows(ctx, self.space, credits)
+        self.space.loads = self.loads
         self.pins = PinTable(ctx)
         self.requests = Requests(ctx, self.space, self.writes, self.loads, self.pins)
         self.prefetches = PrefetchFlows(
@@ -140,6 +141,8 @@ class Controller:
         wait = parked.wait
         if wait.kind == "write":
             return None if wait.op in self.writes.writes else False
+        if wait.kind == "load":
+            return None if wait.op in self.loads.loads else False
         job = self.writes.uploads.get(wait.op)
         return None if job is not None and not job.timed_out else False
 
@@ -152,6 +155,8 @@ class Controller:
         wait = parked.wait
         if wait.kind == "write":
             return wait.op in self.writes.arrived_writes
+        if wait.kind == "load":
+            return wait.op in self.loads.arrived
         job = self.writes.uploads.get(wait.op)
         return wait.op in self.writes.arrived_uploads or (job is not None and job.timed_out)
 

@@ -30,6 +30,10 @@ class LoadFlows:
     def tables(self) -> dict[str, int]:
         return {"loads": len(self.loads), "arrived_loads": len(self.arrived)}
 
+    def oldest(self) -> OpId | None:
+        """The load in flight started first (its lock is the next to go)."""
+        return next(iter(self.loads), None)
+
     def under(self, node: NodeId | None) -> list[OpId]:
         """The loads still landing on the path root..node (wait before reading). A load fills
         the nodes between its anchor and its lock, however a match or insert split them since

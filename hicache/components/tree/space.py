@@ -31,6 +31,10 @@ class Writes(Protocol):
     def start_backup(self, node: NodeId, *, evicting: bool) -> bool | Wait: ...
 
 
+class Loads(Protocol):
+    def oldest(self) -> OpId | None: ...
+
+
 class Space:
     def __init__(self, ctx: Context) -> None:
         cfg = ctx.cfg
@@ -40,6 +44,7 @@ class Space:
             for tier, size in (("device", cfg.device_tokens), ("host", cfg.host_capacity))
         }
         self.writes: Writes | None = None  # set once the write flows exist (they use this)
+        self.loads: Loads | None = None  # likewise the load flows
 
     def alloc(self, tier: str, n: int) -> np.ndarray | None:
         slots = self.ledgers[tier].alloc(n)
@@ -105,7 +110,12 @@ class Space:
                 if isinstance(freed, Wait):
                     return freed
             oldest = writes.oldest_write()
-            return None if oldest is None else Wait("write", oldest)
+            if oldest is not None:
+                return Wait("write", oldest)
+            # A load in flight locks the pages it fills until it ends: wait for it, rather
+            # than call L1 full while they are about to become evictable.
+            load = self.loads.oldest() if self.loads is not None else None
+            return None if load is None else Wait("load", load)
 
     def _evict_device(self, n: int) -> bool | Wait:
         """Evict about n tokens from L1 and start the backups the policy wants first. True when
