@@ -94,13 +94,20 @@ def test_release_mid_load_never_hands_the_loads_slots_to_another_request():
             assert lb.loaded_tokens == 32
             await cache.release("again")  # mid-load: the copy has not started
             await cache.match("d", tokens(3000, 64))
-            with pytest.raises(Exception, match="capacity"):
-                await cache.allocate("d", 64)  # would need the load's slots
-            gate.set()
+            got: list[np.ndarray] = []
+
+            async def allocate() -> None:  # needs the load's slots: waits for the load to end
+                got.append(await cache.allocate("d", 64))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(allocate)
+                await anyio.wait_all_tasks_blocked()
+                assert not got  # parked while the load is gated
+                gate.set()
             await lb.handle.wait_async(cache.device_pool.geometry.layers - 1)
             await landed.wait()
             assert (await cache.stats()).inflight["loads"] == 0
-            new = await cache.allocate("d", 64)  # now they may be reused
+            new = got[0]  # reused only once the load had landed
             d = tokens(3000, 64)
             synthetic_compute(cache)("d", d, new, 0)
             assert bad_prefix_pages(cache, d, new) == 0
