@@ -28,8 +28,11 @@ progress. Values are created 0600, directories 0700. Guarantees:
   `failure_streak` consecutive failed page writes the backend also emits
   `storage.writes_failing` (once per streak), and on the next success `storage.writes_recovered`.
 
-Blocking calls run in worker threads under a limiter of `threads` (or inline with threads=0);
-file_io.py holds them.
+Blocking calls run in worker threads under a limiter of `threads` (or inline with threads=0),
+a batch's pages in runs of at least `_STRIPE_PAGES` per thread call; file_io.py holds them.
+Where the compiled loops build (file_native.py: the same calls and results, a whole run per
+call without the GIL), reads, writes and `exists` go through them; file_io.py's Python loops
+otherwise, and whenever a test has replaced one of the calls they stand for.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any, ClassVar
 
 import anyio
 
+from hicache.backends import file_io
 from hicache.backends.base import PageBuffer, check_ttl
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
@@ -63,10 +67,12 @@ from hicache.backends.file_io import (
     clear_values,
     count_present,
     make_dirs,
+    python_io_untouched,
     read_value,
     unlink_all,
     write_value,
 )
+from hicache.backends.file_native import NativeFileIO, native_file_io
 from hicache.backends.framing import CorruptValue, header_size
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import EventSink, _no_events
@@ -170,31 +176,41 @@ class FileBackend:
 
     async def exists(self, keys: Sequence[str]) -> int:
         check_keys(self.namespace, keys)
-        paths = [self._path(k) for k in keys]
+        paths = self._locate(keys)[1]
         self._counters.exists_calls += 1
-        return await self._runner.run(count_present, paths, self._clock())
+        return await self._runner.run(_count_present, paths, self._clock())
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
         pages = check_buffers(self.namespace, keys, targets, writable=True)
         now = self._clock()
-        jobs = [(k, self._path(k), p, now, seconds_to_ns(now)) for k, p in zip(keys, pages)]
+        now_ns = seconds_to_ns(now)
+        hashes, paths = self._locate(keys)
+        jobs = [(k, path, p, now, now_ns) for k, path, p in zip(keys, paths, pages)]
         self._counters.gets += len(jobs)
-        results = await self._runner.map(read_value, jobs)
+        results = await self._map(_read_all, jobs)
         oks = []
-        for (key, *_), result in zip(jobs, results):
+        read = []  # (page hash, file size, expiry) of the values read, for the index
+        payload = 0
+        for key, page_hash, result in zip(keys, hashes, results):
             if isinstance(result, Read):
-                self._counters.bytes_read += result.payload
-                self._index.put(_hash(key), result.file_size, result.expiry)
+                payload += result.payload
+                read.append((page_hash, result.file_size, result.expiry))
             elif isinstance(result, Expired):
                 self._expired += 1
-                self._index.forget(_hash(key))
+                self._index.put_many(read)  # in order: a value read before is put first
+                read.clear()
+                self._index.forget(page_hash)
             elif isinstance(result, CorruptValue):
                 self._counters.corrupt += 1
                 self._emit("storage.corrupt", key=key, reason=result.reason)
-                self._index.forget(_hash(key))
+                self._index.put_many(read)
+                read.clear()
+                self._index.forget(page_hash)
             elif isinstance(result, Exception):
                 self._error("get", key, result)
             oks.append(isinstance(result, Read))
+        self._counters.bytes_read += payload
+        self._index.put_many(read)
         hits = prefix_count(oks)
         self._counters.get_hits += hits
         return hits
@@ -208,16 +224,19 @@ class FileBackend:
         self._counters.sets += len(keys)
         now = self._clock()
         if ttl is not None and ttl <= 0:  # expired on arrival: nothing to keep, nor the old one
-            for key in keys:
-                self._index.forget(_hash(key))
-            for path, exc in await self._runner.run(unlink_all, [self._path(k) for k in keys]):
+            hashes, paths = self._locate(keys)
+            for page_hash in hashes:
+                self._index.forget(page_hash)
+            for path, exc in await self._runner.run(unlink_all, paths):
                 self._error("set", path, exc)
             self._counters.set_ok += len(keys)
             return len(keys)
-        sizes = [header_size(k) + sum(p.nbytes for p in page) for k, page in zip(keys, pages)]
-        # A batch larger than the whole cap stores the prefix that fits.
-        fit = prefix_count(total <= self.max_bytes for total in itertools.accumulate(sizes))
-        need = sum(sizes[:fit])
+        sizes = [header_size(k) + _nbytes(page) for k, page in zip(keys, pages)]
+        need = sum(sizes)
+        fit = len(sizes)
+        if need > self.max_bytes:  # a batch larger than the whole cap stores the prefix that fits
+            fit = prefix_count(total <= self.max_bytes for total in itertools.accumulate(sizes))
+            need = sum(sizes[:fit])
         await self._make_room(need)
         expiry = None if ttl is None else now + ttl
         now_ns = seconds_to_ns(now)
@@ -225,40 +244,48 @@ class FileBackend:
             expiry_to_atime_ns(expiry) if expiry is not None else plain_atime_ns(now_ns),
             now_ns,
         )
+        hashes, paths = self._locate(keys[:fit])
+        temps = self._temp_paths(hashes)
+        fsync = self.fsync
         jobs = [
-            (k, self._path(k), self._temp_path(k), p, self.fsync, times)
-            for k, p in zip(keys[:fit], pages[:fit])
+            (k, path, temp, p, fsync, times)
+            for k, path, temp, p in zip(keys[:fit], paths, temps, pages[:fit])
         ]
-        hashes = [_hash(k) for k in keys[:fit]]
         self._index.reserve(hashes, need)  # counted from now: the cap holds while they are written
         try:
-            results = await self._runner.map(write_value, jobs)
+            results = await self._map(_write_all, jobs)
         finally:
             self._index.release(hashes, need)
             if self._landed is not None:
                 self._landed.set()
                 self._landed = None
         oks = []
-        for (key, *_), result in zip(jobs, results):
+        stored = []  # (page hash, file size, expiry) of the values written, for the index
+        written = 0
+        for key, page_hash, result in zip(keys, hashes, results):
             if isinstance(result, Exception):
                 self._error("set", key, result)
                 self._write_failed(result)
                 oks.append(False)
                 continue
-            self._write_succeeded()
+            if self._failed_writes:
+                self._write_succeeded()
             size, payload = result
-            self._counters.set_ok += 1
-            self._counters.bytes_written += payload
-            self._index.put(_hash(key), size, expiry)
+            written += payload
+            stored.append((page_hash, size, expiry))
             oks.append(True)
+        self._counters.set_ok += len(stored)
+        self._counters.bytes_written += written
+        self._index.put_many(stored)
         return prefix_count(oks)
 
     async def delete(self, keys: Sequence[str]) -> None:
         check_keys(self.namespace, keys)
         self._counters.deletes += len(keys)
-        for key in keys:
-            self._index.forget(_hash(key))
-        for path, exc in await self._runner.run(unlink_all, [self._path(k) for k in keys]):
+        hashes, paths = self._locate(keys)
+        for page_hash in hashes:
+            self._index.forget(page_hash)
+        for path, exc in await self._runner.run(unlink_all, paths):
             self._error("delete", path, exc)
 
     async def clear(self) -> None:
@@ -348,13 +375,42 @@ class FileBackend:
 
     # -- helpers (loop side unless noted) ---------------------------------------------------
 
+    async def _map(
+        self, run_all: Callable[[list[_Job]], list[_Result]], jobs: list[_Job]
+    ) -> list[_Result]:
+        """`run_all` over `jobs` cut into runs of at least `_STRIPE_PAGES` (one worker-thread
+        call each, at most `threads` at once); the results in order."""
+        runs = max(1, min(self._runner.threads, len(jobs) // _STRIPE_PAGES))
+        bounds = [len(jobs) * i // runs for i in range(runs + 1)]
+        parts = await self._runner.map(run_all, [jobs[a:b] for a, b in itertools.pairwise(bounds)])
+        return [result for part in parts for result in part]
+
     def _path(self, key: str) -> str:
         return value_path(self.root, self.namespace.digest, self.namespace.page_hash_of(key))
 
-    def _temp_path(self, key: str) -> str:
-        # unique without a syscall: pid, this instance, a counter (next() is atomic under the GIL)
-        name = f"{_hash(key)}.{os.getpid()}.{id(self):x}.{next(self._temp_seq)}.tmp"
-        return os.path.join(self._tmp, name)
+    def _locate(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The page hash and `_path` of each key (keys already checked to be in the
+        namespace), the path built by concatenation (`value_path`'s result); a suffix that
+        is not a page hash goes through `page_hash_of`, which raises."""
+        start = len(self.namespace.prefix)
+        base = self._dir + os.sep
+        sep = os.sep
+        hashes, paths = [], []
+        for key in keys:
+            h = key[start:]
+            if len(h) != 64 or h.strip(_HEX):
+                self.namespace.page_hash_of(key)  # raises ValueError for a non-hash suffix
+            hashes.append(h)
+            paths.append(f"{base}{h[:2]}{sep}{h[2]}{sep}{h}")
+        return hashes, paths
+
+    def _temp_paths(self, hashes: Sequence[str]) -> list[str]:
+        # unique without a syscall per page: pid, this instance, a counter (next() is atomic
+        # under the GIL)
+        head = f"{self._tmp}{os.sep}"
+        tail = f".{os.getpid()}.{id(self):x}."
+        seq = self._temp_seq
+        return [f"{head}{h}{tail}{next(seq)}.tmp" for h in hashes]
 
     def _error(self, op: str, key: str, exc: Exception) -> None:
         self._counters.errors += 1
@@ -379,8 +435,67 @@ class FileBackend:
         self._failed_writes = 0
 
 
-def _hash(key: str) -> str:
-    return key.rsplit(":", 1)[1]
+_HEX = "0123456789abcdef"  # a page hash is 64 of these (keys.py)
+_STRIPE_PAGES = 128
+"""Fewest pages per worker-thread call of a batch (a batch of 128 pages, a prefetch's, is one
+call; 512 or more go out as `threads` calls). Handing a call to a worker thread costs the event
+loop tens of microseconds, and the batches in flight at once already spread over the threads:
+`hicache replay --limit 2500` used 13-16 % less CPU than with runs of 32 (docs/benchmarks.md,
+session 6)."""
+
+_Job = tuple[Any, ...]
+_Result = Any
+
+
+def _nbytes(pieces: list[memoryview]) -> int:
+    n = 0
+    for piece in pieces:
+        n += piece.nbytes
+    return n
+
+
+def _native() -> NativeFileIO | None:
+    """The compiled loops (file_native.py), where built and while nothing they stand for has
+    been replaced (tests wrap `write_value` here, or system calls in file_io.py)."""
+    if write_value is not file_io.write_value or read_value is not file_io.read_value:
+        return None
+    if count_present is not file_io.count_present or not python_io_untouched():
+        return None
+    return native_file_io()
+
+
+def _read_all(jobs: list[_Job]) -> list[_Result]:
+    """Worker thread: `read_value` of each job (one compiled call where built)."""
+    native = _native()
+    if native is not None:
+        try:
+            return native.read_values(jobs)
+        except UnicodeEncodeError:  # a path with undecodable bytes: os.fsencode's job
+            pass
+    return [read_value(job) for job in jobs]
+
+
+def _write_all(jobs: list[_Job]) -> list[_Result]:
+    """Worker thread: `write_value` of each job (one compiled call where built; looked up per
+    call, so tests can wrap it)."""
+    native = _native()
+    if native is not None:
+        try:
+            return native.write_values(jobs)
+        except UnicodeEncodeError:
+            pass
+    return [write_value(job) for job in jobs]
+
+
+def _count_present(paths: list[str], now: float) -> int:
+    """Worker thread: `count_present` (compiled where built)."""
+    native = _native()
+    if native is not None:
+        try:
+            return native.count_present(paths, now)
+        except UnicodeEncodeError:
+            pass
+    return count_present(paths, now)
 
 
 __all__ = ["FileBackend", "value_path"]

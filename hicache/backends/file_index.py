@@ -113,7 +113,8 @@ def default_cap(directory: str, held: int, fraction: float) -> int:
 def scan(directory: str) -> list[tuple[int, str, int, float | None]]:
     """Every value file under a namespace directory as (mtime_ns, page hash, size, expiry),
     oldest first. Files vanishing during the scan are skipped."""
-    found = []
+    found: list[tuple[int, str, int, float | None]] = []
+    append = found.append
     for top in _entries(directory, dirs=True):
         if top.name == TMP_DIR:
             continue
@@ -123,8 +124,9 @@ def scan(directory: str) -> list[tuple[int, str, int, float | None]]:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                expiry = atime_ns_to_expiry(st.st_atime_ns)
-                found.append((st.st_mtime_ns, entry.name, st.st_size, expiry))
+                atime = st.st_atime_ns  # atime_ns_to_expiry, inlined: a scan stats every value
+                expiry = (atime - _MARK_NS) / _NS if atime % 1_000_000 == _MARK_NS else None
+                append((st.st_mtime_ns, entry.name, st.st_size, expiry))
     found.sort()
     return found
 
@@ -172,6 +174,29 @@ class FileIndex:
                 self._during_scan[page_hash] = (size, expiry)
             self.peak = max(self.peak, self.stored + self.reserved)
 
+    def put_many(self, entries: Iterable[tuple[str, int, float | None]]) -> None:
+        """`put` of each (page hash, size, expiry), in order, under one lock."""
+        with self._lock:
+            during = self._during_scan
+            index = self._entries
+            stored, peak, reserved = self.stored, self.peak, self.reserved
+            for page_hash, size, expiry in entries:
+                entry = (size, expiry)
+                old = index.get(page_hash)
+                if old is None:
+                    index[page_hash] = entry
+                    stored += size
+                    peak = max(peak, stored + reserved)
+                else:  # re-indexed: the most recent now
+                    index.move_to_end(page_hash)
+                    if old != entry:
+                        index[page_hash] = entry
+                        stored += size - old[0]
+                        peak = max(peak, stored + reserved)
+                if during is not None:
+                    during[page_hash] = entry
+            self.stored, self.peak = stored, peak
+
     def forget(self, page_hash: str) -> None:
         with self._lock:
             old = self._entries.pop(page_hash, None)
@@ -210,16 +235,31 @@ class FileIndex:
     def replace(self, scanned: Iterable[tuple[int, str, int, float | None]]) -> None:
         """Rebuild from a scan (oldest first), keeping values put since `begin_scan`; values
         being written are left to their writes' `put` (already counted as reserved)."""
+        # Built outside the lock (a scan holds every value of the directory), then fixed up
+        # under it for the few values put or being written meanwhile.
+        fresh: OrderedDict[str, Entry] = OrderedDict()
+        stored = 0
+        for _mtime, page_hash, size, expiry in scanned:
+            old = fresh.pop(page_hash, None)
+            if old is not None:
+                stored -= old[0]
+            fresh[page_hash] = (size, expiry)
+            stored += size
         with self._lock:
             during = self._during_scan or {}
             self._during_scan = None
-            self._entries = OrderedDict()
-            self.stored = 0
-            for _mtime, page_hash, size, expiry in scanned:
-                if page_hash not in during and page_hash not in self._in_flight:
-                    self._put(page_hash, (size, expiry))
+            for page_hash in self._in_flight:
+                old = fresh.pop(page_hash, None)
+                if old is not None:
+                    stored -= old[0]
             for page_hash, entry in during.items():
-                self._put(page_hash, entry)
+                old = fresh.pop(page_hash, None)
+                if old is not None:
+                    stored -= old[0]
+                fresh[page_hash] = entry
+                stored += entry[0]
+            self._entries = fresh
+            self.stored = stored
             self.unscanned = 0
             self.peak = max(self.peak, self.stored + self.reserved)
 

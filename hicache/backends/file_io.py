@@ -1,5 +1,7 @@
 """The file store's blocking I/O, run in worker threads (or inline): plain system calls, each
 result returned (never raised), no counters or events; the backend (file.py) owns those.
+file_native.py compiles the same loops (the backend uses them where they build); these are
+the reference they are tested against, and the fallback.
 
 Reads open with O_NOATIME (the atime is the value's expiry mark, file_index.py), check the
 expiry against the caller's `now`, read and verify the value into its pieces, then touch its
@@ -114,9 +116,11 @@ def read_value(
     job: tuple[str, str, list[memoryview], float, int],
 ) -> Read | Expired | CorruptValue | OSError | None:
     """Read and verify one value into its pieces: a Read, None (absent), Expired, the
-    CorruptValue (file already deleted), or the OSError. The payload is read and checksummed
-    a chunk at a time, so the checksum reads bytes still in the CPU cache. `job` is (key,
-    path, pieces, now in seconds, now in ns for the mtime touch)."""
+    CorruptValue (file already deleted), or the OSError. The header and the first chunk of
+    the payload come in one `readv` (a page of at most one chunk: the whole value), the rest a
+    chunk at a time; each chunk is checksummed right after it is read, so the checksum reads
+    bytes still in the CPU cache. `job` is (key, path, pieces, now in seconds, now in ns for
+    the mtime touch)."""
     key, path, pieces, now, now_ns = job
     try:
         fd = _open_for_read(path)
@@ -169,9 +173,10 @@ def write_value(
     job: tuple[str, str, str, list[memoryview], bool, tuple[int, int]],
 ) -> tuple[int, int] | OSError:
     """Write one value through a temporary file and rename: (file size, payload) or the
-    OSError (the temporary file then removed). The payload goes first, a chunk at a time
-    right after checksumming it; the header, which needs the checksum, goes last; then the
-    timestamps `times_ns` = (atime: expiry mark or plain, mtime: recency)."""
+    OSError (the temporary file then removed). A value of at most one chunk is checksummed,
+    then written with one `writev` (header, then its pieces); a larger one goes payload first,
+    a chunk at a time right after checksumming it, and the header, which needs the checksum,
+    last. Then the timestamps `times_ns` = (atime: expiry mark or plain, mtime: recency)."""
     key, path, temp, pieces, fsync, times_ns = job
     hsize = header_size(key)
     try:
@@ -184,12 +189,18 @@ def write_value(
         return exc
     try:
         try:
-            os.lseek(fd, hsize, os.SEEK_SET)
-            crc, payload = 0, 0
-            for chunk in _chunks(pieces):
-                crc = checksum(chunk, crc)
-                payload += _writev_all(fd, chunk)
-            os.pwrite(fd, pack_header(key, payload, crc), 0)
+            chunks = _chunks(pieces)
+            if len(chunks) <= 1:  # one chunk: checksum it, then header and payload in one call
+                run = chunks[0] if chunks else []
+                head = pack_header(key, sum(v.nbytes for v in run), checksum(run))
+                payload = _writev_all(fd, [memoryview(head), *run]) - hsize
+            else:
+                os.lseek(fd, hsize, os.SEEK_SET)
+                crc, payload = 0, 0
+                for chunk in chunks:
+                    crc = checksum(chunk, crc)
+                    payload += _writev_all(fd, chunk)
+                os.pwrite(fd, pack_header(key, payload, crc), 0)
             os.utime(fd, ns=times_ns)  # after the last write, which would move mtime
             if fsync:
                 os.fsync(fd)
@@ -211,6 +222,9 @@ def write_value(
 def _chunks(pieces: list[memoryview], size: int = _CHUNK) -> list[list[memoryview]]:
     """The pieces regrouped (and large ones cut) into runs of at most `size` bytes, in order.
     Views only; no copies."""
+    if sum(p.nbytes for p in pieces) <= size:  # the common case: the pieces are one run
+        whole = [p for p in pieces if p.nbytes]
+        return [whole] if whole else []
     out: list[list[memoryview]] = []
     run: list[memoryview] = []
     room = size
@@ -239,6 +253,20 @@ def _writev_all(fd: int, views: list[memoryview]) -> int:
 
 
 def _vector_io(op: Any, fd: int, views: list[memoryview], *, stop_at_zero: bool) -> int:
+    if not views:
+        return 0
+    if len(views) <= _IOV_MAX:  # one call usually moves everything
+        want = 0
+        for v in views:
+            want += v.nbytes
+        n = op(fd, views)
+        if n == want:
+            return int(n)
+        if n == 0:
+            if stop_at_zero:
+                return 0
+            raise OSError("writev wrote nothing")
+        return int(n) + _vector_io(op, fd, _after(views, n), stop_at_zero=stop_at_zero)
     views = [v for v in views if v.nbytes]
     total, i = 0, 0
     while i < len(views):
@@ -256,6 +284,18 @@ def _vector_io(op: Any, fd: int, views: list[memoryview], *, stop_at_zero: bool)
                 views[i] = views[i][n:]
                 n = 0
     return total
+
+
+def _after(views: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of `views` once their first `n` bytes have moved (non-empty views)."""
+    rest = []
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+        else:
+            rest.append(v[n:] if n else v)
+            n = 0
+    return rest
 
 
 def unlink_all(paths: list[str]) -> list[tuple[str, OSError]]:
@@ -276,6 +316,37 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _calls() -> tuple[Any, ...]:
+    return (
+        os.open,
+        os.close,
+        os.fstat,
+        os.stat,
+        os.readv,
+        os.writev,
+        os.pwrite,
+        os.lseek,
+        os.utime,
+        os.fsync,
+        os.replace,
+        os.unlink,
+        _unlink_quietly,
+        read_value,
+        write_value,
+        count_present,
+    )
+
+
+_CALLS = _calls()
+
+
+def python_io_untouched() -> bool:
+    """Whether the system calls and functions this module's loops use are the real ones. A
+    test that replaces one (to simulate a crash or a failing disk) is only seen by these
+    Python loops, so file.py uses the compiled ones (file_native.py) only while this holds."""
+    return all(a is b for a, b in zip(_calls(), _CALLS))
 
 
 def _fsync_dir(path: str) -> None:

@@ -106,28 +106,39 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "hicache"
 
 
-def _compiler() -> list[str]:
+def compiler() -> list[str]:
+    """The C compiler command (`CC`, default `cc`)."""
     return shlex.split(os.environ.get("CC") or "cc")
 
 
-def library_path() -> Path:
-    """Where the library for this source, compiler and machine lives (built or not)."""
+def disabled() -> bool:
+    """`HICACHE_NATIVE=0` (or false/no/off) turns every compiled helper off."""
+    return os.environ.get("HICACHE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def cached_library(
+    stem: str, source: Path, flags: list[str], *extra: str, suffix: str = ".so"
+) -> Path:
+    """Where the build of `source` with `flags` lives: the name carries a hash of the source,
+    the compiler command, the machine and `extra` (say, the interpreter a module is for)."""
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
-    digest.update(" ".join(_compiler() + _FLAGS).encode())
+    digest.update(source.read_bytes())
+    digest.update(" ".join(compiler() + flags).encode())
     digest.update(platform.machine().encode())
-    return cache_dir() / f"rowcopy-{digest.hexdigest()[:16]}.so"
+    for part in extra:
+        digest.update(part.encode())
+    return cache_dir() / f"{stem}-{digest.hexdigest()[:16]}{suffix}"
 
 
-def _build(target: Path) -> None:
-    """Compile into a temporary file next to `target`, then rename: concurrent builders (test
-    workers, TP ranks) never load a half-written library."""
+def build_library(source: Path, target: Path, flags: list[str]) -> None:
+    """Compile `source` into a temporary file next to `target`, then rename: concurrent
+    builders (test workers, TP ranks, worker threads) never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
         done = subprocess.run(
-            [*_compiler(), *_FLAGS, "-o", tmp, str(SOURCE)],
+            [*compiler(), *flags, "-o", tmp, str(source)],
             capture_output=True,
             text=True,
             timeout=_COMPILE_SECONDS,
@@ -135,12 +146,17 @@ def _build(target: Path) -> None:
         )
         if done.returncode != 0:
             raise OSError(
-                f"{' '.join(_compiler())} failed ({done.returncode}): {done.stderr.strip()[:500]}"
+                f"{' '.join(compiler())} failed ({done.returncode}): {done.stderr.strip()[:500]}"
             )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def library_path() -> Path:
+    """Where the row copier for this source, compiler and machine lives (built or not)."""
+    return cached_library("rowcopy", SOURCE, _FLAGS)
 
 
 def _load(path: Path) -> NativeRows:
@@ -168,12 +184,12 @@ def _load(path: Path) -> NativeRows:
 
 @functools.cache
 def _native() -> tuple[NativeRows | None, str | None]:
-    if os.environ.get("HICACHE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if disabled():
         return None, "disabled by HICACHE_NATIVE"
     try:
         path = library_path()
         if not path.exists():
-            _build(path)
+            build_library(SOURCE, path, _FLAGS)
         return _load(path), None
     except (
         OSError,

@@ -8,7 +8,12 @@ t of a page with seed s holds, in layer l and component c (K, V or the MLA laten
 
 A row is therefore one of 256 windows of the ramp 0, 1, ..., 255, 0, 1, ...: the expected rows
 are gathered from a (256, width) table of those windows, and on CPU pools written and compared
-through numpy views of the pool, with no per-element arithmetic.
+through numpy views of the pool, with no per-element arithmetic. A whole page is likewise one
+of 256 blocks (its first row's window decides the rest): where a request's whole pages sit in
+whole, aligned pages of a CPU pool (a paged allocator's slots), they are copied a block at a
+time from a (256, page bytes) table (one call of the compiled row copier where it is built),
+and checked in runs of pages small enough to stay in the CPU cache, compared as 8-byte
+words; other slots (and CUDA pools) go row by row.
 """
 
 from __future__ import annotations
@@ -19,7 +24,18 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from hicache.kernels.native import native_rows
 from hicache.kernels.pools import DevicePool
+
+_PAGE_TABLE_MAX = 4 << 20
+"""Largest (256, page bytes) table kept per (row width, page size); wider pages go by rows."""
+
+_RUN_BYTES = 256 << 10
+"""Bytes of one (layer, component) worked on at once on the page path: its temporaries stay in
+the CPU cache."""
+
+_STREAM_BYTES = 8 << 20
+"""Page writes larger than this stream past the cache (non-temporal stores)."""
 
 
 def page_seeds(hashes: Sequence[str]) -> np.ndarray:
@@ -27,8 +43,15 @@ def page_seeds(hashes: Sequence[str]) -> np.ndarray:
     return np.fromiter((int(h[:8], 16) & 0xFFFF for h in hashes), dtype=np.int64, count=len(hashes))
 
 
-def _token_bases(seeds: np.ndarray, page_size: int, first: int, count: int) -> np.ndarray:
-    positions = np.arange(first, first + count, dtype=np.int64)
+def _rest_bases(
+    seeds: np.ndarray, page_size: int, first: int, count: int, rest: np.ndarray
+) -> np.ndarray:
+    """The base (first row's window) of tokens first + rest[i] of tokens first .. first+count:
+    their page's seed + 7 x their place in the page. IndexError when `seeds` has no seed for
+    the last token's page."""
+    if count and len(seeds) <= (first + count - 1) // page_size:
+        raise IndexError(f"{len(seeds)} page seeds for tokens up to {first + count - 1}")
+    positions = first + rest.astype(np.int64)
     return seeds[positions // page_size] + 7 * (positions % page_size)
 
 
@@ -37,6 +60,17 @@ def _windows(width: int) -> np.ndarray:
     """Row r is (r + j) mod 256 for j < width: every row the pattern can produce."""
     ramp = (np.arange(width + 256, dtype=np.int64) % 256).astype(np.uint8)
     table = np.lib.stride_tricks.sliding_window_view(ramp, width)[:256]
+    return np.ascontiguousarray(table)
+
+
+@lru_cache(maxsize=16)
+def _page_table(width: int, page_size: int) -> np.ndarray | None:
+    """Row b is a whole page whose first token's row is window b: token t holds window
+    (b + 7t) mod 256. None when larger than `_PAGE_TABLE_MAX` or not whole 8-byte words."""
+    if 256 * page_size * width > _PAGE_TABLE_MAX or (page_size * width) % 8:
+        return None
+    first = np.arange(256, dtype=np.int64)[:, None] + 7 * np.arange(page_size, dtype=np.int64)
+    table = _windows(width)[first % 256].reshape(256, page_size * width)
     return np.ascontiguousarray(table)
 
 
@@ -51,24 +85,80 @@ def _expected(bases: np.ndarray, layer: int, component: int, width: int) -> np.n
     return rows
 
 
+class _Split:
+    """The tokens first .. first+len(slots) of a request split for the page path: `body`,
+    the whole pages `pages` (pool page numbers) whose slots are whole aligned pool pages,
+    with their seeds `page_seeds`; the tokens outside it (`rest`: indices into slots) go by
+    rows. `pages` is None when the page path does not apply (then every token is in rest)."""
+
+    __slots__ = ("pages", "page_seeds", "body", "rest", "table")
+
+    def __init__(
+        self, pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, page_size: int, first: int
+    ) -> None:
+        n = len(slots)
+        self.pages: np.ndarray | None = None
+        self.page_seeds = np.empty(0, dtype=np.int64)
+        self.body = slice(0, 0)
+        self.rest = np.arange(n)
+        rows = _rows(pool, 0, 0)
+        if rows.device.type != "cpu" or rows.shape[0] % page_size:
+            self.table = None
+            return
+        self.table = _page_table(rows.shape[1], page_size)
+        head = min(n, -first % page_size)
+        whole = (n - head) // page_size
+        if self.table is None or whole == 0:
+            return
+        body = slots[head : head + whole * page_size].reshape(whole, page_size)
+        starts = body[:, 0]
+        if (
+            starts.min() < 0
+            or starts.max() + page_size > rows.shape[0]
+            or (starts % page_size).any()
+            or (body != starts[:, None] + np.arange(page_size)).any()
+        ):
+            return
+        first_page = (first + head) // page_size
+        self.pages = starts // page_size
+        self.page_seeds = np.asarray(seeds[first_page : first_page + whole], dtype=np.int64)
+        self.body = slice(head, head + whole * page_size)
+        self.rest = np.r_[0:head, head + whole * page_size : n]
+
+
+def _page_runs(count: int, page_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, _RUN_BYTES // page_bytes)
+    return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
+
+
 def fill(
     pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int, first: int
 ) -> None:
     """Write the KV of tokens first .. first+len(slots) of a request into `slots`."""
     if not len(slots):
         return
-    bases = _token_bases(seeds, page_size, first, len(slots))
     index = np.asarray(slots, dtype=np.int64)
+    split = _Split(pool, index, seeds, page_size, first)
+    rest = split.rest
+    bases = _rest_bases(seeds, page_size, first, len(index), rest)
+    at = index[rest]
     for layer in range(pool.geometry.layers):
         for comp in range(pool.geometry.components):
             rows = _rows(pool, layer, comp)
+            if split.pages is not None and split.table is not None:
+                shift = 131 * layer + 61 * comp
+                pages = rows.numpy().reshape(-1, split.table.shape[1])
+                blocks = (split.page_seeds + shift) % 256
+                _copy_pages(pages, split.pages, split.table, blocks)
+            if not len(at):
+                continue
             want = _expected(bases, layer, comp, rows.shape[1])
             if rows.device.type == "cpu":
-                rows.numpy()[index] = want
+                rows.numpy()[at] = want
             else:
                 rows.index_copy_(
                     0,
-                    torch.from_numpy(index).to(rows.device),
+                    torch.from_numpy(at).to(rows.device),
                     torch.from_numpy(want).to(rows.device),
                 )
 
@@ -79,16 +169,68 @@ def count_bad_pages(
     """How many pages among tokens first .. first+len(slots) do not hold what they must."""
     if not len(slots):
         return 0
-    bases = _token_bases(seeds, page_size, first, len(slots))
     index = np.asarray(slots, dtype=np.int64)
-    bad_tokens = np.zeros(len(slots), dtype=bool)
+    split = _Split(pool, index, seeds, page_size, first)
+    rest = split.rest
+    bases = _rest_bases(seeds, page_size, first, len(index), rest)
+    at = index[rest]
+    bad_tokens = np.zeros(len(rest), dtype=bool)
+    bad_body = np.zeros(len(split.page_seeds), dtype=bool)
     for layer in range(pool.geometry.layers):
         for comp in range(pool.geometry.components):
             rows = _rows(pool, layer, comp)
+            if split.pages is not None and split.table is not None:
+                _check_pages(rows.numpy(), split, 131 * layer + 61 * comp, bad_body)
+            if not len(at):
+                continue
             if rows.device.type == "cpu":
-                got = rows.numpy()[index]
+                got = rows.numpy()[at]
             else:
-                got = rows.index_select(0, torch.from_numpy(index).to(rows.device)).cpu().numpy()
+                got = rows.index_select(0, torch.from_numpy(at).to(rows.device)).cpu().numpy()
             bad_tokens |= (got != _expected(bases, layer, comp, rows.shape[1])).any(axis=1)
-    pages = (np.arange(first, first + len(slots)) // page_size)[bad_tokens]
-    return len(np.unique(pages))
+    positions = np.arange(first, first + len(index))
+    bad = np.concatenate(
+        [
+            positions[rest][bad_tokens] // page_size,
+            positions[split.body][::page_size][bad_body] // page_size,
+        ]
+    )
+    return len(np.unique(bad))
+
+
+def _check_pages(rows: np.ndarray, split: _Split, shift: int, bad: np.ndarray) -> None:
+    """Mark in `bad` the body pages whose bytes in `rows` (one layer and component) differ
+    from their block, compared as 8-byte words a run of pages at a time."""
+    assert split.pages is not None and split.table is not None
+    table = split.table
+    pages = rows.reshape(-1, table.shape[1])
+    blocks = (split.page_seeds + shift) % 256
+    runs = _page_runs(len(blocks), table.shape[1])
+    step = runs[0][1] - runs[0][0]
+    got = np.empty((step, table.shape[1]), dtype=np.uint8)
+    want = np.empty_like(got)
+    got64, want64 = got.view(np.uint64), want.view(np.uint64)
+    differ = np.empty(got64.shape, dtype=bool)
+    for lo, hi in runs:
+        k = hi - lo
+        np.take(pages, split.pages[lo:hi], axis=0, out=got[:k], mode="clip")
+        np.take(table, blocks[lo:hi], axis=0, out=want[:k], mode="clip")
+        np.not_equal(got64[:k], want64[:k], out=differ[:k])
+        if differ[:k].any():
+            bad[lo:hi] |= differ[:k].any(axis=1)
+
+
+def _copy_pages(
+    dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray
+) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for every i: whole (rows, bytes) uint8 rows, in
+    range (checked by the caller). One call of the compiled row copier (kernels/native.py)
+    where it is built, streaming past the cache when large; numpy a run at a time otherwise."""
+    native = native_rows()
+    n = len(src_rows)
+    if native is not None:
+        streaming = n * dst.shape[1] > _STREAM_BYTES
+        native.copy(dst, src, dst_rows, 0, src_rows, 0, n, streaming=streaming)
+        return
+    for lo, hi in _page_runs(n, dst.shape[1]):
+        dst[dst_rows[lo:hi]] = src[src_rows[lo:hi]]
