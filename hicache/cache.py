@@ -314,13 +314,23 @@ class HiCache:
         await self._call(lambda r: ReleaseBatch(rids=batch, reply=r))
 
     async def prefetch(
-        self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        salt: Salt = None,
+        threshold: int | None = None,
     ) -> PrefetchOutcome:
         """Start fetching, from L3 into L2, the part of `tokens` past the request's last match
         (under the salt it was matched under). Admission checks may skip it (see the outcome's
-        `reason`)."""
-        (out,) = await self.prefetch_many([(rid, tokens, salt)])
-        return out
+        `reason`). `threshold`: fewest tokens worth fetching for this request, in place of
+        `prefetch_threshold` (a short value that matters whole, say a recurrent snapshot)."""
+        if threshold is not None and not _is_index(threshold):
+            raise InvalidRequest(f"prefetch threshold must be an int >= 0, got {threshold!r}")
+        item = _match_item((rid, tokens, salt))
+        if threshold is not None:
+            item = replace(item, threshold=threshold)
+        return (await self._call(lambda r: PrefetchBatch(items=(item,), reply=r)))[0]
 
     async def prefetch_many(self, items: Iterable[TokensItem]) -> tuple[PrefetchOutcome, ...]:
         """`(rid, tokens)` or `(rid, tokens, salt)` per request."""

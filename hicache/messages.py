@@ -48,6 +48,7 @@ class MatchItem:
     salt: bytes = b""  # pages cached under one salt are found only under the same salt
     # retention ranges (start, end, priority, duration; end and duration may be inf)
     retention: tuple[tuple[int, float, int, float], ...] = ()
+    threshold: int | None = None  # prefetch only: this request's threshold (None: the config's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,8 @@ What counts as an import of module A by module B:
   module. A package's `__init__` running before its submodules is not counted as an edge.
 
 Rules: no cycle among hicache modules; nothing in `hicache.kernels` (the data plane) imports
-`hicache.backends` (storage); nothing in `hicache.testing` imports `hicache.cli`; and
+`hicache.backends` (storage); nothing in `hicache.testing` imports `hicache.cli`; nothing below
+the cache (components, kernels, backends, runtime) imports `hicache.hybrid`; and
 `hicache.config` stays cheap to import: what its module-level imports load (package `__init__`s
 included, the top-level `hicache` facade excepted) imports no torch.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hicache"
@@ -180,6 +183,13 @@ def test_the_data_plane_knows_nothing_of_storage():
 
 def test_the_test_kit_does_not_import_the_cli():
     assert _offenders("hicache.testing", "hicache.cli") == {}
+
+
+@pytest.mark.parametrize(
+    "below", ["hicache.components", "hicache.kernels", "hicache.backends", "hicache.runtime"]
+)
+def test_nothing_below_the_cache_imports_the_hybrid_layer(below):
+    assert _offenders(below, "hicache.hybrid") == {}
 
 
 def test_config_imports_no_torch():

@@ -234,7 +234,9 @@ class Controller:
                 out.answer(
                     reply,
                     tuple(
-                        prefetches.start(requests.state(item.rid, "prefetch"), item.rid, key)
+                        prefetches.start(
+                            requests.state(item.rid, "prefetch"), item.rid, key, item.threshold
+                        )
                         for item, key in zip(items, keys, strict=True)
                     ),
                 )

@@ -60,9 +60,15 @@ class PrefetchFlows:
             "prefetch_host_waiting": len(self.host_waiting),
         }
 
-    def start(self, state: RequestState, rid: RequestId, tokens: Any) -> PrefetchOutcome:
+    def start(
+        self, state: RequestState, rid: RequestId, tokens: Any, threshold: int | None = None
+    ) -> PrefetchOutcome:
+        """Admit and start a prefetch of `tokens` past the request's match. `threshold`:
+        fewest tokens worth it for this request (None: the config's)."""
         ctx, tree = self._ctx, self._ctx.tree
         cfg = ctx.cfg
+        if threshold is None:
+            threshold = cfg.effective_prefetch_threshold
         if not ctx.storage_on or rid in self.by_rid:
             return self.outcome(rid, self.by_rid.get(rid))
         page = cfg.page_size
@@ -73,7 +79,7 @@ class PrefetchFlows:
         reason = None
         if anchor is None or not tree.has_host_copy(anchor):
             reason = "anchor_without_host_copy"
-        elif length < cfg.effective_prefetch_threshold:
+        elif length < threshold:
             reason = "below_threshold"
         elif self.tokens + length > self._rate_limit() or self.credits == 0:
             reason = "rate_limited"
@@ -101,6 +107,7 @@ class PrefetchFlows:
             host_slots=EMPTY_SLOTS,
             salt=state.salt,
             timer=timed,
+            threshold=threshold,
         )
         self.by_rid[rid] = op_id
         self.credits -= 1
@@ -168,7 +175,7 @@ class PrefetchFlows:
                 ctx.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
                 self.stop(op_id)
             op.hit_pages, op.done_pages = hit, done
-            if hit >= 0 and hit * ctx.cfg.page_size < ctx.cfg.effective_prefetch_threshold:
+            if hit >= 0 and hit * ctx.cfg.page_size < op.threshold:
                 self.stop(op_id)  # not worth it: revoke
                 self._settle(op_id, revoked=True)
             elif finished or stopped:  # stopped: asked for, or its storage call timed out

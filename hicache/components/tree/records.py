@@ -59,6 +59,7 @@ class PrefetchOp:
     hashes: tuple[PageHash, ...]
     host_slots: np.ndarray
     timer: bool = False  # the timeout policy's timer is running (cancelled when the op ends)
+    threshold: int = 0  # fewest tokens worth fetching (the config's, or the request's own)
     hit_pages: int = -1  # unknown until the prefetcher's probe reports
     done_pages: int = 0
     stopping: bool = False

@@ -1,0 +1,327 @@
+"""`HybridCache`: hicache for models that mix full attention with sliding-window or recurrent
+layers. It wraps a `HiCache` and keeps one promise: a hit is never longer than every layer
+group can resume from (groups.py's rule), in L1, L2 and L3.
+
+K/V of every attention layer is cached as usual (whole pages, every position, so any shorter
+hit still finds its window). Recurrent states are kept as snapshot chains (states.py): a
+match looks for the deepest snapshot within the K/V it found and cuts the hit there; without
+one the hit is 0. A snapshot is read out of the pool while a lookup-only request
+(`_probe`) locks it, then that request is released; the hit's K/V stays locked by the
+caller's request as with `HiCache.match`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hicache.cache import HiCache, Salt
+from hicache.hybrid.groups import HybridModel
+from hicache.hybrid.states import (
+    TOKEN_LIMIT,
+    read_state,
+    state_key,
+    state_pages,
+    write_state,
+)
+from hicache.kernels.pools import DevicePool
+from hicache.results import CacheOutcome, CapacityError, InvalidRequest, MatchOutcome
+from hicache.types import RequestId
+
+__all__ = ["HybridCache", "HybridHit", "HybridPrefetch"]
+
+
+def _probe(rid: RequestId, point: int) -> RequestId:
+    """The request id of a snapshot lookup or store: NUL-led, so no caller's id equals it."""
+    return RequestId(f"\0hybrid-state:{rid!r}:{point}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HybridHit:
+    """What a request may reuse: `length` tokens (every group can resume there), their K/V
+    in `device_slots` (locked for `rid` until `cache_*` or `release`, landed), and `state`,
+    the recurrent snapshot after token `length - 1` (None without recurrent groups or when
+    `length` is 0). `kv_len`: the K/V the cache held before the groups' rule cut it;
+    `device_hit`: tokens of the hit that were in L1 at the match (the rest came from L2,
+    where a prefetch from L3 also lands); `probes`: snapshot chains looked up.
+    `snapshot_hint`: with recurrent groups, the point up to which K/V is cached when that is
+    deeper than the hit (the branch where this prompt leaves what was cached before): a
+    snapshot kept there while this request prefills lets the next prompt sharing the prefix
+    resume from it. None otherwise."""
+
+    rid: RequestId
+    length: int
+    device_slots: np.ndarray
+    state: bytes | None
+    kv_len: int
+    device_hit: int = 0
+    probes: int = 0
+    snapshot_hint: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HybridPrefetch:
+    """After `prefetch`: the K/V now in L1/L2 for the tokens, and the snapshot point found
+    (None: none, or no recurrent groups)."""
+
+    rid: RequestId
+    kv_len: int
+    snapshot: int | None
+
+
+@dataclass(slots=True)
+class HybridCache:
+    """A `HiCache` (opened) and the model's layer groups. `max_probes`: snapshot points a
+    match looks at, deepest first (each is one lookup)."""
+
+    cache: HiCache
+    model: HybridModel
+    max_probes: int = 8
+    _pool: DevicePool = field(init=False)
+    _pages: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        pool = self.cache.device_pool
+        if pool.page_size != self.model.page_size:
+            raise InvalidRequest(
+                f"the model's page size {self.model.page_size} is not the cache's {pool.page_size}"
+            )
+        if pool.geometry.layers != len(self.model.attention_layers):
+            raise InvalidRequest(
+                f"the cache's pool has {pool.geometry.layers} layers, the model "
+                f"{len(self.model.attention_layers)} attention layers"
+            )
+        if self.max_probes < 1:
+            raise InvalidRequest(f"max_probes must be >= 1, got {self.max_probes}")
+        self._pool = pool
+        self._pages = state_pages(pool, self.model.state_bytes) if self.model.recurrent else 0
+
+    # ------------------------------------------------------------------ lookups
+    async def match(
+        self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
+    ) -> HybridHit:
+        """The longest prefix every layer group can resume from, locked for `rid`, its K/V
+        in L1 (L2 parts loaded back and landed) and its snapshot read."""
+        arr = self._tokens(tokens)
+        found = await self.cache.match(rid, arr, salt=salt)
+        kv_len = found.device_len + found.host_len
+        length = top = self.model.cap(len(arr), kv_len)
+        state: bytes | None = None
+        points: list[int] = []
+        if self.model.recurrent:
+            points = self.model.candidates(len(arr), kv_len, self.max_probes)
+            length, state = await self._deepest_snapshot(rid, arr, points, salt)
+        slots = found.device_slots
+        if length > len(slots):
+            back = await self.cache.load_back(rid)
+            if back.handle is not None:
+                await back.handle.wait_async(self._pool.geometry.layers - 1)
+            slots = back.device_slots
+        for handle in found.pending:
+            await handle.wait_async(self._pool.geometry.layers - 1)
+        if len(slots) < length:  # L1 could not take the L2 part: resume from what is there
+            length = self.model.usable(len(arr), len(slots), [length] if state else ())
+        if len(slots) != length:  # the request's cached prefix is the hit: move its lock there
+            slots = (await self.cache.match(rid, arr[:length], salt=salt)).device_slots
+            if len(slots) < length:  # not expected: the lock kept them in L1; resume from 0
+                length = 0
+                slots = (await self.cache.match(rid, arr[:0], salt=salt)).device_slots
+        return HybridHit(
+            rid=rid,
+            length=length,
+            device_slots=np.asarray(slots[:length]),
+            state=state if length else None,
+            kv_len=kv_len,
+            device_hit=min(found.device_len, length),
+            probes=len(points),
+            snapshot_hint=top if self.model.recurrent and top > length else None,
+        )
+
+    async def _deepest_snapshot(
+        self, rid: RequestId, arr: np.ndarray, points: list[int], salt: Salt
+    ) -> tuple[int, bytes | None]:
+        """(point, state) of the deepest of `points` whose snapshot chain L1/L2 hold whole,
+        or (0, None). Every point is looked up in one call, under its own probe id, and every
+        probe is released before returning."""
+        if not points:
+            return 0, None
+        probes = [_probe(rid, p) for p in points]
+        keys = [state_key(arr[:p], self._pages, self.model.page_size) for p in points]
+        try:
+            outs = await self.cache.match_many(
+                (probe, key, salt) for probe, key in zip(probes, keys, strict=True)
+            )
+            for point, probe, key, out in zip(points, probes, keys, outs, strict=True):
+                if out.device_len + out.host_len < len(key):
+                    continue
+                state = await self._read_chain(probe, out, point, len(key))
+                if state is not None:
+                    return point, state
+            return 0, None
+        finally:
+            await self.cache.release_many(probes)
+
+    async def _read_chain(
+        self, probe: RequestId, found: MatchOutcome, point: int, end: int
+    ) -> bytes | None:
+        """The snapshot in a chain the probe matched whole (loaded into L1 for the read)."""
+        slots = found.device_slots
+        if len(slots) < end:
+            back = await self.cache.load_back(probe)
+            if back.handle is not None:
+                await back.handle.wait_async(self._pool.geometry.layers - 1)
+            slots = back.device_slots
+            if len(slots) < end:
+                return None
+        for handle in found.pending:
+            await handle.wait_async(self._pool.geometry.layers - 1)
+        return read_state(self._pool, slots[point:end], self.model.state_bytes)
+
+    async def prefetch(
+        self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
+    ) -> HybridPrefetch:
+        """Fetch from L3 into L2 the K/V of `tokens` and the deepest snapshot within it
+        (looked for as `match` does), waiting as the cache's prefetch policy says."""
+        arr = self._tokens(tokens)
+        await self.cache.match(rid, arr, salt=salt)
+        await self.cache.prefetch(rid, arr, salt=salt)
+        await self.cache.prefetch_wait(rid)
+        found = await self.cache.match(rid, arr, salt=salt)
+        kv_len = found.device_len + found.host_len
+        snapshot = None
+        for point in self.model.candidates(len(arr), kv_len, self.max_probes):
+            probe = _probe(rid, point)
+            key = state_key(arr[:point], self._pages, self.model.page_size)
+            try:
+                have = await self.cache.match(probe, key, salt=salt)
+                if have.device_len + have.host_len < len(key):
+                    # a chain is a page or two, below any threshold, and worth it whole
+                    await self.cache.prefetch(probe, key, salt=salt, threshold=0)
+                    await self.cache.prefetch_wait(probe)
+                    have = await self.cache.match(probe, key, salt=salt)
+            finally:
+                await self.cache.release(probe)
+            if have.device_len + have.host_len >= len(key):
+                snapshot = point
+                break
+        return HybridPrefetch(rid=rid, kv_len=kv_len, snapshot=snapshot)
+
+    # ------------------------------------------------------------------ caching
+    async def allocate(self, rid: RequestId, num_tokens: int) -> np.ndarray:
+        return await self.cache.allocate(rid, num_tokens)
+
+    async def release(self, rid: RequestId) -> None:
+        await self.cache.release(rid)
+
+    async def cache_finished(
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        device_slots: Sequence[int] | np.ndarray,
+        *,
+        snapshots: Mapping[int, bytes] | None = None,
+        salt: Salt = None,
+    ) -> tuple[CacheOutcome, tuple[int, ...]]:
+        """`HiCache.cache_finished`, then keep each snapshot `{point: state}` (the state after
+        token point - 1). Returns the outcome and the points kept (a point whose prefix left
+        L1 meanwhile, or that found no room, is skipped: a later hit is only shorter)."""
+        return await self._cache(rid, tokens, device_slots, snapshots, salt, finished=True)
+
+    async def cache_unfinished(
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        device_slots: Sequence[int] | np.ndarray,
+        *,
+        snapshots: Mapping[int, bytes] | None = None,
+        salt: Salt = None,
+    ) -> tuple[CacheOutcome, tuple[int, ...]]:
+        """`HiCache.cache_unfinished` (a chunked prefill's chunk), then keep the snapshots."""
+        return await self._cache(rid, tokens, device_slots, snapshots, salt, finished=False)
+
+    async def _cache(
+        self,
+        rid: RequestId,
+        tokens: Sequence[int] | np.ndarray,
+        device_slots: Sequence[int] | np.ndarray,
+        snapshots: Mapping[int, bytes] | None,
+        salt: Salt,
+        *,
+        finished: bool,
+    ) -> tuple[CacheOutcome, tuple[int, ...]]:
+        arr = self._tokens(tokens)
+        snaps = dict(snapshots or {})
+        self._check_snapshots(snaps, len(arr))
+        if finished:
+            out = await self.cache.cache_finished(rid, arr, device_slots, salt=salt)
+        else:
+            out = await self.cache.cache_unfinished(rid, arr, device_slots, salt=salt)
+        kept = [
+            point
+            for point in sorted(snaps)
+            if await self._store(_probe(rid, point), arr[:point], snaps[point], salt)
+        ]
+        return out, tuple(kept)
+
+    def _check_snapshots(self, snaps: Mapping[int, bytes], n_tokens: int) -> None:
+        if snaps and not self.model.recurrent:
+            raise InvalidRequest("snapshots given, but the model has no recurrent layers")
+        page = self.model.page_size
+        for point, state in snaps.items():
+            if not 0 < point <= n_tokens or point % page:
+                raise InvalidRequest(
+                    f"snapshot point {point} must be a multiple of the page size {page} "
+                    f"in (0, {n_tokens}]"
+                )
+            if len(state) != self.model.state_bytes:
+                raise InvalidRequest(
+                    f"snapshot at {point} has {len(state)} bytes, the model declares "
+                    f"{self.model.state_bytes}"
+                )
+
+    async def _store(self, probe: RequestId, prefix: np.ndarray, state: bytes, salt: Salt) -> bool:
+        """Keep one snapshot below `prefix` (already cached); False when it cannot be now."""
+        key = state_key(prefix, self._pages, self.model.page_size)
+        finished = False
+        try:
+            found = await self.cache.match(probe, key, salt=salt)
+            if found.device_len + found.host_len >= len(key):
+                return True  # kept already (the same prefix gives the same state)
+            if found.device_len + found.host_len < len(prefix):
+                return False
+            slots = found.device_slots
+            if len(slots) < len(prefix):
+                back = await self.cache.load_back(probe)
+                if back.handle is not None:
+                    await back.handle.wait_async(self._pool.geometry.layers - 1)
+                slots = back.device_slots
+                if len(slots) < len(prefix):
+                    return False
+            try:
+                fresh = await self.cache.allocate(probe, len(key) - len(prefix))
+            except CapacityError:
+                return False
+            write_state(self._pool, fresh, state)
+            if self._pool.device.type == "cuda":  # the copies the cache makes run on its streams
+                torch.cuda.current_stream(self._pool.device).synchronize()
+            await self.cache.cache_finished(
+                probe, key, np.concatenate([slots[: len(prefix)], fresh]), salt=salt
+            )
+            finished = True  # the probe is forgotten: nothing to release
+            return True
+        finally:
+            if not finished:
+                await self.cache.release(probe)
+
+    def _tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.ndim != 1:
+            raise InvalidRequest(f"tokens must be a 1-D sequence of ids, got shape {arr.shape}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
+            raise InvalidRequest(
+                f"token ids must be in [0, {TOKEN_LIMIT}) (ids above are the cache's own)"
+            )
+        return arr

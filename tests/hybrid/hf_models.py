@@ -1,0 +1,276 @@
+"""Tiny random-weight hybrid models (Hugging Face transformers 5.19) and their caches as plain tensors.
+
+The cache library must restore hybrid-model caches exactly: per-token K/V for attention layers (full
+and sliding window alike) and per-position snapshots of recurrent layers' states (Mamba2, gated
+delta-net). This module is the test-side model harness for that: it turns a transformers cache into
+plain per-token tensors (`prefill_snapshots`) and builds, from such tensors, the cache a hit of
+length h provides (`resume_logits`), so a test can compare the resumed logits with a full forward.
+
+Everything is fp32 on CPU with eager attention and transformers' pure-torch fallbacks (neither
+`kernels`, `mamba_ssm` nor `fla` is needed). The layouts, batch dimension dropped:
+- K and V of an attention layer: (tokens, kv_heads, head_dim);
+- a recurrent layer's state: {"conv": transformers' conv_states[0], "recurrent": recurrent_states[0]}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    PreTrainedModel,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
+
+KINDS = ("gemma3", "bamba", "qwen3next")
+WINDOW = 16  # gemma3's sliding window: a layer sees the last WINDOW tokens, itself included
+VOCAB = 256
+# All attention layers (full and sliding) of every kind share this geometry.
+KV_HEADS = 2
+HEAD_DIM = 16
+# A wider init than transformers' default (0.02) so that a wrong cache moves the logits visibly.
+INIT_RANGE = 0.05
+
+
+@dataclass
+class LayerSpec:
+    """What the cache library keeps for one decoder layer."""
+
+    kind: str  # "full" | "sliding" | "recurrent"
+    window: int | None = None  # sliding layers: tokens seen by a query, itself included
+
+
+@dataclass
+class Snapshots:
+    """A prefill's cache as plain tensors (fp32, contiguous, batch dimension dropped).
+
+    kv[layer] = (K, V), each (tokens, kv_heads, head_dim), for every attention layer and position;
+    states[point][layer] = {name: tensor} for every recurrent layer: the state after token point - 1.
+    """
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    states: dict[int, dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+
+def _config(kind: str) -> Gemma3TextConfig | BambaConfig | Qwen3NextConfig:
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": 512,
+        "initializer_range": INIT_RANGE,
+        "attn_implementation": "eager",
+    }
+    if kind == "gemma3":
+        return Gemma3TextConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            query_pre_attn_scalar=HEAD_DIM,
+            sliding_window=WINDOW,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+        )
+    if kind == "bamba":
+        # head_dim = hidden_size / num_attention_heads = 16; mamba: 4 heads of 32 (expand 2)
+        return BambaConfig(
+            **common,
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+        )
+    if kind == "qwen3next":
+        return Qwen3NextConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+    raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
+
+
+def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
+    """A 4-layer random-weight model of `kind`, fp32, eval mode, on CPU."""
+    config = _config(kind)
+    cls = {
+        "gemma3": Gemma3ForCausalLM,
+        "bamba": BambaForCausalLM,
+        "qwen3next": Qwen3NextForCausalLM,
+    }
+    torch.manual_seed(seed)
+    model = cls[kind](config).to(torch.float32).eval()
+    assert model.config.num_hidden_layers == 4
+    return model
+
+
+def layer_specs(model: PreTrainedModel) -> list[LayerSpec]:
+    """One spec per decoder layer, from the config's layer_types."""
+    config = model.config
+    specs = []
+    for layer_type in config.layer_types:
+        if layer_type == "full_attention":
+            specs.append(LayerSpec("full"))
+        elif layer_type == "sliding_attention":
+            specs.append(LayerSpec("sliding", config.sliding_window))
+        elif layer_type == "linear_attention":
+            specs.append(LayerSpec("recurrent"))
+        else:
+            raise ValueError(f"unsupported layer type {layer_type!r}")
+    return specs
+
+
+def attention_geometry(model: PreTrainedModel) -> tuple[int, int]:
+    """(kv_heads, head_dim), the same for every attention layer of these models."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads, head_dim
+
+
+def state_shapes(model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
+    """Shapes (batch dimension dropped) of a recurrent layer's state tensors, all fp32.
+
+    Read from a one-token forward, since they are whatever the model's mixer puts in the cache.
+    """
+    snaps = prefill_snapshots(model, [1], [1])
+    layer_states = next(iter(snaps.states[1].values()), {})
+    return {name: tuple(t.shape) for name, t in layer_states.items()}
+
+
+def _forward(
+    model: PreTrainedModel, tokens: list[int], start: int, cache: DynamicCache | None
+) -> torch.Tensor:
+    """Logits (len(tokens), vocab) of tokens at positions [start, start + len(tokens))."""
+    ids = torch.tensor([tokens], dtype=torch.long)
+    # Explicit positions: Bamba would otherwise number a resumed chunk from 0.
+    positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+    with torch.no_grad():
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+    return out.logits[0].float()
+
+
+def full_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """The reference: one forward over the whole prompt, no cache."""
+    return _forward(model, tokens, 0, None)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).clone().contiguous()
+
+
+def prefill_snapshots(model: PreTrainedModel, tokens: list[int], points: list[int]) -> Snapshots:
+    """Prefill `tokens` in chunks that end at each of `points`; return every cache tensor needed.
+
+    A sliding layer records its past (transformers' `activate_past_recording`): it keeps every
+    token's K/V while the masks still apply the window, so K/V of all positions come back.
+    """
+    specs = layer_specs(model)
+    assert all(0 < p <= len(tokens) for p in points)
+    cache = DynamicCache(config=model.config)
+    for i, spec in enumerate(specs):
+        if spec.kind == "sliding":
+            cache.layers[i].activate_past_recording()
+    snaps = Snapshots()
+    start = 0
+    for end in [*sorted(set(points)), len(tokens)]:
+        if end > start:
+            _forward(model, tokens[start:end], start, cache)
+            start = end
+        if end in points:
+            snaps.states[end] = {
+                i: {
+                    "conv": _plain(cache.layers[i].conv_states[0][0]),
+                    "recurrent": _plain(cache.layers[i].recurrent_states[0][0]),
+                }
+                for i, spec in enumerate(specs)
+                if spec.kind == "recurrent"
+            }
+    for i, spec in enumerate(specs):
+        if spec.kind != "recurrent":
+            layer = cache.layers[i]
+            assert layer.keys.shape[-2] == len(tokens), (i, layer.keys.shape)
+            snaps.kv[i] = (
+                _plain(layer.keys[0].transpose(0, 1)),
+                _plain(layer.values[0].transpose(0, 1)),
+            )
+    return snaps
+
+
+def restore_cache(
+    model: PreTrainedModel,
+    h: int,
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    states_at_h: dict[int, dict[str, torch.Tensor]],
+) -> DynamicCache:
+    """A fresh transformers cache holding what a hit of length h provides, and nothing more.
+
+    Full layers get K/V of [0, h); sliding layers only [h - W + 1, h) (the tokens before are never
+    read); recurrent layers the state after token h - 1.
+    """
+    cache = DynamicCache(config=model.config)
+    for i, spec in enumerate(layer_specs(model)):
+        layer = cache.layers[i]
+        if spec.kind == "recurrent":
+            assert isinstance(layer, LinearAttentionLayer)
+            conv, rec = states_at_h[i]["conv"], states_at_h[i]["recurrent"]
+            # As in a prefill: sets the conv kernel size and has_previous_state.
+            cache.update_conv_state(conv[None].clone(), i, conv_kernel_size=conv.shape[-1])
+            cache.update_recurrent_state(rec[None].clone(), i)
+            continue
+        keys, values = kv[i]
+        assert keys.shape[0] >= h and values.shape[0] >= h
+        first = 0 if spec.window is None else max(h - spec.window + 1, 0)
+        layer.update(
+            keys[first:h].transpose(0, 1)[None].clone(),
+            values[first:h].transpose(0, 1)[None].clone(),
+        )
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = h  # the absolute position the next token takes
+    return cache
+
+
+def resume_logits(
+    model: PreTrainedModel,
+    tokens: list[int],
+    h: int,
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    states_at_h: dict[int, dict[str, torch.Tensor]],
+) -> torch.Tensor:
+    """Logits (len(tokens) - h, vocab) of tokens[h:], computed from a cache hit of length h."""
+    assert 0 < h < len(tokens)
+    return _forward(model, tokens[h:], h, restore_cache(model, h, kv, states_at_h))

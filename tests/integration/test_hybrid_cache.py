@@ -1,0 +1,235 @@
+"""HybridCache (hicache/hybrid/cache.py) through a whole cache, on virtual time: a hit is
+never longer than every layer group can resume from, and the recurrent snapshot it hands
+back is exactly the one taken after its last token, from L1, from L2 and from L3 (a second
+instance over the same store). K/V of every hit is checked page by page."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from hicache import HiCache, InvalidRequest
+from hicache.backends.memory import MemoryBackend, MemoryStore
+from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
+from hicache.hybrid.states import TOKEN_LIMIT
+from hicache.testing import bad_pages, run_virtual
+from hicache.testing.kvfill import fill
+from tests.integration.storage_helpers import PAGE, config, namespace_of, seeds_for, tokens_from
+
+STATE = 100  # bytes per snapshot: one page of the pool below, with the header
+
+
+def bamba_like(state_bytes: int = STATE) -> HybridModel:
+    return HybridModel(
+        (Recurrent((0, 1, 3), state_bytes=state_bytes, grid=8), FullAttention((2,))), PAGE
+    )
+
+
+def state_of(prefix: np.ndarray, size: int = STATE) -> bytes:
+    """The stand-in model's recurrent state after `prefix`: depends on every token of it."""
+    digest = hashlib.sha256(np.asarray(prefix, dtype=np.int64).tobytes()).digest()
+    return (digest * (size // len(digest) + 1))[:size]
+
+
+def recurrent_config(**overrides):
+    base = dict(kv="mha:1:1:8:float32", device_tokens=64, host_tokens=256)
+    base.update(overrides)
+    return config(**base)
+
+
+async def serve(
+    hc: HybridCache, rid: str, tokens: np.ndarray, *, snapshots: bool = True, extra: bool = False
+):
+    """One request as an engine runs it: match, compute the rest, cache with its snapshots
+    (with `extra`, also at the hit's `snapshot_hint`). Returns the hit after checking its K/V
+    and its state."""
+    cache = hc.cache
+    hit = await hc.match(rid, tokens)
+    assert (
+        bad_pages(cache.device_pool, hit.device_slots, seeds_for(tokens), page_size=PAGE, first=0)
+        == 0
+    )
+    if hit.state is not None:
+        assert hit.state == state_of(tokens[: hit.length])
+    fresh = await hc.allocate(rid, len(tokens) - hit.length)
+    slots = np.concatenate([hit.device_slots, fresh])
+    fill(cache.device_pool, fresh, seeds_for(tokens), page_size=PAGE, first=hit.length)
+    points = hc.model.snapshot_points(len(tokens)) if snapshots else []
+    if extra and hit.snapshot_hint is not None:
+        points = sorted({*points, hit.snapshot_hint})
+    states = {p: state_of(tokens[:p]) for p in points if p > hit.length}
+    _, kept = await hc.cache_finished(rid, tokens, slots, snapshots=states)
+    assert kept == tuple(sorted(states))
+    return hit
+
+
+PROMPT = tokens_from(0, 30)
+
+
+def test_a_hit_ends_at_the_deepest_snapshot_and_carries_its_state():
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            hc = HybridCache(cache, bamba_like())
+            first = await serve(hc, "a", PROMPT)
+            longer = await serve(hc, "b", np.concatenate([PROMPT, tokens_from(500, 6)]))
+            branch = await serve(hc, "c", np.concatenate([PROMPT[:18], tokens_from(900, 10)]))
+            return first, longer, branch
+
+    first, longer, branch = run_virtual(main)
+    assert first.length == 0
+    assert (longer.kv_len, longer.length) == (28, 28)  # a's end snapshot
+    assert longer.probes == 4  # 28, 24, 16, 8 looked up at once
+    assert longer.device_hit == 28
+    assert (branch.kv_len, branch.length) == (16, 16)  # a grid point below the branch
+
+
+def test_without_a_snapshot_the_hit_is_zero_whatever_kv_is_cached():
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            hc = HybridCache(cache, bamba_like())
+            await serve(hc, "a", PROMPT, snapshots=False)
+            return await serve(hc, "b", PROMPT)
+
+    hit = run_virtual(main)
+    assert hit.kv_len == 28 and hit.length == 0 and hit.state is None
+    assert hit.probes == 4  # 28, 24, 16, 8: none there
+    assert hit.snapshot_hint == 28  # a snapshot there would have made the K/V usable
+
+
+def test_a_snapshot_kept_at_the_hinted_branch_point_makes_the_next_hit():
+    base, one, two = PROMPT[:22], tokens_from(4000, 8), tokens_from(5000, 8)
+
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            hc = HybridCache(cache, bamba_like())
+            await serve(hc, "a", np.concatenate([base, one]))  # snapshots at 8, 16, 24, 28
+            # b branches off at 22: K/V to 20, snapshot at 16; the hint says 20
+            b = await serve(hc, "b", np.concatenate([base, two]), extra=True)
+            c = await serve(hc, "c", np.concatenate([base, tokens_from(6000, 8)]))
+            return b, c
+
+    b, c = run_virtual(main)
+    assert (b.length, b.snapshot_hint) == (16, 20)
+    assert (c.length, c.snapshot_hint) == (20, None)  # resumed at the branch, thanks to b
+
+
+def test_a_snapshot_of_another_geometry_reads_as_absent():
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            await serve(HybridCache(cache, bamba_like()), "a", PROMPT)
+            other = HybridCache(cache, bamba_like(state_bytes=STATE - 10))
+            hit = await other.match("b", PROMPT)
+            await other.release("b")
+            return hit
+
+    hit = run_virtual(main)
+    assert hit.kv_len == 28 and hit.length == 0
+
+
+def test_snapshots_and_kv_come_back_from_l2():
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            hc = HybridCache(cache, bamba_like())
+            await serve(hc, "a", PROMPT)
+            await cache.flush()
+            await cache.clear(["device"])  # every page demoted to L2 (write-through backed it)
+            return await serve(hc, "b", PROMPT)
+
+    hit = run_virtual(main)
+    assert (hit.length, hit.device_hit) == (28, 0)  # all of it from L2; state and K/V checked
+
+
+def test_a_second_instance_resumes_from_l3():
+    store = MemoryStore()
+    cfg = recurrent_config(prefetch_policy="wait_complete")
+
+    async def main():
+        async with HiCache(
+            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
+        ) as a:
+            await serve(HybridCache(a, bamba_like()), "a", PROMPT)
+            await a.flush()
+        async with HiCache(
+            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
+        ) as b:
+            hc = HybridCache(b, bamba_like())
+            fetched = await hc.prefetch("b", PROMPT)
+            hit = await serve(hc, "b", PROMPT)
+            return fetched, hit
+
+    fetched, hit = run_virtual(main)
+    assert (fetched.kv_len, fetched.snapshot) == (28, 28)
+    assert hit.length == 28
+
+
+def test_sliding_and_full_attention_hit_every_whole_page_below_the_last_token():
+    model = HybridModel((SlidingWindow((0, 1, 3), window=6), FullAttention((2,))), PAGE)
+
+    async def main():
+        async with HiCache(config(kv="mha:4:1:8:float32")) as cache:
+            hc = HybridCache(cache, model)
+            await serve(hc, "a", PROMPT)
+            return await serve(hc, "b", PROMPT)
+
+    hit = run_virtual(main)
+    assert (hit.kv_len, hit.length, hit.state, hit.probes) == (28, 28, None, 0)
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            hc = HybridCache(cache, bamba_like())
+            await serve(hc, "a", PROMPT)
+            before = (await cache.stats()).device
+            errors = []
+            with pytest.raises(InvalidRequest, match="token ids must be in") as e1:
+                await hc.match("x", np.array([1, 2, TOKEN_LIMIT]))
+            errors.append(e1)
+            tokens = tokens_from(3000, 8)
+            await hc.match("y", tokens)
+            slots = await hc.allocate("y", 8)
+            with pytest.raises(InvalidRequest, match="multiple of the page size") as e2:
+                await hc.cache_finished("y", tokens, slots, snapshots={6: state_of(tokens[:6])})
+            with pytest.raises(InvalidRequest, match="has 3 bytes") as e3:
+                await hc.cache_finished("y", tokens, slots, snapshots={8: b"abc"})
+            await hc.release("y")
+            with pytest.raises(InvalidRequest, match="pool has 1 layers"):
+                HybridCache(cache, HybridModel((FullAttention((0, 1)),), PAGE))
+            after = (await cache.stats()).device
+            hit = await serve(hc, "b", PROMPT)
+            return before, after, hit, [e1, e2, e3]
+
+    before, after, hit, _ = run_virtual(main)
+    assert before == after
+    assert hit.length == 28  # what was cached is intact
+
+
+def test_a_prefetch_may_take_its_own_threshold():
+    store = MemoryStore()
+    cfg = recurrent_config(prefetch_policy="wait_complete", prefetch_threshold=3 * PAGE)
+    short = tokens_from(7000, 9)  # two whole pages: below the threshold
+
+    async def main():
+        async with HiCache(
+            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
+        ) as a:
+            await serve(HybridCache(a, bamba_like()), "a", short, snapshots=False)
+            await a.flush()
+        async with HiCache(
+            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
+        ) as b:
+            await b.match("x", short[:4])
+            skipped = await b.prefetch("x", short)
+            await b.match("y", short[:4])
+            taken = await b.prefetch("y", short, threshold=0)
+            done = await b.prefetch_wait("y")
+            with pytest.raises(InvalidRequest, match="threshold must be an int"):
+                await b.prefetch("z", short, threshold=-1)
+            await b.release_many(["x", "y"])
+            return skipped, taken, done
+
+    skipped, taken, done = run_virtual(main)
+    assert (skipped.state, skipped.reason) == ("skipped", "below_threshold")
+    assert taken.state == "running" and done.state == "done"

@@ -1,0 +1,90 @@
+"""The hybrid layer groups' rules (hicache/hybrid/groups.py): declaration errors, and the
+one usable hit length every group can resume from."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.config import ConfigError
+from hicache.hybrid import FullAttention, HybridModel, Recurrent, SlidingWindow
+
+PAGE = 4
+
+
+def gemma_like() -> HybridModel:
+    return HybridModel((SlidingWindow((0, 1, 3), window=6), FullAttention((2,))), PAGE)
+
+
+def bamba_like(grid: int = 8) -> HybridModel:
+    return HybridModel(
+        (Recurrent((0, 1, 3), state_bytes=100, grid=grid), FullAttention((2,))), PAGE
+    )
+
+
+@pytest.mark.parametrize(
+    "groups, page, message",
+    [
+        ((), PAGE, "at least one layer group"),
+        ((FullAttention(()),), PAGE, "has no layers"),
+        ((FullAttention((0,)), SlidingWindow((0,), 4)), PAGE, "layer 0 is in two groups"),
+        ((FullAttention((0, 2)),), PAGE, r"layers \[1\] are in no group"),
+        ((SlidingWindow((0,), 0),), PAGE, "window must be >= 1"),
+        ((FullAttention((0,)), Recurrent((1,), 0, 8)), PAGE, "state_bytes must be > 0"),
+        ((FullAttention((0,)), Recurrent((1,), 10, 6)), PAGE, "multiple of the page size"),
+        ((Recurrent((0,), 10, 8),), PAGE, "at least one attention layer"),
+        ((FullAttention((-1,)),), PAGE, "layers count from 0"),
+        ((FullAttention((0,)),), 0, "page_size must be > 0"),
+    ],
+)
+def test_bad_declarations_name_what_is_wrong(groups, page, message):
+    with pytest.raises(ConfigError, match=message):
+        HybridModel(groups, page)
+
+
+def test_attention_layers_map_to_pool_layers_in_model_order():
+    assert gemma_like().attention_layers == (0, 1, 2, 3)
+    assert bamba_like().attention_layers == (2,)
+    assert bamba_like().state_bytes == 100
+
+
+def test_without_recurrent_groups_a_hit_is_the_whole_pages_below_the_last_token():
+    model = gemma_like()
+    assert model.usable(n_tokens=21, kv_len=40) == 20
+    assert model.usable(n_tokens=20, kv_len=40) == 16  # the last token is always computed
+    assert model.usable(n_tokens=40, kv_len=13) == 12
+    assert model.snapshot_points(40) == [] and model.candidates(40, 40, 8) == []
+
+
+def test_recurrent_groups_resume_only_at_a_snapshot():
+    model = bamba_like()
+    assert model.usable(n_tokens=30, kv_len=28, snapshots=()) == 0  # fail closed
+    assert model.usable(30, 28, [8, 16, 24]) == 24
+    assert model.usable(30, 20, [8, 16, 24]) == 16  # K/V ends before the deepest snapshot
+    assert model.usable(30, 28, [6]) == 0  # not on a page: never a hit
+    assert model.snapshot_points(30) == [8, 16, 24, 28]
+    assert model.candidates(30, 30, 8) == [28, 24, 16, 8]
+    assert model.candidates(30, 30, 2) == [28, 24]
+
+
+def test_the_grid_of_two_recurrent_groups_is_where_both_keep_a_snapshot():
+    model = HybridModel(
+        (Recurrent((0,), 10, 8), Recurrent((1,), 20, 12), FullAttention((2,))), PAGE
+    )
+    assert model.grid == 24 and model.state_bytes == 30
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 200),
+    kv=st.integers(0, 200),
+    snaps=st.lists(st.integers(0, 200), max_size=10),
+    grid_pages=st.integers(1, 4),
+)
+def test_a_usable_hit_is_valid_for_every_group(n, kv, snaps, grid_pages):
+    model = bamba_like(grid=grid_pages * PAGE)
+    h = model.usable(n, kv, snaps)
+    assert h == 0 or (h in snaps and h <= kv and h <= n - 1 and h % PAGE == 0)
+    best = [p for p in snaps if 0 < p <= min(kv, n - 1) and p % PAGE == 0]
+    assert h == max(best, default=0)  # and no valid one is deeper
