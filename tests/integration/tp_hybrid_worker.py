@@ -1,0 +1,105 @@
+"""One tensor-parallel rank of the two-process hybrid test (run in a spawned process): the
+same seeded hybrid workload on every rank, each rank keeping its own shard of the recurrent
+state; rank 1's storage is slower, so the ranks' completions arrive at different times."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import anyio
+import numpy as np
+import torch.distributed as dist
+
+from hicache import CacheConfig, HiCache
+from hicache.backends.file import FileBackend
+from hicache.backends.keys import Namespace
+from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent
+from hicache.testing import BackendFaults, FaultyBackend
+from hicache.testing.kvfill import count_bad_pages, fill
+from hicache.testing.synthetic import kv_seeds
+
+PAGE = 16
+STATE = 300
+MODEL = HybridModel((Recurrent((0, 2), STATE, grid=2 * PAGE), FullAttention((1,))), PAGE)
+
+
+def state_of(prefix: np.ndarray, rank: int) -> bytes:
+    """This rank's shard of the state after `prefix`."""
+    digest = hashlib.sha256(prefix.astype(np.int64).tobytes() + bytes([rank])).digest()
+    return (digest * (STATE // len(digest) + 1))[:STATE]
+
+
+def workload(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, 50_000, 200) for _ in range(4)]
+    return [
+        np.concatenate(
+            [
+                bases[int(rng.integers(0, 4))][: int(rng.integers(8, 150))],
+                rng.integers(0, 50_000, 20),
+            ]
+        )
+        for _ in range(n)
+    ]
+
+
+def main(rank: int, world: int, init_file: str, out_dir: str, seed: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    cfg = CacheConfig(
+        kv="mha:1:2:8:float16",
+        page_size=PAGE,
+        device_tokens=640,
+        host_tokens=1280,
+        write_policy="write_through",
+        storage="file",
+        model_id="tp-hybrid",
+        prefetch_threshold=PAGE,
+        tp_rank=rank,
+        tp_size=world,
+        channel_capacity=32,
+    )
+    ns = Namespace(
+        model=cfg.model_id, kv=cfg.kv, page_size=PAGE, rank=rank, tp_size=world, layout=cfg.layout
+    )
+    backend = FaultyBackend(
+        FileBackend(os.path.join(out_dir, "store"), namespace=ns),
+        BackendFaults(latency=0.0005 + 0.004 * rank),
+    )
+
+    async def run():
+        hits, bad = [], 0
+        async with HiCache(cfg, backend=backend, tp_group=group) as cache:
+            hc = HybridCache(cache, MODEL)
+            pool = cache.device_pool
+            for i, tokens in enumerate(workload(seed, 40)):
+                rid = f"r{i}"
+                if i % 7 == 6:
+                    await hc.prefetch(rid, tokens)
+                hit = await hc.match(rid, tokens)
+                seeds = kv_seeds(tokens, PAGE)
+                bad += count_bad_pages(pool, hit.device_slots, seeds, page_size=PAGE, first=0)
+                if hit.length and hit.state != state_of(tokens[: hit.length], rank):
+                    bad += 1
+                fresh = await hc.allocate(rid, len(tokens) - hit.length)
+                fill(pool, fresh, seeds, page_size=PAGE, first=hit.length)
+                points = [p for p in MODEL.snapshot_points(len(tokens)) if p > hit.length]
+                await hc.cache_finished(
+                    rid,
+                    tokens,
+                    np.concatenate([hit.device_slots, fresh]),
+                    snapshots={p: state_of(tokens[:p], rank) for p in points},
+                )
+                hits.append([hit.length, hit.kv_len, hit.device_hit])
+                if i % 10 == 9:
+                    await cache.clear(["device"])
+            await cache.flush()
+            dump = await cache.dump()
+        return hits, bad, dump
+
+    hits, bad, dump = anyio.run(run)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"hits": hits, "bad": bad, "dump": dump}, f)
+    dist.destroy_process_group()
