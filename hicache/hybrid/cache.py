@@ -288,17 +288,18 @@ class HybridCache:
         finished = False
         try:
             found = await self.cache.match(probe, key, salt=salt)
-            if found.device_len + found.host_len >= len(key):
+            have = found.device_len + found.host_len
+            if have >= len(key):
                 return True  # kept already (the same prefix gives the same state)
-            if found.device_len + found.host_len < len(prefix):
-                return False
+            if have != len(prefix):  # the prefix left, or part of an old chain is still kept:
+                return False  # skip (that part is a leaf, evicted first; a later store works)
             slots = found.device_slots
             if len(slots) < len(prefix):
                 back = await self.cache.load_back(probe)
                 if back.handle is not None:
                     await back.handle.wait_async(self._pool.geometry.layers - 1)
                 slots = back.device_slots
-                if len(slots) < len(prefix):
+                if len(slots) != len(prefix):
                     return False
             try:
                 fresh = await self.cache.allocate(probe, len(key) - len(prefix))
