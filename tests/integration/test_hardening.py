@@ -12,7 +12,9 @@ from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.observability import EventLog
 from hicache.runtime.errors import ActorFailed
 from hicache.testing import (
+    BackendFaults,
     FaultPlan,
+    FaultyBackend,
     ScriptedScheduler,
     bad_prefix_pages,
     run_virtual,
@@ -389,3 +391,33 @@ def test_the_upload_backlog_is_bounded():
     assert any(
         e["event"] == "tree.upload_skipped" and e["reason"] == "backlog_full" for e in log.events
     )
+
+
+def test_an_upload_evicted_from_l2_while_it_waits_is_counted_as_skipped():
+    log = EventLog(capture=True)
+
+    async def main():
+        # one upload credit and slow storage: backups queue for it; an L2 of 8 pages then
+        # evicts the oldest of them before their turn comes
+        cfg = storage_config(channel_capacity=8, host_tokens=96, max_upload_backlog=64)
+        slow = FaultyBackend(
+            MemoryBackend(namespace=namespace_of(cfg), store=MemoryStore()),
+            BackendFaults(latency=1.0),
+        )
+        async with HiCache(cfg, backend=slow, log=log) as cache:
+            compute = synthetic_compute(cache)
+            for i in range(12):
+                t = tokens(1000 * i, 16)
+                await cache.match(f"r{i}", t)
+                slots = await cache.allocate(f"r{i}", len(t))
+                compute(f"r{i}", t, slots, 0)
+                await cache.cache_finished(f"r{i}", t, slots)
+                await cache.kernel.sleep(0.01)  # virtual: its backup lands, its upload queues
+            await cache.flush()
+            return cache.kernel.actors["tree"].counters.skipped_uploads
+
+    skipped = run_virtual(main)
+    evicted = [
+        e for e in log.events if e["event"] == "tree.upload_skipped" and e["reason"] == "evicted"
+    ]
+    assert evicted and skipped == len(evicted)

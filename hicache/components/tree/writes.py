@@ -201,6 +201,14 @@ class WriteFlows:
             pieces = self.upload_backlog.popleft()
             if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
                 self._upload(pieces)
+            else:  # L2 evicted it while it waited (a backlog does not protect): never stored
+                self._ctx.counters.skipped_uploads += 1
+                self._ctx.out.warning(
+                    "tree.upload_skipped",
+                    node=pieces[-1],
+                    reason="evicted",
+                    backlog=len(self.upload_backlog),
+                )
         self.retry_backlog()  # host pages may be evictable again
 
     def node_hashes(self, node: NodeId) -> tuple[PageHash, ...]:
