@@ -13,6 +13,15 @@ from hicache.secrets import redact_text
 _REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 
 
+_HYBRID_HELP = (
+    "a hybrid model's layer groups in model order, comma-separated: full:N, "
+    "sliding:N:WINDOW, recurrent:N:STATE_BYTES:GRID (STATE_BYTES: one snapshot of the N "
+    "layers, e.g. 64KiB; GRID: tokens between snapshots, a multiple of the page); e.g. "
+    "full:1,sliding:3:1024. Requests run one by one through HybridCache; the --kv layer "
+    "count is replaced by the attention layers (full + sliding), its heads, dim and dtype kept"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV cache tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         default="mha:2:1:32:float16",
         help="mha:LAYERS:HEADS:DIM:DTYPE or mla:LAYERS:RANK:ROPE:DTYPE",
     )
+    r.add_argument("--hybrid", default=None, metavar="SPEC", help=_HYBRID_HELP)
     r.add_argument("--layout", default="page_first")
     r.add_argument("--io", default="kernel", choices=("kernel", "direct"))
     r.add_argument(
@@ -148,6 +158,19 @@ def _parser() -> argparse.ArgumentParser:
         "--exclusive", action="store_true", help="L2 as a victim tier of L1 (implies write_back)"
     )
     s.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
+    s.add_argument(
+        "--hybrid",
+        default=None,
+        metavar="SPEC",
+        help="as replay's --hybrid: every point replays through HybridCache with real bytes "
+        "(the pool from --kv, L3 an in-memory store), not the control plane alone",
+    )
+    s.add_argument(
+        "--kv",
+        default="mha:2:1:32:float16",
+        help="with --hybrid: the pool's heads, head dim and dtype (its layer count is the "
+        "spec's attention layers)",
+    )
     s.add_argument("--out", default=".", help="directory for sweep.csv and sweep.png")
     s.add_argument("--quiet", action="store_true", help="no line per point")
 

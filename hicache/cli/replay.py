@@ -5,6 +5,9 @@ loaded back from L2, computed (no model: the KV of its new tokens is written as 
 of page key, layer and position), inserted and released. Every page that reaches L1 from L2 is
 checked against what it must be (`--verify`).
 
+`--hybrid SPEC` runs each request through `HybridCache` instead, for a model with
+sliding-window or recurrent layers (`hicache/cli/hybrid_replay.py`).
+
 `--detach-at N` detaches L3 at run time after the step in which the Nth request finished
 (`HiCache.detach_storage`), and `--attach-at M` attaches the same `--storage` again after the
 Mth (`HiCache.attach_storage`): the replay goes on through both, requests see no L3 meanwhile.
@@ -30,8 +33,11 @@ from typing_extensions import Self
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.cache import HiCache
+from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid, run_hybrid_step
 from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace, scheduler_steps
 from hicache.config import CacheConfig
+from hicache.hybrid import HybridCache, HybridModel
+from hicache.hybrid.states import state_pages
 from hicache.observability import EventLog
 from hicache.results import CapacityError, PinLimitError
 from hicache.runtime import run_deterministic
@@ -187,16 +193,20 @@ async def replay(
     detach_at: int | None = None,
     attach_at: int | None = None,
     pin_first_block: tuple[str, ...] = (),
+    hybrid: HybridModel | None = None,
 ) -> tuple[Tally, dict[str, Any]]:
     """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
     running counts: the live hit rate is (device_hit + loaded) / input_tokens). With
     `detach_at`, L3 is detached once that many requests are done; with `attach_at`, attached
-    again (the same `cfg.storage`, with `cfg.extra`) once that many are."""
+    again (the same `cfg.storage`, with `cfg.extra`) once that many are. With `hybrid`,
+    requests go one by one through `HybridCache` (hybrid_replay.py; its pool: the config's)."""
     check_storage_switch(cfg, detach_at, attach_at)
     if any(t not in ("device", "host") for t in pin_first_block):
         raise ValueError(
             f"pin_first_block: tiers must be device and/or host, got {pin_first_block}"
         )
+    if hybrid is not None and pin_first_block:
+        raise ValueError("--pin-first-block is not supported with --hybrid")
     tally = Tally()
     timer = _Timer(tally)
     async with HiCache(cfg, log=log) as cache:
@@ -208,33 +218,46 @@ async def replay(
                 file=sys.stderr,
             )
         pins = pin_first_block
+        hc = HybridCache(cache, hybrid) if hybrid is not None else None
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
             storage_on = cache.backend is not None
-            try:
-                await _run_step(
-                    cache, step, tally, timer, block_tokens, verify, storage_on, salts, pins
+            if hc is not None:
+                await run_hybrid_step(
+                    hc,
+                    step,
+                    tally,
+                    timer,
+                    block_tokens=block_tokens,
+                    verify=verify,
+                    storage_on=storage_on,
+                    salts=salts,
                 )
-            except CapacityError:
-                # Too much at once for L1: drop the step's state and run it one by one.
-                await cache.release_many(RequestId(f"r{r.index}") for r in step)
-                for req in step:
-                    try:
-                        await _run_step(
-                            cache,
-                            [req],
-                            tally,
-                            timer,
-                            block_tokens,
-                            verify,
-                            storage_on,
-                            salts,
-                            pins,
-                        )
-                    except CapacityError:
-                        await cache.release(RequestId(f"r{req.index}"))
-                        tally.rejected += 1
-                        tally.requests += 1
-                        tally.input_tokens += req.input_length
+            else:
+                try:
+                    await _run_step(
+                        cache, step, tally, timer, block_tokens, verify, storage_on, salts, pins
+                    )
+                except CapacityError:
+                    # Too much at once for L1: drop the step's state and run it one by one.
+                    await cache.release_many(RequestId(f"r{r.index}") for r in step)
+                    for req in step:
+                        try:
+                            await _run_step(
+                                cache,
+                                [req],
+                                tally,
+                                timer,
+                                block_tokens,
+                                verify,
+                                storage_on,
+                                salts,
+                                pins,
+                            )
+                        except CapacityError:
+                            await cache.release(RequestId(f"r{req.index}"))
+                            tally.rejected += 1
+                            tally.requests += 1
+                            tally.input_tokens += req.input_length
             progress(tally.requests)
             if on_step is not None:
                 on_step(tally)
@@ -243,8 +266,6 @@ async def replay(
         with timer:
             await cache.flush()
             stats = await cache.stats()
-        tally.host_hit = stats.host.hit_tokens
-        tally.storage_hit = stats.storage_hit_tokens
         extra: dict[str, Any] = {
             "bytes": {**stats.bytes},
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
@@ -254,6 +275,21 @@ async def replay(
             extra["backend"] = backend_stats
             extra["bytes"]["h2s"] = int(backend_stats.get("bytes_written", 0))
             extra["bytes"]["s2h"] = int(backend_stats.get("bytes_read", 0))
+        if hc is None:
+            tally.host_hit = stats.host.hit_tokens
+            tally.storage_hit = stats.storage_hit_tokens
+        else:  # hits were counted per request (the stats count snapshot pages as hits too)
+            model = hc.model
+            counts = tally.extra.get("hybrid")
+            extra["hybrid"] = {
+                "attention_layers": len(model.attention_layers),
+                "state_bytes": model.state_bytes,
+                "grid": model.grid,
+                "pages_per_snapshot": (
+                    state_pages(cache.device_pool, model.state_bytes) if model.recurrent else 0
+                ),
+                **(counts.as_dict() if counts is not None else {}),
+            }
     return tally, extra
 
 
@@ -415,13 +451,16 @@ def _storage_options(args: argparse.Namespace) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     _pin_tiers(getattr(args, "pin_first_block", None))  # a bad tier fails before any work
+    spec = getattr(args, "hybrid", None)
+    hybrid = parse_hybrid(spec, args.page_size) if spec is not None else None
+    kv = hybrid_kv(args.kv, hybrid) if hybrid is not None else args.kv
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=_scratch_dir()) as tmp:
         storage = args.storage
         if storage == "file":
             storage = f"file:{tmp}/store"
         cfg = CacheConfig(
-            kv=args.kv,
+            kv=kv,
             page_size=args.page_size,
             device_tokens=args.device_tokens,
             host_tokens=args.host_tokens,
@@ -466,6 +505,7 @@ def run(args: argparse.Namespace) -> int:
                         detach_at=getattr(args, "detach_at", None),
                         attach_at=getattr(args, "attach_at", None),
                         pin_first_block=_pin_tiers(getattr(args, "pin_first_block", None)),
+                        hybrid=hybrid,
                     )
 
                 if args.deterministic:
@@ -483,10 +523,14 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("detach_at", "attach_at"):  # L3 switched at run time (only when asked)
         if getattr(args, flag, None) is not None:
             summary["config"][flag] = getattr(args, flag)
+    if "hybrid" in extra:  # the pool's layers are the spec's attention layers (kv replaced)
+        summary["hybrid"] = {"spec": spec, **extra["hybrid"]}
+        summary["config"]["hybrid"] = spec
     _print_table(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return 1 if summary["corrupt_pages"] else 0
+    corrupt_states = summary.get("hybrid", {}).get("corrupt_states", 0)
+    return 1 if summary["corrupt_pages"] or corrupt_states else 0
 
 
 def _pin_tiers(value: str | None) -> tuple[str, ...]:
@@ -573,6 +617,19 @@ def _print_table(s: dict[str, Any]) -> None:
         ("wall", f"{s['wall_s']:.2f} s"),
         ("control plane", f"{s['control_us_per_request']:.0f} us/request"),
     ]
+    hy = s.get("hybrid")
+    if hy is not None:
+        kept_of = f"{hy['snapshots_offered']:,}  ({hy['pages_per_snapshot']} pages each)"
+        rows.insert(1, ("hybrid", f"{hy['spec']}  (pool: kv {s['config']['kv']})"))
+        rows += [
+            ("K/V cut by the groups' rule", f"{hy['cut_tokens'] / tok:.4f}"),
+            ("snapshots kept / offered", f"{hy['snapshots_kept']:,} / {kept_of}"),
+            (
+                "snapshot hits / probes",
+                f"{hy['snapshot_hits']:,} / {hy['snapshot_probes']:,}",
+            ),
+            ("verified / corrupt states", f"{hy['verified_states']:,} / {hy['corrupt_states']}"),
+        ]
     store = s.get("storage_stats", {})
     if "peak_stored_bytes" in store:  # a file store: how full it got against its cap
         sizes = (store["stored_bytes"], store["peak_stored_bytes"], store["max_bytes"])

@@ -9,6 +9,11 @@ L3 setting, the trace's bound dashed).
 
 Sizes: `100k`, `1.5M`, `262144` (tokens, rounded down to whole pages); L2 sizes may also be a
 multiple of the L1 size (`2x`). L3: `0` (none) or `inf` (an unbounded store).
+
+`--hybrid SPEC` (as `hicache replay --hybrid`): a hybrid model's hits depend on the snapshot
+bytes kept in the pools, which the control plane alone does not have, so every point is then
+`hicache replay --hybrid` itself (real bytes, the pool from `--kv`, L3 an in-memory store,
+every page and state verified); the CSV gets the hybrid columns too.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 
 from hicache.cli.coremodel import replay_trace
+from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid
+from hicache.cli.replay import replay
 from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace
 from hicache.config import CacheConfig
+from hicache.hybrid import HybridModel
 
 _SUFFIX = {"k": 1_000, "K": 1_000, "m": 1_000_000, "M": 1_000_000, "g": 10**9, "G": 10**9}
 
@@ -54,6 +63,19 @@ CSV_FIELDS = (
     "rejected_requests",
     "seconds",
 )
+HYBRID_FIELDS = (
+    "hybrid",
+    "kv",
+    "snapshots_kept",
+    "snapshot_hits",
+    "snapshot_probes",
+    "cut_tokens",
+    "verified_pages",
+    "corrupt_pages",
+    "verified_states",
+    "corrupt_states",
+)
+"""Columns after CSV_FIELDS with --hybrid."""
 
 
 def parse_tokens(text: str) -> float:
@@ -185,9 +207,88 @@ def run_point(
     }
 
 
+def run_hybrid_point(
+    point: Point,
+    requests: list[TraceRequest],
+    model: HybridModel,
+    *,
+    spec: str,
+    kv: str,
+    block_tokens: int,
+    batch: int,
+    write_policy: str,
+    eviction: str,
+    exclusive: bool,
+    bound: float,
+) -> dict[str, Any]:
+    """One point as `hicache replay --hybrid` (verified, in-memory L3): the row's fields."""
+    cfg = CacheConfig(
+        kv=kv,
+        page_size=model.page_size,
+        device_tokens=point.device_tokens,
+        host_tokens=point.host_tokens,
+        write_policy=write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        storage="memory" if point.storage else None,
+        model_id="sweep",
+        prefetch_policy="wait_complete",
+    )
+    t0 = time.perf_counter()
+
+    async def main() -> tuple[Any, dict[str, Any]]:
+        return await replay(
+            cfg,
+            requests,
+            block_tokens=block_tokens,
+            batch=batch,
+            verify=True,
+            log=None,
+            progress=lambda done: None,
+            hybrid=model,
+        )
+
+    tally, extra = anyio.run(main)
+    tokens = tally.input_tokens or 1
+    hy = extra["hybrid"]
+    resolved, _ = cfg.resolve()
+    host = tally.host_hit - tally.storage_hit
+    row = {
+        "device_tokens": point.device_tokens,
+        "host_tokens": point.host_tokens,
+        "storage": point.storage_label,
+        "write_policy": resolved.write_policy,
+        "eviction": eviction,
+        "exclusive": exclusive,
+        "page_size": model.page_size,
+        "requests": tally.requests,
+        "input_tokens": tally.input_tokens,
+        "hit_rate": (tally.device_hit + tally.host_hit) / tokens,
+        "device_hit_rate": tally.device_hit / tokens,
+        "host_hit_rate": host / tokens,
+        "storage_hit_rate": tally.storage_hit / tokens,
+        "bound_hit_rate": bound,
+        "device_hit_tokens": tally.device_hit,
+        "host_hit_tokens": host,
+        "storage_hit_tokens": tally.storage_hit,
+        "device_evicted_tokens": extra["evictions"]["device"],
+        "host_evicted_tokens": extra["evictions"]["host"],
+        "rejected_requests": tally.rejected,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    more = {
+        **hy,
+        "hybrid": spec,
+        "kv": kv,
+        "verified_pages": tally.verified_pages,
+        "corrupt_pages": tally.corrupt_pages,
+    }
+    return {**row, **{k: more.get(k, 0) for k in HYBRID_FIELDS}}
+
+
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else CSV_FIELDS)
         w.writeheader()
         for row in rows:
             w.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
@@ -200,7 +301,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         for row in csv.DictReader(f):
             parsed: dict[str, Any] = {}
             for k, v in row.items():
-                if k in ("storage", "write_policy", "eviction"):
+                if k in ("storage", "write_policy", "eviction", "hybrid", "kv"):
                     parsed[k] = v
                 elif k == "exclusive":
                     parsed[k] = v == "True"
@@ -312,21 +413,39 @@ def run(args: argparse.Namespace) -> int:
             t = tokens[r.index] = r.tokens(args.block_tokens).astype(np.uint32)
         return t
 
+    spec = getattr(args, "hybrid", None)
+    model = parse_hybrid(spec, args.page_size) if spec is not None else None
+    kv = hybrid_kv(args.kv, model) if model is not None else ""
     rows = []
     show = not args.quiet
     for n, point in enumerate(points, 1):
-        row = run_point(
-            point,
-            requests,
-            page_size=args.page_size,
-            block_tokens=args.block_tokens,
-            batch=args.batch,
-            write_policy=args.write_policy,
-            eviction=args.eviction,
-            exclusive=args.exclusive,
-            bound=bound,
-            tokens_of=tokens_of,
-        )
+        if model is not None:
+            row = run_hybrid_point(
+                point,
+                requests,
+                model,
+                spec=spec or "",
+                kv=kv,
+                block_tokens=args.block_tokens,
+                batch=args.batch,
+                write_policy=args.write_policy,
+                eviction=args.eviction,
+                exclusive=args.exclusive,
+                bound=bound,
+            )
+        else:
+            row = run_point(
+                point,
+                requests,
+                page_size=args.page_size,
+                block_tokens=args.block_tokens,
+                batch=args.batch,
+                write_policy=args.write_policy,
+                eviction=args.eviction,
+                exclusive=args.exclusive,
+                bound=bound,
+                tokens_of=tokens_of,
+            )
         rows.append(row)
         if show:
             print(
@@ -354,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
         title = (
             f"{Path(args.trace).name}: {len(requests)} requests, page {args.page_size}, "
             f"{rows[0]['write_policy']}{', exclusive L2' if args.exclusive else ''}, "
-            f"{args.eviction}"
+            f"{args.eviction}{f', hybrid {spec}' if spec else ''}"
         )
         by_ratio = all(h.strip().lower().endswith("x") for h in args.host.split(","))
         plot(rows, out / "sweep.png", title=title, by_ratio=by_ratio)
@@ -363,4 +482,5 @@ def run(args: argparse.Namespace) -> int:
         f"{len(points)} points in {time.perf_counter() - t_start:.1f} s; bound "
         f"{bound:.4f}; wrote {', '.join(str(p) for p in written)}"
     )
-    return 0
+    corrupt = sum(row.get("corrupt_pages", 0) + row.get("corrupt_states", 0) for row in rows)
+    return 1 if corrupt else 0

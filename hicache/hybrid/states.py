@@ -68,6 +68,12 @@ def _rows(pool: DevicePool) -> list[torch.Tensor]:
     return out
 
 
+def _cpu_rows(pool: DevicePool) -> list[np.ndarray]:
+    """The same views as numpy arrays (a CPU pool): numpy's gathers and scatters of a few
+    rows cost microseconds, torch's index ops a thread pool's hand-off each."""
+    return [r.numpy() for r in _rows(pool)]
+
+
 def write_state(pool: DevicePool, slots: np.ndarray, state: bytes | bytearray | memoryview) -> None:
     """Write one snapshot into device `slots` (whole pages of them)."""
     data = bytes(_HEADER.pack(_MAGIC, _FORMAT, len(state))) + bytes(state)
@@ -77,21 +83,31 @@ def write_state(pool: DevicePool, slots: np.ndarray, state: bytes | bytearray | 
         raise ValueError(f"a snapshot of {len(data)} bytes does not fit {len(slots)} slots")
     padded = np.zeros(capacity, dtype=np.uint8)
     padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-    index = torch.as_tensor(np.array(slots, dtype=np.int64), device=pool.device)
+    index = np.array(slots, dtype=np.int64)
     at = 0
+    if pool.device.type == "cpu":
+        for arr in _cpu_rows(pool):
+            n = len(slots) * arr.shape[1]
+            arr[index] = padded[at : at + n].reshape(len(slots), arr.shape[1])
+            at += n
+        return
+    where = torch.as_tensor(index, device=pool.device)
     for r in rows:
         n = len(slots) * r.shape[1]
         chunk = torch.from_numpy(padded[at : at + n]).view(len(slots), r.shape[1])
-        r[index] = chunk.to(pool.device)
+        r[where] = chunk.to(pool.device)
         at += n
 
 
 def read_state(pool: DevicePool, slots: np.ndarray, state_bytes: int) -> bytes | None:
     """The snapshot in device `slots`, or None when they do not hold one of `state_bytes`
     written in this format."""
-    index = torch.as_tensor(np.array(slots, dtype=np.int64), device=pool.device)
-    parts = [r[index].reshape(-1).cpu() for r in _rows(pool)]
-    data = torch.cat(parts).numpy().tobytes()
+    index = np.array(slots, dtype=np.int64)
+    if pool.device.type == "cpu":
+        data = b"".join(arr[index].tobytes() for arr in _cpu_rows(pool))
+    else:
+        where = torch.as_tensor(index, device=pool.device)
+        data = torch.cat([r[where].reshape(-1).cpu() for r in _rows(pool)]).numpy().tobytes()
     if len(data) < _HEADER.size + state_bytes:
         return None
     magic, fmt, size = _HEADER.unpack_from(data)
