@@ -50,7 +50,8 @@ class HybridHit:
     `snapshot_hint`: with recurrent groups, the point up to which K/V is cached when that is
     deeper than the hit (the branch where this prompt leaves what was cached before): a
     snapshot kept there while this request prefills lets the next prompt sharing the prefix
-    resume from it. None otherwise."""
+    resume from it. None otherwise. `state_tier`: where the snapshot was found ("device",
+    or "host": loaded back from L2 for the read)."""
 
     rid: RequestId
     length: int
@@ -60,6 +61,7 @@ class HybridHit:
     device_hit: int = 0
     probes: int = 0
     snapshot_hint: int | None = None
+    state_tier: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,9 +113,10 @@ class HybridCache:
         length = top = self.model.cap(len(arr), kv_len)
         state: bytes | None = None
         points: list[int] = []
+        tier: str | None = None
         if self.model.recurrent:
             points = self.model.candidates(len(arr), kv_len, self.max_probes)
-            length, state = await self._deepest_snapshot(rid, arr, points, salt)
+            length, state, tier = await self._deepest_snapshot(rid, arr, points, salt)
         slots = found.device_slots
         if length > len(slots):
             back = await self.cache.load_back(rid)
@@ -138,16 +141,17 @@ class HybridCache:
             device_hit=min(found.device_len, length),
             probes=len(points),
             snapshot_hint=top if self.model.recurrent and top > length else None,
+            state_tier=tier if length and state is not None else None,
         )
 
     async def _deepest_snapshot(
         self, rid: RequestId, arr: np.ndarray, points: list[int], salt: Salt
-    ) -> tuple[int, bytes | None]:
-        """(point, state) of the deepest of `points` whose snapshot chain L1/L2 hold whole,
-        or (0, None). Every point is looked up in one call, under its own probe id, and every
-        probe is released before returning."""
+    ) -> tuple[int, bytes | None, str | None]:
+        """(point, state, tier it was in) of the deepest of `points` whose snapshot chain
+        L1/L2 hold whole, or (0, None, None). Every point is looked up in one call, under its
+        own probe id, and every probe is released before returning."""
         if not points:
-            return 0, None
+            return 0, None, None
         probes = [_probe(rid, p) for p in points]
         keys = [state_key(arr[:p], self._pages, self.model.page_size) for p in points]
         try:
@@ -159,8 +163,8 @@ class HybridCache:
                     continue
                 state = await self._read_chain(probe, out, point, len(key))
                 if state is not None:
-                    return point, state
-            return 0, None
+                    return point, state, "device" if out.device_len >= len(key) else "host"
+            return 0, None, None
         finally:
             await self.cache.release_many(probes)
 

@@ -81,7 +81,7 @@ def test_a_hit_ends_at_the_deepest_snapshot_and_carries_its_state():
     assert first.length == 0
     assert (longer.kv_len, longer.length) == (28, 28)  # a's end snapshot
     assert longer.probes == 4  # 28, 24, 16, 8 looked up at once
-    assert longer.device_hit == 28
+    assert longer.device_hit == 28 and longer.state_tier == "device"
     assert (branch.kv_len, branch.length) == (16, 16)  # a grid point below the branch
 
 
@@ -139,6 +139,7 @@ def test_snapshots_and_kv_come_back_from_l2():
 
     hit = run_virtual(main)
     assert (hit.length, hit.device_hit) == (28, 0)  # all of it from L2; state and K/V checked
+    assert hit.state_tier == "host"
 
 
 def test_a_second_instance_resumes_from_l3():
