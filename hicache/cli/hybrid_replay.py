@@ -21,12 +21,12 @@ import hashlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes, check_kv_spec
 from hicache.backends.mooncake_spec import parse_size
+from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest
 from hicache.config import ConfigError
 from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
@@ -34,9 +34,6 @@ from hicache.hybrid.groups import LayerGroup
 from hicache.results import CapacityError
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId
-
-if TYPE_CHECKING:
-    from hicache.cli.replay import Tally
 
 __all__ = [
     "HybridTally",

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from typing_extensions import Self
 from hicache.backends.keys import chain_page_hashes
 from hicache.cache import HiCache
 from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid, run_hybrid_step
+from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest, bound_hit_rate, read_trace, scheduler_steps
 from hicache.config import CacheConfig
 from hicache.hybrid import HybridCache, HybridModel
@@ -44,26 +44,6 @@ from hicache.runtime import run_deterministic
 from hicache.secrets import redact_url
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId
-
-
-@dataclass(slots=True)
-class Tally:
-    requests: int = 0
-    input_tokens: int = 0
-    device_hit: int = 0
-    host_hit: int = 0
-    storage_hit: int = 0
-    rejected: int = 0
-    verified_pages: int = 0
-    corrupt_pages: int = 0
-    loaded: int = 0  # tokens loaded back so far (the live hit rate; host_hit is the cache's)
-    control_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-    # with --salts: salt -> [input tokens, hit tokens (L1 at match + loaded back)]
-    per_salt: dict[str, list[int]] = field(default_factory=dict)
-    # with --pin-first-block: first blocks pinned, refused at the cap (by block id)
-    pinned: set[tuple[str | None, int]] = field(default_factory=set)
-    pins_refused: int = 0
 
 
 class _Timer:
