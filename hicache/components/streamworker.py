@@ -52,21 +52,23 @@ class StreamWorker(Actor[J | StreamDone]):
     async def handle(self, msg: J | StreamDone) -> None:
         if isinstance(msg, StreamDone):
             job = self._inflight.pop(msg.op)
-            tokens = len(job.device_slots)
-            seconds = round(self.kernel.now() - self._started.pop(msg.op), 6)
-            self.log.info(
-                self.done_event,
-                op=msg.op,
-                tokens=tokens,
-                bytes=tokens * self._bytes_per_token,
-                ok=not msg.error,
-                error=msg.error or None,
-                seconds=seconds,
-            )
+            started = self._started.pop(msg.op, None)
+            if started is not None:  # the log records (see below)
+                tokens = len(job.device_slots)
+                self.log.info(
+                    self.done_event,
+                    op=msg.op,
+                    tokens=tokens,
+                    bytes=tokens * self._bytes_per_token,
+                    ok=not msg.error,
+                    error=msg.error or None,
+                    seconds=round(self.kernel.now() - started, 6),
+                )
             self._finished(job, msg.error)
         elif isinstance(msg, self.job_type):
             self._inflight[msg.op] = msg
-            self._started[msg.op] = self.kernel.now()
+            if self.log.recording:  # the done event is built only for a log that records
+                self._started[msg.op] = self.kernel.now()
             deliver = self._deliver
             assert deliver is not None
             op = msg.op

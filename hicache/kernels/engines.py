@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native import PageRuns, native_rows, unavailable_reason
 from hicache.kernels.pools import HostPool
 from hicache.kernels.rows import (
     SCRATCH_BYTES,
@@ -62,6 +62,7 @@ class CopyEngine(Protocol):
 
     kind: str
     max_run_copies: int
+    pair_cache: dict[Any, Any]  # transfer.py's merged page views, kept per engine
 
     def host_words(self, host: HostPool) -> torch.Tensor: ...
 
@@ -121,6 +122,9 @@ class CpuEngine:
         self._spaces: dict[tuple[Any, ...], tuple[RowGrid, tuple[Any, ...]] | None] = {}
         self._plans: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, RowPlan]] = {}
         self._cached_rows = 0
+        self._runs: dict[tuple[Any, ...], PageRuns] = {}
+        self._page_setups: dict[int, tuple[Any, tuple[RowGrid, RowGrid, PageRuns] | None]] = {}
+        self.pair_cache: dict[Any, Any] = {}
 
     @property
     def threads(self) -> int:
@@ -187,6 +191,11 @@ class CpuEngine:
         if dst_pages.numel() == 0 or not pairs:
             return
         row = math.gcd(common_row([d for d, _ in pairs]), common_row([s for _, s in pairs]))
+        if self.native is not None:
+            setup = self._page_setup(pairs, row)
+            if setup is not None:
+                self._copy_pages(*setup, _int64(dst_pages.numpy()), _int64(src_pages.numpy()))
+                return
         if row * pairs[0][0].element_size() >= _MIN_ROW_BYTES or len(pairs) == 1:
             pairs = [(split_rows(d, row), split_rows(s, row)) for d, s in pairs]
             dst_space = self._space([d for d, _ in pairs])
@@ -245,6 +254,107 @@ class CpuEngine:
             for future in helping:
                 future.result()
 
+    def move_numpy(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_pages: np.ndarray,
+        src_pages: np.ndarray,
+    ) -> bool:
+        """`move` with the pages as int64 numpy arrays (a `PagePlan`'s own), through the
+        compiled page loop; False (nothing moved) where that loop does not apply. The loop's
+        setup is kept per `pairs` list (transfer.py hands the same list for every transfer
+        between the same pools), checked by identity."""
+        if self.native is None or not pairs:
+            return False
+        if dst_pages.size == 0:
+            return True
+        hit = self._page_setups.get(id(pairs))
+        if hit is not None and hit[0] is pairs:
+            setup = hit[1]
+        else:
+            row = math.gcd(common_row([d for d, _ in pairs]), common_row([s for _, s in pairs]))
+            setup = self._page_setup(pairs, row)
+            if len(self._page_setups) >= _CACHED_SPACES:
+                self._page_setups.clear()
+            self._page_setups[id(pairs)] = (pairs, setup)
+        if setup is None:
+            return False
+        self._copy_pages(*setup, _int64(dst_pages), _int64(src_pages))
+        return True
+
+    def _page_setup(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], row: int
+    ) -> tuple[RowGrid, RowGrid, PageRuns] | None:
+        """What the compiled copier's page loop needs for these views: every view of the
+        transfer on one row grid per side, and one page's row pattern (runs of rows consecutive
+        on both sides, cached per pair of grids) applied to each page pair. Planning is then
+        O(pages), not O(rows): a backup of short strided rows (page_first with small heads:
+        16 B rows) built a pair table per row that cost more than the copy. None when the views
+        are not on grids."""
+        split = [(split_rows(d, row), split_rows(s, row)) for d, s in pairs]
+        dst_space = self._space([d for d, _ in split])
+        src_space = self._space([s for _, s in split])
+        if dst_space is None or src_space is None:
+            return None
+        (dst_grid, dst_key), (src_grid, src_key) = dst_space, src_space
+        if dst_grid.inner.size != src_grid.inner.size:
+            return None
+        runs = self._runs.get((dst_key, src_key))
+        if runs is None:
+            runs = _page_runs(dst_grid, src_grid)
+            if len(self._runs) >= _CACHED_SPACES:
+                self._runs.clear()
+            self._runs[(dst_key, src_key)] = runs
+        return dst_grid, src_grid, runs
+
+    def _copy_pages(
+        self,
+        dst_grid: RowGrid,
+        src_grid: RowGrid,
+        runs: PageRuns,
+        dst_np: np.ndarray,
+        src_np: np.ndarray,
+    ) -> None:
+        """Copy page pairs (dst_np[i], src_np[i]) by the page loop, split over the engine's
+        threads when large."""
+        native = self.native
+        assert native is not None
+        row_bytes = dst_grid.array.shape[1] * dst_grid.array.itemsize
+        n = int(dst_np.size)
+        nbytes = n * runs.rows * row_bytes
+        parts = max(1, min(self._threads, n, nbytes // self._parallel_bytes))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        streaming = nbytes >= _STREAMING_BYTES
+
+        def copy(part: int) -> None:
+            lo, hi = bounds[part], bounds[part + 1]
+            native.copy_pages(
+                dst_grid.array,
+                src_grid.array,
+                dst_np[lo:hi],
+                dst_grid.page_rows,
+                src_np[lo:hi],
+                src_grid.page_rows,
+                runs,
+                streaming=streaming,
+                dst_address=dst_grid.address or None,
+                src_address=src_grid.address or None,
+            )
+
+        helping: list[Future[None]] = []
+        if parts > 1:
+            if self._helpers is None or self._helper_count < parts - 1:
+                if self._helpers is not None:
+                    self._helpers.shutdown(wait=False)
+                self._helpers = ThreadPoolExecutor(parts - 1, thread_name_prefix="hicache-copy")
+                self._helper_count = parts - 1
+            helping = [self._helpers.submit(copy, i) for i in range(1, parts)]
+        try:
+            copy(0)
+        finally:
+            for future in helping:
+                future.result()
+
     def gather_scatter(
         self,
         dst: torch.Tensor,
@@ -272,6 +382,42 @@ class CpuEngine:
         """CPU copies are synchronous: nothing to wait for."""
 
 
+_PREFETCH_LINES = 64
+"""Source cache lines of a page the page loop touches ahead (the first 4 KiB it reads)."""
+
+
+def _int64(pages: np.ndarray) -> np.ndarray:
+    return (
+        pages
+        if pages.dtype == np.int64 and pages.flags.c_contiguous
+        else np.ascontiguousarray(pages, dtype=np.int64)
+    )
+
+
+def _page_runs(dst: RowGrid, src: RowGrid) -> PageRuns:
+    """One page's row pattern between two grids with the same views and inner rows: pair j
+    (view v, inner row i) goes from `src.offsets[v] + src.inner[i]` to the same on `dst`, in
+    destination order, merged into runs where both sides advance by one row. Pure."""
+    d = (dst.offsets[:, None] + dst.inner[None, :]).ravel()
+    s = (src.offsets[:, None] + src.inner[None, :]).ravel()
+    order = np.argsort(d, kind="stable")
+    d, s = d[order], s[order]
+    breaks = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [d.size]))).astype(np.int64)
+    row_bytes = src.array.shape[1] * src.array.itemsize
+    lines: list[int] = []
+    seen: set[int] = set()
+    for first, count in zip((s[starts] * row_bytes).tolist(), (lengths * row_bytes).tolist()):
+        if len(lines) >= _PREFETCH_LINES:
+            break
+        for offset in range(first - first % 64, first + count, 64):
+            if offset not in seen and len(lines) < _PREFETCH_LINES:
+                seen.add(offset)
+                lines.append(offset)
+    return PageRuns(d[starts], s[starts], lengths, np.array(lines, dtype=np.int64))
+
+
 class CudaEngine:
     """Copies between pinned host memory and a CUDA device, enqueued on `stream` (a
     cuda-python stream handle, or None for torch's current stream).
@@ -292,6 +438,7 @@ class CudaEngine:
         self.device = device
         self._stream = stream
         self._aliases: dict[int, torch.Tensor | None] = {}
+        self.pair_cache: dict[Any, Any] = {}
 
     def host_words(self, host: HostPool) -> torch.Tensor:
         """The host buffer as a CUDA tensor aliasing the pinned memory, or the CPU buffer."""

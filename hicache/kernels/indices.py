@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hicache.kernels.geometry import Geometry
+from hicache.kernels.native import native_rows
 
 SlotArray = np.ndarray | torch.Tensor
 """Slots as the data plane takes them: a 1-D int64 numpy array or torch tensor (any device)."""
@@ -50,6 +51,13 @@ def as_slot_array(slots: SlotArray, name: str) -> np.ndarray:
 def check_pages(slots: np.ndarray, page_size: int, size: int, name: str) -> np.ndarray:
     """The page numbers covered by `slots`, checking: in [0, size), whole aligned pages, no
     duplicates. Raises ValueError naming the first offending slot."""
+    native = native_rows()
+    if native is not None and slots.ndim == 1 and slots.dtype == np.int64:
+        # One compiled pass instead of a handful of numpy ones (each with a temporary as
+        # large as the slots); only a failing check goes on below, to name the problem.
+        pages = native.slot_pages(np.ascontiguousarray(slots), page_size, size)
+        if pages is not None:
+            return pages
     if slots.size:
         low, high = int(slots.min()), int(slots.max())
         if low < 0 or high >= size:

@@ -46,6 +46,7 @@ class RowGrid:
     page_rows: int
     offsets: np.ndarray
     inner: np.ndarray
+    address: int = 0  # the array's data address (0: not taken; `row_space` takes it)
 
 
 def page_rows_of(view: torch.Tensor) -> tuple[int, np.ndarray] | None:
@@ -106,7 +107,7 @@ def row_space(
     array = np.frombuffer(memoryview(memory), dtype=_numpy_dtype(first.dtype)).reshape(
         extent, first.shape[-1]
     )
-    grid = RowGrid(array, page_rows, offsets, inner)
+    grid = RowGrid(array, page_rows, offsets, inner, base)
     return grid, (tuple(first.shape), first.stride(), tuple(offsets.tolist()))
 
 

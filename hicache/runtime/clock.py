@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol, runtime_checkable
 
@@ -37,6 +38,10 @@ class MonotonicClock:
     __slots__ = ()
 
     def now(self) -> float:
+        try:  # asyncio's own clock first: what anyio reads there, without finding the backend
+            return asyncio.get_running_loop().time()
+        except RuntimeError:  # trio, or no loop at all
+            pass
         try:
             return anyio.current_time()
         except RuntimeError:  # no running event loop (sniffio cannot tell which library)
@@ -52,12 +57,21 @@ class MonotonicClock:
         return "MonotonicClock()"
 
 
+class Cancellable(Protocol):
+    """What a timer runs under: a task's cancel scope, or a loop timer (`Kernel.call_later`)."""
+
+    def cancel(self) -> None: ...
+
+    @property
+    def cancel_called(self) -> bool: ...
+
+
 class TimerHandle:
     """Returned by `Kernel.call_later`; `cancel()` stops a callback that has not run yet."""
 
     __slots__ = ("_scope", "fired")
 
-    def __init__(self, scope: anyio.CancelScope) -> None:
+    def __init__(self, scope: anyio.CancelScope | Cancellable) -> None:
         self._scope = scope
         self.fired = False
 

@@ -9,6 +9,7 @@ the group, and `__aexit__` raises that `ActorFailed`. Either way no task outlive
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,22 @@ T = TypeVar("T")
 M = TypeVar("M")
 
 _NEW, _RUNNING, _STOPPING, _STOPPED = "new", "running", "stopping", "stopped"
+
+
+class _LoopTimer:
+    """An asyncio timer as `TimerHandle` sees it (cancel, cancel_called)."""
+
+    __slots__ = ("_timer", "_forget", "cancel_called")
+
+    def __init__(self, timer: asyncio.Handle, forget: Callable[[], object]) -> None:
+        self._timer = timer
+        self._forget = forget
+        self.cancel_called = False
+
+    def cancel(self) -> None:
+        self.cancel_called = True
+        self._timer.cancel()
+        self._forget()
 
 
 class Kernel:
@@ -81,6 +98,9 @@ class Kernel:
         self._aborted = False  # set once by _abort: stop without draining or on_stop
         self._live_actors = 0
         self._actors_done: anyio.Event | None = None
+        # asyncio without the sequencer: timers are the loop's own (see `call_later`)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_timers: dict[int, _LoopTimer] = {}
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -126,6 +146,11 @@ class Kernel:
             self._turn = self._sequencer.turn
             for actor in self._actors.values():
                 actor.inbox._turn = self._turn
+        if self._turn is None:
+            try:  # asyncio (trio runs no asyncio loop)
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._loop = None
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._state = _RUNNING
@@ -198,6 +223,7 @@ class Kernel:
             await self.run_until_idle()
             for helper in list(self._helpers.values()):
                 helper.cancel()
+            self._cancel_loop_timers()
             for actor in self._actors.values():
                 actor.inbox.close()
             await self._actors_done.wait()
@@ -213,6 +239,7 @@ class Kernel:
     def _abort(self, make_error: Callable[[], BaseException]) -> None:
         """Fail pending replies, close every inbox, cancel every task. Idempotent."""
         self._aborted = True
+        self._cancel_loop_timers()
         for reply in list(self._pending):
             reply.fail(make_error())
         for actor in self._actors.values():
@@ -336,9 +363,44 @@ class Kernel:
             fn()
 
         name = f"timer:{getattr(fn, '__qualname__', type(fn).__name__)}"
+        if self._loop is not None:
+            return self._loop_timer(delay, fn, name)
         # A timer sleeps first and takes its turn when it wakes, not when it starts.
         handle = TimerHandle(self._spawn(fire, name=name, key="~timer", turn_first=False))
         return handle
+
+    def _loop_timer(self, delay: float, fn: Callable[[], None], name: str) -> TimerHandle:
+        """`call_later` on asyncio without the sequencer: the loop's own timer calls `fn`, with
+        no task (a task per timer cost more than what inline transfer streams schedule with
+        it: one completion per copy). Same contract: cancelled at shutdown, a raise stops the
+        kernel under `name`."""
+        if self._state not in (_RUNNING, _STOPPING):
+            raise KernelClosed(f"cannot start {name!r}: the kernel is not running")
+        assert self._loop is not None
+        number = self._next_helper
+        self._next_helper += 1
+        handle: TimerHandle
+
+        def fire() -> None:
+            self._loop_timers.pop(number, None)
+            handle.fired = True
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - any crash stops the kernel (ActorFailed)
+                self._on_task_failed(name, exc)
+
+        loop = self._loop
+        timer = _LoopTimer(
+            loop.call_soon(fire) if delay == 0 else loop.call_later(delay, fire),
+            lambda: self._loop_timers.pop(number, None),
+        )
+        self._loop_timers[number] = timer
+        handle = TimerHandle(timer)
+        return handle
+
+    def _cancel_loop_timers(self) -> None:
+        for timer in list(self._loop_timers.values()):
+            timer.cancel()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -348,7 +410,9 @@ class Kernel:
             raise KernelClosed("the kernel has stopped")
         if self.failure is not None:
             raise self.failure
-        reply: Reply[Any] = Reply(on_done=self._reply_done, turn=self._turn)
+        reply: Reply[Any] = Reply(
+            on_done=self._reply_done, turn=self._turn, loop_event=self._loop is not None
+        )
         self._pending[reply] = None
         return reply
 

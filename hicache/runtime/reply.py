@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -27,8 +28,12 @@ class Reply(Generic[T]):
         *,
         on_done: Callable[[Reply[T]], None] | None = None,
         turn: Callable[..., Awaitable[None]] | None = None,
+        loop_event: bool = False,
     ) -> None:
-        self._event = anyio.Event()
+        """`loop_event`: wait on a plain `asyncio.Event` (the kernel asks for it on asyncio
+        without the sequencer): anyio's wrapper finds the backend on every creation and
+        yields once more on every wait, and a frontend call makes one reply."""
+        self._event: anyio.Event | asyncio.Event = asyncio.Event() if loop_event else anyio.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
         self._state = _PENDING

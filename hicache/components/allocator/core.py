@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from hicache.kernels.native import native_rows
+
 __all__ = ["LedgerError", "SlotLedger"]
 
 
@@ -84,8 +86,13 @@ class SlotLedger:
         pages = self._free_pages[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
         self._held[pages] = True
+        native = native_rows()
         slots: np.ndarray = (
-            pages if ps == 1 else (pages[:, None] * ps + self._page_offsets).reshape(-1)
+            pages
+            if ps == 1
+            else native.page_slots(pages, ps)
+            if native is not None
+            else (pages[:, None] * ps + self._page_offsets).reshape(-1)
         )
         slots.flags.writeable = False
         return slots
@@ -112,6 +119,29 @@ class SlotLedger:
                 f"{self.tier} ledger: free of {arr.size} slots is not a multiple of page_size={ps}"
             )
         arr = arr.astype(np.int64, copy=False)
+        native = native_rows()
+        # Range, whole aligned pages and no page twice, in one compiled pass (the numpy checks
+        # below make a temporary as large as the slots per check); only a failing call goes
+        # on to them, to name the problem.
+        pages = native.slot_pages(np.ascontiguousarray(arr), ps, self.size) if native else None
+        if pages is None:
+            pages = self._checked_pages(arr)
+        held = self._held[pages]
+        if not held.all():
+            bad_page = int(pages[np.argmin(held)])
+            raise LedgerError(
+                f"{self.tier} ledger: slot {bad_page * ps} is not held (double free or never allocated)"
+            )
+        self._held[pages] = False
+        top = self._num_free
+        # Pushed reversed so the next alloc hands the same pages back in the same order.
+        self._free_pages[top : top + pages.size] = pages[::-1]
+        self._num_free = top + pages.size
+
+    def _checked_pages(self, arr: np.ndarray) -> np.ndarray:
+        """The pages of int64 `arr` (a whole number of pages long), or the LedgerError naming
+        why it is not a valid free: a slot out of range, a misaligned page, a page twice."""
+        ps = self.page_size
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.size:
             bad = lo if lo < 0 else hi
@@ -139,17 +169,7 @@ class SlotLedger:
             raise LedgerError(
                 f"{self.tier} ledger: a page is listed twice in one free call (double free)"
             )
-        held = self._held[pages]
-        if not held.all():
-            bad_page = int(pages[np.argmin(held)])
-            raise LedgerError(
-                f"{self.tier} ledger: slot {bad_page * ps} is not held (double free or never allocated)"
-            )
-        self._held[pages] = False
-        top = self._num_free
-        # Pushed reversed so the next alloc hands the same pages back in the same order.
-        self._free_pages[top : top + pages.size] = pages[::-1]
-        self._num_free = top + pages.size
+        return pages
 
     def free_slots(self) -> np.ndarray:
         """Every free slot, as a new int64 array (pages in free-stack order). Does not mutate."""

@@ -146,8 +146,11 @@ class TreeActor(Actor[TreeInbox]):
     async def handle(self, msg: TreeInbox) -> None:
         core = self.core
         # Every slot the ledgers hand out or take back is an event (what `hicache check-log`
-        # re-derives slot ownership from), built only while the log goes somewhere.
-        core.ctx.detail = self.log.recording
+        # re-derives slot ownership from), built only while the log goes somewhere; so is
+        # every other event (several per request, each a dict and a structlog pass to drop).
+        recording = self.log.recording
+        core.ctx.detail = recording
+        core.ctx.out.quiet = not recording
         if isinstance(msg, COMPLETIONS):
             core.record(msg)
             if self._agreement.trivial or core.wants_sync():

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from hicache.components.tree.returns import TreeError
+from hicache.kernels.native import native_rows
 
 __all__ = ["KeyCodec"]
 
@@ -45,6 +46,11 @@ class KeyCodec:
         if arr.ndim != want_ndim or (self.bigram and arr.shape[1] != 2):
             shape = "(n, 2) bigram pairs" if self.bigram else "(n,) token ids"
             raise TreeError(f"key must be {shape}, got shape {arr.shape}")
+        if arr.dtype == np.int64 and not self.bigram and arr.flags.c_contiguous:
+            native = native_rows()
+            converted = native.u32_ids(arr) if native is not None else None
+            if converted is not None:  # one pass for what min, max and astype do below
+                return converted
         if arr.dtype != np.uint32:
             if arr.dtype.kind not in "iu":
                 raise TreeError(f"key must hold integer token ids, got dtype {arr.dtype}")

@@ -121,12 +121,14 @@ Effect = (
 
 
 class Effects:
-    """The list one controller step fills, with a method per kind of effect."""
+    """The list one controller step fills, with a method per kind of effect. With `quiet`
+    (set by the driver while its log goes nowhere) events are not built at all."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "quiet")
 
     def __init__(self) -> None:
         self.items: list[Effect] = []
+        self.quiet = False
 
     def take(self) -> list[Effect]:
         items, self.items = self.items, []
@@ -144,13 +146,16 @@ class Effects:
         self.items.append(Fail(reply, error))
 
     def info(self, name: str, **fields: Any) -> None:
-        self.items.append(Event(name, fields))
+        if not self.quiet:
+            self.items.append(Event(name, fields))
 
     def warning(self, name: str, **fields: Any) -> None:
-        self.items.append(Event(name, fields, "warning"))
+        if not self.quiet:
+            self.items.append(Event(name, fields, "warning"))
 
     def error(self, name: str, **fields: Any) -> None:
-        self.items.append(Event(name, fields, "error"))
+        if not self.quiet:
+            self.items.append(Event(name, fields, "error"))
 
     def add(self, effect: Effect) -> None:
         self.items.append(effect)
