@@ -6,138 +6,43 @@ over a random-weight tiny Llama built here. Greedy decoding with logprobs must g
 token ids and the same logprobs, bit for bit, with and without the connector; runs after
 `reset_prefix_cache()` (vLLM's own cache emptied) must report the connector's tokens as cached;
 a second process sharing the file store must get its prefixes from L3; corrupted stored values
-must be recomputed, not served.
+must be recomputed, not served; the connector's counters and KV events must tell what happened.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import random
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from vllm_helpers import (
+    BLOCK,
+    VLLM_MARKS,
+    distinct_pages,
+    extra,
+    full_pages,
+    pass_delta,
+    prompts,
+    run,
+    same,
+)
 
-
-def _vllm_installed() -> bool:
-    # Not `find_spec("vllm") is None`: with tests/ on sys.path (pytest's rootdir imports),
-    # this very directory is a namespace package named "vllm".
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None
-
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not _vllm_installed(),
-        reason="vLLM is not installed here (make vllm-env; .venv-vllm/bin/python -m pytest tests/vllm)",
-    ),
-    pytest.mark.timeout(900),
-]
-
-DRIVER = Path(__file__).with_name("vllm_driver.py")
-BLOCK = 32
-PREFIX = 100  # shared by every prompt: three whole pages and a bit
-SUFFIXES = (20, 45, 70)
-
-
-def _prompts() -> list[list[int]]:
-    r = random.Random(1)
-    prefix = [r.randrange(3, 512) for _ in range(PREFIX)]
-    return [prefix + [r.randrange(3, 512) for _ in range(n)] for n in SUFFIXES]
-
-
-def _full_pages(prompt: list[int]) -> int:
-    """Tokens the connector can serve: whole pages, leaving vLLM one token to compute."""
-    return (len(prompt) - 1) // BLOCK * BLOCK
-
-
-def _run(tmp: Path, name: str, spec: dict, logs: list[str] | None = None) -> list[list[dict]]:
-    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), str(spec_path), str(out_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp,
-        env=env,
-        check=False,
-    )
-    if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"vLLM run {name!r} failed (rc {proc.returncode}):\n{tail}")
-    if logs is not None:
-        logs.append(proc.stdout + proc.stderr)
-    return json.loads(out_path.read_text())
-
-
-def _same(a: list[dict], b: list[dict]) -> None:
-    assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
-    assert [x["logprobs"] for x in a] == [x["logprobs"] for x in b]  # bit for bit
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("vllm")
-    subprocess.run(
-        [sys.executable, str(DRIVER), "make-model", str(tmp / "model")],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return tmp
-
-
-@pytest.fixture(scope="module")
-def spec(work: Path) -> dict:
-    return {"model": str(work / "model"), "prompts": _prompts(), "max_tokens": 8}
-
-
-@pytest.fixture(scope="module")
-def baseline(work: Path, spec: dict) -> list[dict]:
-    """vLLM alone, one pass."""
-    return _run(work, "baseline", dict(spec, connector=None, passes=1))[0]
-
-
-@pytest.fixture(scope="module")
-def store(work: Path) -> Path:
-    return work / "store"
-
-
-@pytest.fixture(scope="module")
-def first(work: Path, spec: dict, store: Path) -> list[list[dict]]:
-    """With the connector and a file store: four passes, vLLM's prefix cache reset before
-    each; passes 2 and 3 under a cache_salt."""
-    extra = {"storage": f"file:{store}", "host_gib": 0.25}
-    return _run(
-        work,
-        "first",
-        dict(spec, connector=extra, passes=4, salts=[None, None, "tenant-a", "tenant-a"]),
-    )
+pytestmark = VLLM_MARKS
 
 
 def test_exact_with_connector_and_served_from_l2(baseline, first):
-    for run in first:
-        _same(baseline, run)
+    for out in first:
+        same(baseline, out)
     # After reset_prefix_cache() vLLM's own cache is empty: every whole page of every prompt
     # (the first one's included, which vLLM alone never has) comes from the connector.
-    assert [x["num_cached_tokens"] for x in first[1]] == [_full_pages(p) for p in _prompts()]
+    assert [x["num_cached_tokens"] for x in first[1]] == [full_pages(p) for p in prompts()]
     assert baseline[0]["num_cached_tokens"] == 0
 
 
 def test_empty_extra_config_works(work, spec, baseline):
     """Defaults only (L2 sized from the machine's memory, no L3)."""
-    runs = _run(work, "defaults", dict(spec, connector={}, passes=2))
-    for run in runs:
-        _same(baseline, run)
-    assert [x["num_cached_tokens"] for x in runs[1]] == [_full_pages(p) for p in _prompts()]
+    runs = run(work, "defaults", dict(spec, connector={}, passes=2))
+    for out in runs:
+        same(baseline, out)
+    assert [x["num_cached_tokens"] for x in runs[1]] == [full_pages(p) for p in prompts()]
 
 
 def test_salts_separate_requests(baseline, first):
@@ -145,13 +50,19 @@ def test_salts_separate_requests(baseline, first):
     # prompt (whose prefix no earlier prompt of the batch computed) has no cached token.
     assert first[2][0]["num_cached_tokens"] == 0
     # Pass 3, same salt again after a reset: the salted pages come back from the connector.
-    assert [x["num_cached_tokens"] for x in first[3]] == [_full_pages(p) for p in _prompts()]
+    assert [x["num_cached_tokens"] for x in first[3]] == [full_pages(p) for p in prompts()]
 
 
 def test_second_process_reads_the_prefixes_from_l3(work, spec, baseline, first, store):
-    runs = _run(work, "second", dict(spec, connector={"storage": f"file:{store}"}, passes=1))
-    _same(baseline, runs[0])
-    assert [x["num_cached_tokens"] for x in runs[0]] == [_full_pages(p) for p in _prompts()]
+    spec = dict(spec, connector={"storage": f"file:{store}"}, passes=1, log_stats=True)
+    runs = run(work, "second", spec)
+    same(baseline, runs[0])
+    assert [x["num_cached_tokens"] for x in runs[0]] == [full_pages(p) for p in prompts()]
+    # Each distinct page read once from L3 (then vLLM shares it), checksums all good.
+    m = extra(work, "second")["metrics"][0]
+    pages = len(distinct_pages())
+    assert m["hit_l3_pages"] == m["l3_read_pages"] == m["l2_load_pages"] == pages, m
+    assert m["l3_read_failures"] == m["load_errors"] == 0
 
 
 def test_corrupt_stored_values_are_recomputed(work, spec, baseline, first, store):
@@ -164,12 +75,55 @@ def test_corrupt_stored_values_are_recomputed(work, spec, baseline, first, store
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
     logs: list[str] = []
-    spec = dict(spec, connector={"storage": f"file:{bad}"}, passes=1)
-    runs = _run(work, "corrupt", spec, logs)
+    spec = dict(spec, connector={"storage": f"file:{bad}"}, passes=1, log_stats=True)
+    runs = run(work, "corrupt", spec, logs)
     # Every checksum failed (the connector logs each storage.corrupt event) ...
-    pages = {tuple(p[:k]) for p in _prompts() for k in range(BLOCK, _full_pages(p) + 1, BLOCK)}
-    assert logs[0].count("storage.corrupt") == len(pages)
+    assert logs[0].count("storage.corrupt") == len(distinct_pages())
     assert "'reason': 'checksum'" in logs[0]
     # ... and vLLM recomputed those blocks: the same tokens and logprobs. (vLLM still counts
     # the tokens it planned to load in num_cached_tokens: it decides that when scheduling.)
-    _same(baseline, runs[0])
+    same(baseline, runs[0])
+    # The counters say the same: every planned L3 page failed, nothing was loaded.
+    m = extra(work, "corrupt")["metrics"][0]
+    assert m["hit_l3_pages"] == m["l3_read_failures"] == len(distinct_pages()), m
+    assert m["l3_read_pages"] == m["l2_load_pages"] == 0 and m["load_errors"] >= m["hit_l3_pages"]
+    assert m["l2_forgotten"] == m["hit_l3_pages"]
+
+
+def test_metrics_match_what_the_run_did(work, first):
+    """vLLM's stat loggers receive the connector's counters (Prometheus: vllm:hicache_*):
+    pass 1, after reset_prefix_cache(), loaded every whole page of every prompt from L2."""
+    metrics = extra(work, "first")["metrics"]
+    assert len(metrics) == 4
+    # vLLM shares the prefix pages among the batch's prompts itself once one has them: the
+    # connector serves each distinct whole page once (3 of the prefix, then 1 and 2 more).
+    served = len(distinct_pages())
+    p1 = pass_delta(metrics, 1)
+    assert p1.get("hit_l2_pages") == served and p1.get("l2_load_pages") == served, p1
+    assert p1.get("lookups", 0) >= len(prompts())
+    total = metrics[-1]
+    page_bytes = total["l2_store_bytes"] // total["l2_store_pages"]
+    assert total["l2_load_bytes"] == total["l2_load_pages"] * page_bytes
+    assert total.get("load_errors", 0) == 0 and total.get("l3_read_failures", 0) == 0
+    # Pass 0 stored the distinct whole computed pages; the salted pass 2 stored its own.
+    assert pass_delta(metrics, 0)["l2_store_pages"] > 0
+    assert pass_delta(metrics, 2)["l2_store_pages"] > 0
+    # Write-through: every write is confirmed or still in flight when the run ends.
+    assert 0 < total["l3_write_pages"] <= total["l2_store_pages"]
+    assert total.get("l3_write_failures", 0) == 0
+
+
+def test_kv_events_name_vllms_blocks(work, first):
+    """BlockStored (medium CPU) for every page entering L2, STORAGE once written to L3, with
+    vLLM's own block hashes: each is a hash vLLM announced for its GPU blocks."""
+    seen = extra(work, "first")
+    events, total = seen["events"], seen["metrics"][-1]
+    gpu = {h for e in events if e["medium"] == "GPU" for h in e["block_hashes"]}
+    cpu = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    l3 = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "STORAGE"]
+    assert len(cpu) == total["l2_store_pages"] + total.get("hit_l3_pages", 0)
+    assert all(len(e["block_hashes"]) == 1 and len(e["token_ids"]) == BLOCK for e in cpu)
+    assert {h for e in cpu for h in e["block_hashes"]} <= gpu
+    assert 0 < len(l3) <= total["l3_write_pages"]
+    assert {h for e in l3 for h in e["block_hashes"]} <= {h for e in cpu for h in e["block_hashes"]}
+    assert not [e for e in events if e["type"] == "BlockRemoved" and e["medium"] == "CPU"]

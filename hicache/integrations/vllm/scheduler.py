@@ -1,0 +1,211 @@
+"""The connector's scheduler half, in vLLM's scheduler process: the L2 index, the L3 probe,
+each step's plan, the counters and KV events of its decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.backends.keys import chain_page_hashes
+from hicache.integrations.vllm.layout import Geometry, salt_prior
+from hicache.integrations.vllm.metrics import Counters, EventLog
+from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.plan import HiCacheMetadata, HostIndex, LoadPlan
+from hicache.integrations.vllm.storage import Storage
+from hicache.types import PageHash
+
+SCHEDULER_METRICS = (
+    "lookups",
+    "hit_l2_pages",
+    "hit_l3_pages",
+    "l2_evictions",
+    "l2_forgotten",
+    "no_slot",
+)
+
+
+@dataclass(slots=True)
+class _Request:
+    request: Any  # vllm.v1.request.Request (live in the scheduler process)
+    prior: PageHash | None
+    hashes: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    probe_start: int = 0  # pages vLLM had locally at the last probe
+    stored: int = 0  # pages (from the first) already stored or found in L2
+
+
+class SchedulerSide:
+    """The connector's scheduler half: the L2 index, the L3 probe, the step's plan."""
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        geometry: Geometry,
+        host_slots: int,
+        storage: Storage | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        self.options = options
+        self.geometry = geometry
+        self.block_size = geometry.block_size
+        self.index = HostIndex(host_slots)
+        self.storage = storage
+        self.events = events or EventLog(False, geometry.block_size)
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadPlan] = []
+        self.stats = Counters(SCHEDULER_METRICS)
+        self._uploads = storage is not None and options.storage_write and storage.namespace.writes
+
+    def _entered(self, st: _Request, page: int, page_hash: str, *, upload: bool) -> None:
+        if self.events.enabled:
+            self.drain_removed()  # an eviction this allocation made is announced first
+            payload = EventLog.payload(st.request, page, st.hashes, self.block_size)
+            self.events.entered_l2(page_hash, payload, upload=upload)
+
+    def drain_removed(self) -> None:
+        """Count and announce the pages the index dropped since the last call."""
+        removed, self.index.removed = self.index.removed, []
+        self.events.left_l2(removed)
+
+    def _state(self, request: Any) -> _Request:
+        rid = str(request.request_id)
+        st = self._requests.get(rid)
+        if st is None or st.request is not request:
+            salt = getattr(request, "cache_salt", None) if self.options.salt_requests else None
+            st = _Request(request=request, prior=salt_prior(salt))
+            self._requests[rid] = st
+        return st
+
+    def _hashes(self, st: _Request, pages: int) -> list[str]:
+        """The hashes of the request's first `pages` whole pages (cached, extended)."""
+        have = len(st.hashes)
+        if pages > have:
+            tokens = list(
+                st.request.all_token_ids[have * self.block_size : pages * self.block_size]
+            )
+            prior = PageHash(st.hashes[-1]) if st.hashes else st.prior
+            st.hashes.extend(chain_page_hashes(tokens, self.block_size, prior=prior))
+        return st.hashes[:pages]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens past vLLM's own (block-aligned) hit that L2 or L3 holds, whole pages only,
+        always leaving one token for vLLM to compute."""
+        self.stats.add("lookups")
+        st = self._state(request)
+        start = num_computed_tokens // self.block_size
+        st.probe_start = start
+        limit = max(0, (int(request.num_tokens) - 1) // self.block_size)
+        if limit <= start:
+            return 0
+        hashes = self._hashes(st, limit)
+        end = start
+        while end < limit and self.index.lookup(hashes[end]) is not None:
+            end += 1
+        if self.storage is not None and end < limit:
+            in_l3 = self.storage.exists(hashes[end:limit])
+            end += in_l3
+        return (end - start) * self.block_size
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of the pages vLLM accepted, into the blocks it allocated."""
+        if num_external_tokens <= 0:
+            return
+        st = self._state(request)
+        start = st.probe_start
+        pages = -(-num_external_tokens // self.block_size)
+        block_ids = list(blocks.get_block_ids()[0])
+        hashes = self._hashes(st, start + pages)
+        plan = LoadPlan(str(request.request_id), [], [], [], [])
+        for i in range(start, start + pages):
+            h = hashes[i]
+            slot = self.index.lookup(h)
+            read = slot is None
+            if slot is None:
+                slot = self.index.allocate(h)
+                if slot is None:  # every slot pinned this step: the worker reports an error
+                    self.stats.add("no_slot")
+                    slot = -1
+                    read = False
+                else:
+                    self.stats.add("hit_l3_pages")
+                    self._entered(st, i, h, upload=False)
+            else:
+                self.index.touch(h)
+                self.index.pin(slot)
+                self.stats.add("hit_l2_pages")
+            plan.block_ids.append(block_ids[i])
+            plan.slots.append(slot)
+            plan.hashes.append(h)
+            plan.read.append(read)
+        self._loads.append(plan)
+
+    def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
+        meta = HiCacheMetadata(self.index.slots, self.geometry.page_bytes)
+        meta.loads, self._loads = self._loads, []
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            st.stored = min(st.stored, int(new.num_computed_tokens) // self.block_size)
+            self._plan_stores(meta, st, int(new.num_computed_tokens) + int(sched[new.req_id]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._requests.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan_stores(meta, st, int(cached.num_computed_tokens[i]) + int(sched[rid]))
+        self.index.unpin_all()
+        self.drain_removed()
+        return meta
+
+    def _plan_stores(self, meta: HiCacheMetadata, st: _Request, computed: int) -> None:
+        """Write-through: every page whose tokens are all computed by the end of this step
+        and known now goes to L2 (and from there to L3) unless L2 has it."""
+        known = len(st.request.all_token_ids)
+        pages = min(computed, known) // self.block_size
+        pages = min(pages, len(st.block_ids))
+        if pages <= st.stored:
+            return
+        hashes = self._hashes(st, pages)
+        for i in range(st.stored, pages):
+            h = hashes[i]
+            if self.index.lookup(h) is not None:
+                self.index.touch(h)
+                continue
+            slot = self.index.allocate(h)
+            if slot is None:
+                self.stats.add("no_slot")
+                break
+            meta.store_blocks.append(st.block_ids[i])
+            meta.store_slots.append(slot)
+            meta.store_hashes.append(h)
+            self._entered(st, i, h, upload=self._uploads)
+        st.stored = pages
+
+    def request_finished(self, request: Any) -> None:
+        self._requests.pop(str(request.request_id), None)
+
+    def worker_feedback(self, worker_meta: Any) -> None:
+        for slot, page_hash in getattr(worker_meta, "bad", ()):
+            if self.index.forget(slot, page_hash):
+                self.stats.add("l2_forgotten")
+        self.drain_removed()
+        self.events.uploaded(dict(getattr(worker_meta, "uploaded", None) or {}))
+        self.events.upload_failed(list(getattr(worker_meta, "upload_failed", ())))
+
+    def take_stats(self) -> dict[str, int]:
+        evicted = self.index.evictions - self.stats["l2_evictions"]
+        if evicted:
+            self.stats.add("l2_evictions", evicted)
+        return self.stats.take()
+
+    def reset(self) -> None:
+        self.index.clear()
+        self.drain_removed()

@@ -1,0 +1,233 @@
+"""The connector's worker half, in each vLLM worker: the host pool, the copies L1 <-> L2, the
+L3 reads and writes, the counters of the work done."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from hicache.integrations.vllm.compat import log
+from hicache.integrations.vllm.layout import Geometry
+from hicache.integrations.vllm.metrics import Counters
+from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.plan import HiCacheMetadata
+from hicache.integrations.vllm.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
+
+WORKER_METRICS = (
+    "l2_load_pages",
+    "l2_load_bytes",
+    "l2_store_pages",
+    "l2_store_bytes",
+    "l3_read_pages",
+    "l3_read_bytes",
+    "l3_read_failures",
+    "l3_write_pages",
+    "l3_write_bytes",
+    "l3_write_failures",
+    "load_errors",
+)
+"""The worker half's counters (hicache.integrations.vllm.metrics.METRICS says what each is)."""
+
+
+class WorkerSide:
+    """The connector's worker half: the host pool and every copy and L3 transfer."""
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        geometry: Geometry,
+        num_blocks: int,
+        storage: Storage | None,
+    ) -> None:
+        self.options = options
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self.storage = storage
+        self.planes: list[torch.Tensor] = []  # (num_blocks, bytes) uint8 views of vLLM's KV
+        self.offsets: list[int] = []
+        self.host: torch.Tensor | None = None  # (slots, page_bytes) uint8
+        self.valid: list[bool] = []
+        self.errors: set[int] = set()
+        self.bad: set[tuple[int, str]] = set()
+        self.uploads: dict[int, concurrent.futures.Future[int]] = {}
+        self.stats = Counters(WORKER_METRICS)
+        self._acks_lock = threading.Lock()
+        self._uploaded: list[str] = []  # L3 writes that landed, not yet reported
+        self._upload_failed: list[str] = []
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """Flat byte views of every layer's blocks: a block-major tensor (`[blocks, ...]`,
+        kernel blocks of one vLLM block adjacent) or a K/V-outer one (`[2, blocks, ...]`)."""
+        import torch
+
+        names = [n for n in self.geometry.layers if n in kv_caches] or sorted(kv_caches)
+        planes: list[torch.Tensor] = []
+        for name in names:
+            t = kv_caches[name]
+            parts = [t]
+            if t.shape[0] % self.num_blocks != 0 and t.shape[0] == 2:
+                parts = [t[0], t[1]]
+            for p in parts:
+                if p.shape[0] % self.num_blocks != 0:
+                    raise NotImplementedError(
+                        f"HiCacheConnector: layer {name} KV shape {tuple(t.shape)} has no block "
+                        f"dimension of {self.num_blocks} blocks first"
+                    )
+                try:
+                    planes.append(p.view(self.num_blocks, -1).view(torch.uint8))
+                except RuntimeError as exc:
+                    raise NotImplementedError(
+                        f"HiCacheConnector: layer {name} KV (shape {tuple(t.shape)}, stride "
+                        f"{t.stride()}) is not block-contiguous: {exc}"
+                    ) from exc
+        offsets, total = [], 0
+        for p in planes:
+            offsets.append(total)
+            total += int(p.shape[1])
+        if total != self.geometry.page_bytes:
+            raise NotImplementedError(
+                f"HiCacheConnector: vLLM's KV blocks hold {total} bytes per block over all "
+                f"layers, the KV cache spec says {self.geometry.page_bytes}"
+            )
+        self.planes, self.offsets = planes, offsets
+
+    def _ensure_host(self, meta: HiCacheMetadata) -> torch.Tensor:
+        import torch
+
+        if meta.page_bytes != self.geometry.page_bytes:
+            raise RuntimeError(
+                f"HiCacheConnector: scheduler page of {meta.page_bytes} bytes, worker's "
+                f"{self.geometry.page_bytes}"
+            )
+        if self.host is None:
+            # Untouched pages cost nothing until written (the OS maps them on first touch).
+            self.host = torch.empty((meta.host_slots, meta.page_bytes), dtype=torch.uint8)
+            self.valid = [False] * meta.host_slots
+        return self.host
+
+    def _page(self, slot: int) -> list[memoryview]:
+        assert self.host is not None
+        return [self.host[slot].numpy().data.cast("B")]
+
+    def _settle_upload(self, slot: int) -> None:
+        """Before a host slot is overwritten, its upload to L3 must have read it."""
+        fut = self.uploads.pop(slot, None)
+        if fut is None:
+            return
+        try:
+            fut.result(self.options.storage_timeout * 4)
+        except Exception as exc:  # noqa: BLE001 - any storage failure is a miss (contract)
+            log.warning("hicache upload failed (L3 misses it): %r", exc)
+
+    def start_load(self, meta: HiCacheMetadata) -> None:
+        """L3 -> L2 reads, then L2 -> L1 copies, before the forward reads any layer."""
+        import torch
+
+        if not meta.loads:
+            if self.host is None and (meta.store_slots or meta.host_slots):
+                self._ensure_host(meta)
+            return
+        host = self._ensure_host(meta)
+        reads = [(p, i) for p in meta.loads for i, r in enumerate(p.read) if r]
+        if reads:
+            for p, i in reads:
+                self._settle_upload(p.slots[i])
+                self.valid[p.slots[i]] = False
+            got = 0
+            if self.storage is not None:
+                targets = [self._page(p.slots[i]) for p, i in reads]
+                got = self.storage.get_into([p.hashes[i] for p, i in reads], targets)
+            self.stats.add("l3_read_pages", got)
+            self.stats.add("l3_read_bytes", got * self.geometry.page_bytes)
+            for k, (p, i) in enumerate(reads):
+                if k < got:
+                    self.valid[p.slots[i]] = True
+                else:
+                    self.stats.add("l3_read_failures")
+                    self.bad.add((p.slots[i], p.hashes[i]))
+        blocks: list[int] = []
+        slots: list[int] = []
+        for p in meta.loads:
+            failed = False
+            for b, s in zip(p.block_ids, p.slots):
+                # A page after a failed one is not loaded either: vLLM recomputes from the
+                # first failed block of a request, and a prefix must stay a prefix.
+                if failed or s < 0 or not self.valid[s]:
+                    failed = True
+                    self.errors.add(b)
+                    self.stats.add("load_errors")
+                    continue
+                blocks.append(b)
+                slots.append(s)
+        if blocks:
+            bi = torch.tensor(blocks, dtype=torch.long)
+            si = torch.tensor(slots, dtype=torch.long)
+            for plane, off in zip(self.planes, self.offsets):
+                plane[bi] = host[si, off : off + plane.shape[1]]
+            self.stats.add("l2_load_pages", len(blocks))
+            self.stats.add("l2_load_bytes", len(blocks) * self.geometry.page_bytes)
+
+    def save(self, meta: HiCacheMetadata) -> None:
+        """L1 -> L2 copies of the pages computed this step, then their L3 write-through."""
+        import torch
+
+        if not meta.store_slots:
+            return
+        host = self._ensure_host(meta)
+        for s in meta.store_slots:
+            self._settle_upload(s)
+        bi = torch.tensor(meta.store_blocks, dtype=torch.long)
+        si = torch.tensor(meta.store_slots, dtype=torch.long)
+        for plane, off in zip(self.planes, self.offsets):
+            host[si, off : off + plane.shape[1]] = plane[bi]
+        for s in meta.store_slots:
+            self.valid[s] = True
+        self.stats.add("l2_store_pages", len(meta.store_slots))
+        self.stats.add("l2_store_bytes", len(meta.store_slots) * self.geometry.page_bytes)
+        if self.storage is not None and self.options.storage_write:
+            if not self.storage.namespace.writes:
+                return
+            hashes = list(meta.store_hashes)
+            fut = self.storage.set_from_async(hashes, [self._page(s) for s in meta.store_slots])
+            fut.add_done_callback(lambda f: self._count_upload(f, hashes))
+            for s in meta.store_slots:
+                self.uploads[s] = fut
+
+    def _count_upload(self, fut: concurrent.futures.Future[int], hashes: list[str]) -> None:
+        """On the storage loop's thread: `set_from` wrote the first `n` pages (a prefix)."""
+        n = 0
+        if not fut.cancelled() and fut.exception() is None:
+            n = max(0, min(len(hashes), int(fut.result())))
+        self.stats.add("l3_write_pages", n)
+        self.stats.add("l3_write_bytes", n * self.geometry.page_bytes)
+        self.stats.add("l3_write_failures", len(hashes) - n)
+        with self._acks_lock:
+            self._uploaded.extend(hashes[:n])
+            self._upload_failed.extend(hashes[n:])
+
+    def take_uploads(self) -> tuple[list[str], list[str]]:
+        """(L3 writes that landed, that failed) since the last call."""
+        with self._acks_lock:
+            done, self._uploaded = self._uploaded, []
+            failed, self._upload_failed = self._upload_failed, []
+        return done, failed
+
+    def take_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def take_bad(self) -> set[tuple[int, str]]:
+        bad, self.bad = self.bad, set()
+        return bad
+
+    def shutdown(self) -> None:
+        for slot in list(self.uploads):
+            self._settle_upload(slot)
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
