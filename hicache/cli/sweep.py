@@ -179,30 +179,63 @@ def run_point(
     )
     seconds = time.perf_counter() - t0
     s = tally.summary()
-    tokens = s["input_tokens"] or 1
     hits = s["hit_tokens"]
     resolved, _ = cfg.resolve()
+    return _row(
+        point,
+        write_policy=resolved.write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        page_size=page_size,
+        requests=s["requests"],
+        input_tokens=s["input_tokens"],
+        hits=(hits["device"], hits["host"], hits["storage"]),
+        bound=bound,
+        evictions=(s["evictions"]["device"], s["evictions"]["host"]),
+        rejected=s["rejected_requests"],
+        seconds=seconds,
+    )
+
+
+def _row(
+    point: Point,
+    *,
+    write_policy: str,
+    eviction: str,
+    exclusive: bool,
+    page_size: int,
+    requests: int,
+    input_tokens: int,
+    hits: tuple[int, int, int],
+    bound: float,
+    evictions: tuple[int, int],
+    rejected: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """One CSV row: a point's configuration and its hits (L1, L2, L3 tokens) per tier."""
+    tokens = input_tokens or 1
+    device, host, storage = hits
     return {
         "device_tokens": point.device_tokens,
         "host_tokens": point.host_tokens,
         "storage": point.storage_label,
-        "write_policy": resolved.write_policy,
+        "write_policy": write_policy,
         "eviction": eviction,
         "exclusive": exclusive,
         "page_size": page_size,
-        "requests": s["requests"],
-        "input_tokens": s["input_tokens"],
-        "hit_rate": s["hit_rate"],
-        "device_hit_rate": hits["device"] / tokens,
-        "host_hit_rate": hits["host"] / tokens,
-        "storage_hit_rate": hits["storage"] / tokens,
+        "requests": requests,
+        "input_tokens": input_tokens,
+        "hit_rate": (device + host + storage) / tokens,
+        "device_hit_rate": device / tokens,
+        "host_hit_rate": host / tokens,
+        "storage_hit_rate": storage / tokens,
         "bound_hit_rate": bound,
-        "device_hit_tokens": hits["device"],
-        "host_hit_tokens": hits["host"],
-        "storage_hit_tokens": hits["storage"],
-        "device_evicted_tokens": s["evictions"]["device"],
-        "host_evicted_tokens": s["evictions"]["host"],
-        "rejected_requests": s["rejected_requests"],
+        "device_hit_tokens": device,
+        "host_hit_tokens": host,
+        "storage_hit_tokens": storage,
+        "device_evicted_tokens": evictions[0],
+        "host_evicted_tokens": evictions[1],
+        "rejected_requests": rejected,
         "seconds": round(seconds, 3),
     }
 
@@ -249,33 +282,22 @@ def run_hybrid_point(
         )
 
     tally, extra = anyio.run(main)
-    tokens = tally.input_tokens or 1
     hy = extra["hybrid"]
     resolved, _ = cfg.resolve()
-    host = tally.host_hit - tally.storage_hit
-    row = {
-        "device_tokens": point.device_tokens,
-        "host_tokens": point.host_tokens,
-        "storage": point.storage_label,
-        "write_policy": resolved.write_policy,
-        "eviction": eviction,
-        "exclusive": exclusive,
-        "page_size": model.page_size,
-        "requests": tally.requests,
-        "input_tokens": tally.input_tokens,
-        "hit_rate": (tally.device_hit + tally.host_hit) / tokens,
-        "device_hit_rate": tally.device_hit / tokens,
-        "host_hit_rate": host / tokens,
-        "storage_hit_rate": tally.storage_hit / tokens,
-        "bound_hit_rate": bound,
-        "device_hit_tokens": tally.device_hit,
-        "host_hit_tokens": host,
-        "storage_hit_tokens": tally.storage_hit,
-        "device_evicted_tokens": extra["evictions"]["device"],
-        "host_evicted_tokens": extra["evictions"]["host"],
-        "rejected_requests": tally.rejected,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
+    row = _row(
+        point,
+        write_policy=resolved.write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        page_size=model.page_size,
+        requests=tally.requests,
+        input_tokens=tally.input_tokens,
+        hits=(tally.device_hit, tally.host_hit - tally.storage_hit, tally.storage_hit),
+        bound=bound,
+        evictions=(extra["evictions"]["device"], extra["evictions"]["host"]),
+        rejected=tally.rejected,
+        seconds=time.perf_counter() - t0,
+    )
     more = {
         **hy,
         "hybrid": spec,

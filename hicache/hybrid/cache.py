@@ -119,12 +119,9 @@ class HybridCache:
             length, state, tier = await self._deepest_snapshot(rid, arr, points, salt)
         slots = found.device_slots
         if length > len(slots):
-            back = await self.cache.load_back(rid)
-            if back.handle is not None:
-                await back.handle.wait_async(self._pool.geometry.layers - 1)
-            slots = back.device_slots
+            slots = await self._loaded_back(rid)
         for handle in found.pending:
-            await handle.wait_async(self._pool.geometry.layers - 1)
+            await handle.wait_async(self._last_layer)
         if len(slots) < length:  # L1 could not take the L2 part: resume from what is there
             length = self.model.usable(len(arr), len(slots), [length] if state else ())
         if len(slots) != length:  # the request's cached prefix is the hit: move its lock there
@@ -174,14 +171,11 @@ class HybridCache:
         """The snapshot in a chain the probe matched whole (loaded into L1 for the read)."""
         slots = found.device_slots
         if len(slots) < end:
-            back = await self.cache.load_back(probe)
-            if back.handle is not None:
-                await back.handle.wait_async(self._pool.geometry.layers - 1)
-            slots = back.device_slots
+            slots = await self._loaded_back(probe)
             if len(slots) < end:
                 return None
         for handle in found.pending:
-            await handle.wait_async(self._pool.geometry.layers - 1)
+            await handle.wait_async(self._last_layer)
         return read_state(self._pool, slots[point:end], self.model.state_bytes)
 
     async def prefetch(
@@ -270,6 +264,17 @@ class HybridCache:
         ]
         return out, tuple(kept)
 
+    async def _loaded_back(self, rid: RequestId) -> np.ndarray:
+        """`load_back` of the request's L2-only part, landed: its device slots."""
+        back = await self.cache.load_back(rid)
+        if back.handle is not None:
+            await back.handle.wait_async(self._last_layer)
+        return back.device_slots
+
+    @property
+    def _last_layer(self) -> int:
+        return self._pool.geometry.layers - 1
+
     def _check_snapshots(self, snaps: Mapping[int, bytes], n_tokens: int) -> None:
         if snaps and not self.model.recurrent:
             raise InvalidRequest("snapshots given, but the model has no recurrent layers")
@@ -299,10 +304,7 @@ class HybridCache:
                 return False  # skip (that part is a leaf, evicted first; a later store works)
             slots = found.device_slots
             if len(slots) < len(prefix):
-                back = await self.cache.load_back(probe)
-                if back.handle is not None:
-                    await back.handle.wait_async(self._pool.geometry.layers - 1)
-                slots = back.device_slots
+                slots = await self._loaded_back(probe)
                 if len(slots) != len(prefix):
                     return False
             try:

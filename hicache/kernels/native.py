@@ -325,65 +325,34 @@ def library_path() -> Path:
     return cached_library("rowcopy", SOURCE, _FLAGS)
 
 
+def _bind(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
+    """`lib.name` with its result and argument types set (a ctypes foreign function)."""
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
 def _load(path: Path) -> NativeRows:
     lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): calls release the GIL
-    lib.hicache_rowcopy_abi.restype = ctypes.c_int64
-    if lib.hicache_rowcopy_abi() != ABI:
-        raise OSError(f"{path} has ABI {lib.hicache_rowcopy_abi()}, expected {ABI}")
-    copy = lib.hicache_copy_rows
-    copy.restype = ctypes.c_int64
-    copy.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        _I64P,
-        ctypes.c_int64,
-        _I64P,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int,
-    ]
-    pages = lib.hicache_copy_pages
-    pages.restype = ctypes.c_int64
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    abi = _bind(lib, "hicache_rowcopy_abi", i64)()
+    if abi != ABI:
+        raise OSError(f"{path} has ABI {abi}, expected {ABI}")
+    copy = _bind(
+        lib, "hicache_copy_rows", i64,
+        ptr, i64, ptr, i64, _I64P, i64, _I64P, i64, i64, i64, ctypes.c_int,
+    )  # fmt: skip
     # Addresses as plain ints (c_void_p): the page loop is called per transfer, and building
     # ctypes pointer objects for its tables cost more than the checks and copies of a page.
-    pages.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
+    pages = _bind(
+        lib, "hicache_copy_pages", i64,
+        ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64,
         ctypes.c_int,
-    ]
-    check = lib.hicache_slot_pages
-    check.restype = ctypes.c_int64
-    check.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
-    expand = lib.hicache_page_slots
-    expand.restype = None
-    expand.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    ids = lib.hicache_u32_ids
-    ids.restype = ctypes.c_int64
-    ids.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    )  # fmt: skip
+    check = _bind(lib, "hicache_slot_pages", i64, ptr, i64, i64, i64, ptr, ptr)
+    expand = _bind(lib, "hicache_page_slots", None, ptr, i64, i64, ptr)
+    ids = _bind(lib, "hicache_u32_ids", i64, ptr, i64, ptr)
     return NativeRows(path, copy, pages, check, expand, ids)
 
 

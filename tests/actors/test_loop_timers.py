@@ -17,16 +17,22 @@ def anyio_backend() -> str:
 @pytest.mark.anyio
 async def test_timers_fire_in_order_and_cancel() -> None:
     fired: list[str] = []
+    last = anyio.Event()
+
+    def late() -> None:
+        fired.append("late")
+        last.set()
+
     with anyio.fail_after(10):
         async with Kernel() as kernel:
             assert kernel._loop is not None
-            kernel.call_later(0.02, lambda: fired.append("late"))
+            kernel.call_later(0.02, late)
             kernel.call_later(0, lambda: fired.append("soon"))
             dropped = kernel.call_later(0.01, lambda: fired.append("dropped"))
             dropped.cancel()
             assert dropped.cancelled
             first = kernel.call_later(0, lambda: fired.append("first"))
-            await anyio.sleep(0.05)
+            await last.wait()  # the latest timer: every earlier one has had its turn
             assert first.fired and not first.cancelled
     assert fired == ["soon", "first", "late"]
     assert not kernel._loop_timers
