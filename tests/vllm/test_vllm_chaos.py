@@ -119,8 +119,10 @@ def test_a_store_that_goes_away(work, spec, baseline, first, store):
     assert p0["hit_l3_pages"] == p0["l3_read_pages"] == pages, p0
     assert p1["hit_l3_pages"] == p1["l3_read_failures"] == pages, p1
     assert p1["load_errors"] >= pages and p1.get("l3_read_pages", 0) == 0
-    assert p1["l3_write_failures"] > 0 and p1.get("l3_write_pages", 0) == 0
-    assert p2.get("hit_l3_pages", 0) == 0 and p2["l3_write_failures"] > 0, p2
+    # Writes run in the background: a pass's failures may be counted in the next pass's stats.
+    failed_writes = p1.get("l3_write_failures", 0) + p2.get("l3_write_failures", 0)
+    assert failed_writes > 0 and p1.get("l3_write_pages", 0) == p2.get("l3_write_pages", 0) == 0
+    assert p2.get("hit_l3_pages", 0) == 0, p2
     assert runs[2][0]["num_cached_tokens"] == 0  # nothing found: the store is gone
     assert "ConnectionResetError" in logs[0] and "KeyError" in logs[0]
     # vLLM logs a traceback of its own (a chat-template warm-up without a tokenizer); none
