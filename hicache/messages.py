@@ -202,7 +202,9 @@ class Drain:
 # ---------------------------------------------------------------- workers -> tree (completions)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WriteDone:
-    op: OpId
+    """The end of one stream job of backups: every op in it ended alike (one copy)."""
+
+    ops: tuple[OpId, ...]
     ok: bool
     error: str = ""
 
@@ -297,9 +299,24 @@ AllocatorInbox = Alloc | Free | LedgerStats
 # ---------------------------------------------------------------- tree -> writer / loader
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Backup:
+    """One L1 -> L2 copy the controller issued (one op, one write credit)."""
+
     op: OpId
     device_slots: np.ndarray
     host_slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backups:
+    """The backups one controller step issued, sent as one message: the writer copies them as
+    one stream job and reports them in one `WriteDone` (a hop per step, not per backup). Each
+    keeps its own op, credit and `writer.backup_done` event."""
+
+    jobs: tuple[Backup, ...]
+
+    @property
+    def op(self) -> OpId:  # the stream job's key in the writer: the first op's
+        return self.jobs[0].op
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -318,7 +335,7 @@ class StreamDone:
     error: str = ""
 
 
-WriterInbox = Backup | StreamDone
+WriterInbox = Backups | StreamDone
 LoaderInbox = Load | StreamDone
 
 

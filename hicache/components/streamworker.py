@@ -1,6 +1,6 @@
 """One direction of the transfer streams as an actor: the writer's and the loader's common part.
 
-A command from the tree (`Backup`, `Load`) is kept in flight here and submitted to the stream;
+A command from the tree (`Backups`, `Load`) is kept in flight here and submitted to the stream;
 the stream's callback posts `StreamDone` into this inbox (from its thread, or the loop for
 inline and virtual streams) with `threadsafe_sender`, and the job's end is logged and reported
 up with a non-blocking send (the tree's credit guarantees room). Subclasses say how a job is
@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from hicache.kernels.streams.base import TransferStreams
-from hicache.messages import Backup, Load, StreamDone, TreeInbox
+from hicache.messages import Backups, Load, StreamDone, TreeInbox
 from hicache.runtime import Actor, Mailbox
 from hicache.types import OpId
 
-J = TypeVar("J", Backup, Load)
+J = TypeVar("J", Backups, Load)
 
 
 def describe(error: BaseException | None) -> str:
@@ -26,7 +26,7 @@ def describe(error: BaseException | None) -> str:
 
 class StreamWorker(Actor[J | StreamDone]):
     actor_name: str  # "writer" or "loader"
-    job_type: type[J]  # the command this direction takes: Backup or Load
+    job_type: type[J]  # the command this direction takes: Backups or Load
     done_event: str  # the event logged when a job ends, e.g. "writer.backup_done"
 
     def __init__(
@@ -53,17 +53,18 @@ class StreamWorker(Actor[J | StreamDone]):
         if isinstance(msg, StreamDone):
             job = self._inflight.pop(msg.op)
             started = self._started.pop(msg.op, None)
-            if started is not None:  # the log records (see below)
-                tokens = len(job.device_slots)
-                self.log.info(
-                    self.done_event,
-                    op=msg.op,
-                    tokens=tokens,
-                    bytes=tokens * self._bytes_per_token,
-                    ok=not msg.error,
-                    error=msg.error or None,
-                    seconds=round(self.kernel.now() - started, 6),
-                )
+            if started is not None:  # the log records (see below): an event per op
+                seconds = round(self.kernel.now() - started, 6)
+                for op, tokens in self._parts(job):
+                    self.log.info(
+                        self.done_event,
+                        op=op,
+                        tokens=tokens,
+                        bytes=tokens * self._bytes_per_token,
+                        ok=not msg.error,
+                        error=msg.error or None,
+                        seconds=seconds,
+                    )
             self._finished(job, msg.error)
         elif isinstance(msg, self.job_type):
             self._inflight[msg.op] = msg
@@ -82,6 +83,10 @@ class StreamWorker(Actor[J | StreamDone]):
                 f"{self.name} takes {self.job_type.__name__} and StreamDone, "
                 f"not {type(msg).__name__}"
             )
+
+    def _parts(self, job: J) -> list[tuple[OpId, int]]:
+        """The ops a job carries and their tokens (one for a load; a step's backups)."""
+        raise NotImplementedError
 
     def _submit(self, job: J, on_done: Callable[[BaseException | None], None]) -> None:
         """Queue the job's copy on the stream; `on_done(error or None)` fires once it ends."""

@@ -164,7 +164,7 @@ class InstantCache:
         work = self._owed.popleft()
         report: WriteDone | LoadDone | UploadDone | PrefetchProgress | None
         if isinstance(work, Backup):
-            report = WriteDone(op=work.op, ok=True)
+            report = WriteDone(ops=(work.op,), ok=True)
         elif isinstance(work, SubmitLoad):
             report = LoadDone(op=work.op, ok=True)
         elif isinstance(work, Upload):

@@ -203,7 +203,7 @@ class ControllerMachine(RuleBasedStateMachine):
             if ok:
                 for d, h in zip(cmd.device_slots.tolist(), cmd.host_slots.tolist(), strict=True):
                     self.host[h] = self.device[d]
-            self.complete(WriteDone(op=cmd.op, ok=ok))
+            self.complete(WriteDone(ops=(cmd.op,), ok=ok))
         elif isinstance(cmd, SubmitLoad):
             if ok:
                 for h, d in zip(cmd.host_slots.tolist(), cmd.device_slots.tolist(), strict=True):

@@ -11,12 +11,16 @@ from collections.abc import Callable
 
 from hicache.components.streamworker import StreamWorker
 from hicache.messages import Load, LoadDone
+from hicache.types import OpId
 
 
 class LoaderActor(StreamWorker[Load]):
     actor_name = "loader"
     job_type = Load
     done_event = "loader.load_done"
+
+    def _parts(self, job: Load) -> list[tuple[OpId, int]]:
+        return [(job.op, len(job.device_slots))]
 
     def _submit(self, job: Load, on_done: Callable[[BaseException | None], None]) -> None:
         job.reply.set(self._streams.submit_load(job.host_slots, job.device_slots, on_done=on_done))

@@ -45,6 +45,8 @@ from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads, LoadHandle
 from hicache.messages import (
     Alloc,
+    Backup,
+    Backups,
     Free,
     LedgerStats,
     Load,
@@ -176,14 +178,24 @@ class TreeActor(Actor[TreeInbox]):
 
     async def _execute(self, effects: list[Effect]) -> None:
         log = self.log
+        backups: list[Backup] = []  # the step's backups, sent to the writer as one message
         for effect in effects:
             match effect:
                 case Event(name=name, fields=fields, level=level):
                     if name == "tree.slots":  # slots as runs: small, comparable, JSON as is
                         fields = {**fields, "slots": slot_runs(fields["slots"])}
                     getattr(log, level)(name, **fields)
+                    continue
                 case Answer(reply=reply, value=value, loads=loads):
                     reply.set(value if loads is None else self._with_handles(value, loads))
+                    continue
+                case Send(to="writer", msg=Backup() as backup):
+                    backups.append(backup)
+                    continue
+            if backups:  # before anything that may wait: what waits may need them done
+                await self._workers["writer"].send(Backups(jobs=tuple(backups)))
+                backups = []
+            match effect:
                 case Send(to=to, msg=msg):
                     await self._workers[to].send(msg)
                 case SubmitLoad(op=op, host_slots=host, device_slots=device):
@@ -204,8 +216,8 @@ class TreeActor(Actor[TreeInbox]):
                     self._timers.pop(op).cancel()
                 case ClearStorage(reply=reply, answer=answer):
                     await self._clear(reply, answer)
-                case SwitchStorage(reply=reply, storage=storage, fields=fields):
-                    await self._switch(reply, storage, fields or {})
+                case SwitchStorage(reply=reply, storage=storage, fields=extra):
+                    await self._switch(reply, storage, extra or {})
                 case Drained(replies=replies, lease=lease, tables=tables):
                     for tier, slots in lease.items():
                         await self._allocator.send(Free(tier=tier, slots=slots))
@@ -218,6 +230,8 @@ class TreeActor(Actor[TreeInbox]):
                     )
                     for reply in replies:
                         reply.set(report)
+        if backups:
+            await self._workers["writer"].send(Backups(jobs=tuple(backups)))
 
     def _with_handles(
         self, outcomes: tuple[Any, ...], loads: tuple[tuple[OpId, ...], ...]

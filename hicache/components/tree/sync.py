@@ -48,9 +48,10 @@ def record(
     """Note a completion. One for an op that already ended (a timer that fired as its
     prefetch ended, work abandoned at close) is stale and dropped."""
     match msg:
-        case WriteDone(op=op, ok=ok, error=error):
-            if op in writes.writes:
-                writes.arrived_writes.setdefault(op, (ok, error))
+        case WriteDone(ops=ops, ok=ok, error=error):
+            for op in ops:
+                if op in writes.writes:
+                    writes.arrived_writes.setdefault(op, (ok, error))
         case LoadDone(op=op, ok=ok, error=error):
             if op in loads.loads:
                 loads.arrived.setdefault(op, (ok, error))
