@@ -1,4 +1,4 @@
-"""KV events in vLLM's wire format over ZMQ (hicache/observability/kv_events.py).
+"""KV events in vLLM's wire format over ZMQ (hicache/observability/kv_events/).
 
 The subscriber side is written here from vLLM's schema, as a router built for vLLM decodes
 (its structs: events as tagged maps since vllm-project/vllm#42892, positional before), and
