@@ -11,7 +11,7 @@ makes every call of the batch without it, and takes it once more to hand back th
 
 It is a CPython extension module (fileio.c), compiled with the system C compiler
 (`CC`, default `cc`) against this interpreter's headers into the row copier's cache directory
-(`HICACHE_CACHE_DIR`, kernels/native.py), the file name carrying a hash of the source, the
+(`HICACHE_CACHE_DIR`, kernels/native_build.py), the file name carrying a hash of the source, the
 compiler, the interpreter and the machine. `HICACHE_NATIVE=0` turns it off with the row copier.
 Linux only (O_NOATIME, nanosecond timestamps); it needs isal's CRC-32 (`crc32_gzip_refl`,
 the same CRC as framing.py's) and checks itself against framing.py at load.

@@ -24,21 +24,29 @@ outage costs two events, not one per call); a command the server refuses (out of
 emits `storage.error` per call.
 
 A batch is cut into pipelines of at most `pipeline_bytes` page bytes (a larger page goes alone),
-sent concurrently over the pool: small pages share round trips, large ones overlap their
-transfers (bench/storage_redis.py compares the two).
+sent concurrently over the pool (redis_calls.py): small pages share round trips, large ones
+overlap their transfers (bench/storage_redis.py compares the two).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
-from hicache.backends.base import BackendUnavailable, PageBuffer, check_ttl
+from hicache.backends.base import PageBuffer, check_ttl
+from hicache.backends.batch import prefix_count
 from hicache.backends.framing import CorruptValue, encode_header, header_size
-from hicache.backends.redis_client import FAILURES, RedisLink, is_unreachable, is_wrong_type
+from hicache.backends.redis_calls import (
+    Counters,
+    EventSink,
+    RedisCalls,
+    check_open,
+    ignore,
+    no_events,
+    unlinks,
+)
+from hicache.backends.redis_client import FAILURES, RedisLink, is_wrong_type
 from hicache.backends.redis_direct import Landed, Target, WrongLength
 from hicache.backends.redis_spec import RedisSpec, parse_redis_spec
 from hicache.backends.redis_values import (
@@ -48,45 +56,13 @@ from hicache.backends.redis_values import (
     verify_landed,
 )
 from hicache.backends.redis_wire import Parts
-from hicache.secrets import redact_text
 
 if TYPE_CHECKING:
     from hicache.backends.keys import Namespace
 
-EventSink = Callable[..., None]
+__all__ = ["EventSink", "RedisBackend"]
+
 _SCAN_BATCH = 1000
-
-
-def _no_events(event: str, **fields: Any) -> None:
-    pass
-
-
-def _ignore(index: int, reply: Any) -> None:
-    pass
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Mutated only by the owning RedisBackend."""
-
-    exists_calls: int = 0
-    probes: int = 0  # keys asked about by exists
-    probe_hits: int = 0  # of which in the present prefix
-    gets: int = 0  # pages asked for by get_into
-    get_hits: int = 0  # pages in the verified prefix
-    sets: int = 0  # pages offered to set_from
-    set_ok: int = 0  # pages in the stored prefix
-    deletes: int = 0  # keys given to delete
-    bytes_read: int = 0  # payload bytes verified into host pages
-    bytes_written: int = 0  # payload bytes stored
-    corrupt: int = 0  # values that failed verification (and were deleted)
-    errors: int = 0  # calls (pipelines or single commands) that failed
-    unavailable: int = 0  # storage.unavailable events
-    reconnected: int = 0  # storage.reconnected events
-
-
-def _prefix_count(flags: Sequence[bool]) -> int:
-    return next((i for i, flag in enumerate(flags) if not flag), len(flags))
 
 
 def _glob_escape(text: str) -> str:
@@ -101,13 +77,10 @@ class RedisBackend:
     ) -> None:
         self.spec = spec
         self.namespace = namespace
-        self._emit = emit or _no_events
+        self._emit = emit or no_events
         self._link = RedisLink(spec)
-        # One permit per pooled connection, so a call never waits on the pool (whose wait is a
-        # timeout and would turn load into misses) and a cluster node never runs out.
-        self._permits = anyio.Semaphore(spec.pool)
-        self._counters = _Counters()
-        self._reachable = True
+        self._counters = Counters()
+        self._calls = RedisCalls(spec, self._link, self._counters, self._emit)
         self._closed = False
         self.enforces_ttl = True  # per-value expiry: set_from(..., ttl=) sends SET ... PX
         ttl_ms = None if spec.ttl_s is None else max(1, round(spec.ttl_s * 1000))
@@ -136,32 +109,8 @@ class RedisBackend:
         BackendUnavailable naming the server, never the password. Bounded by the spec's
         timeouts (and a guard over all of them)."""
         self._check_keys(())
-        if self.spec.lazy_connect:
-            return
-        spec = self.spec
-        guard = 2 * (spec.connect_timeout_s + 3 * spec.timeout_s) * max(1, len(spec.endpoints))
-        failure: BaseException | None = None
-        try:
-            with anyio.fail_after(guard):
-                replies = await self._link.send([("PING",)])
-        except (*FAILURES, TimeoutError) as error:
-            failure = error
-        else:
-            if isinstance(replies[0], BaseException):  # an error reply (e.g. NOAUTH, ACL)
-                failure = replies[0]
-            elif replies[0] not in (True, b"PONG", "PONG"):
-                failure = ValueError(f"unexpected PING reply {replies[0]!r}")
-        if failure is not None:
-            detail = (
-                f"{type(failure).__name__}: {failure}" if str(failure) else type(failure).__name__
-            )
-            if spec.password:
-                detail = detail.replace(spec.password, "***")
-            raise BackendUnavailable(
-                f"redis storage {spec.redacted()} is unreachable or refused this client at open "
-                f"({detail}); check the address and the credentials, or pass lazy_connect=true "
-                "to open anyway (every call is then a miss until the server answers)"
-            ) from None
+        if not self.spec.lazy_connect:
+            await check_open(self.spec, self._link)
 
     # --- StorageBackend ---------------------------------------------------------------------
 
@@ -176,8 +125,8 @@ class RedisBackend:
         def take(index: int, reply: Any) -> None:
             present[index] = reply == 1
 
-        await self._run("exists", [("EXISTS", key) for key in keys], [0] * len(keys), take)
-        count = _prefix_count(present)
+        await self._calls.run("exists", [("EXISTS", key) for key in keys], [0] * len(keys), take)
+        count = prefix_count(present)
         self._counters.probes += len(keys)
         self._counters.probe_hits += count
         return count
@@ -222,7 +171,7 @@ class RedisBackend:
 
         commands = [(self._get_head, key, *self._get_tail) for key in keys]
         in_place = [Target(header_size(key), page) for key, page in zip(keys, pages)]
-        await self._run(
+        await self._calls.run(
             "get",
             commands,
             [sum(p.nbytes for p in page) for page in pages],
@@ -230,10 +179,8 @@ class RedisBackend:
             targets=in_place if self._link.reads_in_place else None,
         )
         if corrupt:
-            await self._run(
-                "delete", [("UNLINK", key) for key in corrupt], [0] * len(corrupt), _ignore
-            )
-        hits = _prefix_count(ok)
+            await self._calls.run("delete", unlinks(corrupt), [0] * len(corrupt), ignore)
+        hits = prefix_count(ok)
         self._counters.gets += len(keys)
         self._counters.get_hits += hits
         return hits
@@ -257,61 +204,59 @@ class RedisBackend:
         sizes = [sum(p.nbytes for p in page) for page in pages]
         ok = [False] * len(keys)
 
-        if ttl is not None and ttl <= 0:
-            await self._run(
-                "set", [("UNLINK", key) for key in keys], [0] * len(keys), self._unlinked(ok)
-            )
-            stored = _prefix_count(ok)
-            self._counters.sets += len(keys)
-            self._counters.set_ok += stored
-            return stored
+        def unlinked(index: int, reply: Any) -> None:
+            ok[index] = isinstance(reply, int)
 
         def take(index: int, reply: Any) -> None:
             ok[index] = reply is True or reply in (b"OK", "OK")
 
-        tail = self._set_tail if ttl is None else ("PX", max(1, round(ttl * 1000)))
-        # The header goes before the pieces on the wire; the pieces are never joined.
-        commands = [
-            ("SET", key, Parts((encode_header(key, page), *page)), *tail)
-            for key, page in zip(keys, pages)
-        ]
-        await self._run(
-            "set",
-            commands,
-            sizes,
-            take,
-            targets=[None] * len(commands) if self._link.reads_in_place else None,
-        )
-        stored = _prefix_count(ok)
+        if ttl is not None and ttl <= 0:
+            await self._calls.run("set", unlinks(keys), [0] * len(keys), unlinked)
+        else:
+            tail = self._set_tail if ttl is None else ("PX", max(1, round(ttl * 1000)))
+            # The header goes before the pieces on the wire; the pieces are never joined.
+            commands = [
+                ("SET", key, Parts((encode_header(key, page), *page)), *tail)
+                for key, page in zip(keys, pages)
+            ]
+            await self._calls.run(
+                "set",
+                commands,
+                sizes,
+                take,
+                targets=[None] * len(commands) if self._link.reads_in_place else None,
+            )
+            self._counters.bytes_written += sum(size for size, done in zip(sizes, ok) if done)
+        stored = prefix_count(ok)
         self._counters.sets += len(keys)
         self._counters.set_ok += stored
-        self._counters.bytes_written += sum(size for size, done in zip(sizes, ok) if done)
         return stored
 
     async def delete(self, keys: Sequence[str]) -> None:
         self._check_keys(keys)
         self._counters.deletes += len(keys)
         if keys:
-            await self._run("delete", [("UNLINK", key) for key in keys], [0] * len(keys), _ignore)
+            await self._calls.run("delete", unlinks(keys), [0] * len(keys), ignore)
 
     async def clear(self) -> None:
         """Remove every key under the namespace prefix (SCAN + UNLINK, on every primary)."""
         self._check_keys(())
         match = _glob_escape(self.namespace.prefix) + "*"
+        calls = self._calls
         try:
-            async with self._permits:
+            async with calls.permits:
                 batch: list[str] = []
                 async for key in self._link.scan(match, _SCAN_BATCH):
                     batch.append(key)
                     if len(batch) >= _SCAN_BATCH:
-                        await self._unlink_or_raise(batch)
+                        await calls.unlink_or_raise(batch)
                         batch = []
                 if batch:
-                    await self._unlink_or_raise(batch)
+                    await calls.unlink_or_raise(batch)
         except FAILURES as error:
-            self._failed("clear", error)
+            calls.failed("clear", error)
         else:
-            self._succeeded()
+            calls.succeeded()
 
     def stats(self) -> Mapping[str, int | float]:
         return asdict(self._counters)
@@ -324,17 +269,8 @@ class RedisBackend:
     async def ping(self) -> bool:
         """Whether the server answers now (emits the same events as any other call)."""
         replies: list[Any] = []
-        await self._run("ping", [("PING",)], [0], lambda _, reply: replies.append(reply))
+        await self._calls.run("ping", [("PING",)], [0], lambda _, reply: replies.append(reply))
         return replies in ([True], [b"PONG"])
-
-    # --- mechanism ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _unlinked(ok: list[bool]) -> Callable[[int, Any], None]:
-        def take(index: int, reply: Any) -> None:
-            ok[index] = isinstance(reply, int)
-
-        return take
 
     def _check_keys(self, keys: Sequence[str]) -> None:
         if self._closed:
@@ -343,83 +279,3 @@ class RedisBackend:
         for key in keys:
             if not isinstance(key, str) or not key.startswith(prefix):
                 raise ValueError(f"key {key!r} is not under this backend's namespace {prefix!r}")
-
-    async def _run(
-        self,
-        op: str,
-        commands: Sequence[tuple[Any, ...]],
-        sizes: Sequence[int],
-        take: Callable[[int, Any], None],
-        *,
-        targets: Sequence[Target | None] | None = None,
-    ) -> None:
-        """Run `commands`, cut into pipelines of at most `pipeline_bytes` page bytes (a larger
-        page goes alone), the pipelines concurrently, at most `pool` at once. Calls
-        `take(index, reply)` as each pipeline's replies arrive; a failed command's reply is its
-        exception. With `targets`, the batch goes over the in-place connections
-        (RedisLink.read_into): GET replies with a Target land in it; None is a plain reply.
-        Never raises for server, connection or timeout failures."""
-        limit = self.spec.pipeline_bytes
-        groups: list[range] = []
-        start = filled = 0
-        for index, size in enumerate(sizes):
-            if index > start and filled + size > limit:
-                groups.append(range(start, index))
-                start, filled = index, 0
-            filled += size
-        groups.append(range(start, len(sizes)))
-
-        async def one(group: range) -> None:
-            async with self._permits:
-                try:
-                    if targets is None:
-                        replies = await self._link.send([commands[i] for i in group])
-                    else:
-                        replies = await self._link.read_into(
-                            [commands[i] for i in group], [targets[i] for i in group]
-                        )
-                except FAILURES as error:
-                    replies = [error] * len(group)
-            failure = next(
-                (r for r in replies if isinstance(r, BaseException) and not is_wrong_type(r)), None
-            )
-            if failure is None:
-                self._succeeded()
-            else:
-                self._failed(op, failure)
-            for index, reply in zip(group, replies):
-                take(index, reply)
-
-        if len(groups) == 1:
-            await one(groups[0])
-            return
-        async with anyio.create_task_group() as task_group:
-            for group in groups:
-                task_group.start_soon(one, group)
-
-    async def _unlink_or_raise(self, keys: list[str]) -> None:
-        for reply in await self._link.send([("UNLINK", key) for key in keys]):
-            if isinstance(reply, BaseException):
-                raise reply
-
-    def _failed(self, op: str, error: BaseException) -> None:
-        self._counters.errors += 1
-        message = redact_text(f"{type(error).__name__}: {error}", self.spec.password)
-        if not is_unreachable(error):
-            self._emit("storage.error", backend="redis", op=op, error=message)
-        elif self._reachable:
-            self._reachable = False
-            self._counters.unavailable += 1
-            self._emit(
-                "storage.unavailable",
-                backend="redis",
-                server=self.spec.redacted(),
-                op=op,
-                error=message,
-            )
-
-    def _succeeded(self) -> None:
-        if not self._reachable:
-            self._reachable = True
-            self._counters.reconnected += 1
-            self._emit("storage.reconnected", backend="redis", server=self.spec.redacted())

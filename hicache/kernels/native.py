@@ -1,5 +1,5 @@
-"""The compiled row copier (rowcopy.c): built with the system C compiler on first use, cached,
-and loaded through ctypes; the CPU engine falls back to numpy row copies without it.
+"""The compiled row copier (rowcopy.c): its calls, bound through ctypes, and its loading (built
+on first use by native_build.py, cached); the CPU engine falls back to numpy row copies without it.
 
 Why compiled: a transfer between a device pool and a page-first host layout is a gather of
 short rows (one head row of 256 B to one token of 2-32 KiB per layer); numpy moves them one
@@ -7,24 +7,14 @@ short rows (one head row of 256 B to one token of 2-32 KiB per layer); numpy mov
 (docs/benchmarks.md "Transfers"). The C loop copies each row with inline vector moves and
 streams large transfers past the cache.
 
-Environment:
-- `HICACHE_NATIVE=0` disables it (numpy row copies only);
-- `HICACHE_CACHE_DIR` is where the built library is kept (default `$XDG_CACHE_HOME/hicache`,
-  else `~/.cache/hicache`); the file name carries a hash of the source, the compiler command
-  and the machine, so an edited source or another compiler builds anew;
-- `CC` names the compiler (default `cc`).
+Environment (`HICACHE_NATIVE`, `HICACHE_CACHE_DIR`, `CC`): native_build.py.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +23,34 @@ from typing import Any
 
 import numpy as np
 
+from hicache.kernels.native_addresses import I64P, data_address, int64_address, int64_pointer
+from hicache.kernels.native_build import (
+    build_library,
+    cache_dir,
+    cached_library,
+    compiler,
+    disabled,
+)
+
+__all__ = [
+    "ABI",
+    "SOURCE",
+    "NativeRows",
+    "PageRuns",
+    "build_library",
+    "cache_dir",
+    "cached_library",
+    "compiler",
+    "data_address",
+    "disabled",
+    "library_path",
+    "native_rows",
+    "unavailable_reason",
+]  # the build helpers and `data_address` are re-exported: callers import them from here
+
 SOURCE = Path(__file__).with_name("rowcopy.c")
 ABI = 3
 _FLAGS = ["-O3", "-shared", "-fPIC"]
-_COMPILE_SECONDS = 120
-
-_I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +92,9 @@ class NativeRows:
             dst.shape[0],
             src.ctypes.data,
             src.shape[0],
-            _rows(dst_rows, n),
+            int64_pointer(dst_rows, n),
             dst_first,
-            _rows(src_rows, n),
+            int64_pointer(src_rows, n),
             src_first,
             n,
             row_bytes,
@@ -129,9 +141,9 @@ class NativeRows:
             dst.shape[0],
             data_address(src) if src_address is None else src_address,
             src.shape[0],
-            _address(dst_pages, n),
+            int64_address(dst_pages, n),
             dst_page_rows,
-            _address(src_pages, n),
+            int64_address(src_pages, n),
             src_page_rows,
             n,
             run_dst,
@@ -159,7 +171,12 @@ class NativeRows:
             return None
         pages = np.empty(n // page_size, dtype=np.int64)
         bad = self._slot_pages(
-            _address(slots, n), n, page_size, size, _marks(size // page_size), data_address(pages)
+            int64_address(slots, n),
+            n,
+            page_size,
+            size,
+            _marks(size // page_size),
+            data_address(pages),
         )
         return None if bad else pages
 
@@ -168,7 +185,7 @@ class NativeRows:
         (numpy's broadcast of pages x offsets runs a short inner loop per page)."""
         n = int(pages.size)
         out = np.empty(n * page_size, dtype=np.int64)
-        self._page_slots(_address(pages, n), n, page_size, data_address(out))
+        self._page_slots(int64_address(pages, n), n, page_size, data_address(out))
         return out
 
     def u32_ids(self, ids: np.ndarray) -> np.ndarray | None:
@@ -176,7 +193,7 @@ class NativeRows:
         [0, 2**32) (the caller names it)."""
         n = int(ids.size)
         out = np.empty(n, dtype=np.uint32)
-        bad = self._u32_ids(_address(ids, n), n, data_address(out))
+        bad = self._u32_ids(int64_address(ids, n), n, data_address(out))
         return out if bad < 0 else None
 
 
@@ -202,14 +219,6 @@ class PageRuns:
         self._addresses = tuple(data_address(a) for a in arrays)
 
 
-def _rows(rows: np.ndarray | None, n: int) -> Any:  # a ctypes int64 pointer, or None
-    if rows is None:
-        return None
-    if rows.dtype != np.int64 or rows.ndim != 1 or rows.size < n or not rows.flags.c_contiguous:
-        raise ValueError(f"row table must be 1-D contiguous int64 with at least {n} entries")
-    return rows.ctypes.data_as(_I64P)
-
-
 _SCRATCH = threading.local()
 
 
@@ -225,99 +234,6 @@ def _marks(count: int) -> int:
             buffers.clear()
         buffer = buffers[count] = np.zeros(max(count, 1), dtype=np.uint8)
     return data_address(buffer)
-
-
-def _probe_data_offset() -> int | None:
-    """Where an ndarray object keeps its data pointer, found by looking: right after the
-    object header in CPython (numpy's `PyArrayObject_fields.data`), checked against
-    `.ctypes.data` on arrays of several kinds; None if it is not there (another build)."""
-    offset = object.__sizeof__(object())  # the header: refcount and type (16 B on 64-bit)
-    base = np.arange(64, dtype=np.int64)
-    samples = [base, base[3:], base[::2], np.zeros(0), np.empty((4, 4), dtype=np.uint8)[1]]
-    try:
-        if all(
-            ctypes.c_void_p.from_address(id(a) + offset).value == a.ctypes.data for a in samples
-        ):
-            return offset
-    except (ValueError, OSError):  # pragma: no cover - a build where reading there fails
-        pass
-    return None  # pragma: no cover
-
-
-_DATA_OFFSET = _probe_data_offset()
-_POINTER_AT = ctypes.c_void_p.from_address
-
-
-def data_address(array: np.ndarray) -> int:
-    """`array.ctypes.data`, read straight from the array object where that was verified at
-    import (`_probe_data_offset`): 0.1 us instead of 1.3-2 us, and a transfer or ledger call
-    takes several."""
-    if _DATA_OFFSET is None or type(array) is not np.ndarray:  # pragma: no cover
-        return int(array.ctypes.data)
-    return _POINTER_AT(id(array) + _DATA_OFFSET).value or 0
-
-
-def _address(rows: np.ndarray, n: int) -> int:
-    """The address of a 1-D contiguous int64 array of at least `n` entries (as `_rows`)."""
-    if rows.dtype != np.int64 or rows.ndim != 1 or rows.size < n or not rows.flags.c_contiguous:
-        raise ValueError(f"row table must be 1-D contiguous int64 with at least {n} entries")
-    return data_address(rows)
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("HICACHE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "hicache"
-
-
-def compiler() -> list[str]:
-    """The C compiler command (`CC`, default `cc`)."""
-    return shlex.split(os.environ.get("CC") or "cc")
-
-
-def disabled() -> bool:
-    """`HICACHE_NATIVE=0` (or false/no/off) turns every compiled helper off."""
-    return os.environ.get("HICACHE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def cached_library(
-    stem: str, source: Path, flags: list[str], *extra: str, suffix: str = ".so"
-) -> Path:
-    """Where the build of `source` with `flags` lives: the name carries a hash of the source,
-    the compiler command, the machine and `extra` (say, the interpreter a module is for)."""
-    digest = hashlib.sha256()
-    digest.update(source.read_bytes())
-    digest.update(" ".join(compiler() + flags).encode())
-    digest.update(platform.machine().encode())
-    for part in extra:
-        digest.update(part.encode())
-    return cache_dir() / f"{stem}-{digest.hexdigest()[:16]}{suffix}"
-
-
-def build_library(source: Path, target: Path, flags: list[str]) -> None:
-    """Compile `source` into a temporary file next to `target`, then rename: concurrent
-    builders (test workers, TP ranks, worker threads) never load a half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [*compiler(), *flags, "-o", tmp, str(source)],
-            capture_output=True,
-            text=True,
-            timeout=_COMPILE_SECONDS,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise OSError(
-                f"{' '.join(compiler())} failed ({done.returncode}): {done.stderr.strip()[:500]}"
-            )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def library_path() -> Path:
@@ -341,7 +257,7 @@ def _load(path: Path) -> NativeRows:
         raise OSError(f"{path} has ABI {abi}, expected {ABI}")
     copy = _bind(
         lib, "hicache_copy_rows", i64,
-        ptr, i64, ptr, i64, _I64P, i64, _I64P, i64, i64, i64, ctypes.c_int,
+        ptr, i64, ptr, i64, I64P, i64, I64P, i64, i64, i64, ctypes.c_int,
     )  # fmt: skip
     # Addresses as plain ints (c_void_p): the page loop is called per transfer, and building
     # ctypes pointer objects for its tables cost more than the checks and copies of a page.
