@@ -21,8 +21,7 @@ from hicache.testing import (
 def step_of(base: int, requests: int) -> list[tuple[str, np.ndarray]]:
     """`requests` unrelated 16-token requests: each inserts its own node, so its own backup."""
     return [
-        (f"r{base + i}", np.arange(16, dtype=np.int64) + 1000 * (base + i))
-        for i in range(requests)
+        (f"r{base + i}", np.arange(16, dtype=np.int64) + 1000 * (base + i)) for i in range(requests)
     ]
 
 
