@@ -17,7 +17,14 @@ import torch
 from hicache.kernels.geometry import Geometry
 from hicache.kernels.huge_pages import cpu_bytes
 from hicache.kernels.indices import SlotArray
-from hicache.kernels.layouts import check_layout, host_shape, page_pieces, page_view, word_dtype
+from hicache.kernels.layouts import (
+    PAGE_CONTIGUOUS_LAYOUTS,
+    check_layout,
+    host_shape,
+    page_pieces,
+    page_view,
+    word_dtype,
+)
 from hicache.kernels.layouts import header_room as header_room_of
 
 
@@ -231,6 +238,7 @@ class HostPool:
         self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
         self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
+        self._whole = memoryview(self._bytes)  # sliced per page by `page_buffers`
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
 
@@ -286,6 +294,12 @@ class HostPool:
 
         slots = as_slot_array(host_slots, "host_slots")
         pages = check_pages(slots, self.page_size, self.size, "host_slots")
+        room = self.header_room
+        if self.layout in PAGE_CONTIGUOUS_LAYOUTS:  # one piece a page: offsets in one pass
+            nbytes = self.page_size * self.geometry.bytes_per_token
+            whole = self._whole
+            starts = (room + pages * (nbytes + room)).tolist()
+            return [PagePieces((whole[o : o + nbytes],), room) for o in starts]
         out = []
         for page in pages.tolist():
             pieces = page_pieces(

@@ -192,13 +192,13 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
         with scope:
             try:
                 if state.hit_pages < 0:
-                    keys = [self._ns.key(h) for h in msg.hashes]
+                    keys = self._ns.keys(msg.hashes)
                     pages = await self._probe(backend, keys)
                 else:
                     start = state.done_pages
                     end = min(state.hit_pages, start + self._batch)
                     page = self._host.page_size
-                    keys = [self._ns.key(h) for h in msg.hashes[start:end]]
+                    keys = self._ns.keys(msg.hashes[start:end])
                     assert state.host_slots is not None  # reads start only after ReadPrefetch
                     slots = state.host_slots[start * page : end * page]
                     targets = self._host.page_buffers(slots)

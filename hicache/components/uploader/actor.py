@@ -152,7 +152,7 @@ class UploaderActor(Actor[UploaderInbox]):
         if backend is None:  # not sent by the tree: storage is off
             self.inbox.send_nowait(IoDone(op=op, pages=0, error="no storage attached"))
             return
-        keys = [self._ns.key(h) for h in job.hashes]
+        keys = self._ns.keys(job.hashes)
         pages = self._host.page_buffers(job.host_slots)
         stored, error = 0, ""
         with scope:

@@ -138,6 +138,25 @@ def test_key_and_page_hash_of():
         Namespace(**BASE, tenant="t").page_hash_of(ns.key(h))
 
 
+def test_keys_of_a_batch_are_each_key_and_check_every_hash():
+    ns = Namespace(**BASE)
+    hashes = chain_page_hashes(range(64 * 5), 64)
+    assert ns.keys(hashes) == [ns.key(h) for h in hashes]
+    assert ns.keys([]) == []
+    good = hashes[0]
+    # One bad hash anywhere in a batch is named, whatever makes it bad (the batch check joins
+    # the hashes: a short one next to a long one must not pass as two good ones).
+    for bad in ("A" * 64, good[:63], good + "0", "g" * 64, 7, good[:32] + " " * 32):
+        for at in (0, 2, 4):
+            batch = list(hashes)
+            batch[at] = bad
+            with pytest.raises(ValueError, match="page_hash"):
+                ns.keys(batch)
+    short_long = [good[:60], good + good[:4]]  # joined, 128 hex characters
+    with pytest.raises(ValueError, match="page_hash"):
+        ns.keys(short_long)
+
+
 def test_mha_keys_carry_tp_size_mla_keys_do_not():
     # With replicated KV heads, rank 0 of TP8 and rank 0 of TP16 hold different heads.
     tp8, tp16 = Namespace(**BASE, rank=0, tp_size=8), Namespace(**BASE, rank=0, tp_size=16)
