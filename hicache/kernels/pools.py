@@ -238,7 +238,7 @@ class HostPool:
         self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
         self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
-        self._whole = memoryview(self._bytes)  # sliced per page by `page_buffers`
+        self._whole = self._bytes.data  # a byte memoryview, sliced per page by `page_buffers`
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
 
