@@ -35,10 +35,7 @@ from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid, run_hybrid_step
 from hicache.cli.replay_args import cache_config, pin_tiers, scratch_dir
 from hicache.cli.replay_progress import progress_display
 from hicache.cli.replay_report import add_flags, print_table, summarize
-
-# Bound under their old private names: tests import `_run_step` and `_Timer` from here.
-from hicache.cli.replay_step import Timer as _Timer
-from hicache.cli.replay_step import run_step as _run_step
+from hicache.cli.replay_step import Timer, run_step
 from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest, read_trace, scheduler_steps
 from hicache.config import CacheConfig
@@ -79,7 +76,7 @@ async def replay(
     if hybrid is not None and pin_first_block:
         raise ValueError("--pin-first-block is not supported with --hybrid")
     tally = Tally()
-    timer = _Timer(tally)
+    timer = Timer(tally)
     async with HiCache(cfg, log=log) as cache:
         switches = _StorageSwitches(cfg, detach_at, attach_at)
         exporter = getattr(cache, "_metrics", None)
@@ -105,7 +102,7 @@ async def replay(
                 )
             else:
                 try:
-                    await _run_step(
+                    await run_step(
                         cache, step, tally, timer, block_tokens, verify, storage_on, salts, pins
                     )
                 except CapacityError:
@@ -113,7 +110,7 @@ async def replay(
                     await cache.release_many(RequestId(f"r{r.index}") for r in step)
                     for req in step:
                         try:
-                            await _run_step(
+                            await run_step(
                                 cache,
                                 [req],
                                 tally,

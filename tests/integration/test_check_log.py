@@ -282,7 +282,8 @@ def test_the_rederived_l1_count_is_the_cache_s(write_policy, exclusive, storage)
 
     from hicache import CacheConfig, HiCache
     from hicache.cli.checklog import LogChecker
-    from hicache.cli.replay import Tally, _run_step, _Timer
+    from hicache.cli.replay_step import Timer, run_step
+    from hicache.cli.tally import Tally
     from hicache.cli.trace import read_trace, scheduler_steps
     from hicache.observability import EventLog
     from hicache.results import CapacityError
@@ -307,8 +308,8 @@ def test_the_rederived_l1_count_is_the_cache_s(write_policy, exclusive, storage)
             tally = Tally()
             for step in scheduler_steps(requests, 8, budget=DEVICE // 2):
                 try:
-                    await _run_step(
-                        cache, step, tally, _Timer(tally), 512, False, storage is not None
+                    await run_step(
+                        cache, step, tally, Timer(tally), 512, False, storage is not None
                     )
                 except CapacityError:
                     await cache.release_many(f"r{r.index}" for r in step)
