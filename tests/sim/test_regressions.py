@@ -204,7 +204,7 @@ def test_a_prefetch_landing_after_load_back_leaves_the_prefix_alone():
             first = len(lb.device_slots)
             mine = await cache.allocate("r", 32 - first)
             fill_kv(cache.device_pool, mine, kv_seeds(a, PAGE), page_size=PAGE, first=first)
-            await anyio.sleep(5)  # r's prefetch lands and re-matches r
+            await anyio.sleep(5)  # virtual time (run_virtual): r's prefetch lands, re-matches r
             await cache.cache_unfinished("r", a, np.concatenate([lb.device_slots, mine]))
             await cache.release("r")
 
