@@ -71,7 +71,11 @@ import traceback
 from pathlib import Path
 
 CONFIGS = ("vllm", "hicache", "offloading")
-OPTIONAL = ("vllm-large",)  # vLLM alone with a KV cache that holds every conversation
+OPTIONAL = ("vllm-large", "hicache-sync", "hicache-l3")
+# vllm-large: vLLM alone with a KV cache that holds every conversation; hicache-sync: hicache
+# with layer-wise loads off (every layer copied before the forward); hicache-l3: hicache with an
+# L2 of one conversation and a file store as L3 (earlier turns come back from L3, loaded
+# asynchronously while vLLM keeps the request waiting).
 HEAD_DIM = 64  # vLLM's CPU attention supports 64, not smaller
 DTYPE_BYTES = 4  # float32
 PAUSE_S = 2.0  # before each round: the last instance's worker busy-polls for 1 s after a step
@@ -165,15 +169,21 @@ def make_model(path: str, args: argparse.Namespace, max_len: int) -> None:
 # ------------------------------------------------------------------ one configuration's process
 
 
-def connector_config(name: str, geo: dict):
+def connector_config(name: str, geo: dict, tmp: Path):
     from vllm.config import KVTransferConfig
 
-    if name == "hicache":
+    if name.startswith("hicache"):
+        extra: dict = {"host_bytes": geo["host_bytes"]}
+        if name == "hicache-sync":
+            extra["layerwise_loads"] = False
+        if name == "hicache-l3":
+            extra["host_bytes"] = geo["working_set_bytes"] // 4  # about one conversation
+            extra["storage"] = f"file:{tmp / 'l3-store'}"
         return KVTransferConfig(
             kv_connector="HiCacheConnector",
             kv_connector_module_path="hicache.integrations.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"host_bytes": geo["host_bytes"]},
+            kv_connector_extra_config=extra,
         )
     if name == "offloading":
         return KVTransferConfig(
@@ -266,7 +276,7 @@ def worker(name: str, args: argparse.Namespace, geo: dict, model: str, log: str,
             enforce_eager=True,
             seed=args.seed,
             disable_log_stats=False,
-            kv_transfer_config=connector_config(name, geo),
+            kv_transfer_config=connector_config(name, geo, Path(log).parent),
         )
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which prints it
         traceback.print_exc()
@@ -454,7 +464,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], failed: dic
         l2 = (
             f"{fmt_int(c.get('hicache_l2_load_pages', 0))} / "
             f"{fmt_int(c.get('hicache_l2_store_pages', 0))}"
-            if name == "hicache"
+            if name.startswith("hicache")
             else ""
         )
         ratio = f"{rate[name] / base:.2f}" if base else ""

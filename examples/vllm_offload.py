@@ -46,7 +46,7 @@ def prompts() -> list[list[int]]:
     return [prefix + [r.randrange(3, 512) for _ in range(n)] for n in (20, 45, 70)]
 
 
-def run_instance(model: str, storage: str, label: str, passes: int) -> None:
+def run_instance(model: str, storage: str, label: str, passes: int, policies: dict) -> None:
     # vLLM's CPU build otherwise reserves most of the machine's memory for its own KV cache.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of L1
     from vllm import LLM, SamplingParams
@@ -64,7 +64,7 @@ def run_instance(model: str, storage: str, label: str, passes: int) -> None:
             kv_connector_module_path="hicache.integrations.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"storage": storage, "host_gib": 1},
+            kv_connector_extra_config={"storage": storage, "host_gib": 1, **policies},
         ),
     )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -83,10 +83,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a HF model directory (default: build a tiny random Llama)")
     ap.add_argument("--storage", help="an L3 spec shared by both instances (default: file:TMP)")
+    ap.add_argument(
+        "--prefetch-policy",
+        default="wait_complete",
+        choices=("wait_complete", "timeout", "best_effort"),
+        help="how long a request waits for its pages from L3 (docs/vllm.md)",
+    )
+    ap.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=("write_through", "write_back"),
+        help="store computed pages every step, or when vLLM frees the request",
+    )
     ap.add_argument("--instance", choices=("first", "second"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    policies = {"prefetch_policy": args.prefetch_policy, "write_policy": args.write_policy}
     if args.instance:
-        run_instance(args.model, args.storage, args.instance, 2 if args.instance == "first" else 1)
+        passes = 2 if args.instance == "first" else 1
+        run_instance(args.model, args.storage, args.instance, passes, policies)
         return
     with tempfile.TemporaryDirectory(prefix="hicache-vllm-") as tmp:
         model = args.model
@@ -96,6 +110,7 @@ def main() -> None:
         storage = args.storage or f"file:{os.path.join(tmp, 'store')}"
         for instance in ("first", "second"):  # two processes: nothing shared but the store
             cmd = [sys.executable, __file__, "--model", model, "--storage", storage]
+            cmd += ["--prefetch-policy", args.prefetch_policy, "--write-policy", args.write_policy]
             subprocess.run([*cmd, "--instance", instance], check=True)
 
 

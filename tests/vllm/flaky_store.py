@@ -6,11 +6,13 @@ otherwise, checked on every call (vLLM's scheduler and worker are separate proce
 
 - `reads`: the data servers are gone, the index still answers: `exists` finds every page,
   reads and writes raise ConnectionResetError;
-- `all`: every call raises an error hicache's backends never raise (KeyError).
+- `all`: every call raises an error hicache's backends never raise (KeyError);
+- `hang`: `exists` finds every page, reads never come back (until cancelled), writes work.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,8 @@ class FlakyStore:
         return int(await self.inner.exists(keys))
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[Any]) -> int:
+        if self._mode() == "hang":
+            await asyncio.Event().wait()  # never set: the caller's timeout cancels it
         self._check(data=True)
         return int(await self.inner.get_into(keys, targets))
 

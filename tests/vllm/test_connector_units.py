@@ -91,6 +91,15 @@ def _meta(w: WorkerSide) -> HiCacheMetadata:
     return HiCacheMetadata(4, w.geometry.page_bytes)
 
 
+def _load(w: WorkerSide, m: HiCacheMetadata) -> None:
+    """One step's loads as vLLM runs them: start, the forward waits for every layer, then
+    the end of the step (layer-wise copies finished)."""
+    w.start_load(m)
+    for name in w.geometry.layers:
+        w.wait_layer(name)
+    w.poll(set())
+
+
 H = [f"{i:064x}" for i in range(1, 4)]
 
 
@@ -103,7 +112,7 @@ def test_worker_round_trip_through_l2_and_l3(tmp_path):
     # L2 -> L1 in the same worker.
     m2 = _meta(src)
     m2.loads = [LoadPlan("r", [6, 7], [0, 1], H[:2], [False, False])]
-    src.start_load(m2)
+    _load(src, m2)
     assert src.take_errors() == set()
     for name, t in src.kv.items():  # type: ignore[attr-defined]
         assert torch.equal(t[6], t[1]) and torch.equal(t[7], t[5]), name
@@ -111,7 +120,7 @@ def test_worker_round_trip_through_l2_and_l3(tmp_path):
     dst = _worker(tmp_path, "dst")
     m3 = _meta(dst)
     m3.loads = [LoadPlan("r", [2, 3], [3, 2], H[:2], [True, True])]
-    dst.start_load(m3)
+    _load(dst, m3)
     assert dst.take_errors() == set()
     for name in src.kv:  # type: ignore[attr-defined]
         assert torch.equal(dst.kv[name][2], src.kv[name][1])  # type: ignore[attr-defined]
@@ -138,7 +147,7 @@ def test_worker_reports_corrupt_and_missing_reads_as_load_errors(tmp_path):
     m2 = _meta(dst)
     # page 0 fine, page 1 corrupt, page 2 never stored: blocks 3 and 4 fail, 2 loads.
     m2.loads = [LoadPlan("r", [2, 3, 4], [0, 1, 2], H, [True, True, True])]
-    dst.start_load(m2)
+    _load(dst, m2)
     assert dst.take_errors() == {3, 4}
     assert dst.take_errors() == set()  # reported once
     assert dst.take_bad() == {(1, H[1]), (2, H[2])}
@@ -148,7 +157,7 @@ def test_worker_reports_corrupt_and_missing_reads_as_load_errors(tmp_path):
     # A later L2 load from a slot whose read failed is refused too.
     m3 = _meta(dst)
     m3.loads = [LoadPlan("q", [6], [1], [H[1]], [False])]
-    dst.start_load(m3)
+    _load(dst, m3)
     assert dst.take_errors() == {6}
     dst.shutdown()
 
@@ -157,7 +166,7 @@ def test_worker_without_storage_loads_only_what_it_stored():
     w = _worker(None, "w")
     m = _meta(w)
     m.loads = [LoadPlan("r", [2], [0], [H[0]], [False])]  # slot 0 never written
-    w.start_load(m)
+    _load(w, m)
     assert w.take_errors() == {2}
 
 
@@ -220,7 +229,7 @@ def test_worker_counts_loads_stores_reads_writes_and_failures(tmp_path):
     dst = _worker(tmp_path, "dst")
     m2 = _meta(dst)
     m2.loads = [LoadPlan("r", [2, 3, 4], [0, 1, 2], H, [True, True, True])]  # H[2]: absent
-    dst.start_load(m2)
+    _load(dst, m2)
     assert dst.stats.take() == {
         "l3_read_pages": 2,
         "l3_read_bytes": 2 * page,
@@ -287,12 +296,12 @@ def _scheduler(slots: int, events: bool):
 def test_scheduler_counts_lookups_hits_and_evictions():
     s = _scheduler(2, events=False)
     a = _Req("a", list(range(3 * BS + 1)))
-    assert s.get_num_new_matched_tokens(a, 0) == 0
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
     meta = s.build_meta(_sched_output([(a, [0, 1, 2, 3], 0, 3 * BS + 1)]))
     assert len(meta.store_slots) == 2  # two slots: the third page finds every slot pinned
     assert s.take_stats() == {"lookups": 1, "no_slot": 1}
     b = _Req("b", list(range(3 * BS + 1)))
-    assert s.get_num_new_matched_tokens(b, 0) == 2 * BS
+    assert s.get_num_new_matched_tokens(b, 0) == (2 * BS, False)
     s.update_state_after_alloc(b, _Blocks([4, 5, 6, 7]), 2 * BS)
     s.build_meta(_sched_output([(b, [4, 5, 6, 7], 2 * BS, BS + 1)]))
     c = _Req("c", list(range(100, 100 + 2 * BS + 1)))

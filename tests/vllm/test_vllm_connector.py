@@ -58,11 +58,16 @@ def test_second_process_reads_the_prefixes_from_l3(work, spec, baseline, first, 
     runs = run(work, "second", spec)
     same(baseline, runs[0])
     assert [x["num_cached_tokens"] for x in runs[0]] == [full_pages(p) for p in prompts()]
-    # Each distinct page read once from L3 (then vLLM shares it), checksums all good.
+    # Each distinct page read once from L3, checksums all good, through asynchronous loads
+    # (vLLM kept the requests waiting). A request sharing pages that another's load is
+    # still reading waits for that read and loads them too: vLLM shares no block of a load
+    # in flight, so L2 -> vLLM copies are at least one per page.
     m = extra(work, "second")["metrics"][0]
     pages = len(distinct_pages())
-    assert m["hit_l3_pages"] == m["l3_read_pages"] == m["l2_load_pages"] == pages, m
+    assert m["hit_l3_pages"] == m["l3_read_pages"] == pages, m
+    assert m["l2_load_pages"] >= pages and m["async_loads"] >= 1, m
     assert m["l3_read_failures"] == m["load_errors"] == 0
+    assert m.get("load_timeouts", 0) == 0
 
 
 def test_corrupt_stored_values_are_recomputed(work, spec, baseline, first, store):

@@ -16,12 +16,14 @@ workers keep the bytes"):
   sends it in the step's metadata; it never touches bytes.
 - worker side (`WorkerSide`, worker.py, each vLLM worker): the host pool (one page-first
   array of host slots), the copies L1 <-> L2 and the L3 reads and writes (hicache's storage
-  backends, their framing and CRC-32 checksums). Workers run the steps' metadata in order,
-  and within a step L3 reads, then L2 -> L1 loads (before the forward), then L1 -> L2 stores
-  (after it), so the index the scheduler keeps is the truth for every later step; the one
-  thing it cannot know ahead, a failed or corrupt L3 read, the worker detects (a per-slot
-  validity flag), reports as vLLM load errors (vLLM recomputes those blocks) and sends back
-  to the scheduler, which forgets the page.
+  backends, their framing and CRC-32 checksums). Workers run the steps' metadata in order:
+  L2 -> L1 loads before the forward (layer by layer: layers.py), L1 -> L2 stores after it,
+  and L3 reads in the background, each into a buffer of its own, landing at a step's end
+  (loads.py: asynchronous loads, vLLM's `load_async`, and best_effort prefetches); so the
+  index the scheduler keeps is the truth for every later step. The one thing it cannot know
+  ahead, a failed, late or corrupt L3 read, the worker detects (a per-slot validity flag and
+  page name), reports as vLLM load errors (vLLM recomputes those blocks) and sends back to
+  the scheduler, which forgets the page.
 
 Pages are vLLM blocks (`page_size` = vLLM's `block_size`) named by hicache's chained SHA-256
 page hashes (`hicache.backends.keys.chain_page_hashes`), starting from hicache's salt seed for
@@ -30,7 +32,7 @@ would use for the same tokens and namespace.
 
 Modules: options.py (the extra config), layout.py (geometry, namespace, salts), storage.py
 (L3 off the event loop), plan.py (the L2 index and the per-step metadata), scheduler.py,
-worker.py, connector.py (vLLM's interface), metrics.py (stats, Prometheus, KV events),
+worker.py, loads.py, layers.py, connector.py (vLLM's interface), metrics.py (stats, Prometheus, KV events),
 compat.py (vLLM's base classes, or `object` without vLLM).
 """
 

@@ -63,7 +63,9 @@ class HiCacheConnector(ConnectorBase):
                 self.geometry.block_size,
                 tp_size,
             )
-            self.scheduler = SchedulerSide(self.options, self.geometry, host_slots, storage, events)
+            self.scheduler = SchedulerSide(
+                self.options, self.geometry, host_slots, storage, events, tp_size=tp_size
+            )
         else:
             self.worker = WorkerSide(
                 self.options, self.geometry, int(kv_cache_config.num_blocks), storage
@@ -81,7 +83,7 @@ class HiCacheConnector(ConnectorBase):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler is not None
@@ -96,10 +98,11 @@ class HiCacheConnector(ConnectorBase):
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if meta is not None:
                 self.scheduler.worker_feedback(meta)
+            self.scheduler.loads_ended(getattr(connector_output, "finished_recving", None))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
-            self.scheduler.request_finished(request)
+            return self.scheduler.request_finished(request, block_ids), None
         return False, None
 
     def reset_cache(self) -> bool | None:
@@ -120,7 +123,8 @@ class HiCacheConnector(ConnectorBase):
         self.worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # start_load_kv loads every layer before the forward
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -135,6 +139,13 @@ class HiCacheConnector(ConnectorBase):
         assert isinstance(meta, HiCacheMetadata)
         self.worker.save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(Write-back requests whose stores ran, asynchronous loads that ended)."""
+        if self.worker is None:
+            return None, None
+        sending, recving = self.worker.poll(set(finished_req_ids))
+        return sending or None, recving or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
 
@@ -143,11 +154,13 @@ class HiCacheConnector(ConnectorBase):
             return None
         bad = self.worker.take_bad()
         done, failed = self.worker.take_uploads()
-        if not (bad or done or failed):
+        prefetched = self.worker.loads.take_prefetched()
+        if not (bad or done or failed or prefetched):
             return None
         meta = HiCacheWorkerMetadata(bad)
         meta.uploaded = dict.fromkeys(done, 1)
         meta.upload_failed = set(failed)
+        meta.prefetched = prefetched
         return meta
 
     # -- metrics and events (hicache.integrations.vllm.metrics; docs/vllm.md)

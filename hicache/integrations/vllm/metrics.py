@@ -46,6 +46,9 @@ METRICS: dict[str, str] = {
     "l2_evictions": "L2 pages evicted (least recently used) to make room",
     "l2_forgotten": "L2 pages dropped because their L3 read failed",
     "no_slot": "pages neither loaded nor stored: every L2 slot was pinned by the step",
+    "async_loads": "requests told their load is asynchronous (pages from L3 or still arriving)",
+    "prefetch_pages": "L3 pages read into L2 for no request (best_effort prefetch)",
+    "write_back_requests": "finished requests whose blocks waited for a write-back store",
     # worker side (summed over the workers: pages count once per TP rank, bytes are shards)
     "l2_load_pages": "pages copied L2 -> vLLM's KV blocks",
     "l2_load_bytes": "bytes copied L2 -> vLLM's KV blocks",
@@ -58,6 +61,8 @@ METRICS: dict[str, str] = {
     "l3_write_bytes": "bytes written to L3",
     "l3_write_failures": "pages whose L3 write failed or was not accepted (L3 misses them)",
     "load_errors": "blocks reported to vLLM as failed loads (vLLM recomputes them)",
+    "load_timeouts": "L3 pages an asynchronous load gave up on at its deadline (recomputed)",
+    "aborted_loads": "asynchronous loads dropped because vLLM aborted their request",
 }
 """Every counter: name -> meaning. Prometheus: `vllm:hicache_<name>` (a counter: `_total`)."""
 

@@ -10,6 +10,12 @@ from typing import Any
 DEFAULT_HOST_FRACTION = 0.10
 """Default L2 size: this fraction of the machine's physical memory, per worker."""
 
+PREFETCH_POLICIES = ("wait_complete", "timeout", "best_effort")
+"""How long a request waits for its pages from L3 (hicache's prefetch policies, docs/vllm.md)."""
+
+WRITE_POLICIES = ("write_through", "write_back")
+"""When computed pages go to L2 (and on to L3): every step, or when vLLM frees the request."""
+
 # ---------------------------------------------------------------------------------- options
 
 
@@ -25,6 +31,19 @@ class ConnectorOptions:
     storage_write: bool = True  # write-through of stored pages to L3
     model_id: str | None = None  # the L3 namespace's model; None: vLLM's model name
     salt_requests: bool = True  # a request's cache_salt separates its pages
+    prefetch_policy: str = "wait_complete"  # PREFETCH_POLICIES
+    prefetch_timeout_base: float = 1.0  # "timeout": seconds per load, plus
+    prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens loaded
+    write_policy: str = "write_through"  # WRITE_POLICIES
+    layerwise_loads: bool = True  # L2 -> L1 copies layer by layer, overlapping the forward
+
+    def prefetch_deadline(self, tokens: int) -> float:
+        """Seconds an asynchronous load of `tokens` tokens may take before the pages that
+        have not landed are recomputed ("timeout"); the other policies wait for the reads
+        themselves, each bounded by `storage_timeout`."""
+        if self.prefetch_policy == "timeout":
+            return self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
+        return self.storage_timeout
 
 
 _OPTION_KEYS = {
@@ -37,7 +56,28 @@ _OPTION_KEYS = {
     "storage_write",
     "model_id",
     "salt_requests",
+    "prefetch_policy",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "write_policy",
+    "layerwise_loads",
 }
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"HiCacheConnector: {name} must be one of {list(choices)}, got {value!r}")
+    return str(value)
+
+
+def _seconds(name: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"HiCacheConnector: {name} must be a number, got {value!r}") from None
+    if not seconds >= 0:
+        raise ValueError(f"HiCacheConnector: {name} must be >= 0, got {value!r}")
+    return seconds
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -87,6 +127,19 @@ def parse_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
         storage_write=bool(extra.get("storage_write", True)),
         model_id=model_id,
         salt_requests=bool(extra.get("salt_requests", True)),
+        prefetch_policy=_choice(
+            "prefetch_policy", extra.get("prefetch_policy", "wait_complete"), PREFETCH_POLICIES
+        ),
+        prefetch_timeout_base=_seconds(
+            "prefetch_timeout_base", extra.get("prefetch_timeout_base", 1.0)
+        ),
+        prefetch_timeout_per_ki_token=_seconds(
+            "prefetch_timeout_per_ki_token", extra.get("prefetch_timeout_per_ki_token", 0.25)
+        ),
+        write_policy=_choice(
+            "write_policy", extra.get("write_policy", "write_through"), WRITE_POLICIES
+        ),
+        layerwise_loads=bool(extra.get("layerwise_loads", True)),
     )
 
 

@@ -22,6 +22,7 @@ class HostIndex:
         self._hash_of: dict[int, str] = {}
         self._free = list(range(slots - 1, -1, -1))
         self._pinned: set[int] = set()
+        self._held: dict[str, int] = {}  # page hash -> in-flight async loads that need it
         self.evictions = 0
         self.removed: list[str] = []  # pages evicted or forgotten since the last drain
 
@@ -41,6 +42,23 @@ class HostIndex:
     def unpin_all(self) -> None:
         self._pinned.clear()
 
+    def hold(self, page_hash: str) -> None:
+        """Keep `page_hash` from eviction across steps, until as many `release`s: an
+        asynchronous load still reads (or fills) its slot in a later step."""
+        self._held[page_hash] = self._held.get(page_hash, 0) + 1
+
+    def release(self, page_hash: str) -> None:
+        n = self._held.get(page_hash, 0) - 1
+        if n > 0:
+            self._held[page_hash] = n
+        else:
+            self._held.pop(page_hash, None)
+
+    @property
+    def held(self) -> int:
+        """Page hashes held (0 once every asynchronous load has finished)."""
+        return len(self._held)
+
     def allocate(self, page_hash: str) -> int | None:
         """A slot for a page not in the index (recorded at once, pinned), evicting the least
         recently used unpinned page if none is free; None when every slot is pinned."""
@@ -49,7 +67,14 @@ class HostIndex:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((h for h, s in self._by_hash.items() if s not in self._pinned), None)
+            victim = next(
+                (
+                    h
+                    for h, s in self._by_hash.items()
+                    if s not in self._pinned and h not in self._held
+                ),
+                None,
+            )
             if victim is None:
                 return None
             slot = self._by_hash.pop(victim)
@@ -68,6 +93,7 @@ class HostIndex:
         del self._hash_of[slot]
         del self._by_hash[page_hash]
         self._free.append(slot)
+        self._pinned.discard(slot)
         self.removed.append(page_hash)
         return True
 
@@ -81,14 +107,17 @@ class HostIndex:
 
 @dataclass(slots=True)
 class LoadPlan:
-    """One request's load in one step: block `block_ids[i]` gets host slot `slots[i]`, read
-    first from L3 where `read[i]` (the page hash `hashes[i]`)."""
+    """One request's load: block `block_ids[i]` gets host slot `slots[i]`, read first from
+    L3 where `read[i]` (the page hash `hashes[i]`). `background`: vLLM was told the load is
+    asynchronous (the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it in
+    `get_finished`); otherwise it lands before the forward of the step that sent it."""
 
     req_id: str
     block_ids: list[int]
     slots: list[int]
     hashes: list[str]
     read: list[bool]
+    background: bool = False
 
 
 class HiCacheMetadata(MetadataBase):
@@ -101,6 +130,9 @@ class HiCacheMetadata(MetadataBase):
         self.store_blocks: list[int] = []
         self.store_slots: list[int] = []
         self.store_hashes: list[str] = []
+        self.prefetch_slots: list[int] = []  # L3 -> L2 reads for no request (best_effort)
+        self.prefetch_hashes: list[str] = []
+        self.saving: list[str] = []  # finished requests whose blocks wait for this step's stores
 
 
 class HiCacheWorkerMetadata(WorkerMetadataBase):
@@ -111,6 +143,7 @@ class HiCacheWorkerMetadata(WorkerMetadataBase):
         self.bad: set[tuple[int, str]] = set(bad or ())
         self.uploaded: dict[str, int] = {}  # page hash -> workers whose L3 write of it landed
         self.upload_failed: set[str] = set()
+        self.prefetched: dict[str, int] = {}  # page hash -> workers whose prefetch ended
 
     def aggregate(self, other: Any) -> HiCacheWorkerMetadata:
         out = HiCacheWorkerMetadata(self.bad | set(getattr(other, "bad", ())))
@@ -118,4 +151,7 @@ class HiCacheWorkerMetadata(WorkerMetadataBase):
         for h, n in dict(getattr(other, "uploaded", None) or {}).items():
             out.uploaded[h] = out.uploaded.get(h, 0) + n
         out.upload_failed = self.upload_failed | set(getattr(other, "upload_failed", ()))
+        out.prefetched = dict(self.prefetched)
+        for h, n in dict(getattr(other, "prefetched", None) or {}).items():
+            out.prefetched[h] = out.prefetched.get(h, 0) + n
         return out

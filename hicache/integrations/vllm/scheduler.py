@@ -21,6 +21,9 @@ SCHEDULER_METRICS = (
     "l2_evictions",
     "l2_forgotten",
     "no_slot",
+    "async_loads",
+    "prefetch_pages",
+    "write_back_requests",
 )
 
 
@@ -32,6 +35,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     probe_start: int = 0  # pages vLLM had locally at the last probe
     stored: int = 0  # pages (from the first) already stored or found in L2
+    waited: bool = False  # had an asynchronous load: later lookups offer landed L2 pages only
 
 
 class SchedulerSide:
@@ -44,6 +48,7 @@ class SchedulerSide:
         host_slots: int,
         storage: Storage | None = None,
         events: EventLog | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.options = options
         self.geometry = geometry
@@ -55,6 +60,12 @@ class SchedulerSide:
         self._loads: list[LoadPlan] = []
         self.stats = Counters(SCHEDULER_METRICS)
         self._uploads = storage is not None and options.storage_write and storage.namespace.writes
+        self.tp_size = tp_size
+        self._filling: set[str] = set()  # pages an L3 read in flight will land in L2
+        self._loading: dict[str, LoadPlan] = {}  # asynchronous loads not yet reported ended
+        self._prefetching: dict[str, int] = {}  # prefetched page -> workers that ended it
+        self._prefetch: list[tuple[int, str]] = []  # (slot, page) for the next step's metadata
+        self._finishing: list[tuple[_Request, int, list[int]]] = []  # write-back at free
 
     def _entered(self, st: _Request, page: int, page_hash: str, *, upload: bool) -> None:
         if self.events.enabled:
@@ -87,27 +98,72 @@ class SchedulerSide:
             st.hashes.extend(chain_page_hashes(tokens, self.block_size, prior=prior))
         return st.hashes[:pages]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens past vLLM's own (block-aligned) hit that L2 or L3 holds, whole pages only,
-        always leaving one token for vLLM to compute."""
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(Tokens past vLLM's own block-aligned hit that L2 or L3 holds, whole pages only,
+        always leaving one token for vLLM to compute; whether the load is asynchronous).
+
+        A page from L3, or one in L2 that a read in flight is still filling, makes the load
+        asynchronous (`wait_complete`, `timeout`); under `best_effort` the hit stops before
+        such pages and the ones in L3 are read into L2 in the background for the next
+        request that needs them."""
         self.stats.add("lookups")
         st = self._state(request)
         start = num_computed_tokens // self.block_size
         st.probe_start = start
         limit = max(0, (int(request.num_tokens) - 1) // self.block_size)
         if limit <= start:
-            return 0
+            return 0, False
         hashes = self._hashes(st, limit)
-        end = start
+        if self.options.prefetch_policy == "best_effort" or st.waited:
+            # One asynchronous load per request: one that failed in part would otherwise be
+            # planned again (L3 still lists the page) and the request never run.
+            return self._l2_hit(hashes, start, limit, prefetch=not st.waited), False
+        end, background = start, False
         while end < limit and self.index.lookup(hashes[end]) is not None:
+            background |= hashes[end] in self._filling
             end += 1
         if self.storage is not None and end < limit:
             in_l3 = self.storage.exists(hashes[end:limit])
             end += in_l3
+            background |= in_l3 > 0
+        return (end - start) * self.block_size, background and end > start
+
+    def _l2_hit(self, hashes: list[str], start: int, limit: int, *, prefetch: bool) -> int:
+        """The tokens of the pages landed in L2; what L3 holds past the pages L2 has or is
+        filling is read into L2 in the background, for the next request that needs it."""
+        end = start
+        while (
+            end < limit
+            and self.index.lookup(hashes[end]) is not None
+            and hashes[end] not in self._filling
+        ):
+            end += 1
+        probe = end
+        while prefetch and probe < limit and self.index.lookup(hashes[probe]) is not None:
+            probe += 1
+        if prefetch and self.storage is not None and probe < limit:
+            self._prefetch_pages(hashes[probe : probe + self.storage.exists(hashes[probe:limit])])
         return (end - start) * self.block_size
 
+    def _prefetch_pages(self, hashes: list[str]) -> None:
+        """Read these L3 pages into L2 for no request (best_effort), in the next step."""
+        for h in hashes:
+            slot = self.index.allocate(h)
+            if slot is None:
+                self.stats.add("no_slot")
+                return
+            self.index.hold(h)
+            self._filling.add(h)
+            self._prefetching[h] = 0
+            self._prefetch.append((slot, h))
+            self.stats.add("prefetch_pages")
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Plan the load of the pages vLLM accepted, into the blocks it allocated."""
+        """Plan the load of the pages vLLM accepted, into the blocks it allocated. A load with
+        pages to read from L3 (or still being read) is asynchronous: its pages are held in L2
+        until the workers report it ended."""
         if num_external_tokens <= 0:
             return
         st = self._state(request)
@@ -122,7 +178,7 @@ class SchedulerSide:
             read = slot is None
             if slot is None:
                 slot = self.index.allocate(h)
-                if slot is None:  # every slot pinned this step: the worker reports an error
+                if slot is None:  # every slot pinned or held: the worker reports an error
                     self.stats.add("no_slot")
                     slot = -1
                     read = False
@@ -133,15 +189,48 @@ class SchedulerSide:
                 self.index.touch(h)
                 self.index.pin(slot)
                 self.stats.add("hit_l2_pages")
+            plan.background |= read or h in self._filling
             plan.block_ids.append(block_ids[i])
             plan.slots.append(slot)
             plan.hashes.append(h)
             plan.read.append(read)
+        if plan.background:
+            st.waited = True
+            self.stats.add("async_loads")
+            for h, slot, read in zip(plan.hashes, plan.slots, plan.read):
+                if slot >= 0:
+                    self.index.hold(h)
+                if read:
+                    self._filling.add(h)
+            self._loading[plan.req_id] = plan
         self._loads.append(plan)
+
+    def loads_ended(self, req_ids: Any) -> None:
+        """The workers report these requests' asynchronous loads ended (`finished_recving`):
+        their pages may be evicted again, and pages read are now L2's like any other."""
+        for rid in req_ids or ():
+            plan = self._loading.pop(str(rid), None)
+            if plan is None:
+                continue
+            for h, slot, read in zip(plan.hashes, plan.slots, plan.read):
+                if slot >= 0:
+                    self.index.release(h)
+                if read:
+                    self._filling.discard(h)
 
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata(self.index.slots, self.geometry.page_bytes)
         meta.loads, self._loads = self._loads, []
+        for slot, h in self._prefetch:
+            meta.prefetch_slots.append(slot)
+            meta.prefetch_hashes.append(h)
+        self._prefetch.clear()
+        for done, computed, block_ids in self._finishing:
+            done.block_ids = block_ids
+            self._plan_stores(meta, done, computed)
+            meta.saving.append(str(done.request.request_id))
+        self._finishing.clear()
+        write_through = self.options.write_policy == "write_through"
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._requests.get(new.req_id)
@@ -149,7 +238,8 @@ class SchedulerSide:
                 continue
             st.block_ids = list(new.block_ids[0])
             st.stored = min(st.stored, int(new.num_computed_tokens) // self.block_size)
-            self._plan_stores(meta, st, int(new.num_computed_tokens) + int(sched[new.req_id]))
+            if write_through:
+                self._plan_stores(meta, st, int(new.num_computed_tokens) + int(sched[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._requests.get(rid)
@@ -160,7 +250,8 @@ class SchedulerSide:
                 st.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 st.block_ids.extend(new_ids[0])
-            self._plan_stores(meta, st, int(cached.num_computed_tokens[i]) + int(sched[rid]))
+            if write_through:
+                self._plan_stores(meta, st, int(cached.num_computed_tokens[i]) + int(sched[rid]))
         self.index.unpin_all()
         self.drain_removed()
         return meta
@@ -189,13 +280,37 @@ class SchedulerSide:
             self._entered(st, i, h, upload=self._uploads)
         st.stored = pages
 
-    def request_finished(self, request: Any) -> None:
-        self._requests.pop(str(request.request_id), None)
+    def request_finished(self, request: Any, block_ids: Any) -> bool:
+        """Forget the request. Under write_back its computed pages that L2 lacks are stored
+        in the next step: True asks vLLM to keep its blocks until the workers report the
+        stores ran (`finished_sending`). A request whose load is still in flight (aborted
+        while waiting for it) stores nothing: its blocks may not hold its KV yet."""
+        rid = str(request.request_id)
+        st = self._requests.pop(rid, None)
+        if st is None or self.options.write_policy != "write_back" or rid in self._loading:
+            return False
+        blocks = list(block_ids or ())
+        computed = min(int(request.num_computed_tokens), len(st.request.all_token_ids))
+        pages = min(computed // self.block_size, len(blocks))
+        hashes = self._hashes(st, pages)
+        if all(self.index.lookup(h) is not None for h in hashes[st.stored : pages]):
+            return False
+        self._finishing.append((st, computed, blocks))
+        self.stats.add("write_back_requests")
+        return True
 
     def worker_feedback(self, worker_meta: Any) -> None:
         for slot, page_hash in getattr(worker_meta, "bad", ()):
             if self.index.forget(slot, page_hash):
                 self.stats.add("l2_forgotten")
+        for h, n in dict(getattr(worker_meta, "prefetched", None) or {}).items():
+            if h not in self._prefetching:
+                continue
+            self._prefetching[h] += n
+            if self._prefetching[h] >= self.tp_size:  # every rank's read ended
+                del self._prefetching[h]
+                self.index.release(h)
+                self._filling.discard(h)
         self.drain_removed()
         self.events.uploaded(dict(getattr(worker_meta, "uploaded", None) or {}))
         self.events.upload_failed(list(getattr(worker_meta, "upload_failed", ())))
@@ -207,5 +322,25 @@ class SchedulerSide:
         return self.stats.take()
 
     def reset(self) -> None:
+        """Empty the L2 index. Loads in flight keep their holds until they end; the pages
+        they read are not kept (their slots may be reused at once: a worker never lets a
+        load write a slot that a later step took)."""
         self.index.clear()
+        for _, h in self._prefetch:  # never sent: nothing will report them ended
+            self.index.release(h)
+            self._filling.discard(h)
+            self._prefetching.pop(h, None)
+        self._prefetch.clear()
         self.drain_removed()
+
+    @property
+    def in_flight(self) -> int:
+        """Asynchronous loads, prefetches and write-backs not yet ended (0 when idle)."""
+        return len(self._loading) + len(self._prefetching) + len(self._finishing)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and no table of in-flight work holding an entry."""
+        return not (
+            self._loading or self._prefetching or self._finishing or self._filling or self._prefetch
+        ) and (self.index.held == 0)

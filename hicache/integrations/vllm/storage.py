@@ -86,6 +86,26 @@ class Storage:
             log.warning("hicache storage read failed (a miss): %r", exc)
             return 0
 
+    def read_async(
+        self, hashes: Sequence[str], targets: Sequence[Sequence[memoryview]]
+    ) -> concurrent.futures.Future[int]:
+        """Read `hashes` into `targets` on the loop: a future of how many leading pages
+        landed (verified), bounded by `storage_timeout`; every failure is 0, never raised.
+        A caller that stops waiting must not read `targets` again: a backend's thread may
+        still write into them (so asynchronous loads read into buffers of their own)."""
+        keys = self.keys(hashes)
+
+        async def read() -> int:
+            try:
+                got = await asyncio.wait_for(self.backend.get_into(keys, targets), self.timeout)
+                return int(got)
+            except Exception as exc:  # noqa: BLE001 - any storage failure is a miss (contract)
+                self.errors += 1
+                log.warning("hicache storage read failed (a miss): %r", exc)
+                return 0
+
+        return self._loop.submit(read())
+
     def set_from_async(
         self, hashes: Sequence[str], sources: Sequence[Sequence[memoryview]]
     ) -> concurrent.futures.Future[int]:

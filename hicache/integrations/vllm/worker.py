@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hicache.integrations.vllm.compat import log
+from hicache.integrations.vllm.layers import LayerCopies
 from hicache.integrations.vllm.layout import Geometry
+from hicache.integrations.vllm.loads import Loads
 from hicache.integrations.vllm.metrics import Counters
 from hicache.integrations.vllm.options import ConnectorOptions
 from hicache.integrations.vllm.plan import HiCacheMetadata
@@ -30,6 +32,8 @@ WORKER_METRICS = (
     "l3_write_bytes",
     "l3_write_failures",
     "load_errors",
+    "load_timeouts",
+    "aborted_loads",
 )
 """The worker half's counters (hicache.integrations.vllm.metrics.METRICS says what each is)."""
 
@@ -50,6 +54,7 @@ class WorkerSide:
         self.storage = storage
         self.planes: list[torch.Tensor] = []  # (num_blocks, bytes) uint8 views of vLLM's KV
         self.offsets: list[int] = []
+        self.plane_layer: list[str] = []  # the vLLM layer of each plane, in model order
         self.host: torch.Tensor | None = None  # (slots, page_bytes) uint8
         self.valid: list[bool] = []
         self.errors: set[int] = set()
@@ -59,6 +64,10 @@ class WorkerSide:
         self._acks_lock = threading.Lock()
         self._uploaded: list[str] = []  # L3 writes that landed, not yet reported
         self._upload_failed: list[str] = []
+        self.slot_hash: list[str | None] = []  # the page each host slot's bytes are of
+        self.loads = Loads(self)
+        self.layers = LayerCopies(self)
+        self._saved: set[str] = set()  # write-back requests whose stores ran this step
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Flat byte views of every layer's blocks: a block-major tensor (`[blocks, ...]`,
@@ -67,6 +76,7 @@ class WorkerSide:
 
         names = [n for n in self.geometry.layers if n in kv_caches] or sorted(kv_caches)
         planes: list[torch.Tensor] = []
+        plane_layer: list[str] = []
         for name in names:
             t = kv_caches[name]
             parts = [t]
@@ -80,6 +90,7 @@ class WorkerSide:
                     )
                 try:
                     planes.append(p.view(self.num_blocks, -1).view(torch.uint8))
+                    plane_layer.append(name)
                 except RuntimeError as exc:
                     raise NotImplementedError(
                         f"HiCacheConnector: layer {name} KV (shape {tuple(t.shape)}, stride "
@@ -94,7 +105,7 @@ class WorkerSide:
                 f"HiCacheConnector: vLLM's KV blocks hold {total} bytes per block over all "
                 f"layers, the KV cache spec says {self.geometry.page_bytes}"
             )
-        self.planes, self.offsets = planes, offsets
+        self.planes, self.offsets, self.plane_layer = planes, offsets, plane_layer
 
     def _ensure_host(self, meta: HiCacheMetadata) -> torch.Tensor:
         import torch
@@ -108,13 +119,14 @@ class WorkerSide:
             # Untouched pages cost nothing until written (the OS maps them on first touch).
             self.host = torch.empty((meta.host_slots, meta.page_bytes), dtype=torch.uint8)
             self.valid = [False] * meta.host_slots
+            self.slot_hash = [None] * meta.host_slots
         return self.host
 
     def _page(self, slot: int) -> list[memoryview]:
         assert self.host is not None
         return [self.host[slot].numpy().data.cast("B")]
 
-    def _settle_upload(self, slot: int) -> None:
+    def settle_upload(self, slot: int) -> None:
         """Before a host slot is overwritten, its upload to L3 must have read it."""
         fut = self.uploads.pop(slot, None)
         if fut is None:
@@ -124,69 +136,93 @@ class WorkerSide:
         except Exception as exc:  # noqa: BLE001 - any storage failure is a miss (contract)
             log.warning("hicache upload failed (L3 misses it): %r", exc)
 
-    def start_load(self, meta: HiCacheMetadata) -> None:
-        """L3 -> L2 reads, then L2 -> L1 copies, before the forward reads any layer."""
+    def holds(self, slot: int, page_hash: str) -> bool:
+        """Slot `slot` holds `page_hash`, landed (not being filled by a load in flight)."""
+        return (
+            0 <= slot < len(self.valid)
+            and self.valid[slot]
+            and self.slot_hash[slot] == page_hash
+            and slot not in self.loads.filling
+        )
+
+    def fail_blocks(self, blocks: list[int]) -> None:
+        self.errors.update(blocks)
+        self.stats.add("load_errors", len(blocks))
+
+    def copy_in(self, pairs: list[tuple[int, int]], source: torch.Tensor) -> None:
+        """vLLM's block b <- row r of `source` (host slots or a load's buffer), every layer."""
         import torch
 
-        if not meta.loads:
-            if self.host is None and (meta.store_slots or meta.host_slots):
-                self._ensure_host(meta)
-            return
-        host = self._ensure_host(meta)
-        reads = [(p, i) for p in meta.loads for i, r in enumerate(p.read) if r]
-        if reads:
-            for p, i in reads:
-                self._settle_upload(p.slots[i])
-                self.valid[p.slots[i]] = False
-            got = 0
-            if self.storage is not None:
-                targets = [self._page(p.slots[i]) for p, i in reads]
-                got = self.storage.get_into([p.hashes[i] for p, i in reads], targets)
-            self.stats.add("l3_read_pages", got)
-            self.stats.add("l3_read_bytes", got * self.geometry.page_bytes)
-            for k, (p, i) in enumerate(reads):
-                if k < got:
-                    self.valid[p.slots[i]] = True
-                else:
-                    self.stats.add("l3_read_failures")
-                    self.bad.add((p.slots[i], p.hashes[i]))
-        blocks: list[int] = []
-        slots: list[int] = []
+        bi = torch.tensor([b for b, _ in pairs], dtype=torch.long)
+        ri = torch.tensor([r for _, r in pairs], dtype=torch.long)
+        for plane, off in zip(self.planes, self.offsets):
+            plane[bi] = source[ri, off : off + plane.shape[1]]
+        self.stats.add("l2_load_pages", len(pairs))
+        self.stats.add("l2_load_bytes", len(pairs) * self.geometry.page_bytes)
+
+    def start_load(self, meta: HiCacheMetadata) -> None:
+        """Start the step's loads: asynchronous ones and prefetches read from L3 in the
+        background (`poll` lands them); synchronous ones land before the forward reads them
+        (layer by layer with `layerwise_loads`: `wait_layer`)."""
+        self._ensure_host(meta)
+        deadline = self.options.prefetch_deadline
+        for slot, page_hash in zip(meta.prefetch_slots, meta.prefetch_hashes):
+            self.loads.begin(None, [], [slot], [page_hash], [True], self.options.storage_timeout)
+        pairs: list[tuple[int, int]] = []
         for p in meta.loads:
-            failed = False
-            for b, s in zip(p.block_ids, p.slots):
-                # A page after a failed one is not loaded either: vLLM recomputes from the
-                # first failed block of a request, and a prefix must stay a prefix.
-                if failed or s < 0 or not self.valid[s]:
-                    failed = True
-                    self.errors.add(b)
-                    self.stats.add("load_errors")
-                    continue
-                blocks.append(b)
-                slots.append(s)
-        if blocks:
-            bi = torch.tensor(blocks, dtype=torch.long)
-            si = torch.tensor(slots, dtype=torch.long)
-            for plane, off in zip(self.planes, self.offsets):
-                plane[bi] = host[si, off : off + plane.shape[1]]
-            self.stats.add("l2_load_pages", len(blocks))
-            self.stats.add("l2_load_bytes", len(blocks) * self.geometry.page_bytes)
+            if p.background or any(p.read):
+                load = self.loads.begin(
+                    p.req_id,
+                    p.block_ids,
+                    p.slots,
+                    p.hashes,
+                    p.read,
+                    deadline(len(p.block_ids) * self.geometry.block_size),
+                )
+                if not p.background:  # a synchronous load that reads L3 (not planned so)
+                    self.loads.wait(load)
+                continue
+            for i, (b, s) in enumerate(zip(p.block_ids, p.slots)):
+                if not self.holds(s, p.hashes[i]):
+                    # A prefix stays a prefix: vLLM recomputes from the first failed block.
+                    self.fail_blocks(p.block_ids[i:])
+                    break
+                pairs.append((b, s))
+        if pairs:
+            assert self.host is not None
+            if self.options.layerwise_loads and self.layers.usable:
+                self.layers.start(pairs, self.host)
+            else:
+                self.copy_in(pairs, self.host)
+
+    def wait_layer(self, layer_name: str) -> None:
+        self.layers.wait(layer_name)
+
+    def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """`get_finished`: (requests whose write-back stores ran this step, requests whose
+        asynchronous loads ended: landed, partly landed or dropped after an abort)."""
+        self.layers.finish()
+        saved, self._saved = self._saved, set()
+        return saved, self.loads.poll(finished_req_ids)
 
     def save(self, meta: HiCacheMetadata) -> None:
         """L1 -> L2 copies of the pages computed this step, then their L3 write-through."""
         import torch
 
+        self.layers.finish()
+        self._saved.update(meta.saving)
         if not meta.store_slots:
             return
         host = self._ensure_host(meta)
         for s in meta.store_slots:
-            self._settle_upload(s)
+            self.loads.take(s)
         bi = torch.tensor(meta.store_blocks, dtype=torch.long)
         si = torch.tensor(meta.store_slots, dtype=torch.long)
         for plane, off in zip(self.planes, self.offsets):
             host[si, off : off + plane.shape[1]] = plane[bi]
-        for s in meta.store_slots:
+        for s, h in zip(meta.store_slots, meta.store_hashes):
             self.valid[s] = True
+            self.slot_hash[s] = h
         self.stats.add("l2_store_pages", len(meta.store_slots))
         self.stats.add("l2_store_bytes", len(meta.store_slots) * self.geometry.page_bytes)
         if self.storage is not None and self.options.storage_write:
@@ -226,8 +262,10 @@ class WorkerSide:
         return bad
 
     def shutdown(self) -> None:
+        self.layers.close()
+        self.loads.close()
         for slot in list(self.uploads):
-            self._settle_upload(slot)
+            self.settle_upload(slot)
         if self.storage is not None:
             self.storage.close()
             self.storage = None
