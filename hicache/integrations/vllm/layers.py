@@ -14,14 +14,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hicache.integrations.vllm.compat import log
 
 if TYPE_CHECKING:
     import torch
 
-    from hicache.integrations.vllm.worker import WorkerSide
+    from hicache.integrations.vllm.layout import Geometry
+    from hicache.integrations.vllm.metrics import Counters
+
+
+class Planes(Protocol):
+    """What layer-wise copies need of the worker half (worker.WorkerSide): vLLM's KV as byte
+    planes, the layer of each, and its accounts."""
+
+    geometry: Geometry
+    planes: list[torch.Tensor]
+    offsets: list[int]
+    plane_layer: list[str]
+    stats: Counters
+
+    def fail_blocks(self, blocks: list[int]) -> None: ...
+
 
 WAIT_LIMIT_S = 60.0
 """A layer's copy is local memory; past this it counts as never landed (its blocks fail)."""
@@ -30,7 +45,7 @@ WAIT_LIMIT_S = 60.0
 class LayerCopies:
     """The step's synchronous loads, copied one layer at a time in model order."""
 
-    def __init__(self, worker: WorkerSide) -> None:
+    def __init__(self, worker: Planes) -> None:
         self.w = worker
         self.usable = True  # False after a layer was not waited for: copies become synchronous
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -20,12 +20,32 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from hicache.integrations.vllm.worker import WorkerSide
+    from hicache.integrations.vllm.layout import Geometry
+    from hicache.integrations.vllm.metrics import Counters
+    from hicache.integrations.vllm.storage import Storage
+
+
+class Pool(Protocol):
+    """What loads need of the worker half (worker.WorkerSide): its host pool and accounts."""
+
+    geometry: Geometry
+    storage: Storage | None
+    host: torch.Tensor | None
+    valid: list[bool]
+    slot_hash: list[str | None]
+    bad: set[tuple[int, str]]
+    stats: Counters
+
+    def settle_upload(self, slot: int) -> None: ...
+    def holds(self, slot: int, page_hash: str) -> bool: ...
+    def fail_blocks(self, blocks: list[int]) -> None: ...
+    def copy_in(self, pairs: list[tuple[int, int]], source: torch.Tensor) -> None: ...
+
 
 READ_CHUNK = 16
 """Pages per L3 read call: a load past its deadline keeps the chunks that landed (a prefix)."""
@@ -68,7 +88,7 @@ class Inflight:
 class Loads:
     """The worker's loads in flight, in the order they started (they land in that order)."""
 
-    def __init__(self, worker: WorkerSide) -> None:
+    def __init__(self, worker: Pool) -> None:
         self.w = worker
         self.inflight: list[Inflight] = []
         self.filling: dict[int, Inflight] = {}  # host slot -> the load that will write it
