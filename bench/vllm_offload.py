@@ -22,6 +22,9 @@ instance's busy-polling stops) so that the machine's load hits them alike:
 `--configs vllm,hicache,offloading,vllm-large` adds a reference: vLLM alone with a KV cache
 large enough for every conversation (its own prefix cache then serves what the connectors
 would: the most a host tier can approach).
+`hicache-layerwise` (layer-wise L2 loads on) and `hicache-l3` (an L2 of about one conversation
+and a file store as L3: earlier turns come back from L3 through asynchronous loads) are two
+more optional configurations.
 
 Each round uses fresh conversations (the same tokens in every configuration) and starts with
 `reset_prefix_cache(reset_connector=True)`. Printed per configuration over the measured turns
@@ -71,9 +74,9 @@ import traceback
 from pathlib import Path
 
 CONFIGS = ("vllm", "hicache", "offloading")
-OPTIONAL = ("vllm-large", "hicache-sync", "hicache-l3")
-# vllm-large: vLLM alone with a KV cache that holds every conversation; hicache-sync: hicache
-# with layer-wise loads off (every layer copied before the forward); hicache-l3: hicache with an
+OPTIONAL = ("vllm-large", "hicache-layerwise", "hicache-l3")
+# vllm-large: vLLM alone with a KV cache that holds every conversation; hicache-layerwise:
+# hicache with layer-wise loads on (each layer's copy waited for just before that layer); hicache-l3: hicache with an
 # L2 of one conversation and a file store as L3 (earlier turns come back from L3, loaded
 # asynchronously while vLLM keeps the request waiting).
 HEAD_DIM = 64  # vLLM's CPU attention supports 64, not smaller
@@ -174,8 +177,8 @@ def connector_config(name: str, geo: dict, tmp: Path):
 
     if name.startswith("hicache"):
         extra: dict = {"host_bytes": geo["host_bytes"]}
-        if name == "hicache-sync":
-            extra["layerwise_loads"] = False
+        if name == "hicache-layerwise":
+            extra["layerwise_loads"] = True
         if name == "hicache-l3":
             extra["host_bytes"] = geo["working_set_bytes"] // 4  # about one conversation
             extra["storage"] = f"file:{tmp / 'l3-store'}"

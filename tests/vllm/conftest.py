@@ -51,8 +51,9 @@ def store(work: Path) -> Path:
 @pytest.fixture(scope="session")
 def first(work: Path, spec: dict, store: Path) -> list[list[dict]]:
     """With the connector and a file store: four passes, vLLM's prefix cache reset before
-    each; passes 2 and 3 under a cache_salt. vLLM's stats and KV events on."""
-    connector = {"storage": f"file:{store}", "host_gib": 0.25}
+    each; passes 2 and 3 under a cache_salt. vLLM's stats and KV events on. Layer-wise
+    loads on (off by default): a layer vLLM ran without waiting would be a load error."""
+    connector = {"storage": f"file:{store}", "host_gib": 0.25, "layerwise_loads": True}
     return run(
         work,
         "first",

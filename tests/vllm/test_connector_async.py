@@ -322,6 +322,7 @@ def test_layerwise_loads_equal_synchronous_ones(tmp_path):
 
 def test_a_layer_never_waited_for_fails_the_step_s_loads_and_turns_layerwise_off():
     w = _worker(None, "w")
+    w.options = ConnectorOptions(layerwise_loads=True)
     m = _meta(w)
     m.store_blocks, m.store_slots, m.store_hashes = [1], [0], H[:1]
     w.save(m)

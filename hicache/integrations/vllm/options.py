@@ -35,7 +35,7 @@ class ConnectorOptions:
     prefetch_timeout_base: float = 1.0  # "timeout": seconds per load, plus
     prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens loaded
     write_policy: str = "write_through"  # WRITE_POLICIES
-    layerwise_loads: bool = True  # L2 -> L1 copies layer by layer, overlapping the forward
+    layerwise_loads: bool = False  # L2 -> L1 copies layer by layer, overlapping the forward
 
     def prefetch_deadline(self, tokens: int) -> float:
         """Seconds an asynchronous load of `tokens` tokens may take before the pages that
@@ -139,7 +139,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
         write_policy=_choice(
             "write_policy", extra.get("write_policy", "write_through"), WRITE_POLICIES
         ),
-        layerwise_loads=bool(extra.get("layerwise_loads", True)),
+        layerwise_loads=bool(extra.get("layerwise_loads", False)),
     )
 
 
