@@ -74,18 +74,6 @@ class Storage:
             log.warning("hicache storage exists failed (a miss): %r", exc)
             return 0
 
-    def get_into(self, hashes: Sequence[str], targets: Sequence[Sequence[memoryview]]) -> int:
-        fut = None
-        try:
-            fut = self._loop.submit(self.backend.get_into(self.keys(hashes), targets))
-            return int(fut.result(self.timeout))
-        except Exception as exc:  # noqa: BLE001 - any storage failure is a miss (contract)
-            if fut is not None:
-                fut.cancel()  # past the timeout: stop it before it writes into reused slots
-            self.errors += 1
-            log.warning("hicache storage read failed (a miss): %r", exc)
-            return 0
-
     def read_async(
         self, hashes: Sequence[str], targets: Sequence[Sequence[memoryview]]
     ) -> concurrent.futures.Future[int]:
