@@ -39,6 +39,7 @@ __all__ = [
     "HybridTally",
     "hybrid_kv",
     "parse_hybrid",
+    "parse_state_snapshots",
     "prefix_states",
     "run_hybrid_request",
     "run_hybrid_step",
@@ -82,6 +83,25 @@ def parse_hybrid(spec: str, page_size: int) -> HybridModel:
         return HybridModel(tuple(groups), page_size)
     except ConfigError as exc:
         raise ValueError(f"--hybrid {spec!r}: {exc}") from None
+
+
+def parse_state_snapshots(
+    text: str | None, model: HybridModel | None
+) -> tuple[int | None, int | None] | None:
+    """`--state-snapshots L1:L2` (snapshots a states cache holds per tier) or `auto`
+    (state_config's defaults) as (L1, L2); None without the flag. ValueError naming what is
+    wrong."""
+    if text is None:
+        return None
+    if model is None or not model.recurrent:
+        raise ValueError("--state-snapshots needs --hybrid with a recurrent group")
+    if text == "auto":
+        return None, None
+    parts = text.split(":")
+    if len(parts) != 2:
+        raise ValueError(f"--state-snapshots {text!r}: expected L1:L2 (e.g. 64:512) or auto")
+    l1, l2 = (_count(part, "a snapshot count", text) for part in parts)
+    return l1, l2
 
 
 def hybrid_kv(kv: str, model: HybridModel) -> str:

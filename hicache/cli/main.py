@@ -79,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         help="mha:LAYERS:HEADS:DIM:DTYPE or mla:LAYERS:RANK:ROPE:DTYPE",
     )
     r.add_argument("--hybrid", default=None, metavar="SPEC", help=_HYBRID_HELP)
+    r.add_argument(
+        "--state-snapshots",
+        default=None,
+        metavar="L1:L2",
+        help="with a recurrent --hybrid: keep the snapshots in a states cache of their own "
+        "with room for L1 and L2 snapshots (auto: one per grid point of L1 and of L2), not in "
+        "the K/V pools",
+    )
     r.add_argument("--layout", default="page_first")
     r.add_argument("--io", default="kernel", choices=("kernel", "direct"))
     r.add_argument(

@@ -24,14 +24,19 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from hicache.cache import HiCache
-from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid, run_hybrid_step
+from hicache.cli.hybrid_replay import (
+    hybrid_kv,
+    parse_hybrid,
+    parse_state_snapshots,
+    run_hybrid_step,
+)
 from hicache.cli.replay_args import cache_config, pin_tiers, scratch_dir
 from hicache.cli.replay_progress import progress_display
 from hicache.cli.replay_report import add_flags, print_table, summarize
@@ -39,7 +44,7 @@ from hicache.cli.replay_step import Timer, run_step
 from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest, read_trace, scheduler_steps
 from hicache.config import CacheConfig
-from hicache.hybrid import HybridCache, HybridModel
+from hicache.hybrid import HybridCache, HybridModel, state_config
 from hicache.hybrid.states import state_pages
 from hicache.observability import EventLog
 from hicache.results import CapacityError
@@ -62,12 +67,15 @@ async def replay(
     attach_at: int | None = None,
     pin_first_block: tuple[str, ...] = (),
     hybrid: HybridModel | None = None,
+    state_snapshots: tuple[int | None, int | None] | None = None,
 ) -> tuple[Tally, dict[str, Any]]:
     """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
     running counts: the live hit rate is (device_hit + loaded) / input_tokens). With
     `detach_at`, L3 is detached once that many requests are done; with `attach_at`, attached
     again (the same `cfg.storage`, with `cfg.extra`) once that many are. With `hybrid`,
-    requests go one by one through `HybridCache` (hybrid_replay.py; its pool: the config's)."""
+    requests go one by one through `HybridCache` (hybrid_replay.py; its pool: the config's),
+    with `state_snapshots` (L1, L2; None: state_config's default) keeping the snapshots in a
+    states cache of their own."""
     check_storage_switch(cfg, detach_at, attach_at)
     if any(t not in ("device", "host") for t in pin_first_block):
         raise ValueError(
@@ -77,7 +85,10 @@ async def replay(
         raise ValueError("--pin-first-block is not supported with --hybrid")
     tally = Tally()
     timer = Timer(tally)
-    async with HiCache(cfg, log=log) as cache:
+    async with (
+        HiCache(cfg, log=log) as cache,
+        _states_cache(cfg, hybrid, state_snapshots) as states,
+    ):
         switches = _StorageSwitches(cfg, detach_at, attach_at)
         exporter = getattr(cache, "_metrics", None)
         if exporter is not None:
@@ -86,7 +97,7 @@ async def replay(
                 file=sys.stderr,
             )
         pins = pin_first_block
-        hc = HybridCache(cache, hybrid) if hybrid is not None else None
+        hc = HybridCache(cache, hybrid, states=states) if hybrid is not None else None
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
             storage_on = cache.backend is not None
             if hc is not None:
@@ -154,11 +165,45 @@ async def replay(
                 "state_bytes": model.state_bytes,
                 "grid": model.grid,
                 "pages_per_snapshot": (
-                    state_pages(cache.device_pool, model.state_bytes) if model.recurrent else 0
+                    state_pages(cache.device_pool, model.state_bytes)
+                    if model.recurrent and states is None
+                    else 0
                 ),
                 **(counts.as_dict() if counts is not None else {}),
             }
+            if states is not None:
+                extra["hybrid"]["states_cache"] = await _states_report(states)
     return tally, extra
+
+
+@contextlib.asynccontextmanager
+async def _states_cache(
+    cfg: CacheConfig, hybrid: HybridModel | None, sizes: tuple[int | None, int | None] | None
+) -> AsyncIterator[HiCache | None]:
+    """The states cache `--state-snapshots` asks for, opened (None: snapshots in the pools)."""
+    if hybrid is None or sizes is None:
+        yield None
+        return
+    config = state_config(cfg, hybrid, device_snapshots=sizes[0], host_snapshots=sizes[1])
+    async with HiCache(config) as states:
+        yield states
+
+
+async def _states_report(states: HiCache) -> dict[str, Any]:
+    """The states cache's room and traffic, in snapshots (a page each) and bytes."""
+    await states.flush()
+    stats = await states.stats()
+    page = states.config.page_size
+    return {
+        "device_snapshots": states.config.device_tokens // page,
+        "host_snapshots": states.config.host_capacity // page,
+        "evictions": {
+            "device": stats.device.evictions // page,
+            "host": stats.host.evictions // page,
+        },
+        "bytes": {**stats.bytes},
+        "h2s": int(states.backend.stats().get("bytes_written", 0)) if states.backend else 0,
+    }
 
 
 def check_storage_switch(cfg: CacheConfig, detach_at: int | None, attach_at: int | None) -> None:
@@ -195,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     spec = getattr(args, "hybrid", None)
     hybrid = parse_hybrid(spec, args.page_size) if spec is not None else None
     kv = hybrid_kv(args.kv, hybrid) if hybrid is not None else args.kv
+    state_sizes = parse_state_snapshots(getattr(args, "state_snapshots", None), hybrid)
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
     with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=scratch_dir()) as tmp:
         cfg = cache_config(args, kv=kv, tmp=tmp)
@@ -223,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
                         attach_at=getattr(args, "attach_at", None),
                         pin_first_block=tiers,
                         hybrid=hybrid,
+                        state_snapshots=state_sizes,
                     )
 
                 if args.deterministic:

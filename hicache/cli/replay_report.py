@@ -113,7 +113,12 @@ def print_table(s: dict[str, Any]) -> None:
     ]
     hy = s.get("hybrid")
     if hy is not None:
-        kept_of = f"{hy['snapshots_offered']:,}  ({hy['pages_per_snapshot']} pages each)"
+        where = (
+            "in a states cache"
+            if "states_cache" in hy
+            else f"{hy['pages_per_snapshot']} pool pages each"
+        )
+        kept_of = f"{hy['snapshots_offered']:,}  ({where})"
         rows.insert(1, ("hybrid", f"{hy['spec']}  (pool: kv {s['config']['kv']})"))
         rows += [
             ("K/V cut by the groups' rule", f"{hy['cut_tokens'] / tok:.4f}"),
@@ -124,6 +129,12 @@ def print_table(s: dict[str, Any]) -> None:
             ),
             ("verified / corrupt states", f"{hy['verified_states']:,} / {hy['corrupt_states']}"),
         ]
+        own = hy.get("states_cache")
+        if own is not None:
+            ev = own["evictions"]
+            room = f"{own['device_snapshots']:,} / {own['host_snapshots']:,} snapshots"
+            moved = f"evicted {ev['device']:,} / {ev['host']:,}, {own['h2s']:,} bytes to L3"
+            rows.append(("states cache L1 / L2", f"{room}, {moved}"))
     store = s.get("storage_stats", {})
     if "peak_stored_bytes" in store:  # a file store: how full it got against its cap
         sizes = (store["stored_bytes"], store["peak_stored_bytes"], store["max_bytes"])

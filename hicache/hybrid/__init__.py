@@ -4,6 +4,7 @@ wrapper that keeps recurrent snapshots in every tier (docs/hybrid.md)."""
 
 from hicache.hybrid.cache import HybridCache, HybridHit, HybridPrefetch
 from hicache.hybrid.groups import FullAttention, HybridModel, LayerGroup, Recurrent, SlidingWindow
+from hicache.hybrid.states import state_config
 
 __all__ = [
     "FullAttention",
@@ -14,4 +15,5 @@ __all__ = [
     "LayerGroup",
     "Recurrent",
     "SlidingWindow",
+    "state_config",
 ]

@@ -3,11 +3,12 @@ layers. It wraps a `HiCache` and keeps one promise: a hit is never longer than e
 group can resume from (groups.py's rule), in L1, L2 and L3.
 
 K/V of every attention layer is cached as usual (whole pages, every position, so any shorter
-hit still finds its window). Recurrent states are kept as snapshot chains (states.py): a
-match looks for the deepest snapshot within the K/V it found and cuts the hit there; without
-one the hit is 0. A snapshot is read out of the pool while a lookup-only request
-(`_probe`) locks it, then that request is released; the hit's K/V stays locked by the
-caller's request as with `HiCache.match`.
+hit still finds its window). Recurrent states are kept as snapshot chains (states.py), in the
+K/V cache below their prefix's node or, given `states=`, in a cache of their own keyed by the
+prefix's digest (snapshots.py hides which): a match looks for the deepest snapshot within the
+K/V it found and cuts the hit there; without one the hit is 0. A snapshot is read out of its
+pool while a lookup-only request (a probe) locks it, then that request is released; the
+hit's K/V stays locked by the caller's request as with `HiCache.match`.
 """
 
 from __future__ import annotations
@@ -16,27 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from hicache.cache import HiCache, Salt
 from hicache.hybrid.groups import HybridModel
-from hicache.hybrid.states import (
-    TOKEN_LIMIT,
-    read_state,
-    state_key,
-    state_pages,
-    write_state,
-)
+from hicache.hybrid.snapshots import Snapshots, loaded_back, probe_id
+from hicache.hybrid.states import DIGEST_TOKENS, STATE_GROUP, TOKEN_LIMIT, state_pages
 from hicache.kernels.pools import DevicePool
-from hicache.results import CacheOutcome, CapacityError, InvalidRequest, MatchOutcome
+from hicache.results import CacheOutcome, InvalidRequest
 from hicache.types import RequestId
 
 __all__ = ["HybridCache", "HybridHit", "HybridPrefetch"]
-
-
-def _probe(rid: RequestId, point: int) -> RequestId:
-    """The request id of a snapshot lookup or store: NUL-led, so no caller's id equals it."""
-    return RequestId(f"\0hybrid-state:{rid!r}:{point}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,14 +66,17 @@ class HybridPrefetch:
 
 @dataclass(slots=True)
 class HybridCache:
-    """A `HiCache` (opened) and the model's layer groups. `max_probes`: snapshot points a
-    match looks at, deepest first (each is one lookup)."""
+    """A `HiCache` (opened) and the model's layer groups. `states`: an opened `HiCache` of
+    `state_config(cache.config, model, ...)` to keep the snapshots in (pools sized in
+    snapshots, L3 values of their own); None keeps them in the K/V pools. `max_probes`:
+    snapshot points a match looks at, deepest first (each is one lookup)."""
 
     cache: HiCache
     model: HybridModel
     max_probes: int = 8
+    states: HiCache | None = None
     _pool: DevicePool = field(init=False)
-    _pages: int = field(init=False)
+    _snaps: Snapshots = field(init=False)
 
     def __post_init__(self) -> None:
         pool = self.cache.device_pool
@@ -99,7 +92,36 @@ class HybridCache:
         if self.max_probes < 1:
             raise InvalidRequest(f"max_probes must be >= 1, got {self.max_probes}")
         self._pool = pool
-        self._pages = state_pages(pool, self.model.state_bytes) if self.model.recurrent else 0
+        self._snaps = self._snapshot_store()
+
+    def _snapshot_store(self) -> Snapshots:
+        states = self.states
+        if states is None:
+            pages = state_pages(self._pool, self.model.state_bytes) if self.model.recurrent else 0
+            return Snapshots(self.cache, self._pool, pages, self.model.state_bytes, own=False)
+        if not self.model.recurrent:
+            raise InvalidRequest("states= given, but the model has no recurrent layers")
+        if states is self.cache:
+            raise InvalidRequest("states= must be a cache of its own (state_config), not the K/V's")
+        cfg, kv = states.config, self.cache.config
+        if cfg.page_size != DIGEST_TOKENS:
+            raise InvalidRequest(
+                f"the states cache's page size is {cfg.page_size}, not {DIGEST_TOKENS}: "
+                "build its config with hicache.hybrid.state_config"
+            )
+        if cfg.model_id != kv.model_id + STATE_GROUP or (cfg.tp_rank, cfg.tp_size) != (
+            kv.tp_rank,
+            kv.tp_size,
+        ):
+            raise InvalidRequest(
+                f"the states cache (model_id {cfg.model_id!r}, TP rank {cfg.tp_rank} of "
+                f"{cfg.tp_size}) is not the K/V cache's (model_id "
+                f"{kv.model_id + STATE_GROUP!r}, TP rank {kv.tp_rank} of {kv.tp_size}): "
+                "build its config with hicache.hybrid.state_config"
+            )
+        pool = states.device_pool
+        pages = state_pages(pool, self.model.state_bytes)
+        return Snapshots(states, pool, pages, self.model.state_bytes, own=True)
 
     # ------------------------------------------------------------------ lookups
     async def match(
@@ -116,7 +138,7 @@ class HybridCache:
         tier: str | None = None
         if self.model.recurrent:
             points = self.model.candidates(len(arr), kv_len, self.max_probes)
-            length, state, tier = await self._deepest_snapshot(rid, arr, points, salt)
+            length, state, tier = await self._snaps.deepest(rid, arr, points, salt)
         slots = found.device_slots
         if length > len(slots):
             slots = await self._loaded_back(rid)
@@ -141,43 +163,6 @@ class HybridCache:
             state_tier=tier if length and state is not None else None,
         )
 
-    async def _deepest_snapshot(
-        self, rid: RequestId, arr: np.ndarray, points: list[int], salt: Salt
-    ) -> tuple[int, bytes | None, str | None]:
-        """(point, state, tier it was in) of the deepest of `points` whose snapshot chain
-        L1/L2 hold whole, or (0, None, None). Every point is looked up in one call, under its
-        own probe id, and every probe is released before returning."""
-        if not points:
-            return 0, None, None
-        probes = [_probe(rid, p) for p in points]
-        keys = [state_key(arr[:p], self._pages, self.model.page_size) for p in points]
-        try:
-            outs = await self.cache.match_many(
-                (probe, key, salt) for probe, key in zip(probes, keys, strict=True)
-            )
-            for point, probe, key, out in zip(points, probes, keys, outs, strict=True):
-                if out.device_len + out.host_len < len(key):
-                    continue
-                state = await self._read_chain(probe, out, point, len(key))
-                if state is not None:
-                    return point, state, "device" if out.device_len >= len(key) else "host"
-            return 0, None, None
-        finally:
-            await self.cache.release_many(probes)
-
-    async def _read_chain(
-        self, probe: RequestId, found: MatchOutcome, point: int, end: int
-    ) -> bytes | None:
-        """The snapshot in a chain the probe matched whole (loaded into L1 for the read)."""
-        slots = found.device_slots
-        if len(slots) < end:
-            slots = await self._loaded_back(probe)
-            if len(slots) < end:
-                return None
-        for handle in found.pending:
-            await handle.wait_async(self._last_layer)
-        return read_state(self._pool, slots[point:end], self.model.state_bytes)
-
     async def prefetch(
         self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None
     ) -> HybridPrefetch:
@@ -189,22 +174,8 @@ class HybridCache:
         await self.cache.prefetch_wait(rid)
         found = await self.cache.match(rid, arr, salt=salt)
         kv_len = found.device_len + found.host_len
-        snapshot = None
-        for point in self.model.candidates(len(arr), kv_len, self.max_probes):
-            probe = _probe(rid, point)
-            key = state_key(arr[:point], self._pages, self.model.page_size)
-            try:
-                have = await self.cache.match(probe, key, salt=salt)
-                if have.device_len + have.host_len < len(key):
-                    # a chain is a page or two, below any threshold, and worth it whole
-                    await self.cache.prefetch(probe, key, salt=salt, threshold=0)
-                    await self.cache.prefetch_wait(probe)
-                    have = await self.cache.match(probe, key, salt=salt)
-            finally:
-                await self.cache.release(probe)
-            if have.device_len + have.host_len >= len(key):
-                snapshot = point
-                break
+        points = self.model.candidates(len(arr), kv_len, self.max_probes)
+        snapshot = await self._snaps.fetch(rid, arr, points, salt)
         return HybridPrefetch(rid=rid, kv_len=kv_len, snapshot=snapshot)
 
     # ------------------------------------------------------------------ caching
@@ -257,19 +228,16 @@ class HybridCache:
             out = await self.cache.cache_finished(rid, arr, device_slots, salt=salt)
         else:
             out = await self.cache.cache_unfinished(rid, arr, device_slots, salt=salt)
+        points = sorted(snaps)
         kept = [
             point
-            for point in sorted(snaps)
-            if await self._store(_probe(rid, point), arr[:point], snaps[point], salt)
+            for point, (key, base) in zip(points, self._snaps.keys(arr, points), strict=True)
+            if await self._snaps.keep(probe_id(rid, point), key, base, snaps[point], salt)
         ]
         return out, tuple(kept)
 
     async def _loaded_back(self, rid: RequestId) -> np.ndarray:
-        """`load_back` of the request's L2-only part, landed: its device slots."""
-        back = await self.cache.load_back(rid)
-        if back.handle is not None:
-            await back.handle.wait_async(self._last_layer)
-        return back.device_slots
+        return await loaded_back(self.cache, rid, self._last_layer)
 
     @property
     def _last_layer(self) -> int:
@@ -290,38 +258,6 @@ class HybridCache:
                     f"snapshot at {point} has {len(state)} bytes, the model declares "
                     f"{self.model.state_bytes}"
                 )
-
-    async def _store(self, probe: RequestId, prefix: np.ndarray, state: bytes, salt: Salt) -> bool:
-        """Keep one snapshot below `prefix` (already cached); False when it cannot be now."""
-        key = state_key(prefix, self._pages, self.model.page_size)
-        finished = False
-        try:
-            found = await self.cache.match(probe, key, salt=salt)
-            have = found.device_len + found.host_len
-            if have >= len(key):
-                return True  # kept already (the same prefix gives the same state)
-            if have != len(prefix):  # the prefix left, or part of an old chain is still kept:
-                return False  # skip (that part is a leaf, evicted first; a later store works)
-            slots = found.device_slots
-            if len(slots) < len(prefix):
-                slots = await self._loaded_back(probe)
-                if len(slots) != len(prefix):
-                    return False
-            try:
-                fresh = await self.cache.allocate(probe, len(key) - len(prefix))
-            except CapacityError:
-                return False
-            write_state(self._pool, fresh, state)
-            if self._pool.device.type == "cuda":  # the copies the cache makes run on its streams
-                torch.cuda.current_stream(self._pool.device).synchronize()
-            await self.cache.cache_finished(
-                probe, key, np.concatenate([slots[: len(prefix)], fresh]), salt=salt
-            )
-            finished = True  # the probe is forgotten: nothing to release
-            return True
-        finally:
-            if not finished:
-                await self.cache.release(probe)
 
     def _tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(tokens, dtype=np.int64)

@@ -10,23 +10,37 @@ a missing or partial chain is simply no snapshot there.
 
 Each snapshot starts with a small header (magic, format, the byte count the model declared)
 so a chain written for another geometry reads as absent, never as a state.
+
+Snapshots may instead live in a cache of their own (`state_config`: its pools sized in
+snapshots, its L3 values under the model id's `#state` group): there a snapshot is keyed by a
+digest of its prefix (`prefix_digests`, 248 bits in the first page's tokens) and fills whole
+pages from the first, so it takes no room in the K/V pools.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
+from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from hicache.config import CacheConfig, ConfigError
+from hicache.hybrid.groups import HybridModel
 from hicache.kernels.pools import DevicePool
 
 __all__ = [
+    "DIGEST_TOKENS",
+    "STATE_GROUP",
     "STATE_TOKEN",
     "TOKEN_LIMIT",
     "page_bytes",
+    "prefix_digests",
     "read_state",
+    "state_config",
     "state_key",
     "state_pages",
     "write_state",
@@ -35,6 +49,11 @@ __all__ = [
 TOKEN_LIMIT = 2**32 - 256
 """Token ids at or above this are the cache's own; a hybrid request's tokens stay below."""
 STATE_TOKEN = 2**32 - 1
+
+DIGEST_TOKENS = 8
+"""Tokens of a prefix digest: a states cache's page size (`state_config`)."""
+STATE_GROUP = "#state"
+"""Appended to the model id of a states cache: its L3 values are a group of their own."""
 
 _HEADER = struct.Struct("<4sIQ")  # magic, format, state bytes
 _MAGIC = b"HCST"
@@ -114,3 +133,71 @@ def read_state(pool: DevicePool, slots: np.ndarray, state_bytes: int) -> bytes |
     if magic != _MAGIC or fmt != _FORMAT or size != state_bytes:
         return None
     return data[_HEADER.size : _HEADER.size + state_bytes]
+
+
+def prefix_digests(tokens: np.ndarray, points: Iterable[int]) -> dict[int, np.ndarray]:
+    """For each point p, `DIGEST_TOKENS` token ids naming tokens[:p] (BLAKE2b of the ids,
+    31 bits a token: 248 bits, so two prefixes never share a snapshot). One pass over the
+    tokens for all points; ids must be below 2**32 (HybridCache checks them)."""
+    h = hashlib.blake2b(digest_size=4 * DIGEST_TOKENS, person=b"hicache-state")
+    ids = np.ascontiguousarray(tokens, dtype="<u4")
+    out: dict[int, np.ndarray] = {}
+    at = 0
+    for p in sorted(set(points)):
+        h.update(ids[at:p].tobytes())
+        at = p
+        words = np.frombuffer(h.copy().digest(), dtype="<u4") & np.uint32(0x7FFF_FFFF)
+        out[p] = words.astype(np.int64)
+    return out
+
+
+def state_config(
+    base: CacheConfig,
+    model: HybridModel,
+    *,
+    device_snapshots: int | None = None,
+    host_snapshots: int | None = None,
+) -> CacheConfig:
+    """The config of a cache that holds `model`'s snapshots apart from the K/V (pass it
+    opened as `HybridCache(..., states=)`): one snapshot a page of `DIGEST_TOKENS` slots,
+    `device_snapshots` in L1 and `host_snapshots` in L2 (defaults: one per grid point of
+    `base`'s L1, at least 16; one per grid point of its L2, at least twice L1's). The rest is
+    `base`'s (storage, TP rank, policies) but the model id (`STATE_GROUP` appended: L3 values
+    of their own), write-through (a state is demoted before it leaves L1) and no thresholds
+    (a snapshot is one page, worth it whole).
+    Raises ConfigError naming what is wrong."""
+    base.resolve()
+    grid = model.grid
+    if grid is None:
+        raise ConfigError("state_config: the model has no recurrent layers, so no snapshots")
+    device, host = device_snapshots, host_snapshots
+    if device is None:
+        device = max(16, base.device_tokens // grid)
+    if host is None:
+        host = max(2 * device, base.host_capacity // grid)
+    for name, value in (("device_snapshots", device), ("host_snapshots", host)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"state_config: {name}={value!r} must be a positive int")
+    if host <= device:  # L2 holds what L1 holds and more, as for K/V
+        raise ConfigError(
+            f"state_config: host_snapshots={host} must be larger than device_snapshots={device}"
+        )
+    # A float32 MLA row: the pool copies bytes, never reads them as numbers.
+    row = max(2, math.ceil((model.state_bytes + _HEADER.size) / (DIGEST_TOKENS * 4)))
+    write = "write_through" if base.write_policy == "write_through_selective" else base.write_policy
+    return replace(
+        base,
+        kv=f"mla:1:{row - 1}:1:float32",
+        page_size=DIGEST_TOKENS,
+        device_tokens=device * DIGEST_TOKENS,
+        host_tokens=host * DIGEST_TOKENS,
+        model_id=base.model_id + STATE_GROUP,
+        write_policy=write,
+        prefetch_threshold=0,
+        load_back_threshold=0,
+        max_pinned_device_tokens=None,
+        max_pinned_host_tokens=None,
+        metrics_port=None,
+        kv_events=None,
+        kv_events_replay=None,
+    )

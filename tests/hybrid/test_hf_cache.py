@@ -3,9 +3,12 @@ stored through `HybridCache` (K/V of every attention layer in the pool, recurren
 as state chains), pushed down to L2, and to L3 where a second instance over the same file
 store reads it; the hit is loaded back and fed to the model as its cache, and the suffix's
 logits must equal a full forward's within 1e-5 (fp32). In the same tests, a wrong cache is
-caught: a snapshot from another point, or the window's oldest token zeroed."""
+caught: a snapshot from another point, or the window's oldest token zeroed. Recurrent models
+run twice: snapshots in the K/V pools, and in a states cache of their own (`state_config`)."""
 
 from __future__ import annotations
+
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 
@@ -15,7 +18,14 @@ import numpy as np
 import torch
 
 from hicache import CacheConfig, HiCache
-from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
+from hicache.hybrid import (
+    FullAttention,
+    HybridCache,
+    HybridModel,
+    Recurrent,
+    SlidingWindow,
+    state_config,
+)
 from hicache.testing import run_virtual
 from tests.hybrid.hf_models import (
     KINDS,
@@ -124,8 +134,33 @@ def error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, tmp_path):
+@asynccontextmanager
+async def opened(cfg: CacheConfig, hybrid: HybridModel, *, own: bool):
+    """A HybridCache over `cfg`, its snapshots in a states cache of their own when `own`
+    (both caches are flushed, so L2 and L3 hold everything, and closed at the end)."""
+    async with AsyncExitStack() as stack:
+        cache = await stack.enter_async_context(HiCache(cfg))
+        states = None
+        if own:
+            states = await stack.enter_async_context(HiCache(state_config(cfg, hybrid)))
+        yield HybridCache(cache, hybrid, states=states)
+
+
+async def push_down(hc: HybridCache, *, clear: bool) -> None:
+    for c in (hc.cache, hc.states):
+        if c is not None:
+            await c.flush()
+            if clear:
+                await c.clear(["device"])
+
+
+CASES = [(kind, False) for kind in KINDS] + [("bamba", True), ("qwen3next", True)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "own"), CASES, ids=[f"{k}-{'own' if o else 'pool'}" for k, o in CASES]
+)
+def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, tmp_path):
     model = tiny_model(kind)
     adapter = Adapter(model)
     gen = torch.Generator().manual_seed(7)
@@ -134,15 +169,12 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, tmp_path):
     cfg = adapter.config(storage=f"file:{tmp_path}")
 
     async def main():
-        async with HiCache(cfg) as a:
-            hc = HybridCache(a, adapter.hybrid)
+        async with opened(cfg, adapter.hybrid, own=own) as hc:
             await adapter.serve(hc, "first", first)
-            await a.flush()
-            await a.clear(["device"])  # everything to L2
+            await push_down(hc, clear=True)  # everything to L2
             from_l2 = await adapter.serve(hc, "second", second)
-            await a.flush()
-        async with HiCache(cfg) as b:  # a second instance: only L3 holds anything
-            hc = HybridCache(b, adapter.hybrid)
+            await push_down(hc, clear=False)
+        async with opened(cfg, adapter.hybrid, own=own) as hc:  # only L3 holds anything
             fetched = await hc.prefetch("second", second)
             from_l3 = await adapter.serve(hc, "second", second)
         return from_l2, fetched, from_l3
@@ -156,6 +188,8 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, tmp_path):
         assert hit.length == h
         assert error(logits, full[h:]) <= EXACT
     assert (fetched.kv_len, fetched.snapshot) == (64, 56 if adapter.recurrent_layers else None)
+    if adapter.recurrent_layers:  # both snapshots were read back from L2 (L3 prefetched there)
+        assert from_l2[0].state_tier == from_l3[0].state_tier == "host"
 
     # Negative controls on what the cache handed back from L3.
     hit, _, kv, states = from_l3

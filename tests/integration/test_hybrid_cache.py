@@ -1,18 +1,27 @@
 """HybridCache (hicache/hybrid/cache.py) through a whole cache, on virtual time: a hit is
 never longer than every layer group can resume from, and the recurrent snapshot it hands
 back is exactly the one taken after its last token, from L1, from L2 and from L3 (a second
-instance over the same store). K/V of every hit is checked page by page."""
+instance over the same store). K/V of every hit is checked page by page. Each test runs with
+the snapshots in the K/V pools and in a states cache of their own (`own`)."""
 
 from __future__ import annotations
 
 import hashlib
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import numpy as np
 import pytest
 
 from hicache import HiCache, InvalidRequest
 from hicache.backends.memory import MemoryBackend, MemoryStore
-from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
+from hicache.hybrid import (
+    FullAttention,
+    HybridCache,
+    HybridModel,
+    Recurrent,
+    SlidingWindow,
+    state_config,
+)
 from hicache.hybrid.states import TOKEN_LIMIT
 from hicache.testing import bad_pages, run_virtual
 from hicache.testing.kvfill import fill
@@ -37,6 +46,29 @@ def recurrent_config(**overrides):
     base = dict(kv="mha:1:1:8:float32", device_tokens=64, host_tokens=256)
     base.update(overrides)
     return config(**base)
+
+
+@pytest.fixture(params=[False, True], ids=["in-pool", "own-cache"])
+def own(request):
+    """Whether the snapshots live in a states cache of their own (`state_config`)."""
+    return request.param
+
+
+@asynccontextmanager
+async def opened(cfg, model, *, own: bool, store: MemoryStore | None = None):
+    """(K/V cache, HybridCache) over `cfg`, with a states cache when `own`; each over an L3
+    in `store` when given."""
+    async with AsyncExitStack() as stack:
+
+        async def start(c):
+            backend = (
+                None if store is None else MemoryBackend(namespace=namespace_of(c), store=store)
+            )
+            return await stack.enter_async_context(HiCache(c, backend=backend))
+
+        cache = await start(cfg)
+        states = await start(state_config(cfg, model, device_snapshots=4)) if own else None
+        yield cache, HybridCache(cache, model, states=states)
 
 
 async def serve(
@@ -68,10 +100,9 @@ async def serve(
 PROMPT = tokens_from(0, 30)
 
 
-def test_a_hit_ends_at_the_deepest_snapshot_and_carries_its_state():
+def test_a_hit_ends_at_the_deepest_snapshot_and_carries_its_state(own):
     async def main():
-        async with HiCache(recurrent_config()) as cache:
-            hc = HybridCache(cache, bamba_like())
+        async with opened(recurrent_config(), bamba_like(), own=own) as (_cache, hc):
             first = await serve(hc, "a", PROMPT)
             longer = await serve(hc, "b", np.concatenate([PROMPT, tokens_from(500, 6)]))
             branch = await serve(hc, "c", np.concatenate([PROMPT[:18], tokens_from(900, 10)]))
@@ -85,10 +116,9 @@ def test_a_hit_ends_at_the_deepest_snapshot_and_carries_its_state():
     assert (branch.kv_len, branch.length) == (16, 16)  # a grid point below the branch
 
 
-def test_without_a_snapshot_the_hit_is_zero_whatever_kv_is_cached():
+def test_without_a_snapshot_the_hit_is_zero_whatever_kv_is_cached(own):
     async def main():
-        async with HiCache(recurrent_config()) as cache:
-            hc = HybridCache(cache, bamba_like())
+        async with opened(recurrent_config(), bamba_like(), own=own) as (_cache, hc):
             await serve(hc, "a", PROMPT, snapshots=False)
             return await serve(hc, "b", PROMPT)
 
@@ -98,12 +128,11 @@ def test_without_a_snapshot_the_hit_is_zero_whatever_kv_is_cached():
     assert hit.snapshot_hint == 28  # a snapshot there would have made the K/V usable
 
 
-def test_a_snapshot_kept_at_the_hinted_branch_point_makes_the_next_hit():
+def test_a_snapshot_kept_at_the_hinted_branch_point_makes_the_next_hit(own):
     base, one, two = PROMPT[:22], tokens_from(4000, 8), tokens_from(5000, 8)
 
     async def main():
-        async with HiCache(recurrent_config()) as cache:
-            hc = HybridCache(cache, bamba_like())
+        async with opened(recurrent_config(), bamba_like(), own=own) as (_cache, hc):
             await serve(hc, "a", np.concatenate([base, one]))  # snapshots at 8, 16, 24, 28
             # b branches off at 22: K/V to 20, snapshot at 16; the hint says 20
             b = await serve(hc, "b", np.concatenate([base, two]), extra=True)
@@ -115,11 +144,11 @@ def test_a_snapshot_kept_at_the_hinted_branch_point_makes_the_next_hit():
     assert (c.length, c.snapshot_hint) == (20, None)  # resumed at the branch, thanks to b
 
 
-def test_a_snapshot_of_another_geometry_reads_as_absent():
+def test_a_snapshot_of_another_geometry_reads_as_absent(own):
     async def main():
-        async with HiCache(recurrent_config()) as cache:
-            await serve(HybridCache(cache, bamba_like()), "a", PROMPT)
-            other = HybridCache(cache, bamba_like(state_bytes=STATE - 10))
+        async with opened(recurrent_config(), bamba_like(), own=own) as (cache, hc):
+            await serve(hc, "a", PROMPT)
+            other = HybridCache(cache, bamba_like(state_bytes=STATE - 10), states=hc.states)
             hit = await other.match("b", PROMPT)
             await other.release("b")
             return hit
@@ -128,13 +157,14 @@ def test_a_snapshot_of_another_geometry_reads_as_absent():
     assert hit.kv_len == 28 and hit.length == 0
 
 
-def test_snapshots_and_kv_come_back_from_l2():
+def test_snapshots_and_kv_come_back_from_l2(own):
     async def main():
-        async with HiCache(recurrent_config()) as cache:
-            hc = HybridCache(cache, bamba_like())
+        async with opened(recurrent_config(), bamba_like(), own=own) as (cache, hc):
             await serve(hc, "a", PROMPT)
-            await cache.flush()
-            await cache.clear(["device"])  # every page demoted to L2 (write-through backed it)
+            for c in (cache, hc.states):  # every page demoted to L2 (write-through backed it)
+                if c is not None:
+                    await c.flush()
+                    await c.clear(["device"])
             return await serve(hc, "b", PROMPT)
 
     hit = run_virtual(main)
@@ -142,20 +172,17 @@ def test_snapshots_and_kv_come_back_from_l2():
     assert hit.state_tier == "host"
 
 
-def test_a_second_instance_resumes_from_l3():
+def test_a_second_instance_resumes_from_l3(own):
     store = MemoryStore()
     cfg = recurrent_config(prefetch_policy="wait_complete")
 
     async def main():
-        async with HiCache(
-            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
-        ) as a:
-            await serve(HybridCache(a, bamba_like()), "a", PROMPT)
+        async with opened(cfg, bamba_like(), own=own, store=store) as (a, hc):
+            await serve(hc, "a", PROMPT)
             await a.flush()
-        async with HiCache(
-            cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
-        ) as b:
-            hc = HybridCache(b, bamba_like())
+            if hc.states is not None:
+                await hc.states.flush()
+        async with opened(cfg, bamba_like(), own=own, store=store) as (_b, hc):
             fetched = await hc.prefetch("b", PROMPT)
             hit = await serve(hc, "b", PROMPT)
             return fetched, hit
@@ -178,10 +205,9 @@ def test_sliding_and_full_attention_hit_every_whole_page_below_the_last_token():
     assert (hit.kv_len, hit.length, hit.state, hit.probes) == (28, 28, None, 0)
 
 
-def test_bad_input_is_refused_and_changes_nothing():
+def test_bad_input_is_refused_and_changes_nothing(own):
     async def main():
-        async with HiCache(recurrent_config()) as cache:
-            hc = HybridCache(cache, bamba_like())
+        async with opened(recurrent_config(), bamba_like(), own=own) as (cache, hc):
             await serve(hc, "a", PROMPT)
             before = (await cache.stats()).device
             errors = []
@@ -234,3 +260,85 @@ def test_a_prefetch_may_take_its_own_threshold():
     skipped, taken, done = run_virtual(main)
     assert (skipped.state, skipped.reason) == ("skipped", "below_threshold")
     assert taken.state == "running" and done.state == "done"
+
+
+def test_a_states_cache_leaves_the_kv_pools_to_kv():
+    model = bamba_like()
+
+    async def main():
+        used = {}
+        for own in (False, True):
+            async with opened(recurrent_config(), model, own=own) as (cache, hc):
+                await serve(hc, "a", PROMPT)
+                stats = await cache.stats()
+                used[own] = stats.device.used + stats.host.used
+                if hc.states is not None:
+                    states = await hc.states.stats()
+                    used["states"] = (states.device.used, states.host.used)
+        return used
+
+    used = run_virtual(main)
+    # a's K/V: its whole pages, 28 tokens; its snapshots at 8, 16, 24, 28 take a page each
+    # in the K/V pools or in the states cache
+    assert used[True] == 2 * 28  # K/V in L1 and its write-through copy in L2
+    assert used[False] == used[True] + 2 * 4 * PAGE
+    assert used["states"] == (4 * 8, 4 * 8)  # four snapshots, a digest page each, L1 and L2
+
+
+def test_states_evicted_from_a_small_states_cache_only_shorten_hits():
+    model = bamba_like()
+    others = [tokens_from(10_000 + 100 * i, 30) for i in range(3)]
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            cfg = recurrent_config(device_tokens=256, host_tokens=512)
+            cache = await stack.enter_async_context(HiCache(cfg))
+            small = state_config(cfg, model, device_snapshots=2, host_snapshots=3)
+            states = await stack.enter_async_context(HiCache(small))
+            hc = HybridCache(cache, model, states=states)
+            await serve(hc, "a", PROMPT)  # four snapshots: only three fit L2
+            for i, other in enumerate(others):  # twelve more: a's are evicted everywhere
+                await serve(hc, f"o{i}", other)
+            last = await serve(hc, "c", others[-1])
+            again = await serve(hc, "b", PROMPT)  # its K/V still cached; no state left
+            return again, last, await states.stats()
+
+    again, last, stats = run_virtual(main)
+    assert (again.kv_len, again.length, again.state) == (28, 0, None)
+    assert again.snapshot_hint == 28
+    assert last.length == 28 and last.state_tier == "device"  # the newest states are kept
+    assert stats.device.used <= 2 * 8 and stats.host.used <= 3 * 8
+
+
+def test_state_config_sizes_in_snapshots_and_refuses_what_cannot_run():
+    from hicache.config import ConfigError
+
+    base = recurrent_config(device_tokens=64, host_tokens=4096)
+    model = HybridModel(
+        (Recurrent((0, 1, 3), state_bytes=1000, grid=16), FullAttention((2,))), PAGE
+    )
+    cfg = state_config(base, model)
+    assert (cfg.page_size, cfg.device_tokens, cfg.host_tokens) == (8, 16 * 8, 256 * 8)
+    assert cfg.model_id == "test-model#state" and cfg.write_policy == "write_through"
+    assert cfg.kv == "mla:1:31:1:float32"  # (1000 + 16 header bytes) / (8 slots x 4 bytes)
+    with pytest.raises(ConfigError, match="no recurrent layers"):
+        state_config(base, HybridModel((FullAttention((0,)),), PAGE))
+    with pytest.raises(ConfigError, match="host_snapshots=0"):
+        state_config(base, model, host_snapshots=0)
+    with pytest.raises(ConfigError, match="host_snapshots=4 must be larger"):
+        state_config(base, model, device_snapshots=4, host_snapshots=4)
+
+    async def main():
+        async with HiCache(recurrent_config()) as cache:
+            with pytest.raises(InvalidRequest, match="a cache of its own"):
+                HybridCache(cache, bamba_like(), states=cache)
+            other = state_config(recurrent_config(model_id="another"), bamba_like())
+            async with HiCache(other) as states:
+                with pytest.raises(InvalidRequest, match="is not the K/V cache's"):
+                    HybridCache(cache, bamba_like(), states=states)
+            async with HiCache(recurrent_config(page_size=4, model_id="test-model#state")) as s:
+                with pytest.raises(InvalidRequest, match="page size is 4"):
+                    HybridCache(cache, bamba_like(), states=s)
+        return True
+
+    assert run_virtual(main)

@@ -111,6 +111,43 @@ def test_recurrent_layers_hit_at_most_what_full_attention_does(chats, tmp_path, 
         assert rec["hit_tokens"]["storage"] == 0
 
 
+@pytest.mark.parametrize("storage", ["none", "memory"])
+def test_a_states_cache_gives_the_pools_back_to_kv(chats, tmp_path, storage):
+    """`--state-snapshots`: the snapshots live in a states cache of their own; every request
+    but the first still resumes from its own snapshot, the K/V pools hold no snapshot page
+    (K/V moves fewer bytes) and the hit rate is at least the in-pool run's."""
+    pool = replay(chats, tmp_path, RECURRENT, storage)
+    own = replay(chats, tmp_path, RECURRENT, storage, "--state-snapshots", "64:256")
+    hy = own["hybrid"]
+    assert hy["pages_per_snapshot"] == 0
+    assert (hy["states_cache"]["device_snapshots"], hy["states_cache"]["host_snapshots"]) == (
+        64,
+        256,
+    )
+    assert hy["snapshot_hits"] == pool["hybrid"]["snapshot_hits"] == 59
+    assert hy["verified_states"] == 59 and hy["corrupt_states"] == 0 == own["corrupt_pages"]
+    assert own["bytes"]["d2h"] < pool["bytes"]["d2h"]
+    assert own["hit_rate"] >= pool["hit_rate"]
+    if storage == "memory":
+        assert hy["states_cache"]["h2s"] > 0 and own["bytes"]["h2s"] < pool["bytes"]["h2s"]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("64", "expected L1:L2"),
+        ("64:x", "a snapshot count must be a positive integer"),
+        ("64:32", "host_snapshots=32 must be larger than device_snapshots=64"),
+    ],
+)
+def test_bad_state_snapshots_are_clear_errors(chats, capsys, value, message):
+    argv = ["replay", *small(chats), "--hybrid", RECURRENT, "--state-snapshots", value]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert main(["replay", *small(chats), "--hybrid", FULL, "--state-snapshots", "auto"]) == 2
+    assert "needs --hybrid with a recurrent group" in capsys.readouterr().err
+
+
 def test_a_wrong_snapshot_is_counted_and_fails_the_run(chats, tmp_path, monkeypatch, capsys):
     """The negative control: a state handed back for another prefix is a corrupt state."""
     match = HybridCache.match

@@ -1,6 +1,7 @@
 """Hybrid models under tensor parallelism: two ranks in two processes (gloo on CPU), each with
 its own shard of K/V and of the recurrent state, make the same hybrid decisions (hit lengths,
-snapshots found) and keep identical trees, with rank 1's storage slower than rank 0's."""
+snapshots found) and keep identical trees, with rank 1's storage slower than rank 0's; with
+the snapshots in the K/V pools or in a states cache of their own."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import tp_hybrid_worker
 
 
 @pytest.mark.slow
-def test_ranks_resume_from_the_same_point_each_with_its_own_state_shard(tmp_path):
+@pytest.mark.parametrize("own", [False, True], ids=["in-pool", "own-cache"])
+def test_ranks_resume_from_the_same_point_each_with_its_own_state_shard(tmp_path, own):
     ctx = mp.get_context("spawn")
     init = tmp_path / "init"
     procs = [
-        ctx.Process(target=tp_hybrid_worker.main, args=(rank, 2, str(init), str(tmp_path), 0))
+        ctx.Process(target=tp_hybrid_worker.main, args=(rank, 2, str(init), str(tmp_path), 0, own))
         for rank in range(2)
     ]
     for p in procs:
@@ -32,6 +34,7 @@ def test_ranks_resume_from_the_same_point_each_with_its_own_state_shard(tmp_path
     assert r0["bad"] == r1["bad"] == 0  # K/V pages and each rank's own state shard
     assert r0["hits"] == r1["hits"]
     assert r0["dump"] == r1["dump"]
+    assert r0["states"] == r1["states"] and (r0["states"] is not None) == own
     lengths = [h[0] for h in r0["hits"]]
     assert sum(1 for h in lengths if h) >= 10  # the workload does resume from snapshots
     assert any(h[0] < h[1] for h in r0["hits"])  # and K/V beyond a snapshot is cut off

@@ -1,12 +1,14 @@
 """One tensor-parallel rank of the two-process hybrid test (run in a spawned process): the
 same seeded hybrid workload on every rank, each rank keeping its own shard of the recurrent
-state; rank 1's storage is slower, so the ranks' completions arrive at different times."""
+state; rank 1's storage is slower, so the ranks' completions arrive at different times. With
+`own`, the snapshots live in a states cache (`state_config`) with its own process group."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from contextlib import AsyncExitStack
 
 import anyio
 import numpy as np
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from hicache import CacheConfig, HiCache
 from hicache.backends.file import FileBackend
 from hicache.backends.keys import Namespace
-from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent
+from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, state_config
 from hicache.testing import BackendFaults, FaultyBackend
 from hicache.testing.kvfill import count_bad_pages, fill
 from hicache.testing.synthetic import kv_seeds
@@ -45,9 +47,10 @@ def workload(seed: int, n: int) -> list[np.ndarray]:
     ]
 
 
-def main(rank: int, world: int, init_file: str, out_dir: str, seed: int) -> None:
+def main(rank: int, world: int, init_file: str, out_dir: str, seed: int, own: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
+    state_group = dist.new_group(backend="gloo")  # each cache agrees over a group of its own
     cfg = CacheConfig(
         kv="mha:1:2:8:float16",
         page_size=PAGE,
@@ -61,18 +64,34 @@ def main(rank: int, world: int, init_file: str, out_dir: str, seed: int) -> None
         tp_size=world,
         channel_capacity=32,
     )
-    ns = Namespace(
-        model=cfg.model_id, kv=cfg.kv, page_size=PAGE, rank=rank, tp_size=world, layout=cfg.layout
-    )
-    backend = FaultyBackend(
-        FileBackend(os.path.join(out_dir, "store"), namespace=ns),
-        BackendFaults(latency=0.0005 + 0.004 * rank),
-    )
+    state_cfg = state_config(cfg, MODEL, device_snapshots=12, host_snapshots=24)
+
+    def backend(c: CacheConfig) -> FaultyBackend:
+        ns = Namespace(
+            model=c.model_id,
+            kv=c.kv,
+            page_size=c.page_size,
+            rank=rank,
+            tp_size=world,
+            layout=c.layout,
+        )
+        return FaultyBackend(
+            FileBackend(os.path.join(out_dir, "store"), namespace=ns),
+            BackendFaults(latency=0.0005 + 0.004 * rank),
+        )
 
     async def run():
-        hits, bad = [], 0
-        async with HiCache(cfg, backend=backend, tp_group=group) as cache:
-            hc = HybridCache(cache, MODEL)
+        hits, bad, states_dump = [], 0, None
+        async with AsyncExitStack() as stack:
+            cache = await stack.enter_async_context(
+                HiCache(cfg, backend=backend(cfg), tp_group=group)
+            )
+            states = None
+            if own:
+                states = await stack.enter_async_context(
+                    HiCache(state_cfg, backend=backend(state_cfg), tp_group=state_group)
+                )
+            hc = HybridCache(cache, MODEL, states=states)
             pool = cache.device_pool
             for i, tokens in enumerate(workload(seed, 40)):
                 rid = f"r{i}"
@@ -94,12 +113,17 @@ def main(rank: int, world: int, init_file: str, out_dir: str, seed: int) -> None
                 )
                 hits.append([hit.length, hit.kv_len, hit.device_hit])
                 if i % 10 == 9:
-                    await cache.clear(["device"])
+                    for c in (cache, states):
+                        if c is not None:
+                            await c.clear(["device"])
             await cache.flush()
             dump = await cache.dump()
-        return hits, bad, dump
+            if states is not None:
+                await states.flush()
+                states_dump = await states.dump()
+        return hits, bad, dump, states_dump
 
-    hits, bad, dump = anyio.run(run)
+    hits, bad, dump, states_dump = anyio.run(run)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"hits": hits, "bad": bad, "dump": dump}, f)
+        json.dump({"hits": hits, "bad": bad, "dump": dump, "states": states_dump}, f)
     dist.destroy_process_group()

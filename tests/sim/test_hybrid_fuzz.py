@@ -8,7 +8,10 @@ L3 memory store that later cache instances open again; then 10-30 steps over a f
 base prompts: requests served whole (match, compute, cache with a random subset of their
 snapshot points) or dropped after the match (at once or one step later, some with slots
 allocated), `clear` of L1 or L2, `flush`, and with L3 a switch to a fresh instance that first
-runs `HybridCache.prefetch`. After every match (against an oracle of every snapshot kept and
+runs `HybridCache.prefetch`. Recurrent geometries keep their snapshots in the K/V pools or,
+in about half the examples, in a states cache of their own (`state_config`) of 1-6 snapshots
+in L1 and 1-6 more in L2, cleared, flushed and reopened with the K/V cache. After every
+match (against an oracle of every snapshot kept and
 every prefix whose K/V was cached):
 
 1. the hit is 0 or whole pages, below the last token, within `kv_len`, a prefix whose K/V
@@ -29,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +42,14 @@ from hypothesis import strategies as st
 
 from hicache import HiCache
 from hicache.backends.memory import MemoryBackend, MemoryStore
-from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
+from hicache.hybrid import (
+    FullAttention,
+    HybridCache,
+    HybridModel,
+    Recurrent,
+    SlidingWindow,
+    state_config,
+)
 from hicache.hybrid.states import state_pages
 from hicache.results import CapacityError
 from hicache.testing import bad_pages, run_virtual
@@ -63,6 +74,7 @@ class Plan:
     l3: str | None  # the prefetch policy, None without L3
     seed: int
     steps: tuple[tuple, ...]
+    states: tuple[int, int] | None = None  # snapshots in L1 and L2 of a states cache
 
 
 def state_of(prefix: np.ndarray, size: int) -> bytes:
@@ -118,7 +130,13 @@ def plans(draw, geometry: str) -> Plan:
             steps.append((kind,))
     seed = draw(st.integers(0, 3))  # run_virtual's interleaving
     model = HybridModel(groups, PAGE)
-    return Plan(geometry, model, layers, pages, device, host, policy, l3, seed, tuple(steps))
+    states = None
+    if geometry != "a" and draw(st.booleans()):
+        in_l1 = draw(st.integers(1, 6))
+        states = (in_l1, in_l1 + draw(st.integers(1, 6)))
+    return Plan(
+        geometry, model, layers, pages, device, host, policy, l3, seed, tuple(steps), states
+    )
 
 
 @dataclass
@@ -233,11 +251,25 @@ async def execute(plan: Plan) -> None:
         segments[-1].append((i, step))
         if step[0] == "switch":
             segments.append([])
+    state_cfg = None
+    if plan.states is not None:
+        in_l1, in_l2 = plan.states
+        state_cfg = state_config(cfg, plan.model, device_snapshots=in_l1, host_snapshots=in_l2)
+
+    def backend(c):
+        return None if store is None else MemoryBackend(namespace=namespace_of(c), store=store)
+
     for n, segment in enumerate(segments):
-        backend = None if store is None else MemoryBackend(namespace=namespace_of(cfg), store=store)
-        async with HiCache(cfg, backend=backend) as cache:
-            hc = HybridCache(cache, plan.model)
-            if plan.model.recurrent:
+        async with AsyncExitStack() as stack:
+            cache = await stack.enter_async_context(HiCache(cfg, backend=backend(cfg)))
+            states = None
+            if state_cfg is not None:
+                states = await stack.enter_async_context(
+                    HiCache(state_cfg, backend=backend(state_cfg))
+                )
+            caches = [c for c in (cache, states) if c is not None]
+            hc = HybridCache(cache, plan.model, states=states)
+            if plan.model.recurrent and states is None:
                 assert state_pages(cache.device_pool, plan.model.state_bytes) == plan.pages
             first = next(((i, s) for i, s in segment if s[0] in ("serve", "drop")), None)
             if n and first is not None:
@@ -247,11 +279,14 @@ async def execute(plan: Plan) -> None:
                 if step[0] in ("serve", "drop"):
                     await request(hc, oracle, f"r{i}", step)
                 elif step[0] == "clear device":
-                    await cache.clear(["device"])
+                    for c in caches:
+                        await c.clear(["device"])
                 elif step[0] == "clear host":
-                    await cache.clear(["host"])
+                    for c in caches:
+                        await c.clear(["host"])
                 elif step[0] == "flush" or step[1]:  # a switch flushes first, or not
-                    await cache.flush()
+                    for c in caches:
+                        await c.flush()
                 for rid in held:
                     await hc.release(rid)
                 TOTALS[f"step {step[0]}"] += 1
@@ -264,8 +299,14 @@ async def execute(plan: Plan) -> None:
             TOTALS["tree hit tokens L3"] += stats.storage_hit_tokens
             TOTALS["L1 evictions"] += stats.device.evictions
             TOTALS["L2 evictions"] += stats.host.evictions
+            if states is not None:
+                kept = await states.stats()
+                TOTALS["states cache: L1 evictions"] += kept.device.evictions
+                TOTALS["states cache: L2 evictions"] += kept.host.evictions
     TOTALS["examples"] += 1
     pages = f", {plan.pages}-page snapshots" if plan.model.recurrent else ""
+    if plan.states is not None:
+        pages = ", snapshots in a states cache"
     TOTALS[f"geometry {plan.geometry}{pages}"] += 1
     TOTALS[f"policy {plan.write_policy}"] += 1
     TOTALS[f"L3 {plan.l3}"] += 1
