@@ -3,9 +3,11 @@ rates per tier of a model with sliding-window or recurrent layers can be set aga
 full-attention model of the same size.
 
 SPEC lists the layer groups in model order, comma-separated: `full:N`, `sliding:N:WINDOW`,
-`recurrent:N:STATE_BYTES:GRID` (STATE_BYTES: one snapshot of all N layers, 64KiB or 65536;
-GRID: tokens between snapshots, a multiple of the page). The pool holds the attention layers
-(full and sliding), so the K/V spec's layer count is replaced by theirs.
+`sliding:N:WINDOW:GRID` (only the window kept, in a snapshot every GRID tokens: WINDOW - 1
+tokens of the N layers' K/V as the K/V spec sizes them), `recurrent:N:STATE_BYTES:GRID`
+(STATE_BYTES: one snapshot of all N layers, 64KiB or 65536; GRID: tokens between snapshots, a
+multiple of the page). The pool holds the layers kept as pages (full, and sliding without a
+grid), so the K/V spec's layer count is replaced by theirs.
 
 Each request runs alone, as an engine would run it through `HybridCache` (the batched path of
 `replay.py` has no hybrid counterpart): prefetch from L3 (storage on), match, check the hit's
@@ -31,6 +33,7 @@ from hicache.cli.trace import TraceRequest
 from hicache.config import ConfigError
 from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
 from hicache.hybrid.groups import LayerGroup
+from hicache.kernels.geometry import parse_geometry
 from hicache.results import CapacityError
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId
@@ -45,7 +48,7 @@ __all__ = [
     "run_hybrid_step",
 ]
 
-_FORMS = "full:N, sliding:N:WINDOW or recurrent:N:STATE_BYTES:GRID"
+_FORMS = "full:N, sliding:N:WINDOW[:GRID] or recurrent:N:STATE_BYTES:GRID"
 
 
 def _count(text: str, what: str, item: str) -> int:
@@ -58,23 +61,31 @@ def _count(text: str, what: str, item: str) -> int:
     return n
 
 
-def parse_hybrid(spec: str, page_size: int) -> HybridModel:
-    """The `HybridModel` of `--hybrid SPEC`, layers numbered in the order given. ValueError
-    naming the item (or the model's own check) that is wrong."""
+def parse_hybrid(spec: str, page_size: int, kv: str | None = None) -> HybridModel:
+    """The `HybridModel` of `--hybrid SPEC`, layers numbered in the order given; `kv` sizes a
+    windowed sliding group's snapshot part. ValueError naming the item (or the model's own
+    check) that is wrong."""
     groups: list[LayerGroup] = []
     first = 0
     for item in (part.strip() for part in spec.split(",")):
         kind, *rest = item.split(":")
-        arity = {"full": 1, "sliding": 2, "recurrent": 3}.get(kind)
-        if arity is None or len(rest) != arity:
+        arities = {"full": (1,), "sliding": (2, 3), "recurrent": (3,)}.get(kind, ())
+        if len(rest) not in arities:
             raise ValueError(f"--hybrid {item!r}: expected {_FORMS}")
         n = _count(rest[0], "the layer count", item)
         layers = tuple(range(first, first + n))
         first += n
         if kind == "full":
             groups.append(FullAttention(layers))
-        elif kind == "sliding":
+        elif kind == "sliding" and len(rest) == 2:
             groups.append(SlidingWindow(layers, window=_count(rest[1], "the window", item)))
+        elif kind == "sliding":
+            window, grid = _count(rest[1], "the window", item), _count(rest[2], "the grid", item)
+            if kv is None:
+                raise ValueError(f"--hybrid {item!r}: a windowed group needs the K/V spec")
+            geometry = parse_geometry(check_kv_spec(kv))
+            tail = (window - 1) * n * (geometry.bytes_per_token // geometry.layers)
+            groups.append(SlidingWindow(layers, window, state_bytes=max(tail, 1), grid=grid))
         else:
             state = parse_size(rest[1], f"--hybrid {item!r}: the state size")
             grid = _count(rest[2], "the grid", item)
@@ -93,8 +104,10 @@ def parse_state_snapshots(
     wrong."""
     if text is None:
         return None
-    if model is None or not model.recurrent:
-        raise ValueError("--state-snapshots needs --hybrid with a recurrent group")
+    if model is None or not model.stateful:
+        raise ValueError(
+            "--state-snapshots needs --hybrid with a recurrent or windowed sliding group"
+        )
     if text == "auto":
         return None, None
     parts = text.split(":")
@@ -107,7 +120,7 @@ def parse_state_snapshots(
 def hybrid_kv(kv: str, model: HybridModel) -> str:
     """`kv` with its layer count replaced by the model's attention layers (the pool's)."""
     kind, _layers, *rest = check_kv_spec(kv).split(":")
-    return ":".join([kind, str(len(model.attention_layers)), *rest])
+    return ":".join([kind, str(len(model.pool_layers)), *rest])
 
 
 def prefix_states(tokens: np.ndarray, points: Iterable[int], size: int) -> dict[int, bytes]:

@@ -15,10 +15,12 @@ _REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic
 
 _HYBRID_HELP = (
     "a hybrid model's layer groups in model order, comma-separated: full:N, "
-    "sliding:N:WINDOW, recurrent:N:STATE_BYTES:GRID (STATE_BYTES: one snapshot of the N "
-    "layers, e.g. 64KiB; GRID: tokens between snapshots, a multiple of the page); e.g. "
+    "sliding:N:WINDOW, sliding:N:WINDOW:GRID (only the window kept, in a snapshot every GRID "
+    "tokens), recurrent:N:STATE_BYTES:GRID (STATE_BYTES: one snapshot of the N layers, e.g. "
+    "64KiB; GRID: tokens between snapshots, a multiple of the page); e.g. "
     "full:1,sliding:3:1024. Requests run one by one through HybridCache; the --kv layer "
-    "count is replaced by the attention layers (full + sliding), its heads, dim and dtype kept"
+    "count is replaced by the layers kept as pages (full, and sliding without a grid), its "
+    "heads, dim and dtype kept"
 )
 
 

@@ -161,12 +161,12 @@ async def replay(
             model = hc.model
             counts = tally.extra.get("hybrid")
             extra["hybrid"] = {
-                "attention_layers": len(model.attention_layers),
+                "attention_layers": len(model.pool_layers),
                 "state_bytes": model.state_bytes,
                 "grid": model.grid,
                 "pages_per_snapshot": (
                     state_pages(cache.device_pool, model.state_bytes)
-                    if model.recurrent and states is None
+                    if model.stateful and states is None
                     else 0
                 ),
                 **(counts.as_dict() if counts is not None else {}),
@@ -238,7 +238,7 @@ class _StorageSwitches:
 def run(args: argparse.Namespace) -> int:
     tiers = pin_tiers(getattr(args, "pin_first_block", None))  # a bad tier fails before any work
     spec = getattr(args, "hybrid", None)
-    hybrid = parse_hybrid(spec, args.page_size) if spec is not None else None
+    hybrid = parse_hybrid(spec, args.page_size, args.kv) if spec is not None else None
     kv = hybrid_kv(args.kv, hybrid) if hybrid is not None else args.kv
     state_sizes = parse_state_snapshots(getattr(args, "state_snapshots", None), hybrid)
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return t
 
     spec = getattr(args, "hybrid", None)
-    model = parse_hybrid(spec, args.page_size) if spec is not None else None
+    model = parse_hybrid(spec, args.page_size, args.kv) if spec is not None else None
     kv = hybrid_kv(args.kv, model) if model is not None else ""
     rows = []
     show = not args.quiet

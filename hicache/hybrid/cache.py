@@ -33,11 +33,11 @@ __all__ = ["HybridCache", "HybridHit", "HybridPrefetch"]
 class HybridHit:
     """What a request may reuse: `length` tokens (every group can resume there), their K/V
     in `device_slots` (locked for `rid` until `cache_*` or `release`, landed), and `state`,
-    the recurrent snapshot after token `length - 1` (None without recurrent groups or when
+    the snapshot after token `length - 1` (None without stateful groups or when
     `length` is 0). `kv_len`: the K/V the cache held before the groups' rule cut it;
     `device_hit`: tokens of the hit that were in L1 at the match (the rest came from L2,
     where a prefetch from L3 also lands); `probes`: snapshot chains looked up.
-    `snapshot_hint`: with recurrent groups, the point up to which K/V is cached when that is
+    `snapshot_hint`: with stateful groups, the point up to which K/V is cached when that is
     deeper than the hit (the branch where this prompt leaves what was cached before): a
     snapshot kept there while this request prefills lets the next prompt sharing the prefix
     resume from it. None otherwise. `state_tier`: where the snapshot was found ("device",
@@ -57,7 +57,7 @@ class HybridHit:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HybridPrefetch:
     """After `prefetch`: the K/V now in L1/L2 for the tokens, and the snapshot point found
-    (None: none, or no recurrent groups)."""
+    (None: none, or no stateful groups)."""
 
     rid: RequestId
     kv_len: int
@@ -84,10 +84,10 @@ class HybridCache:
             raise InvalidRequest(
                 f"the model's page size {self.model.page_size} is not the cache's {pool.page_size}"
             )
-        if pool.geometry.layers != len(self.model.attention_layers):
+        if pool.geometry.layers != len(self.model.pool_layers):
             raise InvalidRequest(
                 f"the cache's pool has {pool.geometry.layers} layers, the model "
-                f"{len(self.model.attention_layers)} attention layers"
+                f"{len(self.model.pool_layers)} attention layers"
             )
         if self.max_probes < 1:
             raise InvalidRequest(f"max_probes must be >= 1, got {self.max_probes}")
@@ -97,10 +97,10 @@ class HybridCache:
     def _snapshot_store(self) -> Snapshots:
         states = self.states
         if states is None:
-            pages = state_pages(self._pool, self.model.state_bytes) if self.model.recurrent else 0
+            pages = state_pages(self._pool, self.model.state_bytes) if self.model.stateful else 0
             return Snapshots(self.cache, self._pool, pages, self.model.state_bytes, own=False)
-        if not self.model.recurrent:
-            raise InvalidRequest("states= given, but the model has no recurrent layers")
+        if not self.model.stateful:
+            raise InvalidRequest("states= given, but the model keeps no snapshots")
         if states is self.cache:
             raise InvalidRequest("states= must be a cache of its own (state_config), not the K/V's")
         cfg, kv = states.config, self.cache.config
@@ -136,7 +136,7 @@ class HybridCache:
         state: bytes | None = None
         points: list[int] = []
         tier: str | None = None
-        if self.model.recurrent:
+        if self.model.stateful:
             points = self.model.candidates(len(arr), kv_len, self.max_probes)
             length, state, tier = await self._snaps.deepest(rid, arr, points, salt)
         slots = found.device_slots
@@ -159,7 +159,7 @@ class HybridCache:
             kv_len=kv_len,
             device_hit=min(found.device_len, length),
             probes=len(points),
-            snapshot_hint=top if self.model.recurrent and top > length else None,
+            snapshot_hint=top if self.model.stateful and top > length else None,
             state_tier=tier if length and state is not None else None,
         )
 
@@ -244,8 +244,10 @@ class HybridCache:
         return self._pool.geometry.layers - 1
 
     def _check_snapshots(self, snaps: Mapping[int, bytes], n_tokens: int) -> None:
-        if snaps and not self.model.recurrent:
-            raise InvalidRequest("snapshots given, but the model has no recurrent layers")
+        if snaps and not self.model.stateful:
+            raise InvalidRequest(
+                "snapshots given, but the model keeps none (no recurrent or windowed sliding group)"
+            )
         page = self.model.page_size
         for point, state in snaps.items():
             if not 0 < point <= n_tokens or point % page:

@@ -6,7 +6,8 @@ every group can resume there at once:
 - full attention needs K/V of every position in [0, h);
 - a sliding window W (a query at q sees keys in (q - W, q]) needs K/V of [h - W + 1, h) only,
   computed over the whole prefix (lower layers see all of it), so its pages are keyed by the
-  full prefix like any other;
+  full prefix like any other; or, declared with a `grid`, only that window is kept, as a
+  snapshot at each point like a recurrent state (no page outside a window is ever kept);
 - a recurrent layer (Mamba2, gated delta-net) needs its state exactly after token h - 1: a
   hit may end only where a snapshot of that state was kept. A state from any other position
   gives wrong output, so with recurrent groups and no snapshot the hit is 0 (fail closed).
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from hicache.config import ConfigError
 
-__all__ = ["FullAttention", "HybridModel", "LayerGroup", "Recurrent", "SlidingWindow"]
+__all__ = ["FullAttention", "HybridModel", "LayerGroup", "Recurrent", "SlidingWindow", "Stateful"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +33,20 @@ class FullAttention:
 
 @dataclass(frozen=True, slots=True)
 class SlidingWindow:
-    """Layers whose query at q sees keys in (q - window, q]."""
+    """Layers whose query at q sees keys in (q - window, q]. Without `grid`, their K/V is
+    kept as pages in the pool, every position, like full attention's. With `grid` (and
+    `state_bytes`: the K/V of the last window - 1 tokens of every layer of the group, as the
+    engine packs it), only that window is kept, in the snapshot taken at each point with the
+    recurrent states: the layers leave the pool, and a hit ends where a snapshot was kept."""
 
     layers: tuple[int, ...]
     window: int
+    state_bytes: int = 0
+    grid: int | None = None
+
+    @property
+    def windowed(self) -> bool:
+        return self.grid is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +62,16 @@ class Recurrent:
 
 
 LayerGroup = FullAttention | SlidingWindow | Recurrent
+Stateful = Recurrent | SlidingWindow  # a group kept as snapshots (a sliding one with a grid)
 
 
 @dataclass(frozen=True, slots=True)
 class HybridModel:
-    """The layer groups of one model, as the engine declares them. Attention layers (full and
-    sliding) hold K/V in the cache's pool, pool layer i being the i-th attention layer in
-    model order; recurrent states are kept per snapshot point (hybrid/states.py)."""
+    """The layer groups of one model, as the engine declares them. Attention layers kept as
+    pages (full, and sliding without a grid) hold K/V in the cache's pool, pool layer i being
+    `pool_layers[i]`; recurrent states and windowed sliding layers' windows are kept per
+    snapshot point, one snapshot holding every such group's part in group order
+    (hybrid/states.py)."""
 
     groups: tuple[LayerGroup, ...]
     page_size: int
@@ -80,23 +94,34 @@ class HybridModel:
                 seen.add(layer)
             if isinstance(group, SlidingWindow) and group.window < 1:
                 raise ConfigError(f"SlidingWindow window must be >= 1, got {group.window}")
-            if isinstance(group, Recurrent):
-                if group.state_bytes <= 0:
-                    raise ConfigError(f"Recurrent state_bytes must be > 0, got {group.state_bytes}")
-                if group.grid <= 0 or group.grid % self.page_size:
-                    raise ConfigError(
-                        f"Recurrent grid {group.grid} must be a positive multiple of the page "
-                        f"size {self.page_size}"
-                    )
+            if isinstance(group, SlidingWindow) and group.grid is None and group.state_bytes:
+                raise ConfigError("SlidingWindow state_bytes needs a grid (windows kept per point)")
+            if isinstance(group, Recurrent) or (
+                isinstance(group, SlidingWindow) and group.grid is not None
+            ):
+                self._check_stateful(name, group)
         if seen != set(range(len(seen))):
             missing = sorted(set(range(max(seen) + 1)) - seen)
             raise ConfigError(f"layers {missing} are in no group")
-        if not self.attention_layers:
-            raise ConfigError("a hybrid model needs at least one attention layer (full or sliding)")
+        if not self.pool_layers:
+            raise ConfigError(
+                "a hybrid model needs at least one attention layer kept as pages (full, or "
+                "sliding without a grid)"
+            )
+
+    def _check_stateful(self, name: str, group: Stateful) -> None:
+        if group.state_bytes <= 0:
+            raise ConfigError(f"{name} state_bytes must be > 0, got {group.state_bytes}")
+        if group.grid is None or group.grid <= 0 or group.grid % self.page_size:
+            raise ConfigError(
+                f"{name} grid {group.grid} must be a positive multiple of the page "
+                f"size {self.page_size}"
+            )
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """Model layers with K/V, in order: pool layer i holds `attention_layers[i]`."""
+        """Every full and sliding layer, in order (the pool's layers unless a sliding group
+        is windowed: see `pool_layers`)."""
         return tuple(
             sorted(
                 layer
@@ -107,19 +132,43 @@ class HybridModel:
         )
 
     @property
+    def pool_layers(self) -> tuple[int, ...]:
+        """Model layers whose K/V the pool keeps as pages, in order: pool layer i holds
+        `pool_layers[i]` (full attention, and sliding layers without a grid)."""
+        return tuple(
+            sorted(
+                layer
+                for group in self.groups
+                if isinstance(group, FullAttention)
+                or (isinstance(group, SlidingWindow) and not group.windowed)
+                for layer in group.layers
+            )
+        )
+
+    @property
     def recurrent(self) -> tuple[Recurrent, ...]:
         return tuple(g for g in self.groups if isinstance(g, Recurrent))
 
     @property
+    def stateful(self) -> tuple[Stateful, ...]:
+        """The groups a hit needs a snapshot for, in group order: recurrent groups and
+        windowed sliding groups. Without any, every whole page of K/V is a place to resume."""
+        return tuple(
+            g
+            for g in self.groups
+            if isinstance(g, Recurrent) or (isinstance(g, SlidingWindow) and g.windowed)
+        )
+
+    @property
     def state_bytes(self) -> int:
-        """Bytes of one snapshot: every recurrent group's state, in group order."""
-        return sum(g.state_bytes for g in self.recurrent)
+        """Bytes of one snapshot: every stateful group's part, in group order."""
+        return sum(g.state_bytes for g in self.stateful)
 
     @property
     def grid(self) -> int | None:
-        """Tokens between snapshots: the least common multiple of the groups' grids (a point
-        every group keeps); None without recurrent groups."""
-        grids = [g.grid for g in self.recurrent]
+        """Tokens between snapshots: the least common multiple of the stateful groups' grids
+        (a point every group keeps); None without stateful groups."""
+        grids = [g.grid for g in self.stateful if g.grid is not None]
         if not grids:
             return None
         return math.lcm(*grids)
@@ -131,17 +180,17 @@ class HybridModel:
         return most - most % self.page_size
 
     def usable(self, n_tokens: int, kv_len: int, snapshots: Iterable[int] = ()) -> int:
-        """The hit length every group can resume from: `cap` without recurrent groups (every
+        """The hit length every group can resume from: `cap` without stateful groups (every
         page is kept whole, so a window is covered whenever full attention is), else the
         deepest snapshot point within it (0 when there is none)."""
         most = self.cap(n_tokens, kv_len)
-        if not self.recurrent:
+        if not self.stateful:
             return most
         return max((p for p in snapshots if 0 < p <= most and p % self.page_size == 0), default=0)
 
     def snapshot_points(self, n_tokens: int) -> list[int]:
-        """Where a prefill of `n_tokens` keeps the recurrent state: every grid point and the
-        last page boundary at or below the end, ascending (empty without recurrent groups)."""
+        """Where a prefill of `n_tokens` keeps a snapshot: every grid point and the last page
+        boundary at or below the end, ascending (empty without stateful groups)."""
         grid = self.grid
         if grid is None:
             return []

@@ -169,7 +169,9 @@ def state_config(
     base.resolve()
     grid = model.grid
     if grid is None:
-        raise ConfigError("state_config: the model has no recurrent layers, so no snapshots")
+        raise ConfigError(
+            "state_config: the model keeps no snapshots (no recurrent or windowed sliding group)"
+        )
     device, host = device_snapshots, host_snapshots
     if device is None:
         device = max(16, base.device_tokens // grid)

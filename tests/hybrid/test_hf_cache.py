@@ -45,9 +45,12 @@ EXACT, WRONG = 1e-5, 5e-4
 
 
 class Adapter:
-    """Moves one model's cache between its tensors and the cache's pool and snapshot bytes."""
+    """Moves one model's cache between its tensors and the cache's pool and snapshot bytes.
+    `windowed`: the sliding layers are declared with a grid, so only their window is kept, in
+    each snapshot (the last WINDOW - 1 tokens' K and V of every sliding layer, zero-padded in
+    front, before the recurrent states)."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, windowed: bool = False):
         self.model = model
         self.specs = layer_specs(model)
         self.kv_heads, self.head_dim = attention_geometry(model)
@@ -58,10 +61,15 @@ class Adapter:
         groups = []
         full = tuple(i for i, s in enumerate(self.specs) if s.kind == "full")
         sliding = [i for i, s in enumerate(self.specs) if s.kind == "sliding"]
+        self.window = self.specs[sliding[0]].window if sliding else 0
+        self.windowed_layers = sliding if windowed else []
         if full:
             groups.append(FullAttention(full))
-        if sliding:
-            groups.append(SlidingWindow(tuple(sliding), self.specs[sliding[0]].window))
+        if sliding and windowed:
+            tail = (self.window - 1) * len(sliding) * 2 * self.kv_heads * self.head_dim * 4
+            groups.append(SlidingWindow(tuple(sliding), self.window, tail, GRID))
+        elif sliding:
+            groups.append(SlidingWindow(tuple(sliding), self.window))
         if self.recurrent_layers:
             groups.append(Recurrent(tuple(self.recurrent_layers), state_bytes, GRID))
         self.hybrid = HybridModel(tuple(groups), PAGE)
@@ -71,7 +79,7 @@ class Adapter:
         return [i for i, s in enumerate(self.specs) if s.kind == "recurrent"]
 
     def config(self, **overrides) -> CacheConfig:
-        kv = f"mha:{len(self.hybrid.attention_layers)}:{self.kv_heads}:{self.head_dim}:float32"
+        kv = f"mha:{len(self.hybrid.pool_layers)}:{self.kv_heads}:{self.head_dim}:float32"
         base = dict(
             kv=kv, page_size=PAGE, device_tokens=256, host_tokens=1024, deterministic=True,
             write_policy="write_through", model_id="tiny-hybrid", prefetch_policy="wait_complete",
@@ -80,26 +88,51 @@ class Adapter:
         base.update(overrides)
         return CacheConfig(**base)
 
-    def pack(self, states: dict[int, dict[str, torch.Tensor]]) -> bytes:
-        parts = [states[i][name].reshape(-1) for i in self.recurrent_layers for name in self.shapes]
+    def pack(self, states: dict[int, dict[str, torch.Tensor]], kv, point: int) -> bytes:
+        """The snapshot at `point`: windowed sliding layers' last tokens, then the states."""
+        parts = []
+        tail = self.window - 1
+        for i in self.windowed_layers:
+            for t in kv[i]:
+                padded = torch.zeros(tail, self.kv_heads, self.head_dim)
+                seg = t[max(0, point - tail) : point]
+                padded[tail - len(seg) :] = seg
+                parts.append(padded.reshape(-1))
+        parts += [
+            states[i][name].reshape(-1) for i in self.recurrent_layers for name in self.shapes
+        ]
         return torch.cat(parts).numpy().tobytes() if parts else b""
 
-    def unpack(self, blob: bytes | None) -> dict[int, dict[str, torch.Tensor]]:
-        if not self.recurrent_layers:
-            return {}
+    def unpack(self, blob: bytes | None, h: int):
+        """(recurrent states, K/V of the windowed sliding layers as (h, heads, dim) tensors,
+        zero outside the window) of the snapshot at h."""
+        if not self.hybrid.stateful:
+            return {}, {}
         flat = torch.frombuffer(bytearray(blob), dtype=torch.float32)
-        out, at = {}, 0
-        for i in self.recurrent_layers:
-            out[i] = {}
-            for name, shape in self.shapes.items():
-                n = int(np.prod(shape))
-                out[i][name] = flat[at : at + n].reshape(shape).clone()
+        states, kv, at = {}, {}, 0
+        tail = self.window - 1
+        n = tail * self.kv_heads * self.head_dim
+        for i in self.windowed_layers:
+            pair = []
+            for _ in range(2):
+                full = torch.zeros(h, self.kv_heads, self.head_dim)
+                take = min(h, tail)
+                window = flat[at : at + n].reshape(tail, self.kv_heads, self.head_dim)
+                full[h - take :] = window[tail - take :]
+                pair.append(full)
                 at += n
-        return out
+            kv[i] = tuple(pair)
+        for i in self.recurrent_layers:
+            states[i] = {}
+            for name, shape in self.shapes.items():
+                size = int(np.prod(shape))
+                states[i][name] = flat[at : at + size].reshape(shape).clone()
+                at += size
+        return states, kv
 
     def write_kv(self, pool, slots, kv, first: int) -> None:
         index = torch.as_tensor(np.array(slots), dtype=torch.int64)
-        for p, layer in enumerate(self.hybrid.attention_layers):
+        for p, layer in enumerate(self.hybrid.pool_layers):
             k, v = kv[layer]
             pool.k_buffer(p)[index] = k[first : first + len(slots)]
             pool.v_buffer(p)[index] = v[first : first + len(slots)]
@@ -108,7 +141,7 @@ class Adapter:
         index = torch.as_tensor(np.array(slots), dtype=torch.int64)
         return {
             layer: (pool.k_buffer(p)[index].clone(), pool.v_buffer(p)[index].clone())
-            for p, layer in enumerate(self.hybrid.attention_layers)
+            for p, layer in enumerate(self.hybrid.pool_layers)
         }
 
     async def serve(self, hc: HybridCache, rid: str, tokens: list[int]):
@@ -118,13 +151,14 @@ class Adapter:
         hit = await hc.match(rid, tokens)
         h = hit.length
         kv = self.read_kv(hc.cache.device_pool, hit.device_slots)
-        states = self.unpack(hit.state) if h else {}
+        states, window = self.unpack(hit.state, h) if h else ({}, {})
+        kv.update(window)
         logits = resume_logits(self.model, tokens, h, kv, states) if h else None
         points = hc.model.snapshot_points(len(tokens))
         snaps = prefill_snapshots(self.model, tokens, points)
         fresh = await hc.allocate(rid, len(tokens) - h)
         self.write_kv(hc.cache.device_pool, fresh, snaps.kv, first=h)
-        packed = {p: self.pack(snaps.states[p]) for p in points if p > h}
+        packed = {p: self.pack(snaps.states[p], snaps.kv, p) for p in points if p > h}
         slots = np.concatenate([hit.device_slots, fresh])
         await hc.cache_finished(rid, tokens, slots, snapshots=packed)
         return hit, logits, kv, states
@@ -154,19 +188,26 @@ async def push_down(hc: HybridCache, *, clear: bool) -> None:
                 await c.clear(["device"])
 
 
-CASES = [(kind, False) for kind in KINDS] + [("bamba", True), ("qwen3next", True)]
+# (model, snapshots in a states cache of their own, sliding layers kept as windows only)
+CASES = [(kind, False, False) for kind in KINDS] + [
+    ("bamba", True, False),
+    ("qwen3next", True, False),
+    ("gemma3", False, True),
+    ("gemma3", True, True),
+]
+IDS = [f"{k}-{'own' if o else 'pool'}{'-windowed' if w else ''}" for k, o, w in CASES]
 
 
-@pytest.mark.parametrize(
-    ("kind", "own"), CASES, ids=[f"{k}-{'own' if o else 'pool'}" for k, o in CASES]
-)
-def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, tmp_path):
+@pytest.mark.parametrize(("kind", "own", "windowed"), CASES, ids=IDS)
+def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_path):
     model = tiny_model(kind)
-    adapter = Adapter(model)
+    adapter = Adapter(model, windowed=windowed)
     gen = torch.Generator().manual_seed(7)
     first = torch.randint(0, VOCAB, (48,), generator=gen).tolist()
     second = first + torch.randint(0, VOCAB, (16,), generator=gen).tolist()
     cfg = adapter.config(storage=f"file:{tmp_path}")
+    if windowed and not own:  # a window snapshot is 12 pool pages: room for a request's six
+        cfg = adapter.config(storage=f"file:{tmp_path}", device_tokens=1024, host_tokens=2048)
 
     async def main():
         async with opened(cfg, adapter.hybrid, own=own) as hc:
@@ -183,13 +224,16 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, tmp_path):
     full = full_logits(model, second)
     # L2 holds `first` (48 tokens): its end. L3 holds all of `second` (64): the deepest point
     # every group can resume from below its last token: 60 (a page), or 56 (a snapshot).
-    deepest = 56 if adapter.recurrent_layers else 60
+    stateful = bool(adapter.hybrid.stateful)  # recurrent or windowed: a hit needs a snapshot
+    deepest = 56 if stateful else 60
     for (hit, logits, _kv, _states), h in ((from_l2, 48), (from_l3, deepest)):
         assert hit.length == h
         assert error(logits, full[h:]) <= EXACT
-    assert (fetched.kv_len, fetched.snapshot) == (64, 56 if adapter.recurrent_layers else None)
-    if adapter.recurrent_layers:  # both snapshots were read back from L2 (L3 prefetched there)
+    assert (fetched.kv_len, fetched.snapshot) == (64, 56 if stateful else None)
+    if stateful:  # both snapshots were read back from L2 (L3 prefetched there)
         assert from_l2[0].state_tier == from_l3[0].state_tier == "host"
+    if windowed:  # the pool holds the full layer alone: the sliding ones live in snapshots
+        assert adapter.hybrid.pool_layers == (2,)
 
     # Negative controls on what the cache handed back from L3.
     hit, _, kv, states = from_l3
@@ -197,6 +241,10 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, tmp_path):
     if adapter.recurrent_layers:  # a snapshot from another point (the grid point before)
         wrong = prefill_snapshots(model, second, [h - GRID]).states[h - GRID]
         assert error(resume_logits(model, second, h, kv, wrong), full[h:]) >= WRONG
+    if windowed:  # the window kept at the grid point before, handed back as if at h
+        before = prefill_snapshots(model, second, [h - GRID])
+        _, shifted = adapter.unpack(adapter.pack({}, before.kv, h - GRID), h)
+        assert error(resume_logits(model, second, h, {**kv, **shifted}, states), full[h:]) >= WRONG
     sliding = [i for i, s in enumerate(adapter.specs) if s.kind == "sliding"]
     if sliding:  # the window's oldest token zeroed in every sliding layer
         window = adapter.specs[sliding[0]].window

@@ -321,7 +321,7 @@ def test_state_config_sizes_in_snapshots_and_refuses_what_cannot_run():
     assert (cfg.page_size, cfg.device_tokens, cfg.host_tokens) == (8, 16 * 8, 256 * 8)
     assert cfg.model_id == "test-model#state" and cfg.write_policy == "write_through"
     assert cfg.kv == "mla:1:31:1:float32"  # (1000 + 16 header bytes) / (8 slots x 4 bytes)
-    with pytest.raises(ConfigError, match="no recurrent layers"):
+    with pytest.raises(ConfigError, match="keeps no snapshots"):
         state_config(base, HybridModel((FullAttention((0,)),), PAGE))
     with pytest.raises(ConfigError, match="host_snapshots=0"):
         state_config(base, model, host_snapshots=0)

@@ -145,7 +145,25 @@ def test_bad_state_snapshots_are_clear_errors(chats, capsys, value, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert main(["replay", *small(chats), "--hybrid", FULL, "--state-snapshots", "auto"]) == 2
-    assert "needs --hybrid with a recurrent group" in capsys.readouterr().err
+    assert "needs --hybrid with a recurrent or windowed sliding group" in capsys.readouterr().err
+
+
+WINDOWED = "full:1,sliding:3:512:512"  # only the window kept: 511 tokens x 3 layers a snapshot
+
+
+@pytest.mark.parametrize("states", [None, "64:256"], ids=["in-pool", "own-cache"])
+def test_windowed_sliding_layers_keep_only_windows(chats, tmp_path, states):
+    """`sliding:N:WINDOW:GRID`: the sliding layers leave the pool (its K/V spec has the full
+    layer alone), a hit ends at a kept snapshot (grid point or a request's end), every window
+    handed back is the one taken after exactly the hit's prefix, and the hit rate is at most
+    the pages-kept model's."""
+    pages = replay(chats, tmp_path, SLIDING, "memory")
+    more = ("--state-snapshots", states) if states else ()
+    win = replay(chats, tmp_path, WINDOWED, "memory", *more)
+    hy = win["hybrid"]
+    assert win["config"]["kv"] == "mha:1:1:8:float16" and hy["state_bytes"] == 511 * 3 * 32
+    assert hy["snapshot_hits"] == 59 and hy["corrupt_states"] == 0 == win["corrupt_pages"]
+    assert hy["cut_tokens"] > 0 and 0 < win["hit_rate"] <= pages["hit_rate"]
 
 
 def test_a_wrong_snapshot_is_counted_and_fails_the_run(chats, tmp_path, monkeypatch, capsys):
@@ -172,6 +190,9 @@ def test_specs_parse_in_model_order():
     model = parse_hybrid("full:2,sliding:6:4096", 64)
     assert model.groups == (FullAttention((0, 1)), SlidingWindow(tuple(range(2, 8)), 4096))
     assert hybrid_kv("mha:2:1:32:float16", model) == "mha:8:1:32:float16"
+    model = parse_hybrid("full:1,sliding:2:1024:2048", 64, "mha:9:2:64:bfloat16")
+    assert model.groups[1] == SlidingWindow((1, 2), 1024, state_bytes=1023 * 2 * 512, grid=2048)
+    assert model.pool_layers == (0,)
     model = parse_hybrid("full:1, recurrent:3:64KiB:1024", 64)
     assert model.groups == (FullAttention((0,)), Recurrent((1, 2, 3), 65536, 1024))
     assert hybrid_kv("mla:61:512:64:bfloat16", model) == "mla:1:512:64:bfloat16"
@@ -185,13 +206,15 @@ def test_specs_parse_in_model_order():
     "spec, message",
     [
         ("full:0", "'full:0': the layer count must be a positive integer"),
-        ("sliding:2", "'sliding:2': expected full:N, sliding:N:WINDOW or recurrent:N"),
+        ("sliding:2", "'sliding:2': expected full:N, sliding:N:WINDOW[:GRID] or recurrent:N"),
         ("attention:2", "'attention:2': expected"),
         ("full:1,sliding:2:0", "the window must be a positive integer"),
         ("full:1,recurrent:2:lots:512", "the state size must be a byte size"),
         ("full:1,recurrent:2:4KiB:100", "grid 100 must be a positive multiple of the page size"),
         ("recurrent:3:4KiB:512", "at least one attention layer"),
         ("full:1,", "'': expected"),
+        ("full:1,sliding:2:8:100", "grid 100 must be a positive multiple of the page size"),
+        ("full:1,sliding:2:8:512:9", "expected full:N, sliding:N:WINDOW[:GRID]"),
     ],
 )
 def test_bad_specs_are_clear_errors(chats, capsys, spec, message):

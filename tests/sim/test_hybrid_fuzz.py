@@ -2,7 +2,8 @@
 request ever resumes from an inconsistent set of layer groups.
 
 Each example draws a hybrid geometry (sliding + full attention; recurrent + full; two
-recurrent groups with different grids + sliding + full), snapshots of 1 or 2 pool pages, a
+recurrent groups with different grids + sliding + full; sliding layers kept as windows in the
+snapshots + full + recurrent), snapshots of 1 or 2 pool pages, a
 small L1 and L2 (so eviction happens), a write policy (exclusive L2 included) and, maybe, an
 L3 memory store that later cache instances open again; then 10-30 steps over a few shared
 base prompts: requests served whole (match, compute, cache with a random subset of their
@@ -64,7 +65,9 @@ HEADER = 16  # hybrid/states.py's snapshot header
 
 @dataclass(frozen=True)
 class Plan:
-    geometry: str  # "a": sliding + full; "b": recurrent + full; "c": 2 recurrent + sliding + full
+    # "a": sliding + full; "b": recurrent + full; "c": 2 recurrent + sliding + full;
+    # "d": windowed sliding (its window kept in the snapshots) + full + recurrent
+    geometry: str
     model: HybridModel
     layers: int  # attention layers (the pool's)
     pages: int  # pool pages one snapshot takes
@@ -86,7 +89,7 @@ def state_of(prefix: np.ndarray, size: int) -> bytes:
 @st.composite
 def plans(draw, geometry: str) -> Plan:
     window, pages = draw(st.integers(1, 16)), draw(st.integers(1, 2))
-    layers = 1 if geometry == "b" else 2
+    layers = 1 if geometry in "bd" else 2
     per_page = layers * PAGE_BYTES
     size = draw(st.integers(max(2, (pages - 1) * per_page - HEADER + 1), pages * per_page - HEADER))
     grids = st.sampled_from([4, 8, 12, 16])
@@ -94,6 +97,14 @@ def plans(draw, geometry: str) -> Plan:
         groups: tuple = (SlidingWindow((0,), window), FullAttention((1,)))
     elif geometry == "b":
         groups = (Recurrent((0, 1, 3), state_bytes=size, grid=draw(grids)), FullAttention((2,)))
+    elif geometry == "d":  # the sliding layers keep only their window, in each snapshot
+        g1, g2 = draw(st.lists(grids, min_size=2, max_size=2, unique=True))
+        first = draw(st.integers(1, size - 1))
+        groups = (
+            SlidingWindow((0, 2), window, state_bytes=first, grid=g1),
+            FullAttention((1,)),
+            Recurrent((3,), state_bytes=size - first, grid=g2),
+        )
     else:
         g1, g2 = draw(st.lists(grids, min_size=2, max_size=2, unique=True))
         first = draw(st.integers(1, size - 1))
@@ -153,7 +164,7 @@ class Oracle:
         if length:
             assert length % PAGE == 0 and length <= n - 1 and length <= hit.kv_len, hit
             assert key in self.cached, f"hit {length}: its K/V was never cached"
-        if model.recurrent and length:
+        if model.stateful and length:
             assert key in self.stored, f"hit {length} (kv {hit.kv_len}): no snapshot kept there"
             assert hit.state == self.stored[key], f"hit {length}: the state of another prefix"
             TOTALS["hits with a state"] += 1
@@ -269,7 +280,7 @@ async def execute(plan: Plan) -> None:
                 )
             caches = [c for c in (cache, states) if c is not None]
             hc = HybridCache(cache, plan.model, states=states)
-            if plan.model.recurrent and states is None:
+            if plan.model.stateful and states is None:
                 assert state_pages(cache.device_pool, plan.model.state_bytes) == plan.pages
             first = next(((i, s) for i, s in segment if s[0] in ("serve", "drop")), None)
             if n and first is not None:
@@ -304,7 +315,7 @@ async def execute(plan: Plan) -> None:
                 TOTALS["states cache: L1 evictions"] += kept.device.evictions
                 TOTALS["states cache: L2 evictions"] += kept.host.evictions
     TOTALS["examples"] += 1
-    pages = f", {plan.pages}-page snapshots" if plan.model.recurrent else ""
+    pages = f", {plan.pages}-page snapshots" if plan.model.stateful else ""
     if plan.states is not None:
         pages = ", snapshots in a states cache"
     TOTALS[f"geometry {plan.geometry}{pages}"] += 1
@@ -323,7 +334,9 @@ def summary(request):
 
 @pytest.mark.timeout(120 + EXAMPLES)
 @pytest.mark.parametrize(
-    "geometry", "abc", ids=["sliding+full", "recurrent+full", "2recurrent+sliding+full"]
+    "geometry",
+    "abcd",
+    ids=["sliding+full", "recurrent+full", "2recurrent+sliding+full", "windowed+full+recurrent"],
 )
 @settings(
     max_examples=EXAMPLES,

@@ -33,8 +33,12 @@ def bamba_like(grid: int = 8) -> HybridModel:
         ((SlidingWindow((0,), 0),), PAGE, "window must be >= 1"),
         ((FullAttention((0,)), Recurrent((1,), 0, 8)), PAGE, "state_bytes must be > 0"),
         ((FullAttention((0,)), Recurrent((1,), 10, 6)), PAGE, "multiple of the page size"),
-        ((Recurrent((0,), 10, 8),), PAGE, "at least one attention layer"),
+        ((Recurrent((0,), 10, 8),), PAGE, "at least one attention layer kept as pages"),
         ((FullAttention((-1,)),), PAGE, "layers count from 0"),
+        ((FullAttention((0,)), SlidingWindow((1,), 4, 10)), PAGE, "state_bytes needs a grid"),
+        ((FullAttention((0,)), SlidingWindow((1,), 4, 0, 8)), PAGE, "state_bytes must be > 0"),
+        ((FullAttention((0,)), SlidingWindow((1,), 4, 10, 6)), PAGE, "multiple of the page"),
+        ((SlidingWindow((0,), 4, 10, 8),), PAGE, "at least one attention layer kept as pages"),
         ((FullAttention((0,)),), 0, "page_size must be > 0"),
     ],
 )
@@ -43,9 +47,27 @@ def test_bad_declarations_name_what_is_wrong(groups, page, message):
         HybridModel(groups, page)
 
 
+def test_windowed_sliding_layers_leave_the_pool_and_resume_only_at_a_snapshot():
+    model = HybridModel(
+        (
+            SlidingWindow((0, 2), window=6, state_bytes=40, grid=8),
+            FullAttention((1,)),
+            Recurrent((3,), state_bytes=10, grid=12),
+        ),
+        PAGE,
+    )
+    assert model.pool_layers == (1,) and model.attention_layers == (0, 1, 2)
+    assert [type(g).__name__ for g in model.stateful] == ["SlidingWindow", "Recurrent"]
+    assert model.state_bytes == 50 and model.grid == 24
+    assert model.usable(30, 28, ()) == 0  # fail closed: the window lives only in snapshots
+    assert model.usable(30, 28, [24, 28]) == 28
+    alone = HybridModel((SlidingWindow((0,), 6, 40, 8), FullAttention((1,))), PAGE)
+    assert alone.snapshot_points(30) == [8, 16, 24, 28] and alone.recurrent == ()
+
+
 def test_attention_layers_map_to_pool_layers_in_model_order():
-    assert gemma_like().attention_layers == (0, 1, 2, 3)
-    assert bamba_like().attention_layers == (2,)
+    assert gemma_like().pool_layers == (0, 1, 2, 3)
+    assert bamba_like().pool_layers == (2,)
     assert bamba_like().state_bytes == 100
 
 
