@@ -282,10 +282,13 @@ class HiCache:
         device_slots: Sequence[int] | np.ndarray,
         *,
         salt: Salt = None,
+        backup: bool = False,
     ) -> CacheOutcome:
         """Insert a finished request's KV, free duplicates, count hits, release its lock. The
-        salt must be the one it was matched under."""
-        (out,) = await self.cache_many([(rid, tokens, device_slots, True, salt)])
+        salt must be the one it was matched under. `backup`: copy its pages (and any of its
+        prefix's) without an L2 copy to L2 now, whatever the write policy."""
+        item = replace(_cache_item((rid, tokens, device_slots, True, salt)), backup=backup)
+        (out,) = await self._call(lambda r: CacheBatch(items=(item,), reply=r))
         return out
 
     async def cache_unfinished(
@@ -295,9 +298,12 @@ class HiCache:
         device_slots: Sequence[int] | np.ndarray,
         *,
         salt: Salt = None,
+        backup: bool = False,
     ) -> CacheOutcome:
-        """Insert a chunk of a running request (no hit count); the lock moves to the new end."""
-        (out,) = await self.cache_many([(rid, tokens, device_slots, False, salt)])
+        """Insert a chunk of a running request (no hit count); the lock moves to the new end.
+        `backup` as for `cache_finished`."""
+        item = replace(_cache_item((rid, tokens, device_slots, False, salt)), backup=backup)
+        (out,) = await self._call(lambda r: CacheBatch(items=(item,), reply=r))
         return out
 
     async def cache_many(self, items: Iterable[CacheItemTuple]) -> tuple[CacheOutcome, ...]:

@@ -76,6 +76,7 @@ class CacheItem:
     device_slots: np.ndarray  # one per token, the request's whole sequence so far
     finished: bool  # False: a chunk of an unfinished request (no hit count, lock moves)
     salt: bytes = b""  # must be the salt the request was matched under
+    backup: bool = False  # back the path up to L2 now, whatever the write policy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -224,10 +224,15 @@ class HybridCache:
         arr = self._tokens(tokens)
         snaps = dict(snapshots or {})
         self._check_snapshots(snaps, len(arr))
+        # K/V that comes with a snapshot goes to L2 with it, whatever the write policy: an L2
+        # copy of either alone cannot be resumed from
+        backup = bool(snaps)
         if finished:
-            out = await self.cache.cache_finished(rid, arr, device_slots, salt=salt)
+            out = await self.cache.cache_finished(rid, arr, device_slots, salt=salt, backup=backup)
         else:
-            out = await self.cache.cache_unfinished(rid, arr, device_slots, salt=salt)
+            out = await self.cache.cache_unfinished(
+                rid, arr, device_slots, salt=salt, backup=backup
+            )
         points = sorted(snaps)
         kept = [
             point

@@ -145,7 +145,10 @@ class Snapshots:
             write_state(pool, fresh, state)
             if pool.device.type == "cuda":  # the copies the cache makes run on its streams
                 torch.cuda.current_stream(pool.device).synchronize()
-            await cache.cache_finished(probe, key, np.concatenate([slots[:base], fresh]), salt=salt)
+            # backed up now whatever the write policy: a state is demoted before it can leave
+            # L1, and in the K/V cache its prefix's pages go to L2 with it
+            both = np.concatenate([slots[:base], fresh])
+            await cache.cache_finished(probe, key, both, salt=salt, backup=True)
             finished = True  # the probe is forgotten: nothing to release
             return True
         finally:

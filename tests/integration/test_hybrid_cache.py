@@ -172,6 +172,31 @@ def test_snapshots_and_kv_come_back_from_l2(own):
     assert hit.state_tier == "host"
 
 
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_a_snapshot_and_its_kv_reach_l2_together_whatever_the_write_policy(own, policy):
+    """A snapshot is backed up as it is kept, and the K/V of the request that kept it with
+    it: under the default policy (a backup at the second hit) neither alone would be in L2
+    after L1 is cleared, and K/V without its state cannot be resumed from."""
+
+    async def main():
+        cfg = recurrent_config(write_policy=policy)
+        async with opened(cfg, bamba_like(), own=own) as (cache, hc):
+            await serve(hc, "a", PROMPT)
+            await serve(hc, "s", tokens_from(8000, 13), snapshots=False)  # no snapshot: no backup
+            for c in (cache, hc.states):
+                if c is not None:
+                    await c.flush()
+                    await c.clear(["device"])
+            lone = await hc.cache.match("t", tokens_from(8000, 13))
+            await hc.cache.release("t")
+            return await serve(hc, "b", PROMPT), lone
+
+    hit, lone = run_virtual(main)
+    assert (hit.length, hit.device_hit, hit.state_tier) == (28, 0, "host")
+    if policy == "write_through_selective":  # its first insert: no backup, gone with L1
+        assert lone.device_len + lone.host_len == 0
+
+
 def test_a_second_instance_resumes_from_l3(own):
     store = MemoryStore()
     cfg = recurrent_config(prefetch_policy="wait_complete")

@@ -140,6 +140,21 @@ def test_write_through_reports_the_new_leaf_at_once_and_not_once_backed_up():
     assert tree.insert(np.arange(4), src.take(4), now=2).backup_candidates == ()
 
 
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_an_insert_asking_for_a_backup_reports_its_whole_path_whatever_the_policy(policy):
+    tree = make_tree(1, policy=policy)
+    src = SlotSource()
+    first = tree.insert(np.arange(4), src.take(4), now=1)
+    assert first.backup_candidates == ()
+    more = tree.insert(np.arange(6), src.take(6), now=2, backup=True)
+    assert more.backup_candidates == (first.last_node, more.last_node)
+    chunk = tree.insert(np.arange(8), src.take(8), now=3, chunked=True, backup=True)
+    assert chunk.backup_candidates == (first.last_node, more.last_node, chunk.last_node)
+    tree.begin_backup(first.last_node, src.take(4))  # a copy on its way is not asked again
+    again = tree.insert(np.arange(8), src.take(8), now=4, backup=True)
+    assert first.last_node not in again.backup_candidates
+
+
 def test_write_back_never_reports_candidates_but_still_counts_hits():
     tree = make_tree(1, policy="write_back")
     src = SlotSource()

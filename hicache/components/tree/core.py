@@ -104,6 +104,7 @@ class RadixTree:
         chunked: bool = False,
         priority: int | None = None,
         salt: bytes = b"",
+        backup: bool = False,
     ) -> InsertResult:
         """Add ``key`` (whole pages) with the device slots holding its KV. Mutates.
 
@@ -111,9 +112,11 @@ class RadixTree:
         host-only nodes on the path take the passed slots (they become BOTH); the rest becomes a new
         DEVICE_ONLY leaf. Matched device nodes and the new leaf count a hit unless ``chunked``; every
         matched node is stamped ``now`` and raised to at least ``priority`` (which only the
-        ``priority`` strategy reads; ``retain`` ranks for every strategy)."""
+        ``priority`` strategy reads; ``retain`` ranks for every strategy). With ``backup``,
+        every node of the path without a host copy is a backup candidate, whatever the write
+        policy, chunked inserts included."""
         return self._prefix.insert(
-            key, device_slots, now, chunked, priority, self.write_policy, salt
+            key, device_slots, now, chunked, priority, self.write_policy, salt, backup=backup
         )
 
     def insert_host(

@@ -107,6 +107,8 @@ class PrefixIndex:
         priority: int | None,
         write_policy: WritePolicy,
         salt: bytes,
+        *,
+        backup: bool = False,
     ) -> InsertResult:
         """``RadixTree.insert``."""
         arr = self._codec.encode(key)
@@ -115,8 +117,9 @@ class PrefixIndex:
         if n % ps:
             raise TreeError(f"insert: key of {n} tokens is not a multiple of page_size={ps}")
         slots = frozen_slots(device_slots, "insert", n)
-        # Chunked-prefill inserts neither count hits nor propose backups (as the seed).
-        threshold = None if chunked else write_policy.backup_threshold
+        # Chunked-prefill inserts neither count hits nor propose backups (as the seed), unless
+        # the caller asks for a backup now (threshold 1: every node without a host copy).
+        threshold = 1 if backup else None if chunked else write_policy.backup_threshold
         hit = 0 if chunked else 1
         start = self._s.root_of(salt, create=n > 0) or self._root
         path, matched = self.descend(start, arr, n, now)
@@ -131,7 +134,11 @@ class PrefixIndex:
             else:
                 prefix_len = pos + x.num_tokens
                 x.hit_count += hit
-                if threshold is not None and x.host is None and x.hit_count >= threshold:
+                if (
+                    threshold is not None
+                    and x.host is None
+                    and (backup or x.hit_count >= threshold)
+                ):
                     candidates.append(x.id)
             if priority is not None and priority > x.priority:
                 x.priority = priority
@@ -153,7 +160,7 @@ class PrefixIndex:
             )
             leaf.hit_count = hit
             self._s.attach(leaf)
-            if threshold is not None and leaf.hit_count >= threshold:
+            if threshold is not None and (backup or leaf.hit_count >= threshold):
                 candidates.append(leaf.id)
             node = leaf
         return InsertResult(

@@ -318,6 +318,7 @@ class Requests:
             now=ctx.now,
             chunked=not item.finished,
             salt=state.salt,
+            backup=item.backup,
         )
         if state.retention or self._pins.entries:
             if state.retention:
