@@ -179,7 +179,13 @@ def _parser() -> argparse.ArgumentParser:
         "--kv",
         default="mha:2:1:32:float16",
         help="with --hybrid: the pool's heads, head dim and dtype (its layer count is the "
-        "spec's attention layers)",
+        "spec's layers kept as pages)",
+    )
+    s.add_argument(
+        "--state-snapshots",
+        default=None,
+        metavar="L1:L2",
+        help="as replay's: the snapshots in a states cache (auto: sized for each point)",
     )
     s.add_argument("--out", default=".", help="directory for sweep.csv and sweep.png")
     s.add_argument("--quiet", action="store_true", help="no line per point")

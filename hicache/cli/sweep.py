@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid
+from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid, parse_state_snapshots
 from hicache.cli.sweep_grid import fmt_tokens, grid, parse_tokens
 from hicache.cli.sweep_plot import plot
 from hicache.cli.sweep_points import run_hybrid_point, run_point
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     spec = getattr(args, "hybrid", None)
     model = parse_hybrid(spec, args.page_size, args.kv) if spec is not None else None
     kv = hybrid_kv(args.kv, model) if model is not None else ""
+    state_sizes = parse_state_snapshots(getattr(args, "state_snapshots", None), model)
     rows = []
     show = not args.quiet
     for n, point in enumerate(points, 1):
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                 eviction=args.eviction,
                 exclusive=args.exclusive,
                 bound=bound,
+                state_snapshots=state_sizes,
             )
         else:
             row = run_point(

@@ -85,8 +85,10 @@ def run_hybrid_point(
     eviction: str,
     exclusive: bool,
     bound: float,
+    state_snapshots: tuple[int | None, int | None] | None = None,
 ) -> dict[str, Any]:
-    """One point as `hicache replay --hybrid` (verified, in-memory L3): the row's fields."""
+    """One point as `hicache replay --hybrid` (verified, in-memory L3): the row's fields.
+    `state_snapshots` as replay's (a states cache; (None, None): sized for each point)."""
     cfg = CacheConfig(
         kv=kv,
         page_size=model.page_size,
@@ -111,6 +113,7 @@ def run_hybrid_point(
             log=None,
             progress=lambda done: None,
             hybrid=model,
+            state_snapshots=state_snapshots,
         )
 
     tally, extra = anyio.run(main)

@@ -243,5 +243,12 @@ def test_sweep_replays_every_point_with_the_hybrid_model(chats, tmp_path, capsys
         assert 0 < float(r["hit_rate"]) <= float(r["bound_hit_rate"]) + 1e-9
     no_l3, l3 = rows
     assert int(no_l3["storage_hit_tokens"]) == 0 < int(l3["storage_hit_tokens"])
+    own = tmp_path / "own"
+    assert main([*argv[:-3], "--state-snapshots", "auto", "--out", str(own), "--quiet"]) == 0
+    with open(own / "sweep.csv", newline="") as f:
+        own_rows = list(csv.DictReader(f))
+    for r, o in zip(rows, own_rows, strict=True):  # none lost for want of pool room
+        assert int(o["snapshots_kept"]) >= int(r["snapshots_kept"]) and int(o["snapshot_hits"]) > 0
+        assert int(o["corrupt_states"]) == 0 and int(o["verified_states"]) > 0
     assert main([*argv[:-3], "--hybrid", "full:0", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("hicache sweep: error: --hybrid")
