@@ -21,7 +21,7 @@ import numpy as np
 from hicache.cache import HiCache, Salt
 from hicache.hybrid.groups import HybridModel
 from hicache.hybrid.snapshots import Snapshots, loaded_back, probe_id
-from hicache.hybrid.states import DIGEST_TOKENS, STATE_GROUP, TOKEN_LIMIT, state_pages
+from hicache.hybrid.states import DIGEST_TOKENS, TOKEN_LIMIT, state_model_id, state_pages
 from hicache.kernels.pools import DevicePool
 from hicache.results import CacheOutcome, InvalidRequest
 from hicache.types import RequestId
@@ -109,15 +109,12 @@ class HybridCache:
                 f"the states cache's page size is {cfg.page_size}, not {DIGEST_TOKENS}: "
                 "build its config with hicache.hybrid.state_config"
             )
-        if cfg.model_id != kv.model_id + STATE_GROUP or (cfg.tp_rank, cfg.tp_size) != (
-            kv.tp_rank,
-            kv.tp_size,
-        ):
+        want = state_model_id(kv)
+        if cfg.model_id != want or (cfg.tp_rank, cfg.tp_size) != (kv.tp_rank, kv.tp_size):
             raise InvalidRequest(
                 f"the states cache (model_id {cfg.model_id!r}, TP rank {cfg.tp_rank} of "
-                f"{cfg.tp_size}) is not the K/V cache's (model_id "
-                f"{kv.model_id + STATE_GROUP!r}, TP rank {kv.tp_rank} of {kv.tp_size}): "
-                "build its config with hicache.hybrid.state_config"
+                f"{cfg.tp_size}) is not the K/V cache's (model_id {want!r}, TP rank "
+                f"{kv.tp_rank} of {kv.tp_size}): build its config with hicache.hybrid.state_config"
             )
         pool = states.device_pool
         pages = state_pages(pool, self.model.state_bytes)

@@ -12,7 +12,7 @@ Each snapshot starts with a small header (magic, format, the byte count the mode
 so a chain written for another geometry reads as absent, never as a state.
 
 Snapshots may instead live in a cache of their own (`state_config`: its pools sized in
-snapshots, its L3 values under the model id's `#state` group): there a snapshot is keyed by a
+snapshots, its L3 values under a model id of their own, `state_model_id`): there a snapshot is keyed by a
 digest of its prefix (`prefix_digests`, 248 bits in the first page's tokens) and fills whole
 pages from the first, so it takes no room in the K/V pools.
 """
@@ -42,6 +42,7 @@ __all__ = [
     "read_state",
     "state_config",
     "state_key",
+    "state_model_id",
     "state_pages",
     "write_state",
 ]
@@ -151,6 +152,12 @@ def prefix_digests(tokens: np.ndarray, points: Iterable[int]) -> dict[int, np.nd
     return out
 
 
+def state_model_id(base: CacheConfig) -> str:
+    """A states cache's model id: the K/V cache's, `STATE_GROUP`, and its K/V spec (a state
+    kept for one dtype or geometry is never read by another)."""
+    return f"{base.model_id}{STATE_GROUP}:{base.kv}"
+
+
 def state_config(
     base: CacheConfig,
     model: HybridModel,
@@ -162,7 +169,7 @@ def state_config(
     opened as `HybridCache(..., states=)`): one snapshot a page of `DIGEST_TOKENS` slots,
     `device_snapshots` in L1 and `host_snapshots` in L2 (defaults: one per grid point of
     `base`'s L1, at least 16; one per grid point of its L2, at least twice L1's). The rest is
-    `base`'s (storage, TP rank, policies) but the model id (`STATE_GROUP` appended: L3 values
+    `base`'s (storage, TP rank, policies) but the model id (`state_model_id`: L3 values
     of their own), write-through (a state is demoted before it leaves L1) and no thresholds
     (a snapshot is one page, worth it whole).
     Raises ConfigError naming what is wrong."""
@@ -184,16 +191,17 @@ def state_config(
         raise ConfigError(
             f"state_config: host_snapshots={host} must be larger than device_snapshots={device}"
         )
-    # A float32 MLA row: the pool copies bytes, never reads them as numbers.
-    row = max(2, math.ceil((model.state_bytes + _HEADER.size) / (DIGEST_TOKENS * 4)))
+    # One head of float32 K and V rows (the pool copies bytes, never reads them as numbers):
+    # MHA, because its L3 keys carry the TP rank, and each rank keeps its own shard of a state.
+    dim = max(1, math.ceil((model.state_bytes + _HEADER.size) / (DIGEST_TOKENS * 2 * 4)))
     write = "write_through" if base.write_policy == "write_through_selective" else base.write_policy
     return replace(
         base,
-        kv=f"mla:1:{row - 1}:1:float32",
+        kv=f"mha:1:1:{dim}:float32",
         page_size=DIGEST_TOKENS,
         device_tokens=device * DIGEST_TOKENS,
         host_tokens=host * DIGEST_TOKENS,
-        model_id=base.model_id + STATE_GROUP,
+        model_id=state_model_id(base),
         write_policy=write,
         prefetch_threshold=0,
         load_back_threshold=0,

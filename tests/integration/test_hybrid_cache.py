@@ -344,8 +344,14 @@ def test_state_config_sizes_in_snapshots_and_refuses_what_cannot_run():
     )
     cfg = state_config(base, model)
     assert (cfg.page_size, cfg.device_tokens, cfg.host_tokens) == (8, 16 * 8, 256 * 8)
-    assert cfg.model_id == "test-model#state" and cfg.write_policy == "write_through"
-    assert cfg.kv == "mla:1:31:1:float32"  # (1000 + 16 header bytes) / (8 slots x 4 bytes)
+    assert cfg.model_id == "test-model#state:mha:1:1:8:float32"  # the K/V's spec: its dtype
+    assert cfg.write_policy == "write_through"
+    assert cfg.kv == "mha:1:1:16:float32"  # (1000 + 16 header bytes) / (8 slots x K,V x 4 bytes)
+    # an MHA namespace: each TP rank keeps its own shard of a state under its own L3 keys
+    ranks = [
+        namespace_of(state_config(recurrent_config(tp_rank=r, tp_size=2), model)) for r in (0, 1)
+    ]
+    assert [ns.key_rank for ns in ranks] == [0, 1] and ranks[0].digest != ranks[1].digest
     with pytest.raises(ConfigError, match="keeps no snapshots"):
         state_config(base, HybridModel((FullAttention((0,)),), PAGE))
     with pytest.raises(ConfigError, match="host_snapshots=0"):
@@ -361,7 +367,10 @@ def test_state_config_sizes_in_snapshots_and_refuses_what_cannot_run():
             async with HiCache(other) as states:
                 with pytest.raises(InvalidRequest, match="is not the K/V cache's"):
                     HybridCache(cache, bamba_like(), states=states)
-            async with HiCache(recurrent_config(page_size=4, model_id="test-model#state")) as s:
+            wrong_page = recurrent_config(
+                page_size=4, model_id="test-model#state:mha:1:1:8:float32"
+            )
+            async with HiCache(wrong_page) as s:
                 with pytest.raises(InvalidRequest, match="page size is 4"):
                     HybridCache(cache, bamba_like(), states=s)
         return True

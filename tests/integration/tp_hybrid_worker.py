@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 from contextlib import AsyncExitStack
+from dataclasses import replace
 
 import anyio
 import numpy as np
@@ -123,7 +124,35 @@ def main(rank: int, world: int, init_file: str, out_dir: str, seed: int, own: bo
                 states_dump = await states.dump()
         return hits, bad, dump, states_dump
 
+    async def from_l3():
+        """Fresh caches over the same store: each rank must read its own shard back."""
+        read, bad = 0, 0
+        wait = {"prefetch_policy": "wait_complete"}
+        kv_cfg, st_cfg = replace(cfg, **wait), replace(state_cfg, **wait)
+        async with AsyncExitStack() as stack:
+            cache = await stack.enter_async_context(
+                HiCache(kv_cfg, backend=backend(kv_cfg), tp_group=group)
+            )
+            states = None
+            if own:
+                states = await stack.enter_async_context(
+                    HiCache(st_cfg, backend=backend(st_cfg), tp_group=state_group)
+                )
+            hc = HybridCache(cache, MODEL, states=states)
+            for i, tokens in enumerate(workload(seed, 40)[-8:]):
+                rid = f"again{i}"
+                await hc.prefetch(rid, tokens)
+                hit = await hc.match(rid, tokens)
+                if hit.length:
+                    read += 1
+                    bad += hit.state != state_of(tokens[: hit.length], rank)
+                await hc.release(rid)
+        return read, bad
+
     hits, bad, dump, states_dump = anyio.run(run)
+    read, bad_l3 = anyio.run(from_l3)
+    bad += bad_l3
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"hits": hits, "bad": bad, "dump": dump, "states": states_dump}, f)
+        record = {"hits": hits, "bad": bad, "dump": dump, "states": states_dump, "read": read}
+        json.dump(record, f)
     dist.destroy_process_group()
