@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "--state-snapshots",
         default=None,
         metavar="L1:L2",
-        help="with a recurrent --hybrid: keep the snapshots in a states cache of their own "
+        help="with a recurrent or windowed --hybrid: keep the snapshots in a states cache of their own "
         "with room for L1 and L2 snapshots (auto: one per grid point of L1 and of L2), not in "
         "the K/V pools",
     )

@@ -161,7 +161,7 @@ async def replay(
             model = hc.model
             counts = tally.extra.get("hybrid")
             extra["hybrid"] = {
-                "attention_layers": len(model.pool_layers),
+                "pool_layers": len(model.pool_layers),
                 "state_bytes": model.state_bytes,
                 "grid": model.grid,
                 "pages_per_snapshot": (
