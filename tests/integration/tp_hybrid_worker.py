@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
 
 import anyio
@@ -81,18 +81,23 @@ def main(rank: int, world: int, init_file: str, out_dir: str, seed: int, own: bo
             BackendFaults(latency=0.0005 + 0.004 * rank),
         )
 
-    async def run():
-        hits, bad, states_dump = [], 0, None
+    @asynccontextmanager
+    async def opened(kv_cfg: CacheConfig, st_cfg: CacheConfig):
+        """(K/V cache, states cache or None, HybridCache), each cache on its own TP group."""
         async with AsyncExitStack() as stack:
             cache = await stack.enter_async_context(
-                HiCache(cfg, backend=backend(cfg), tp_group=group)
+                HiCache(kv_cfg, backend=backend(kv_cfg), tp_group=group)
             )
             states = None
             if own:
                 states = await stack.enter_async_context(
-                    HiCache(state_cfg, backend=backend(state_cfg), tp_group=state_group)
+                    HiCache(st_cfg, backend=backend(st_cfg), tp_group=state_group)
                 )
-            hc = HybridCache(cache, MODEL, states=states)
+            yield cache, states, HybridCache(cache, MODEL, states=states)
+
+    async def run():
+        hits, bad, states_dump = [], 0, None
+        async with opened(cfg, state_cfg) as (cache, states, hc):
             pool = cache.device_pool
             for i, tokens in enumerate(workload(seed, 40)):
                 rid = f"r{i}"
@@ -128,17 +133,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str, seed: int, own: bo
         """Fresh caches over the same store: each rank must read its own shard back."""
         read, bad = 0, 0
         wait = {"prefetch_policy": "wait_complete"}
-        kv_cfg, st_cfg = replace(cfg, **wait), replace(state_cfg, **wait)
-        async with AsyncExitStack() as stack:
-            cache = await stack.enter_async_context(
-                HiCache(kv_cfg, backend=backend(kv_cfg), tp_group=group)
-            )
-            states = None
-            if own:
-                states = await stack.enter_async_context(
-                    HiCache(st_cfg, backend=backend(st_cfg), tp_group=state_group)
-                )
-            hc = HybridCache(cache, MODEL, states=states)
+        async with opened(replace(cfg, **wait), replace(state_cfg, **wait)) as (_, _, hc):
             for i, tokens in enumerate(workload(seed, 40)[-8:]):
                 rid = f"again{i}"
                 await hc.prefetch(rid, tokens)
