@@ -3,17 +3,16 @@ request ever resumes from an inconsistent set of layer groups.
 
 Each example draws a hybrid geometry (sliding + full attention; recurrent + full; two
 recurrent groups with different grids + sliding + full; sliding layers kept as windows in the
-snapshots + full + recurrent), snapshots of 1 or 2 pool pages, a
-small L1 and L2 (so eviction happens), a write policy (exclusive L2 included) and, maybe, an
-L3 memory store that later cache instances open again; then 10-30 steps over a few shared
-base prompts: requests served whole (match, compute, cache with a random subset of their
-snapshot points) or dropped after the match (at once or one step later, some with slots
-allocated), `clear` of L1 or L2, `flush`, and with L3 a switch to a fresh instance that first
-runs `HybridCache.prefetch`. Recurrent geometries keep their snapshots in the K/V pools or,
-in about half the examples, in a states cache of their own (`state_config`) of 1-6 snapshots
-in L1 and 1-6 more in L2, cleared, flushed and reopened with the K/V cache. After every
-match (against an oracle of every snapshot kept and
-every prefix whose K/V was cached):
+snapshots + full + recurrent), snapshots of 1 or 2 pool pages, a small L1 and L2 (so eviction
+happens), a write policy (exclusive L2 included) and, maybe, an L3 memory store that later
+cache instances open again; then 10-30 steps over a few shared base prompts: requests served
+whole (match, compute, cache with a random subset of their snapshot points) or dropped after
+the match (at once or one step later, some with slots allocated), `clear` of L1 or L2,
+`flush`, and with L3 a switch to a fresh instance that first runs `HybridCache.prefetch`.
+Geometries with snapshots keep them in the K/V pools or, in about a third of the examples, in
+a states cache of their own (`state_config`) of 1-6 snapshots in L1 and 1-6 more in L2,
+cleared, flushed and reopened with the K/V cache. After every match (against an oracle of
+every snapshot kept and every prefix whose K/V was cached):
 
 1. the hit is 0 or whole pages, below the last token, within `kv_len`, a prefix whose K/V
    was cached; with recurrent groups it ends where a snapshot was kept and its `state` is that
