@@ -86,8 +86,8 @@ class HybridCache:
             )
         if pool.geometry.layers != len(self.model.pool_layers):
             raise InvalidRequest(
-                f"the cache's pool has {pool.geometry.layers} layers, the model "
-                f"{len(self.model.pool_layers)} attention layers"
+                f"the cache's pool has {pool.geometry.layers} layers, the model keeps "
+                f"{len(self.model.pool_layers)} as pages (full, and sliding without a grid)"
             )
         if self.max_probes < 1:
             raise InvalidRequest(f"max_probes must be >= 1, got {self.max_probes}")
@@ -138,7 +138,7 @@ class HybridCache:
             length, state, tier = await self._snaps.deepest(rid, arr, points, salt)
         slots = found.device_slots
         if length > len(slots):
-            slots = await self._loaded_back(rid)
+            slots = await loaded_back(self.cache, rid, self._last_layer)
         for handle in found.pending:
             await handle.wait_async(self._last_layer)
         if len(slots) < length:  # L1 could not take the L2 part: resume from what is there
@@ -237,9 +237,6 @@ class HybridCache:
             if await self._snaps.keep(probe_id(rid, point), key, base, snaps[point], salt)
         ]
         return out, tuple(kept)
-
-    async def _loaded_back(self, rid: RequestId) -> np.ndarray:
-        return await loaded_back(self.cache, rid, self._last_layer)
 
     @property
     def _last_layer(self) -> int:
