@@ -213,6 +213,24 @@ def test_an_async_load_lands_only_when_polled_then_is_reported(tmp_path):
     dst.shutdown()
 
 
+def test_a_prefetch_lands_in_l2_and_is_reported_once(tmp_path):
+    _stored(tmp_path)
+    dst = _worker(tmp_path, "dst")
+    m = _meta(dst)
+    m.prefetch_slots, m.prefetch_hashes = [2, 3], H[:2]
+    dst.start_load(m)
+    for _ in range(1000):  # each poll is an engine step; the file read is quick
+        assert dst.poll(set())[1] == set()  # a prefetch is no request's load
+        if not dst.loads.inflight:
+            break
+        concurrent.futures.wait([f for ld in dst.loads.inflight for _, _, f in ld.chunks])
+    assert dst.holds(2, H[0]) and dst.holds(3, H[1])
+    assert dst.loads.take_prefetched() == dict.fromkeys(H[:2], 1)
+    assert dst.loads.take_prefetched() == {}  # reported once: nothing kept after
+    assert not dst.loads.inflight and not dst.loads.filling and not dst.loads.prefetched
+    dst.shutdown()
+
+
 class _Hanging:
     """A store whose reads never come back (the worker's view: `read_async`)."""
 
