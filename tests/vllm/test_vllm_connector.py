@@ -88,11 +88,16 @@ def test_corrupt_stored_values_are_recomputed(work, spec, baseline, first, store
     # ... and vLLM recomputed those blocks: the same tokens and logprobs. (vLLM still counts
     # the tokens it planned to load in num_cached_tokens: it decides that when scheduling.)
     same(baseline, runs[0])
-    # The counters say the same: every planned L3 page failed, nothing was loaded.
+    # The counters say the same: every planned L3 page failed, none landed.
     m = extra(work, "corrupt")["metrics"][0]
     assert m["hit_l3_pages"] == m["l3_read_failures"] == len(distinct_pages()), m
-    assert m["l3_read_pages"] == m["l2_load_pages"] == 0 and m["load_errors"] >= m["hit_l3_pages"]
+    assert m["l3_read_pages"] == 0 and m["load_errors"] >= m["hit_l3_pages"]
     assert m["l2_forgotten"] == m["hit_l3_pages"]
+    # A request scheduled after another one recomputed and stored shared pages loads those
+    # from L2 (whether one is depends on timing): only pages this run computed and stored.
+    # (One CI run: 6 pages stored, then loaded; others: none, the L2 hits planned on pages
+    # still being read failing with them.)
+    assert m.get("l2_load_pages", 0) == 0 or m["l2_store_pages"] > 0, m
 
 
 def test_metrics_match_what_the_run_did(work, first):
