@@ -1,36 +1,96 @@
-"""Memory for CPU pools: large unpinned buffers come from anonymous mappings aligned to and
-advised for transparent huge pages.
+"""Memory for CPU pools: large buffers come from anonymous mappings aligned to and advised for
+transparent huge pages, first-touched by several threads, and (pinned pools) registered with
+CUDA where it is usable (pinning.py).
 
-Why: a layer load from a page-first host layout touches one short row in every few KiB of a
-buffer of GiBs; with 4 KiB pages nearly every row is a TLB miss (two-level walks in a VM).
-Huge pages measured 1.5-2x faster on those gathers here (docs/benchmarks.md "Transfers").
-Pinned buffers (CUDA present) stay with torch's pinned allocator.
+Why mappings: a layer load from a page-first host layout touches one short row in every few
+KiB of a buffer of GiBs; with 4 KiB pages nearly every row is a TLB miss (two-level walks in a
+VM). Huge pages measured 1.5-2x faster on those gathers here (docs/benchmarks.md "Transfers").
+Why not torch's pinned allocator for pinned pools: it rounds a request up to a power of two
+(20.4 GiB became 32 GiB) and faults and locks the memory on one thread (2 GB/s on an H200 host,
+docs/benchmarks.md "Pinning"); a mapping of the exact size, faulted in by several threads and
+then registered, asks the driver only to lock pages that are already there.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
+import os
+import threading
 
+import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
+SMALL_PAGE = 4096
+
+TOUCH_BYTES_PER_THREAD = 64 << 20
+"""A buffer gets one touching thread per this many bytes (up to `max_touch_threads()`): below
+it a thread's start costs more than the faults it takes over."""
 
 
-def cpu_bytes(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A zeroed uint8 CPU tensor of `nbytes`: pinned through torch when `pin`; huge-page
-    advised (where the platform has it) when at least one huge page long; else torch's."""
-    if pin or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def max_touch_threads() -> int:
+    """Threads that first-touch a large buffer: the cores this process may run on, at most 8
+    (page faults of one process contend on its memory map's lock past that)."""
     try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP disabled or unsupported: ordinary pages, same semantics
-        pass
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def touch_ranges(nbytes: int, threads: int) -> list[tuple[int, int]]:
+    """[lo, hi) byte ranges, one per thread, covering [0, nbytes) exactly, cut at 4 KiB page
+    boundaries, none empty (fewer ranges than `threads` when the buffer has fewer pages). Pure."""
+    if nbytes <= 0:
+        return []
+    pages = -(-nbytes // SMALL_PAGE)
+    parts = max(1, min(threads, pages))
+    cuts = [pages * i // parts * SMALL_PAGE for i in range(parts)] + [nbytes]
+    return [(lo, hi) for lo, hi in itertools.pairwise(cuts) if lo < hi]
+
+
+def first_touch(buffer: np.ndarray, threads: int) -> int:
+    """Fault in every 4 KiB page of the 1-D uint8 `buffer` by writing a zero to it, split over
+    `threads` threads (numpy releases the GIL for the strided writes); returns the number of
+    threads used. Zeroes nothing else: a fresh anonymous mapping is zero already."""
+    ranges = touch_ranges(int(buffer.size), threads)
+
+    def touch(lo: int, hi: int) -> None:
+        buffer[lo:hi:SMALL_PAGE] = 0
+
+    helpers = [threading.Thread(target=touch, args=r, name="hicache-touch") for r in ranges[1:]]
+    for helper in helpers:
+        helper.start()
+    try:
+        if ranges:
+            touch(*ranges[0])
+    finally:
+        for helper in helpers:
+            helper.join()
+    return len(ranges)
+
+
+def mapped_bytes(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """An untouched uint8 tensor of exactly `nbytes` over an anonymous mapping, starting on a
+    2 MiB boundary and advised for huge pages where the platform has them, and the mapping
+    (alive while any view of the tensor is). The mapping is one huge page longer than asked,
+    for the alignment; that slack is never touched, so never backed by memory."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled or unsupported: ordinary pages, same semantics
+            pass
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     skip = -whole.data_ptr() % HUGE_PAGE
-    buffer = whole[skip : skip + nbytes]
-    # Fault every page in now (as torch.zeros did), after the advice so they come huge: a
-    # transfer should not pay first-touch faults, which zero 2 MiB each, while serving. One
-    # write per 4 KiB suffices (the kernel zeroes what it maps) and covers a 4 KiB fallback.
-    buffer[::4096] = 0
-    return buffer
+    return whole[skip : skip + nbytes], mapping
+
+
+def cpu_bytes(nbytes: int, *, pin: bool = False, threads: int | None = None) -> torch.Tensor:
+    """A zeroed uint8 CPU tensor of exactly `nbytes` (`pinning.host_memory`'s buffer: at least
+    one huge page long, a huge-page advised mapping faulted in on up to `threads` threads and,
+    with `pin`, registered with CUDA; smaller buffers come from torch)."""
+    from hicache.kernels.pinning import host_memory
+
+    return host_memory(nbytes, pin=pin, threads=threads).buffer

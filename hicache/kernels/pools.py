@@ -26,6 +26,7 @@ from hicache.kernels.layouts import (
     word_dtype,
 )
 from hicache.kernels.layouts import header_room as header_room_of
+from hicache.kernels.pinning import host_memory
 
 
 class PagePieces(list[memoryview]):
@@ -236,7 +237,9 @@ class HostPool:
         self.pinned = pin
         self.header_room = header_room_of(layout, geometry, page_size, header_room)
         self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
-        self.buffer: torch.Tensor = cpu_bytes(self.nbytes, pin=pin)
+        memory = host_memory(self.nbytes, pin=pin)
+        self.buffer: torch.Tensor = memory.buffer
+        self.pinning = memory.pinning  # "registered", "torch[: why not registered]" or "none"
         self._bytes = self.buffer.numpy()  # shares memory with `buffer`
         self._whole = self._bytes.data  # a byte memoryview, sliced per page by `page_buffers`
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}

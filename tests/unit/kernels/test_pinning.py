@@ -1,0 +1,163 @@
+"""Host pool memory: exact size, every page faulted in by the threads asked for, registered
+with CUDA through the runtime's calls (a recording stand-in here), and a clean fallback."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.kernels import huge_pages, pinning
+from hicache.kernels.huge_pages import (
+    HUGE_PAGE,
+    SMALL_PAGE,
+    first_touch,
+    mapped_bytes,
+    touch_ranges,
+)
+from hicache.kernels.pinning import host_memory, register_host
+
+
+class RecordingRuntime:
+    """Stands in for cuda.bindings.runtime: records cudaHostRegister/Unregister calls."""
+
+    cudaHostRegisterPortable = 1
+    cudaHostRegisterMapped = 2
+
+    def __init__(self, error: int = 0) -> None:
+        self.error = error
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> tuple[int]:
+        self.registered.append((ptr, size, flags))
+        return (self.error,)
+
+    def cudaHostUnregister(self, ptr: int) -> tuple[int]:
+        self.unregistered.append(ptr)
+        return (0,)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 10 * 4096 + 5, 3 << 20])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_touch_ranges_cover_exactly_on_page_boundaries(nbytes, threads):
+    ranges = touch_ranges(nbytes, threads)
+    pages = -(-nbytes // SMALL_PAGE)
+    assert len(ranges) == min(threads, pages)
+    assert ranges[0][0] == 0 and ranges[-1][1] == nbytes
+    for (_, hi), (lo, _) in itertools.pairwise(ranges):
+        assert hi == lo and lo % SMALL_PAGE == 0
+    assert all(lo < hi for lo, hi in ranges)
+
+
+def test_touch_ranges_empty():
+    assert touch_ranges(0, 4) == []
+
+
+def _rss_of_mapping(address: int) -> int:
+    """Resident bytes of the mapping that holds `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_first_touch_faults_in_every_page_on_the_threads_asked(threads, monkeypatch):
+    nbytes = 2 * HUGE_PAGE + 3 * SMALL_PAGE + 100
+    buffer, mapping = mapped_bytes(nbytes)
+    assert buffer.numel() == nbytes and buffer.data_ptr() % HUGE_PAGE == 0
+    before = _rss_of_mapping(buffer.data_ptr())
+    assert before < nbytes  # nothing was touched yet
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):  # the helper threads first_touch starts
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert first_touch(buffer.numpy(), threads) == threads
+    assert started == ["hicache-touch"] * (threads - 1)  # the caller touches the first range
+    assert _rss_of_mapping(buffer.data_ptr()) >= nbytes
+    assert not buffer.any()
+    del buffer, mapping
+
+
+def test_host_memory_unpinned_is_exact_zeroed_and_touched_by_threads():
+    nbytes = 3 * HUGE_PAGE + 12345
+    memory = host_memory(nbytes, threads=4)
+    assert memory.buffer.numel() == nbytes and memory.buffer.dtype == torch.uint8
+    assert memory.pinning == "none"
+    assert memory.touch_threads == 1  # one thread per 64 MiB: this buffer is smaller
+    big = host_memory(130 << 20, threads=4)
+    assert big.touch_threads == 2
+    assert big.buffer.numel() == 130 << 20 and not big.buffer[:: 1 << 20].any()
+
+
+def test_host_memory_small_buffers_come_from_torch():
+    memory = host_memory(1000)
+    assert memory.buffer.numel() == 1000 and memory.pinning == "none" and memory.touch_threads == 0
+
+
+def test_host_memory_rejects_no_threads():
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        host_memory(HUGE_PAGE, threads=0)
+
+
+def test_pinned_host_memory_registers_the_exact_range_and_unregisters_when_freed():
+    runtime = RecordingRuntime()
+    nbytes = HUGE_PAGE + 7
+    memory = host_memory(nbytes, pin=True, runtime=runtime)
+    assert memory.pinning == "registered"
+    address = memory.buffer.data_ptr()
+    assert runtime.registered == [(address, nbytes, 3)]  # portable | mapped, the exact size
+    view = memory.buffer[5:10]
+    del memory
+    gc.collect()
+    assert runtime.unregistered == []  # a view still holds the memory
+    del view
+    gc.collect()
+    assert runtime.unregistered == [address]
+
+
+def test_failed_registration_falls_back_to_torch_pinned_and_says_why(monkeypatch):
+    runtime = RecordingRuntime(error=2)  # cudaErrorMemoryAllocation's number
+    made: list[tuple[int, bool]] = []
+
+    def zeros(n, *, dtype, pin_memory):  # torch's pinned allocator (needs CUDA) stands in here
+        made.append((n, pin_memory))
+        return torch.ones(n, dtype=dtype)
+
+    monkeypatch.setattr(pinning.torch, "zeros", zeros)
+    memory = host_memory(HUGE_PAGE, pin=True, runtime=runtime)
+    assert made == [(HUGE_PAGE, True)]
+    assert memory.pinning == "torch: cudaHostRegister failed: 2"
+    assert memory.touch_threads == 0 and runtime.unregistered == []
+
+
+def test_register_without_a_driver_says_why():
+    """The real runtime on a machine without a driver (or without cuda-python): a reason, not
+    an exception."""
+    buffer, mapping = mapped_bytes(HUGE_PAGE)
+    if torch.cuda.is_available():
+        pytest.skip("a driver is present: registration would succeed")
+    why = register_host(buffer, mapping)
+    assert why is not None and "cudaHostRegister" in why
+
+
+def test_cpu_bytes_keeps_its_contract():
+    buffer = huge_pages.cpu_bytes(HUGE_PAGE + 1)
+    assert buffer.numel() == HUGE_PAGE + 1 and not np.asarray(buffer.numpy()).any()
