@@ -6,9 +6,26 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
+from hicache.kernels.direct_copies import (
+    Issuer,
+    PieceLayout,
+    choose_issuer,
+    copy_list,
+    piece_layout,
+)
+from hicache.kernels.indices import PagePlan
 from hicache.kernels.pools import HostPool
+
+
+def _check(result: Any, what: str) -> Any:
+    """The value of a cuda-python `(err, value)` result; RuntimeError naming `what` on error."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)}")
+    return rest[0] if rest else None
 
 
 class CudaEngine:
@@ -16,15 +33,21 @@ class CudaEngine:
     cuda-python stream handle, or None for torch's current stream).
 
     Kernel io runs torch index ops on the GPU over a device mapping of the pinned host buffer
-    (unified addressing), so nothing blocks the calling thread; direct io issues one
-    cudaMemcpyAsync per contiguous run. Without a mapping (host pool not pinned) it falls back to
-    staging through the CPU, which blocks the calling thread but stays correct."""
+    (unified addressing), so nothing blocks the calling thread; direct io enqueues a transfer's
+    whole copy list with one batched DMA call (direct_copies.py; `direct_issuer` says which
+    issuer, None: one cudaMemcpyAsync per contiguous run from Python). Without a mapping (host
+    pool not pinned) kernel io falls back to staging through the CPU, which blocks the calling
+    thread but stays correct."""
 
     kind = "cuda"
     max_run_copies = sys.maxsize
 
-    def __init__(self, device: torch.device, stream: Any = None) -> None:
-        """`stream`: a cuda-python `cudaStream_t`, or None for torch's current stream."""
+    def __init__(
+        self, device: torch.device, stream: Any = None, *, issuer: Issuer | str | None = "auto"
+    ) -> None:
+        """`stream`: a cuda-python `cudaStream_t`, or None for torch's current stream.
+        `issuer`: how direct io enqueues its copy lists ("auto": `choose_issuer()` on first
+        use; None: run by run from Python; or an `Issuer`)."""
         from cuda.bindings import runtime as cudart
 
         self._cudart = cudart
@@ -32,6 +55,70 @@ class CudaEngine:
         self._stream = stream
         self._aliases: dict[int, torch.Tensor | None] = {}
         self.pair_cache: dict[Any, Any] = {}
+        self._issuer = issuer
+        self.issuer_reason = "" if issuer == "auto" else "given"
+        self._layouts: tuple[Any, list[PieceLayout]] | None = None
+        self._own: tuple[Any, Any, Any] | None = None  # own stream and two events, made once
+
+    @property
+    def direct_issuer(self) -> Issuer | None:
+        """The issuer of direct io's copy lists (chosen on first use; `issuer_reason` says
+        why), or None for run-by-run copies."""
+        if isinstance(self._issuer, str):
+            self._issuer, self.issuer_reason = choose_issuer()
+        return self._issuer
+
+    def copy_direct(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], plan: PagePlan, *, to_device: bool
+    ) -> bool:
+        """Direct io of `plan` for every (dst, src) pair of page views as one copy list, one
+        issuer call; False (nothing moved) without an issuer."""
+        issuer = self.direct_issuer
+        if issuer is None:
+            return False
+        kept = self._layouts
+        if kept is None or kept[0] is not pairs:  # the pair lists are kept by transfer.py
+            kept = self._layouts = (pairs, [piece_layout(dst, src) for dst, src in pairs])
+        dst_pages, src_pages = (
+            (plan.device_pages, plan.host_pages)
+            if to_device
+            else (plan.host_pages, plan.device_pages)
+        )
+        order = np.argsort(plan.host_pages, kind="stable")
+        dsts, srcs, sizes = copy_list(kept[1], dst_pages, src_pages, order)
+        if self._stream is not None:
+            issuer.issue(dsts, srcs, sizes, int(self._stream))
+            return True
+        current = int(torch.cuda.current_stream(self.device).cuda_stream)
+        if current:
+            issuer.issue(dsts, srcs, sizes, current)
+            return True
+        # The legacy default stream, which the batch calls refuse: issue on our own stream,
+        # ordered after the work already queued and before the work queued next.
+        stream, before, after = self._own_stream()
+        rt = self._cudart
+        _check(rt.cudaEventRecord(before, rt.cudaStream_t(0)), "cudaEventRecord")
+        _check(rt.cudaStreamWaitEvent(stream, before, 0), "cudaStreamWaitEvent")
+        issuer.issue(dsts, srcs, sizes, int(stream))
+        _check(rt.cudaEventRecord(after, stream), "cudaEventRecord")
+        _check(rt.cudaStreamWaitEvent(rt.cudaStream_t(0), after, 0), "cudaStreamWaitEvent")
+        return True
+
+    def _own_stream(self) -> tuple[Any, Any, Any]:
+        if self._own is None:
+            rt = self._cudart
+            with torch.cuda.device(self.device):
+                stream = _check(
+                    rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"
+                )
+                events = [
+                    _check(
+                        rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreate"
+                    )
+                    for _ in range(2)
+                ]
+            self._own = (stream, events[0], events[1])
+        return self._own
 
     def host_words(self, host: HostPool) -> torch.Tensor:
         """The host buffer as a CUDA tensor aliasing the pinned memory, or the CPU buffer."""

@@ -91,6 +91,10 @@ def _move(
     """Copy the planned pages for every (dst, src) pair of page views (one per layer and
     component; trailing dims already merged, `_pairs`); the engine may batch all pairs into
     one operation."""
+    if io == "direct":  # CUDA: the whole transfer as one copy list, one driver call
+        copy_direct = getattr(engine, "copy_direct", None)
+        if copy_direct is not None and copy_direct(pairs, plan, to_device=to_device):
+            return
     runs = plan.runs() if io == "direct" else None
     if runs is None or len(runs) * len(pairs) > engine.max_run_copies:
         # The CPU engine takes the plan's numpy pages as they are (no torch round trip).
