@@ -243,6 +243,7 @@ async def _streams(
         schedule=kernel.call_later,
         bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
         fault=parts.transfer_faults,
+        transfer_sms=cfg.transfer_sms,
     )
     copier: dict[str, str] = {}
     if selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes

@@ -14,7 +14,7 @@ from typing import Literal, TypeGuard
 from hicache.backends.seal import MIN_SECRET_BYTES, Seal, crypto_missing
 
 # The names come from the registries that implement them (all four modules are torch-free).
-from hicache.kernels.names import IO_BACKENDS, LAYOUTS
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS, IO_BACKENDS, LAYOUTS, MAX_TRANSFER_SMS
 from hicache.policies.eviction import STRATEGIES
 from hicache.policies.prefetch import PREFETCH_POLICIES
 from hicache.policies.write import WRITE_POLICIES as _WRITE_POLICIES
@@ -52,6 +52,8 @@ class CacheConfig:
     # than they buy, see docs/benchmarks.md "Control plane").
     cpu_transfers: Literal["thread", "inline"] = "inline"
     io_backend: Literal["kernel", "direct"] = "kernel"
+    # CUDA: the SMs kernel io's copy kernel may occupy (the rest stay the model's).
+    transfer_sms: int = DEFAULT_TRANSFER_SMS
 
     eviction: str = "lru"
     write_policy: str = "write_through_selective"
@@ -166,6 +168,11 @@ class CacheConfig:
         _check_choice("io_backend", self.io_backend, IO_BACKENDS)
         _check_choice("cpu_transfers", self.cpu_transfers, ("thread", "inline"))
         _check_positive("page_size", self.page_size)
+        if not (_is_int(self.transfer_sms) and 1 <= self.transfer_sms <= MAX_TRANSFER_SMS):
+            raise ConfigError(
+                f"transfer_sms={self.transfer_sms!r} must be an integer in [1, {MAX_TRANSFER_SMS}]: "
+                "the SMs kernel io's copy kernel may occupy on CUDA"
+            )
         _check_positive("device_tokens", self.device_tokens)
         if self.host_tokens is not None:
             _check_positive("host_tokens", self.host_tokens)

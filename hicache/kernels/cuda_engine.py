@@ -3,6 +3,7 @@ enqueued on a stream."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ from hicache.kernels.direct_copies import (
     piece_layout,
 )
 from hicache.kernels.indices import PagePlan
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS, MAX_TRANSFER_SMS
 from hicache.kernels.pools import HostPool
 
 
@@ -43,16 +45,29 @@ class CudaEngine:
     max_run_copies = sys.maxsize
 
     def __init__(
-        self, device: torch.device, stream: Any = None, *, issuer: Issuer | str | None = "auto"
+        self,
+        device: torch.device,
+        stream: Any = None,
+        *,
+        issuer: Issuer | str | None = "auto",
+        transfer_sms: int = DEFAULT_TRANSFER_SMS,
+        kernel_copies: str | None = None,
     ) -> None:
         """`stream`: a cuda-python `cudaStream_t`, or None for torch's current stream.
         `issuer`: how direct io enqueues its copy lists ("auto": `choose_issuer()` on first
-        use; None: run by run from Python; or an `Issuer`)."""
+        use; None: run by run from Python; or an `Issuer`). `transfer_sms`: the SMs kernel
+        io's copy kernel may occupy. `kernel_copies`: "triton" (the copy kernel, RuntimeError
+        where triton does not import), "torch" (index ops) or None (`HICACHE_KERNEL_COPIES`,
+        else triton where it imports)."""
         from cuda.bindings import runtime as cudart
 
+        check_transfer_sms(transfer_sms)
         self._cudart = cudart
         self.device = device
         self._stream = stream
+        self.transfer_sms = transfer_sms
+        self.kernel_path, self.kernel_reason = _kernel_path(kernel_copies)
+        self._shapes: tuple[Any, Any] | None = None  # (pair list, its MoveShape or None)
         self._aliases: dict[int, torch.Tensor | None] = {}
         self.pair_cache: dict[Any, Any] = {}
         self._issuer = issuer
@@ -160,6 +175,16 @@ class CudaEngine:
         *,
         host_is_dst: bool,
     ) -> None:
+        """Every pair's pages: one launch of the Triton copy kernel where it applies (views on
+        the GPU, the host side mapped; `kernel_path`), else a torch index op per view."""
+        if self.kernel_path == "triton" and pairs and dst_pages.is_cuda:
+            kept = self._shapes
+            if kept is None or kept[0] is not pairs:  # transfer.py keeps its pair lists
+                on_gpu = all(d.is_cuda and s.is_cuda for d, s in pairs)
+                kept = self._shapes = (pairs, _triton().move_shape(pairs) if on_gpu else None)
+            if kept[1] is not None:
+                _triton().launch(kept[1], dst_pages, src_pages, self.transfer_sms)
+                return
         for dst, src in pairs:
             self.gather_scatter(dst, dst_pages, src, src_pages, host_is_dst=host_is_dst)
 
@@ -207,3 +232,40 @@ def _device_alias(cudart: Any, buffer: torch.Tensor, device: torch.device) -> to
     with torch.cuda.device(device):
         alias = torch.as_tensor(_CudaArray(int(attrs.devicePointer), buffer.numel()), device=device)
     return alias
+
+
+KERNEL_COPIES = ("triton", "torch")
+
+
+def check_transfer_sms(transfer_sms: object) -> None:
+    """ValueError unless `transfer_sms` is an int in [1, MAX_TRANSFER_SMS]."""
+    if (
+        isinstance(transfer_sms, bool)
+        or not isinstance(transfer_sms, int)
+        or not 1 <= transfer_sms <= MAX_TRANSFER_SMS
+    ):
+        raise ValueError(
+            f"transfer_sms={transfer_sms!r} must be an integer in [1, {MAX_TRANSFER_SMS}]"
+        )
+
+
+def _triton() -> Any:
+    from hicache.kernels import triton_copy
+
+    return triton_copy
+
+
+def _kernel_path(prefer: str | None) -> tuple[str, str]:
+    """("triton" | "torch", why) for kernel io's copies; `prefer` as `CudaEngine` takes it."""
+    prefer = prefer or os.environ.get("HICACHE_KERNEL_COPIES") or None
+    if prefer is not None and prefer not in KERNEL_COPIES:
+        raise ValueError(f"unknown kernel copies {prefer!r}; expected one of {list(KERNEL_COPIES)}")
+    if prefer == "torch":
+        return "torch", "torch index ops requested"
+    try:
+        _triton()
+    except ImportError as exc:
+        if prefer == "triton":
+            raise RuntimeError(f"the Triton copy kernel is unavailable: {exc}") from exc
+        return "torch", f"triton unavailable ({exc}): torch index ops"
+    return "triton", "Triton copy kernel"

@@ -19,6 +19,7 @@ import torch
 
 from hicache.kernels.cpu_engine import CpuEngine
 from hicache.kernels.cuda_engine import CudaEngine
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.pools import HostPool
 
 __all__ = ["CopyEngine", "CpuEngine", "CudaEngine", "engine_for"]
@@ -47,6 +48,11 @@ class CopyEngine(Protocol):
     def synchronize(self) -> None: ...
 
 
-def engine_for(device: torch.device, stream: Any = None) -> CopyEngine:
-    """The engine that moves bytes between host memory and `device`."""
-    return CudaEngine(device, stream) if device.type == "cuda" else CpuEngine()
+def engine_for(
+    device: torch.device, stream: Any = None, *, transfer_sms: int = DEFAULT_TRANSFER_SMS
+) -> CopyEngine:
+    """The engine that moves bytes between host memory and `device` (`transfer_sms`: the SMs
+    a CUDA engine's copy kernel may occupy)."""
+    if device.type == "cuda":
+        return CudaEngine(device, stream, transfer_sms=transfer_sms)
+    return CpuEngine()

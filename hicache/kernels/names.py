@@ -16,3 +16,10 @@ IO = Literal["kernel", "direct"]
 IO_BACKENDS: tuple[IO, ...] = ("kernel", "direct")
 """How a transfer moves pages (transfer.py): gather/scatter through index tensors, or one copy
 per contiguous run."""
+
+DEFAULT_TRANSFER_SMS = 8
+"""SMs kernel io's copy kernel may occupy on CUDA (`CacheConfig.transfer_sms`): enough for the
+link's speed, few enough that the model's kernels beside it keep nearly every SM."""
+
+MAX_TRANSFER_SMS = 1024
+"""The largest `transfer_sms` accepted (more than any GPU has)."""

@@ -16,6 +16,7 @@ import torch
 
 from hicache.kernels.engines import CudaEngine
 from hicache.kernels.indices import SlotArray, plan_transfer
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import FaultHook, FaultPoint, OnDone, check_layer
 from hicache.kernels.streams.progress import LayerProgress
@@ -112,7 +113,9 @@ class CudaStreams:
         *,
         io: str,
         fault: FaultHook | None = None,
+        transfer_sms: int = DEFAULT_TRANSFER_SMS,
     ) -> None:
+        """`transfer_sms`: the SMs kernel io's copy kernel may occupy (cuda_engine.py)."""
         check_io(io)
         if device_pool.device.type != "cuda":
             raise ValueError(
@@ -124,8 +127,10 @@ class CudaStreams:
         with torch.cuda.device(device_pool.device):
             self._load_stream, self._backup_stream = self._cuda.stream(), self._cuda.stream()
         self._engines = {
-            "load": CudaEngine(device_pool.device, self._load_stream),
-            "backup": CudaEngine(device_pool.device, self._backup_stream),
+            "load": CudaEngine(device_pool.device, self._load_stream, transfer_sms=transfer_sms),
+            "backup": CudaEngine(
+                device_pool.device, self._backup_stream, transfer_sms=transfer_sms
+            ),
         }
         self._loads = OrderedWorker("hicache-cuda-load")
         self._backups = OrderedWorker("hicache-cuda-backup")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import FaultHook, Schedule, StreamSelection, TransferStreams
 
@@ -36,6 +37,7 @@ def make_streams(
     schedule: Schedule | None = None,
     bandwidth: float | None = None,
     fault: FaultHook | None = None,
+    transfer_sms: int = DEFAULT_TRANSFER_SMS,
 ) -> tuple[TransferStreams, StreamSelection]:
     """Build transfer streams for these pools.
 
@@ -43,7 +45,8 @@ def make_streams(
     copies on the event loop at submit: the virtual streams' machinery with no modelled time;
     needs `schedule`), "cuda" or "auto"
     (CUDA when the device pool is on a CUDA device and the driver answers, else CPU with the
-    reason), "cpu". Raises ValueError for an unknown preference or missing virtual arguments."""
+    reason), "cpu". `transfer_sms`: the SMs a CUDA stream's copy kernel may occupy. Raises
+    ValueError for an unknown preference or missing virtual arguments."""
     if prefer not in PREFERENCES:
         raise ValueError(
             f"unknown stream preference {prefer!r}; expected one of {list(PREFERENCES)}"
@@ -86,9 +89,8 @@ def make_streams(
             )
         from hicache.kernels.streams.cuda import CudaStreams
 
-        return CudaStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection(
-            "cuda", prefer, why
-        )
+        cuda = CudaStreams(device_pool, host_pool, io=io, fault=fault, transfer_sms=transfer_sms)
+        return cuda, StreamSelection("cuda", prefer, why)
     reason = f"device pool is on {device_pool.device}; {why}; using CPU streams"
     return CpuStreams(device_pool, host_pool, io=io, fault=fault), StreamSelection(
         "cpu", prefer, reason
