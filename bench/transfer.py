@@ -3,7 +3,10 @@ the same bytes measured in the same run.
 
     python bench/transfer.py                      # CPU, 256 MiB per combination
     python bench/transfer.py --tokens 1024        # shrink (64 MiB with the default geometry)
-    python bench/transfer.py --device cuda        # host<->GPU vs one contiguous pinned copy
+    python bench/transfer.py --device cuda        # host<->GPU vs one contiguous pinned copy,
+                                                  # then a bf16 matmul beside a load
+    HICACHE_DIRECT_COPIES=loop python bench/transfer.py --device cuda --io direct
+    HICACHE_KERNEL_COPIES=torch python bench/transfer.py --device cuda --io kernel
 
 Slots are random whole pages on both sides (a fragmented pool: the worst realistic case).
 Directions: `load` = every layer host->device, one layer at a time (the layer-wise primitive);
@@ -14,7 +17,11 @@ reference time / best transfer time; `paired` = median over reps of each back-to
 ratio (robust to a quiet or busy spell that favours one side's best).
 The reference is torch's `copy_` on `torch.get_num_threads()` threads; the CPU engine uses its
 own copy threads (`--copy-threads`; its default: 2 with the compiled row copier, `--numpy`
-runs without it).
+runs without it). On CUDA the reference is one contiguous pinned copy; direct io runs through
+the issuer `HICACHE_DIRECT_COPIES` names (default: the first available, printed), kernel io
+through the Triton copy kernel on `--transfer-sms` SMs (or torch index ops with
+`HICACHE_KERNEL_COPIES=torch`). Then, per io, a bf16 matmul is timed alone and beside a load of
+every layer on another stream, and the slowdown printed as a ratio (1.00 = undisturbed).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from hicache.kernels import (
     run_load_layer,
 )
 from hicache.kernels.engines import CpuEngine, engine_for
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
@@ -101,6 +109,10 @@ def main() -> None:
         "--numpy", action="store_true", help="CPU engine without the compiled row copier"
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--transfer-sms", type=int, default=DEFAULT_TRANSFER_SMS, help="CUDA kernel io's SMs"
+    )
+    parser.add_argument("--matmul", type=int, default=8192, help="CUDA: the matmul's n (0: none)")
     args = parser.parse_args()
 
     if args.threads:
@@ -134,6 +146,8 @@ def main() -> None:
     print(
         "reference: one contiguous copy of the same bytes, timed alternately with every row (shared machines drift)"
     )
+    if device_kind.type == "cuda":
+        print_engine_paths(device_kind, args.transfer_sms)
     print(
         f"{'layout':<18} {'io':<7} {'dir':<7} {'page':>4} {'GB/s':>7} {'ref':>7} {'best':>6} {'paired':>6}"
     )
@@ -154,7 +168,11 @@ def main() -> None:
                 .astype(np.int64)
             )
             for io in args.io.split(","):
-                engine = cpu_engine() if device_kind.type == "cpu" else engine_for(device_kind)
+                engine = (
+                    cpu_engine()
+                    if device_kind.type == "cpu"
+                    else engine_for(device_kind, transfer_sms=args.transfer_sms)
+                )
 
                 def load() -> None:
                     plan = plan_transfer(host, device, host_slots, dev_slots)
@@ -181,6 +199,77 @@ def main() -> None:
             host = None  # free this pool before the next layout allocates its own
     if device_kind.type == "cpu" and not args.numpy and g.kind == "mha":
         print_bounds(g, nbytes, args.reps, copies["load"], cpu_engine().threads)
+    if device_kind.type == "cuda" and args.matmul:
+        for io in args.io.split(","):
+            print_matmul_beside_load(g, args.tokens, io, args.transfer_sms, args.matmul, args.reps)
+
+
+def print_engine_paths(device: torch.device, transfer_sms: int) -> None:
+    """Which issuer direct io uses and which copies kernel io runs, with the reasons."""
+    engine = engine_for(device, transfer_sms=transfer_sms)
+    print(f"direct io: {getattr(engine.direct_issuer, 'name', 'python')} ({engine.issuer_reason})")
+    print(f"kernel io: {engine.kernel_path} ({engine.kernel_reason}), transfer_sms {transfer_sms}")
+
+
+def print_matmul_beside_load(
+    g, tokens: int, io: str, transfer_sms: int, n: int, reps: int, page_size: int = 16
+) -> None:
+    """A bf16 n x n matmul's time alone and while loads of every layer of `tokens` tokens
+    (random pages, page_first_direct for direct io, page_first for kernel io) run on another
+    stream: the ratio is the matmul's slowdown. The loads are enqueued first, enough of them to
+    outlast the matmuls, so the matmuls run beside copies throughout."""
+    device_kind = torch.device("cuda")
+    device = DevicePool.allocate(g, tokens, page_size, device=device_kind)
+    host = HostPool(device, 2 * tokens, "page_first_direct" if io == "direct" else "page_first")
+    host.buffer.fill_(1)
+    rng = np.random.default_rng(1)
+    pages = tokens // page_size
+    dev_slots = (rng.permutation(pages)[:, None] * page_size + np.arange(page_size)).ravel()
+    host_slots = (
+        rng.choice(2 * pages, pages, replace=False)[:, None] * page_size + np.arange(page_size)
+    ).ravel()
+    plan = plan_transfer(host, device, host_slots.astype(np.int64), dev_slots.astype(np.int64))
+    side = torch.cuda.Stream()
+    # no stream of its own: the engine issues on the current stream, `side` inside `load`
+    engine = engine_for(device_kind, transfer_sms=transfer_sms)
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device_kind)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device_kind)
+    out = torch.empty_like(a)
+
+    def load(count: int) -> None:
+        with torch.cuda.stream(side):
+            for _ in range(count):
+                run_load_all(plan, host, device, io, engine)
+
+    def matmuls(count: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            torch.matmul(a, b, out=out)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    matmuls(3)  # warm: cuBLAS picks its kernel, the load plans its copies
+    load(1)
+    torch.cuda.synchronize()
+    one = matmuls(1)
+    count = max(10, int(0.2 / max(one, 1e-6)))  # about 0.2 s of matmuls
+    load_s = timed(lambda: load(1), torch.cuda.synchronize)
+    alone, beside = [], []
+    for _ in range(reps):
+        alone.append(matmuls(count))
+        load(int(alone[-1] / load_s * 1.5) + 2)  # enqueued before the matmuls: they overlap
+        beside.append(matmuls(count))
+        torch.cuda.synchronize()
+    ratio = statistics.median(b / a for a, b in zip(alone, beside))
+    print(
+        f"matmul bf16 {n}x{n} beside {io} io loads of {tokens * g.bytes_per_token / 2**20:.0f} MiB "
+        f"(page {page_size}, load {tokens * g.bytes_per_token / load_s / 1e9:.1f} GB/s): "
+        f"{min(alone) * 1e3 / count:.2f} ms alone, {min(beside) * 1e3 / count:.2f} ms beside, "
+        f"slowdown {ratio:.3f}x (median of {reps})",
+        flush=True,
+    )
 
 
 def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
