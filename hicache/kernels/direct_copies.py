@@ -104,27 +104,37 @@ def copy_list(
     """(dsts, srcs, sizes) as uint64 arrays: for every layout, page pair `order[i]` and piece,
     one copy; then copies that continue the previous one on both sides merged into it. `order`
     is the page pairs' order (host page order, so runs of consecutive pages merge). Pure."""
-    dst_p, src_p = dst_pages[order], src_pages[order]
-    dsts, srcs, sizes = [], [], []
-    for lay in layouts:
-        d = (lay.dst_base + dst_p * lay.dst_page)[:, None] + lay.dst_offsets[None, :]
-        s = (lay.src_base + src_p * lay.src_page)[:, None] + lay.src_offsets[None, :]
-        dsts.append(d.ravel())
-        srcs.append(s.ravel())
-        sizes.append(np.full(d.size, lay.piece, dtype=np.int64))
-    if not dsts:
+    if not layouts or dst_pages.size == 0:
         empty = np.zeros(0, dtype=np.uint64)
         return empty, empty, empty
-    dst, src, size = np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes)
-    if dst.size == 0:
-        return dst.astype(np.uint64), src.astype(np.uint64), size.astype(np.uint64)
-    follows = (dst[1:] == dst[:-1] + size[:-1]) & (src[1:] == src[:-1] + size[:-1])
-    starts = np.concatenate(([0], np.flatnonzero(~follows) + 1))
-    return (
-        dst[starts].astype(np.uint64),
-        src[starts].astype(np.uint64),
-        np.add.reduceat(size, starts).astype(np.uint64),
+    dst_p, src_p = dst_pages[order], src_pages[order]
+    first = layouts[0]
+    alike = all(
+        (lay.dst_page, lay.src_page, lay.piece) == (first.dst_page, first.src_page, first.piece)
+        and np.array_equal(lay.dst_offsets, first.dst_offsets)
+        and np.array_equal(lay.src_offsets, first.src_offsets)
+        for lay in layouts[1:]
     )
+    groups = [layouts] if alike else [[lay] for lay in layouts]  # views of one pattern at once
+    dsts, srcs, sizes = [], [], []
+    for group in groups:
+        lay = group[0]
+        dst_bases = np.array([g.dst_base for g in group], dtype=np.int64)
+        src_bases = np.array([g.src_base for g in group], dtype=np.int64)
+        d = (dst_p * lay.dst_page)[:, None] + lay.dst_offsets[None, :]  # (pages, pieces)
+        s = (src_p * lay.src_page)[:, None] + lay.src_offsets[None, :]
+        dsts.append((dst_bases[:, None] + d.ravel()[None, :]).ravel())  # (views, ...)
+        srcs.append((src_bases[:, None] + s.ravel()[None, :]).ravel())
+        sizes.append(np.full(dsts[-1].size, lay.piece, dtype=np.int64))
+    dst, src, size = (
+        (parts[0] if len(parts) == 1 else np.concatenate(parts)) for parts in (dsts, srcs, sizes)
+    )
+    follows = (dst[1:] == dst[:-1] + size[:-1]) & (src[1:] == src[:-1] + size[:-1])
+    if follows.any():
+        starts = np.concatenate(([0], np.flatnonzero(~follows) + 1))
+        dst, src, size = dst[starts], src[starts], np.add.reduceat(size, starts)
+    # int64 addresses and sizes are non-negative: the same bits as uint64, no copy
+    return dst.view(np.uint64), src.view(np.uint64), size.view(np.uint64)
 
 
 class Issuer(Protocol):
