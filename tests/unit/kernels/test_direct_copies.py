@@ -384,3 +384,76 @@ def test_forcing_an_issuer(monkeypatch):
     assert choose_issuer(driver=driver, runtime=WITH_BATCH)[0] is None
     monkeypatch.setenv("HICACHE_DIRECT_COPIES", "batch-python")
     assert isinstance(choose_issuer(driver=driver, runtime=RecordingRuntime((0,)))[0], RuntimeBatch)
+
+
+def test_views_of_different_patterns_are_listed_view_by_view():
+    g = MHAGeometry(1, 2, 16, torch.float16)
+    device, direct_host = _pools(g, "page_first_direct", 4)
+    _, token_host = _pools(g, "page_first", 4)
+    word = direct_host.word
+    whole = piece_layout(direct_host.page_view(0, 0, word), device.page_view(0, 0, word))
+    tokens = piece_layout(token_host.page_view(0, 1, word), device.page_view(0, 1, word))
+    dst_pages, src_pages = np.array([3, 1], dtype=np.int64), np.array([0, 5], dtype=np.int64)
+    order = np.array([1, 0])
+    both = copy_list([whole, tokens], dst_pages, src_pages, order)
+    apart = [copy_list([lay], dst_pages, src_pages, order) for lay in (whole, tokens)]
+    for got, a, b in zip(both, *apart):
+        assert got.tolist() == a.tolist() + b.tolist()
+    assert apart[1][2].tolist() == [tokens.piece] * 8  # 2 pages x 4 tokens, none adjacent
+
+
+class RecordingCudart:
+    """Stands in for cuda.bindings.runtime's stream and event calls."""
+
+    cudaStreamNonBlocking = 1
+    cudaEventDisableTiming = 2
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def cudaStream_t(self, handle):
+        return handle
+
+    def cudaStreamCreateWithFlags(self, flags):
+        self.calls.append(("create stream", flags))
+        return (0, 0xAB)
+
+    def cudaEventCreateWithFlags(self, flags):
+        self.calls.append(("create event", flags))
+        return (0, f"event{sum(c[0] == 'create event' for c in self.calls)}")
+
+    def cudaEventRecord(self, event, stream):
+        self.calls.append(("record", event, stream))
+        return (0,)
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        self.calls.append(("wait", stream, event))
+        return (0,)
+
+
+def test_on_the_legacy_default_stream_the_engine_issues_on_its_own(monkeypatch):
+    """The batch calls refuse stream 0: the engine orders its own stream after the work queued
+    on the legacy stream, issues there, and orders the legacy stream after the copies."""
+    import contextlib
+
+    g = MHAGeometry(1, 1, 16, torch.float16)
+    device, host = _pools(g, "layer_first", 4)
+    plan = plan_transfer(host, device, np.arange(8, 12), np.arange(4))
+    issuer = MemmoveIssuer()
+    engine = CudaEngine(device.device, None, issuer=issuer)
+    rt = engine._cudart = RecordingCudart()
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0)
+    )
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for _ in range(2):
+        run_backup(plan, device, host, "direct", engine)
+    assert [call[3] for call in issuer.calls] == [0xAB, 0xAB]
+    per_transfer = [
+        ("record", "event1", 0),
+        ("wait", 0xAB, "event1"),
+        ("record", "event2", 0xAB),
+        ("wait", 0, "event2"),
+    ]
+    made = [("create stream", 1), ("create event", 2), ("create event", 2)]
+    assert rt.calls == made + per_transfer * 2  # made once, used by every transfer
