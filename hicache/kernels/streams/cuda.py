@@ -137,6 +137,19 @@ class CudaStreams:
         self._jobs = {"load": 0, "backup": 0}
         self._lock = threading.Lock()
 
+    def copy_paths(self) -> dict[str, str]:
+        """How the copies run (the same for both directions): kernel io's `kernel_copies`
+        ("triton" or "torch") and direct io's issuer (`direct_copies`: "batch", "batch-python",
+        "loop" or "python"), each with its reason; for the `streams.selected` event."""
+        engine = self._engines["load"]
+        issuer = engine.direct_issuer
+        return {
+            "kernel_copies": engine.kernel_path,
+            "kernel_copies_reason": engine.kernel_reason,
+            "direct_copies": "python" if issuer is None else issuer.name,
+            "direct_copies_reason": engine.issuer_reason,
+        }
+
     def _after_compute(self) -> object:
         """An event on the submitter's current (compute) stream: copies start after it, so they
         see the engine's writes and do not overwrite slots the compute stream still reads."""

@@ -457,3 +457,24 @@ def test_on_the_legacy_default_stream_the_engine_issues_on_its_own(monkeypatch):
     ]
     made = [("create stream", 1), ("create event", 2), ("create event", 2)]
     assert rt.calls == made + per_transfer * 2  # made once, used by every transfer
+
+
+def test_cuda_streams_report_their_copy_paths(monkeypatch):
+    """What the `streams.selected` event carries on CUDA (the streams' engines, built here on
+    the CPU without the streams' CUDA setup)."""
+    from hicache.kernels.streams.cuda import CudaStreams
+
+    monkeypatch.delenv("HICACHE_KERNEL_COPIES", raising=False)
+    streams = CudaStreams.__new__(CudaStreams)
+    streams._engines = {"load": CudaEngine(CPU_DEVICE, 1, issuer=None, kernel_copies="torch")}
+    assert streams.copy_paths() == {
+        "kernel_copies": "torch",
+        "kernel_copies_reason": "torch index ops requested",
+        "direct_copies": "python",
+        "direct_copies_reason": "given",
+    }
+    streams._engines = {"load": CudaEngine(CPU_DEVICE, 1, issuer=MemmoveIssuer())}
+    assert streams.copy_paths()["direct_copies"] == "memmove"
+
+
+CPU_DEVICE = torch.device("cpu")
