@@ -34,8 +34,10 @@ class CudaEngine:
     """Copies between pinned host memory and a CUDA device, enqueued on `stream` (a
     cuda-python stream handle, or None for torch's current stream).
 
-    Kernel io runs torch index ops on the GPU over a device mapping of the pinned host buffer
-    (unified addressing), so nothing blocks the calling thread; direct io enqueues a transfer's
+    Kernel io runs on the GPU over a device mapping of the pinned host buffer (unified
+    addressing): one launch of the Triton copy kernel per move on at most `transfer_sms` SMs
+    (triton_copy.py; `kernel_path` says which), else torch index ops, one per view; nothing
+    blocks the calling thread. Direct io enqueues a transfer's
     whole copy list with one batched DMA call (direct_copies.py; `direct_issuer` says which
     issuer, None: one cudaMemcpyAsync per contiguous run from Python). Without a mapping (host
     pool not pinned) kernel io falls back to staging through the CPU, which blocks the calling

@@ -18,6 +18,7 @@ called, the kernel runs on CPU tensors in triton's interpreter (the unit tests d
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,10 @@ def _copy_pieces(  # type: ignore[no-untyped-def]  # triton reads the parameters
     PIECE: tl.constexpr,
     ITEMS: tl.constexpr,
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """Items (view, page, piece), view-major then page then piece; one program per SM."""
+    """Items (view, page, piece), view-major then page then piece; one program per SM. Every
+    piece starts a multiple of ALIGN words from the base pointers (vector loads and stores)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     groups = (total + ITEMS - 1) // ITEMS  # not tl.cdiv: a jit function of its own
@@ -73,6 +76,8 @@ def _copy_pieces(  # type: ignore[no-untyped-def]  # triton reads the parameters
             + tl.load(src_pages + i, mask=live, other=0) * src_page
             + tl.load(src_pieces + k, mask=live, other=0)
         )
+        d = tl.multiple_of(d, ALIGN)
+        s = tl.multiple_of(s, ALIGN)
         for start in range(0, PIECE, BLOCK):
             offset = start + tl.arange(0, BLOCK)
             mask = live[:, None] & (offset < PIECE)[None, :]
@@ -105,6 +110,7 @@ class MoveShape:
     dst_page: int
     src_page: int
     piece: int  # words
+    align: int  # words every piece's start is a multiple of (at most 16 bytes' worth)
 
 
 def move_shape(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MoveShape | None:
@@ -128,6 +134,8 @@ def move_shape(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MoveShape | No
     if any((a % word).any() for a in parts) or any(x % word for x in scalars):
         return None
     device = pairs[0][0].device
+    spans = [int(x) for a in parts for x in np.unique(a)] + [*scalars[:2], 16, *scalars[2:]]
+    align = max(1, math.gcd(*spans) // word)
     dst_v, src_v, dst_k, src_k = (torch.from_numpy(a // word).to(device) for a in parts)
     return MoveShape(
         pairs[0][0],
@@ -139,6 +147,7 @@ def move_shape(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MoveShape | No
         first.dst_page // word,
         first.src_page // word,
         first.piece // word,
+        align,
     )
 
 
@@ -177,5 +186,6 @@ def launch(
         PIECE=shape.piece,
         ITEMS=items,
         BLOCK=block,
+        ALIGN=shape.align,
         num_warps=8,
     )
