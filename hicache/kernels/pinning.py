@@ -62,8 +62,9 @@ def register_host(buffer: torch.Tensor, owner: object, *, runtime: Any = None) -
         return f"cudaHostRegister raised {type(exc).__name__}: {exc}"
     if not ok:
         return f"cudaHostRegister failed: {name}"
-    # Unregister before the mapping goes: weakref callbacks run before the munmap.
-    weakref.finalize(owner, rt.cudaHostUnregister, address)
+    # Unregister before the mapping goes: weakref callbacks run before the munmap. Not at
+    # exit: the process's end frees both, and the runtime may be torn down by then.
+    weakref.finalize(owner, rt.cudaHostUnregister, address).atexit = False
     return None
 
 

@@ -161,3 +161,11 @@ def test_register_without_a_driver_says_why():
 def test_cpu_bytes_keeps_its_contract():
     buffer = huge_pages.cpu_bytes(HUGE_PAGE + 1)
     assert buffer.numel() == HUGE_PAGE + 1 and not np.asarray(buffer.numpy()).any()
+
+
+def test_host_pool_says_how_its_memory_was_made():
+    from hicache.kernels import DevicePool, HostPool, MHAGeometry
+
+    device = DevicePool.allocate(MHAGeometry(2, 2, 64, torch.float16), 4096, 16)
+    host = HostPool(device, 8192, "page_first", pin_memory=False)
+    assert host.pinning == "none" and host.buffer.numel() == host.nbytes
