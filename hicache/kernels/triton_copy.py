@@ -49,7 +49,7 @@ def _copy_pieces(  # type: ignore[no-untyped-def]  # triton reads the parameters
     total,
     dst_page,
     src_page,
-    PIECE: tl.constexpr,
+    piece,
     ITEMS: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -78,9 +78,9 @@ def _copy_pieces(  # type: ignore[no-untyped-def]  # triton reads the parameters
         )
         d = tl.multiple_of(d, ALIGN)
         s = tl.multiple_of(s, ALIGN)
-        for start in range(0, PIECE, BLOCK):
+        for start in range(0, piece, BLOCK):
             offset = start + tl.arange(0, BLOCK)
-            mask = live[:, None] & (offset < PIECE)[None, :]
+            mask = live[:, None] & (offset < piece)[None, :]
             words = tl.load(src + s[:, None] + offset[None, :], mask=mask)
             tl.store(dst + d[:, None] + offset[None, :], words, mask=mask)
 
@@ -183,7 +183,7 @@ def launch(
         total,
         shape.dst_page,
         shape.src_page,
-        PIECE=shape.piece,
+        shape.piece,
         ITEMS=items,
         BLOCK=block,
         ALIGN=shape.align,
