@@ -245,7 +245,7 @@ async def _streams(
         fault=parts.transfer_faults,
     )
     copier: dict[str, str] = {}
-    if selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes
+    if device.device.type == "cpu":  # CPU copies: say which row copier moves the bytes
         reason = None if native_rows() is not None else unavailable_reason()
         copier = (
             {"copier": "compiled"}
