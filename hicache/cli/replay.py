@@ -38,6 +38,7 @@ from hicache.cli.hybrid_replay import (
     run_hybrid_step,
 )
 from hicache.cli.replay_args import cache_config, pin_tiers, scratch_dir
+from hicache.cli.replay_link import link_utilization, measure_link
 from hicache.cli.replay_progress import progress_display
 from hicache.cli.replay_report import add_flags, print_table, summarize
 from hicache.cli.replay_step import Timer, run_step
@@ -251,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
                 else None
             )
             log = EventLog(sink=events_file) if events_file else None
+            # the link's contiguous copy rate, before the clock starts (virtual time: none)
+            link = None if args.deterministic else measure_link(cfg.device)
             t0 = time.perf_counter()
             with progress_display(len(requests), args.quiet) as show:
 
@@ -280,6 +283,9 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(
         tally, extra, cfg, requests, block_tokens=args.block_tokens, storage=args.storage, wall=wall
     )
+    if link is not None:
+        moved = summary["bytes"]["d2h"] + summary["bytes"]["h2d"]
+        summary["link"] = link_utilization(moved, wall, link)
     add_flags(
         summary,
         tally,
