@@ -113,13 +113,9 @@ def print_table(s: dict[str, Any]) -> None:
     ]
     link = s.get("link")
     if link is not None:  # bytes moved L1<->L2 over the wall, against the link's own copy rate
-        rows.append(
-            (
-                "link utilization",
-                f"{link['utilization']:.2f} x  ({link['moved_gbps']:.1f} GB/s moved; "
-                f"{link['reference']}: {link['reference_gbps']:.1f} GB/s)",
-            )
-        )
+        moved = f"{link['moved_gbps']:.1f} GB/s moved"
+        ref = f"{link['reference']}: {link['reference_gbps']:.1f} GB/s"
+        rows.append(("link utilization", f"{link['utilization']:.2f} x  ({moved}; {ref})"))
     hy = s.get("hybrid")
     if hy is not None:
         where = (
