@@ -90,6 +90,7 @@ async def replay(
         HiCache(cfg, log=log) as cache,
         _states_cache(cfg, hybrid, state_snapshots) as states,
     ):
+        opened = time.perf_counter()  # the pools exist (allocated, pinned): the run starts
         switches = _StorageSwitches(cfg, detach_at, attach_at)
         exporter = getattr(cache, "_metrics", None)
         if exporter is not None:
@@ -147,6 +148,7 @@ async def replay(
             await cache.flush()
             stats = await cache.stats()
         extra: dict[str, Any] = {
+            "run_s": time.perf_counter() - opened,  # first step to the last write flushed
             "bytes": {**stats.bytes},
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
         }
@@ -285,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if link is not None:
         moved = summary["bytes"]["d2h"] + summary["bytes"]["h2d"]
-        summary["link"] = link_utilization(moved, wall, link)
+        summary["link"] = link_utilization(moved, extra["run_s"], link)
     add_flags(
         summary,
         tally,

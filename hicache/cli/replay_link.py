@@ -1,6 +1,8 @@
 """`hicache replay`'s link utilization: the bytes the cache moved between L1 and L2 (both
-directions) over the wall time, against a contiguous copy over the same link measured at start
-(CUDA: one pinned host buffer to and from the device; CPU pools: one host buffer to another).
+directions) over the run's time (from the first step, once the pools are allocated and pinned,
+to the last write flushed: opening a large cache is pinning, not the link), against a
+contiguous copy over the same link measured at start (CUDA: one pinned host buffer to and from
+the device; CPU pools: one host buffer to another).
 
 1.0 means the replay kept the link as busy as one contiguous copy in one direction would; the
 two directions can overlap on a GPU (separate copy engines), so it can exceed 1 there."""
@@ -79,10 +81,11 @@ def measure_link(device: str, nbytes: int = REFERENCE_BYTES) -> LinkReference:
     return _host_reference(nbytes)
 
 
-def link_utilization(moved_bytes: int, wall: float, reference: LinkReference) -> dict[str, Any]:
-    """The summary's `link` entry: the rate moved and its ratio to the reference."""
-    moved = moved_bytes / wall if wall > 0 else 0.0
+def link_utilization(moved_bytes: int, run_s: float, reference: LinkReference) -> dict[str, Any]:
+    """The summary's `link` entry: the rate moved over `run_s` and its ratio to the reference."""
+    moved = moved_bytes / run_s if run_s > 0 else 0.0
     return {
+        "run_s": round(run_s, 3),
         "moved_gbps": round(moved / 1e9, 3),
         "reference_gbps": round(reference.rate / 1e9, 3),
         "reference": reference.what,

@@ -113,7 +113,7 @@ def print_table(s: dict[str, Any]) -> None:
     ]
     link = s.get("link")
     if link is not None:  # bytes moved L1<->L2 over the wall, against the link's own copy rate
-        moved = f"{link['moved_gbps']:.1f} GB/s moved"
+        moved = f"{link['moved_gbps']:.1f} GB/s moved in {link['run_s']:.2f} s"
         ref = f"{link['reference']}: {link['reference_gbps']:.1f} GB/s"
         rows.append(("link utilization", f"{link['utilization']:.2f} x  ({moved}; {ref})"))
     hy = s.get("hybrid")

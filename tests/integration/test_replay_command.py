@@ -79,7 +79,8 @@ def test_summary_has_every_field_and_storage_hits(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "hit rate" in out and "link utilization" in out
     link = s["link"]  # L1<->L2 bytes over the wall, against the copy measured at start
-    moved = (s["bytes"]["d2h"] + s["bytes"]["h2d"]) / s["wall_s"] / 1e9
+    assert 0 < link["run_s"] <= s["wall_s"]  # the run, not opening the pools
+    moved = (s["bytes"]["d2h"] + s["bytes"]["h2d"]) / link["run_s"] / 1e9
     assert link["moved_gbps"] == pytest.approx(moved, rel=0.01, abs=1e-3)
     assert link["utilization"] == pytest.approx(
         link["moved_gbps"] / link["reference_gbps"], rel=0.01, abs=1e-3

@@ -14,6 +14,7 @@ def test_utilization_is_moved_over_wall_times_reference():
     ref = LinkReference(rate=50e9, what="stand-in")
     link = link_utilization(100 * 10**9, 4.0, ref)
     assert link == {
+        "run_s": 4.0,
         "moved_gbps": 25.0,
         "reference_gbps": 50.0,
         "reference": "stand-in",
