@@ -210,7 +210,9 @@ def fill(
                 _copy_pages(pages, split.pages, split.table, blocks)
             if not len(at):
                 continue
-            rows.numpy()[at] = _expected(bases, layer, comp, rows.shape[1])
+            # each token's row is one window of the table: copied from there in one pass
+            shift = 131 * layer + 61 * comp
+            _copy_pages(rows.numpy(), at, _windows(rows.shape[1]), (bases + shift) % 256)
 
 
 def count_bad_pages(
@@ -272,8 +274,8 @@ def _check_pages(rows: np.ndarray, split: _Split, shift: int, bad: np.ndarray) -
 def _copy_pages(
     dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray
 ) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] for every i: whole (rows, bytes) uint8 rows, in
-    range (checked by the caller). One call of the compiled row copier (kernels/native.py)
+    """dst[dst_rows[i]] = src[src_rows[i]] for every i: whole (rows, bytes) uint8 rows (pages,
+    or single token rows), in range (checked by the caller). One call of the compiled row copier (kernels/native.py)
     where it is built, streaming past the cache when large; numpy a run at a time otherwise."""
     native = native_rows()
     n = len(src_rows)
