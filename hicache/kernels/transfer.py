@@ -66,6 +66,16 @@ def check_reach(engine: CopyEngine, device: DevicePool) -> None:
             f"{device.device}; pools on {device.device.type} move with "
             f"engine_for({device.device.type!r})"
         )
+    own = getattr(engine, "device", None)  # a device engine is bound to one device
+    if (
+        isinstance(own, torch.device)
+        and own.index is not None
+        and device.device.index is not None
+        and own != device.device
+    ):
+        raise UnreachableMemory(
+            f"a copy engine bound to {own} cannot move a device pool on {device.device}"
+        )
 
 
 def _pairs(

@@ -167,3 +167,25 @@ def test_cpu_pools_still_move_their_bytes_on_virtual_streams():
                 moved, reference.buffer(layer, c)[:8].view(torch.uint8)
             )
     streams.close()
+
+
+def test_a_device_engine_moves_only_its_own_device():
+    from hicache.kernels.transfer import check_reach
+
+    class BoundTo:
+        kind = "cuda"
+
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    on_second = SimpleNamespace(device=torch.device("cuda:1"))
+    check_reach(BoundTo("cuda:1"), on_second)  # type: ignore[arg-type]
+    check_reach(BoundTo("cuda"), on_second)  # type: ignore[arg-type]  # unindexed: any
+    with pytest.raises(
+        UnreachableMemory, match="bound to cuda:0 cannot move a device pool on cuda:1"
+    ):
+        check_reach(BoundTo("cuda:0"), on_second)  # type: ignore[arg-type]
+    with pytest.raises(
+        UnreachableMemory, match="CUDA copy engine cannot move a device pool on cpu"
+    ):
+        check_reach(BoundTo("cuda:0"), SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
