@@ -155,8 +155,8 @@ class _OnDevice:
     ) -> None:
         bases = _rest_bases(seeds, page_size, first, len(index), np.arange(len(index))) % 256
         device = pool.device
-        self.slots = torch.from_numpy(index).to(device, non_blocking=False)
-        self.bases = torch.from_numpy(bases).to(device, non_blocking=False)
+        self.slots = torch.tensor(index, device=device)  # a copy: slot arrays may be read-only
+        self.bases = torch.tensor(bases, device=device)
         self.table = _doubled_windows(_rows(pool, 0, 0).shape[1], device)
 
     def expected(self, layer: int, component: int) -> torch.Tensor:

@@ -75,7 +75,9 @@ def test_deterministic_runs_agree_on_the_gpu():
         log = EventLog(capture=True)
 
         async def main():
-            cfg = virtual_config(device="cuda", device_tokens=48, host_tokens=256)
+            cfg = virtual_config(
+                device="cuda", device_tokens=48, host_tokens=256, write_policy="write_through"
+            )
             async with HiCache(cfg, log=log) as cache:
                 await multi_turn(cache)
 
