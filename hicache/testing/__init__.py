@@ -1,6 +1,7 @@
 """What engine authors use to test their own scheduler with the cache embedded, on virtual time.
 
-- `virtual_config(**overrides)`: a small `CacheConfig` in deterministic mode.
+- `virtual_config(**overrides)`: a small `CacheConfig` in deterministic mode, its pools where
+  `HICACHE_TEST_DEVICE` says (`pool_device`; default: a GPU where CUDA is).
 - `run_virtual(main, seed=0)`: run an async test body on virtual time (trio + MockClock); the
   same seed replays the same interleaving, another seed explores another.
 - `ScriptedScheduler`: a step-by-step serving loop over a `HiCache`.
