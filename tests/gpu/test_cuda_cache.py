@@ -121,3 +121,10 @@ def test_production_mode_backup_waits_for_the_compute_that_wrote():
             await cache.release("check")
 
     anyio.run(main, backend="asyncio")
+
+
+def test_the_replays_link_reference_is_a_pinned_copy_to_the_gpu():
+    from hicache.cli.replay_link import measure_link
+
+    ref = measure_link("auto", nbytes=64 << 20)
+    assert "pinned copy" in ref.what and ref.rate > 1e9, ref
