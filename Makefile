@@ -56,12 +56,21 @@ test: $(STAMP) lint services
 bench: $(STAMP)
 	for b in bench/*.py; do $(VPY) $$b || exit 1; done
 
-# Wheels the lent GPU machine's image lacks (it has torch, anyio, numpy, cuda-bindings, pytest,
-# hypothesis; no network): carried with bench/gpu_check.sh.
+# Wheels the lent GPU machine's image lacks (it has python 3.12, torch, anyio, numpy,
+# cuda-bindings, triton, pytest with xdist and timeout, hypothesis, prometheus-client, rich,
+# transformers; no network): each at the version this venv runs, for cp312 manylinux x86-64,
+# carried with bench/gpu_check.sh (it installs them offline into a target dir on PYTHONPATH).
+GPU_WHEELS := structlog trio outcome sniffio isal msgspec pyzmq cryptography cffi pycparser redis
 gpu-wheels: $(STAMP)
+	rm -rf .gpu-wheels
 	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-	  --platform manylinux_2_28_x86_64 -d .gpu-wheels structlog trio outcome isal
+	  --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .gpu-wheels \
+	  $$($(VPY) -c "import importlib.metadata as m; \
+	    print(' '.join(n + '==' + m.version(n) for n in '$(GPU_WHEELS)'.split()))")
+	@ls .gpu-wheels | wc -l | xargs -I{} echo "{} wheels for $(words $(GPU_WHEELS)) names in .gpu-wheels"
+	@test $$(ls .gpu-wheels | wc -l) -eq $(words $(GPU_WHEELS))
 
 # A separate venv with the CPU build of vLLM for hicache's vLLM connector (hicache.integrations.vllm,
 # docs/vllm.md) and its tests (`.venv-vllm/bin/python -m pytest tests/vllm`). Separate because

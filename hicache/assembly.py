@@ -249,7 +249,7 @@ async def _streams(
     paths = getattr(streams, "copy_paths", None)
     if selection.kind == "cuda" and paths is not None:  # CUDA: which copies each io runs
         copier = paths()
-    elif selection.kind != "cuda":  # CPU copies: say which row copier moves the bytes
+    elif device.device.type == "cpu":  # CPU copies: say which row copier moves the bytes
         reason = None if native_rows() is not None else unavailable_reason()
         copier = (
             {"copier": "compiled"}

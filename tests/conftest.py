@@ -24,3 +24,12 @@ def pytest_addoption(parser):
         metavar="COUNT",
         help="how many seeds tests/sim runs (default 1000 deterministic + 10 threaded)",
     )
+
+
+def pytest_report_header(config):
+    """Where the test kit's pools live (HICACHE_TEST_DEVICE, hicache.testing.devices)."""
+    from hicache.testing.devices import pool_device
+
+    kit, why = pool_device("auto")
+    sim, _ = pool_device("cpu")
+    return [f"hicache test pools: virtual_config on {kit}, simulation on {sim} ({why})"]

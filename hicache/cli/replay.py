@@ -38,6 +38,7 @@ from hicache.cli.hybrid_replay import (
     run_hybrid_step,
 )
 from hicache.cli.replay_args import cache_config, pin_tiers, scratch_dir
+from hicache.cli.replay_link import link_utilization, measure_link
 from hicache.cli.replay_progress import progress_display
 from hicache.cli.replay_report import add_flags, print_table, summarize
 from hicache.cli.replay_step import Timer, run_step
@@ -89,6 +90,7 @@ async def replay(
         HiCache(cfg, log=log) as cache,
         _states_cache(cfg, hybrid, state_snapshots) as states,
     ):
+        opened = time.perf_counter()  # the pools exist (allocated, pinned): the run starts
         switches = _StorageSwitches(cfg, detach_at, attach_at)
         exporter = getattr(cache, "_metrics", None)
         if exporter is not None:
@@ -146,6 +148,7 @@ async def replay(
             await cache.flush()
             stats = await cache.stats()
         extra: dict[str, Any] = {
+            "run_s": time.perf_counter() - opened,  # first step to the last write flushed
             "bytes": {**stats.bytes},
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
         }
@@ -251,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
                 else None
             )
             log = EventLog(sink=events_file) if events_file else None
+            # the link's contiguous copy rate, before the clock starts (virtual time: none)
+            link = None if args.deterministic else measure_link(cfg.device)
             t0 = time.perf_counter()
             with progress_display(len(requests), args.quiet) as show:
 
@@ -280,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(
         tally, extra, cfg, requests, block_tokens=args.block_tokens, storage=args.storage, wall=wall
     )
+    if link is not None:
+        moved = summary["bytes"]["d2h"] + summary["bytes"]["h2d"]
+        summary["link"] = link_utilization(moved, extra["run_s"], link)
     add_flags(
         summary,
         tally,

@@ -111,6 +111,11 @@ def print_table(s: dict[str, Any]) -> None:
         ("wall", f"{s['wall_s']:.2f} s"),
         ("control plane", f"{s['control_us_per_request']:.0f} us/request"),
     ]
+    link = s.get("link")
+    if link is not None:  # bytes moved L1<->L2 over the wall, against the link's own copy rate
+        moved = f"{link['moved_gbps']:.1f} GB/s moved in {link['run_s']:.2f} s"
+        ref = f"{link['reference']}: {link['reference_gbps']:.1f} GB/s"
+        rows.append(("link utilization", f"{link['utilization']:.2f} x  ({moved}; {ref})"))
     hy = s.get("hybrid")
     if hy is not None:
         where = (

@@ -15,7 +15,7 @@ import torch
 from hicache.kernels.cpu_plans import CpuPlans, PageSetup, Pairs, pair_row
 from hicache.kernels.native import native_rows, unavailable_reason
 from hicache.kernels.pools import HostPool
-from hicache.kernels.rows import SCRATCH_BYTES, copy_rows, split_rows
+from hicache.kernels.rows import SCRATCH_BYTES, copy_rows, require_host_memory, split_rows
 
 _MIN_ROW_BYTES = 256
 """Views of one transfer are merged into one row space only with rows at least this long
@@ -214,6 +214,7 @@ class CpuEngine:
         self.move([(dst, src)], dst_pages, src_pages, host_is_dst=host_is_dst)
 
     def copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        require_host_memory([dst, src], "the CPU copy engine")
         if dst.is_contiguous() and src.is_contiguous():
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
         else:

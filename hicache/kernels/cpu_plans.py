@@ -18,6 +18,7 @@ from hicache.kernels.rows import (
     page_rows_of,
     plan_pairs,
     plan_rows,
+    require_host_memory,
     row_space,
     split_rows,
 )
@@ -64,6 +65,7 @@ class CpuPlans:
         space_key = (key, first.dtype, tuple(v.data_ptr() for v in views))
         if space_key in self._spaces:
             return self._spaces[space_key]
+        require_host_memory(views, "the CPU copy engine")  # before any raw address is taken
         if key not in self._shapes:
             self._shapes[key] = page_rows_of(first)
         space = row_space(views, self._shapes[key])

@@ -34,6 +34,22 @@ BLOCK_BYTES = 256 << 10
 ones go through the scratch buffer (per-call overhead would dominate)."""
 
 
+class UnreachableMemory(ValueError):
+    """A copy engine was handed tensors in memory it cannot address (a CPU engine and a CUDA
+    tensor, say): raised before any byte is touched, instead of a crash in native code."""
+
+
+def require_host_memory(tensors: list[torch.Tensor], what: str) -> None:
+    """Raise `UnreachableMemory` unless every tensor lives in host memory: the CPU engine reads
+    and writes through raw addresses, which for device memory would crash the process."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            raise UnreachableMemory(
+                f"{what} was handed a tensor on {tensor.device}; it copies host memory only "
+                "(pools on a device move with that device's engine: engines.engine_for)"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class RowGrid:
     """Views as rows: `array` is a C-contiguous (rows, row) numpy array over the views' memory
@@ -88,6 +104,7 @@ def row_space(
     """One row grid over all `views` (same shape, strides and dtype; on the CPU), given their
     common `page_rows_of`, and a key naming its geometry up to the base address; None when
     the views' starts are not whole rows apart. Does not copy."""
+    require_host_memory(views, "the CPU copy engine")
     first = views[0]
     if shape is None or any(
         v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype

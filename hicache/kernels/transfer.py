@@ -24,6 +24,7 @@ from hicache.kernels.engines import CopyEngine, engine_for
 from hicache.kernels.indices import PagePlan, SlotArray, plan_transfer
 from hicache.kernels.names import IO_BACKENDS
 from hicache.kernels.pools import DevicePool, HostPool
+from hicache.kernels.rows import UnreachableMemory
 
 
 def check_io(io: str) -> None:
@@ -51,6 +52,31 @@ def merge_trailing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
+ENGINE_DEVICE = {"cpu": "cpu", "cuda": "cuda"}
+"""The device type whose pools each engine kind moves (the host side is always host memory)."""
+
+
+def check_reach(engine: CopyEngine, device: DevicePool) -> None:
+    """Raise `UnreachableMemory` when `engine` cannot address `device`'s memory: a CPU engine
+    handed a GPU pool would dereference device pointers on the host (a segmentation fault)."""
+    reaches = ENGINE_DEVICE.get(engine.kind)
+    if reaches is not None and device.device.type != reaches:
+        raise UnreachableMemory(
+            f"the {engine.kind.upper()} copy engine cannot move a device pool on "
+            f"{device.device}; pools on {device.device.type} move with "
+            f"engine_for({device.device.type!r})"
+        )
+    own = getattr(engine, "device", None)  # a device engine is bound to one device
+    if (
+        isinstance(own, torch.device)
+        and own.index is not None
+        and device.device.index is not None
+        and own != device.device
+    ):
+        raise UnreachableMemory(
+            f"a copy engine bound to {own} cannot move a device pool on {device.device}"
+        )
+
 
 def _pairs(
     engine: CopyEngine,
@@ -67,6 +93,7 @@ def _pairs(
     objects the entry keeps (so an id reused by a new pool is never mistaken for the old)."""
     cache: dict[Any, Any] | None = getattr(engine, "pair_cache", None)
     if cache is None:  # an engine that keeps none
+        check_reach(engine, device)
         return [merge_trailing(dst, src) for dst, src in make()]
     owners = (device, host, words)
     key = (id(device), id(host), id(words), to_device, -1 if layer is None else layer)
@@ -74,6 +101,7 @@ def _pairs(
     if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
         pairs: Pairs = hit[1]
         return pairs
+    check_reach(engine, device)  # once per cached set of views, not per transfer
     pairs = [merge_trailing(dst, src) for dst, src in make()]
     if len(cache) >= 64:
         cache.clear()

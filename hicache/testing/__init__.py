@@ -1,6 +1,7 @@
 """What engine authors use to test their own scheduler with the cache embedded, on virtual time.
 
-- `virtual_config(**overrides)`: a small `CacheConfig` in deterministic mode.
+- `virtual_config(**overrides)`: a small `CacheConfig` in deterministic mode, its pools where
+  `HICACHE_TEST_DEVICE` says (`pool_device`; default: a GPU where CUDA is).
 - `run_virtual(main, seed=0)`: run an async test body on virtual time (trio + MockClock); the
   same seed replays the same interleaving, another seed explores another.
 - `ScriptedScheduler`: a step-by-step serving loop over a `HiCache`.
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.kernels.faults import FaultPlan
 from hicache.runtime import run_deterministic as run_virtual
+from hicache.testing.devices import pool_device
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.kvfill import count_bad_pages as bad_pages
 from hicache.testing.kvfill import fill as fill_kv
@@ -33,10 +35,12 @@ if TYPE_CHECKING:
 
 
 def virtual_config(**overrides: Any) -> CacheConfig:
-    """A small deterministic configuration: 4 pages of 4 tokens... overridable field by field."""
+    """A small deterministic configuration: 4 pages of 4 tokens... overridable field by field.
+    Its pools live where `HICACHE_TEST_DEVICE` says (default "auto": a GPU where CUDA is)."""
     from hicache.config import CacheConfig
 
     base: dict[str, Any] = dict(
+        device=pool_device("auto")[0],  # HICACHE_TEST_DEVICE (hicache.testing.devices)
         kv="mha:2:1:8:float32",
         page_size=4,
         device_tokens=64,
@@ -62,6 +66,7 @@ __all__ = [
     "fill_kv",
     "kv_seeds",
     "page_seeds",
+    "pool_device",
     "run_simulation",
     "run_virtual",
     "synthetic_compute",

@@ -13,7 +13,12 @@ of 256 blocks (its first row's window decides the rest): where a request's whole
 whole, aligned pages of a CPU pool (a paged allocator's slots), they are copied a block at a
 time from a (256, page bytes) table (one call of the compiled row copier where it is built),
 and checked in runs of pages small enough to stay in the CPU cache, compared as 8-byte
-words; other slots (and CUDA pools) go row by row.
+words; other slots go row by row.
+
+Pools off the host (a GPU) are written and checked where they live, with torch ops on the
+pool's device (`_fill_on_device`, `_bad_on_device`): the windows table sits there once, a
+(layer, component) costs a gather and a scatter (fill) or two gathers and a comparison
+(check), and only the token positions go over and one bad-token mask comes back.
 """
 
 from __future__ import annotations
@@ -131,6 +136,56 @@ def _page_runs(count: int, page_bytes: int) -> list[tuple[int, int]]:
     return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
 
 
+@lru_cache(maxsize=16)
+def _doubled_windows(width: int, device: torch.device) -> torch.Tensor:
+    """Rows 0..511 of the windows on `device`: rows s .. s+255 are the table shifted by `s`
+    (row i is window (i + s) mod 256), so a shifted lookup is a slice and one gather."""
+    table = torch.from_numpy(_windows(width))
+    return torch.cat([table, table]).to(device)
+
+
+class _OnDevice:
+    """One request's tokens as the device path needs them: their slots and their windows'
+    bases (before the (layer, component) shift) as int64 tensors on the pool's device."""
+
+    __slots__ = ("slots", "bases", "table")
+
+    def __init__(
+        self, pool: DevicePool, index: np.ndarray, seeds: np.ndarray, page_size: int, first: int
+    ) -> None:
+        bases = _rest_bases(seeds, page_size, first, len(index), np.arange(len(index))) % 256
+        device = pool.device
+        self.slots = torch.tensor(index, device=device)  # a copy: slot arrays may be read-only
+        self.bases = torch.tensor(bases, device=device)
+        self.table = _doubled_windows(_rows(pool, 0, 0).shape[1], device)
+
+    def expected(self, layer: int, component: int) -> torch.Tensor:
+        shift = (131 * layer + 61 * component) % 256
+        return self.table[shift : shift + 256].index_select(0, self.bases)
+
+
+def _fill_on_device(
+    pool: DevicePool, index: np.ndarray, seeds: np.ndarray, page_size: int, first: int
+) -> None:
+    at = _OnDevice(pool, index, seeds, page_size, first)
+    for layer in range(pool.geometry.layers):
+        for comp in range(pool.geometry.components):
+            _rows(pool, layer, comp).index_copy_(0, at.slots, at.expected(layer, comp))
+
+
+def _bad_on_device(
+    pool: DevicePool, index: np.ndarray, seeds: np.ndarray, page_size: int, first: int
+) -> int:
+    at = _OnDevice(pool, index, seeds, page_size, first)
+    bad = torch.zeros(len(index), dtype=torch.bool, device=pool.device)
+    for layer in range(pool.geometry.layers):
+        for comp in range(pool.geometry.components):
+            got = _rows(pool, layer, comp).index_select(0, at.slots)
+            bad |= (got != at.expected(layer, comp)).any(dim=1)
+    positions = np.arange(first, first + len(index))
+    return len(np.unique(positions[bad.cpu().numpy()] // page_size))
+
+
 def fill(
     pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int, first: int
 ) -> None:
@@ -138,6 +193,9 @@ def fill(
     if not len(slots):
         return
     index = np.asarray(slots, dtype=np.int64)
+    if pool.device.type != "cpu":
+        _fill_on_device(pool, index, seeds, page_size, first)
+        return
     split = _Split(pool, index, seeds, page_size, first)
     rest = split.rest
     bases = _rest_bases(seeds, page_size, first, len(index), rest)
@@ -152,15 +210,9 @@ def fill(
                 _copy_pages(pages, split.pages, split.table, blocks)
             if not len(at):
                 continue
-            want = _expected(bases, layer, comp, rows.shape[1])
-            if rows.device.type == "cpu":
-                rows.numpy()[at] = want
-            else:
-                rows.index_copy_(
-                    0,
-                    torch.from_numpy(at).to(rows.device),
-                    torch.from_numpy(want).to(rows.device),
-                )
+            # each token's row is one window of the table: copied from there in one pass
+            shift = 131 * layer + 61 * comp
+            _copy_pages(rows.numpy(), at, _windows(rows.shape[1]), (bases + shift) % 256)
 
 
 def count_bad_pages(
@@ -170,6 +222,8 @@ def count_bad_pages(
     if not len(slots):
         return 0
     index = np.asarray(slots, dtype=np.int64)
+    if pool.device.type != "cpu":
+        return _bad_on_device(pool, index, seeds, page_size, first)
     split = _Split(pool, index, seeds, page_size, first)
     rest = split.rest
     bases = _rest_bases(seeds, page_size, first, len(index), rest)
@@ -183,10 +237,7 @@ def count_bad_pages(
                 _check_pages(rows.numpy(), split, 131 * layer + 61 * comp, bad_body)
             if not len(at):
                 continue
-            if rows.device.type == "cpu":
-                got = rows.numpy()[at]
-            else:
-                got = rows.index_select(0, torch.from_numpy(at).to(rows.device)).cpu().numpy()
+            got = rows.numpy()[at]
             bad_tokens |= (got != _expected(bases, layer, comp, rows.shape[1])).any(axis=1)
     positions = np.arange(first, first + len(index))
     bad = np.concatenate(
@@ -223,8 +274,8 @@ def _check_pages(rows: np.ndarray, split: _Split, shift: int, bad: np.ndarray) -
 def _copy_pages(
     dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray
 ) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] for every i: whole (rows, bytes) uint8 rows, in
-    range (checked by the caller). One call of the compiled row copier (kernels/native.py)
+    """dst[dst_rows[i]] = src[src_rows[i]] for every i: whole (rows, bytes) uint8 rows (pages,
+    or single token rows), in range (checked by the caller). One call of the compiled row copier (kernels/native.py)
     where it is built, streaming past the cache when large; numpy a run at a time otherwise."""
     native = native_rows()
     n = len(src_rows)

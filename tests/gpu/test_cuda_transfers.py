@@ -65,6 +65,12 @@ def test_round_trip_on_device(io, layout, geometry):
             )
 
 
+def host_tokens(host: HostPool, layer: int, component: int, buffer=None) -> torch.Tensor:
+    """One (layer, component) of the host pool as (tokens, heads, bytes), in any layout
+    (`buffer`: a copy of the host buffer to view the same way)."""
+    return host.page_view(layer, component, torch.uint8, buffer).flatten(0, 1)
+
+
 @pytest.mark.parametrize("io", ["kernel", "direct"])
 def test_cuda_streams_layerwise(io):
     g = MHAGeometry(4, 2, 64, torch.float16)
@@ -79,13 +85,19 @@ def test_cuda_streams_layerwise(io):
     )
     for layer in range(g.layers):
         handle.wait(layer)  # compute stream waits on the layer's event
-        assert torch.equal(
-            device.k_buffer(layer)[:32].cpu().view(torch.uint8),
-            host.shaped()[32:64, layer, 0].view(torch.uint8),
-        )
+        for c in range(g.components):
+            landed = device.buffer(layer, c)[:32].view(torch.uint8).cpu()
+            assert landed.shape == host_tokens(host, layer, c)[32:64].shape
+            assert torch.equal(landed, host_tokens(host, layer, c)[32:64])
+    before = host.buffer.clone()
     streams.submit_backup(
         np.arange(32, dtype=np.int64), np.arange(64, 96, dtype=np.int64), on_done=done.append
     )
     streams.close()
     assert done == [None, None] and handle.done()
-    assert torch.equal(host.shaped()[64:96], host.shaped()[32:64])
+    for layer in range(g.layers):
+        for c in range(g.components):
+            backed = host_tokens(host, layer, c)[64:96]
+            assert torch.equal(backed, host_tokens(host, layer, c)[32:64])
+            backed.copy_(host_tokens(host, layer, c, before)[64:96])  # undo: see below
+    assert torch.equal(host.buffer, before)  # the backup wrote its tokens and nothing else

@@ -131,16 +131,17 @@ class Adapter:
         return states, kv
 
     def write_kv(self, pool, slots, kv, first: int) -> None:
-        index = torch.as_tensor(np.array(slots), dtype=torch.int64)
+        """The model (on the CPU) writes its K/V into the pool, wherever the pool lives."""
+        index = torch.as_tensor(np.array(slots), dtype=torch.int64, device=pool.device)
         for p, layer in enumerate(self.hybrid.pool_layers):
             k, v = kv[layer]
-            pool.k_buffer(p)[index] = k[first : first + len(slots)]
-            pool.v_buffer(p)[index] = v[first : first + len(slots)]
+            pool.k_buffer(p)[index] = k[first : first + len(slots)].to(pool.device)
+            pool.v_buffer(p)[index] = v[first : first + len(slots)].to(pool.device)
 
     def read_kv(self, pool, slots) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        index = torch.as_tensor(np.array(slots), dtype=torch.int64)
+        index = torch.as_tensor(np.array(slots), dtype=torch.int64, device=pool.device)
         return {
-            layer: (pool.k_buffer(p)[index].clone(), pool.v_buffer(p)[index].clone())
+            layer: (pool.k_buffer(p)[index].cpu(), pool.v_buffer(p)[index].cpu())
             for p, layer in enumerate(self.hybrid.pool_layers)
         }
 

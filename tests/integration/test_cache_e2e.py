@@ -355,30 +355,28 @@ def test_production_mode_round_trip_through_l2(cpu_transfers):
     anyio.run(main, backend="asyncio")
 
 
-_COPIER_PROBE = """
-import anyio, json
+_SELECTION_PROBE = """
+import anyio, json, sys
 from hicache import CacheConfig, HiCache
 from hicache.observability import EventLog
 log = EventLog(capture=True)
 async def main():
-    async with HiCache(CacheConfig(device_tokens=64, host_tokens=128, page_size=4), log=log):
+    cfg = CacheConfig(device_tokens=64, host_tokens=128, page_size=4, device=sys.argv[1])
+    async with HiCache(cfg, log=log):
         pass
 anyio.run(main)
 print(json.dumps([e for e in log.events if e["event"] == "streams.selected"]))
 """
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
+def _selected_streams(device: str, tmp_path, native: str = "1") -> dict:
     import json
     import os
     import subprocess
     import sys
 
-    from hicache.kernels.native import native_rows
-
     done = subprocess.run(
-        [sys.executable, "-c", _COPIER_PROBE],
+        [sys.executable, "-c", _SELECTION_PROBE, device],
         capture_output=True,
         text=True,
         timeout=120,
@@ -387,6 +385,14 @@ def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     (selected,) = json.loads(done.stdout.strip().splitlines()[-1])
+    return selected
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
+    from hicache.kernels.native import native_rows
+
+    selected = _selected_streams("cpu", tmp_path, native)  # host pools on any machine
     assert selected["kind"] == "inline"  # CPU copies on the loop, not "virtual" time
     assert "deterministic" not in selected["reason"]
     if native == "0":
@@ -395,3 +401,14 @@ def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
         pytest.skip("no compiled row copier here")
     else:
         assert selected["copier"] == "compiled" and "copier_reason" not in selected
+
+
+def test_auto_device_selects_cuda_streams_where_cuda_is(tmp_path):
+    from hicache.kernels.streams import cuda_driver_status
+
+    usable, why = cuda_driver_status()
+    selected = _selected_streams("auto", tmp_path)
+    if usable:  # the pools went to the GPU: its streams, no CPU row copier named
+        assert selected["kind"] == "cuda" and "copier" not in selected, selected
+    else:
+        assert selected["kind"] == "inline" and "copier" in selected, (why, selected)

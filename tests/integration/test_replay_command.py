@@ -53,6 +53,7 @@ def test_deterministic_replays_write_identical_event_logs(tmp_path):
     for key in ("hit_tokens", "bytes", "evictions", "verified_pages"):
         assert sum_a[key] == sum_b[key]
     assert sum_a["corrupt_pages"] == 0 and sum_a["verified_pages"] > 0
+    assert "link" not in sum_a  # virtual time: no link to measure
 
 
 def test_summary_has_every_field_and_storage_hits(tmp_path, capsys):
@@ -75,7 +76,16 @@ def test_summary_has_every_field_and_storage_hits(tmp_path, capsys):
     assert set(s["evictions"]) >= {"device", "host"}
     assert s["requests"] == 60 and s["hit_tokens"]["storage"] > 0 and s["corrupt_pages"] == 0
     assert s["hit_rate"] <= s["bound_hit_rate"] + 1e-9
-    assert "hit rate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "hit rate" in out and "link utilization" in out
+    link = s["link"]  # L1<->L2 bytes over the wall, against the copy measured at start
+    assert 0 < link["run_s"] <= s["wall_s"]  # the run, not opening the pools
+    moved = (s["bytes"]["d2h"] + s["bytes"]["h2d"]) / link["run_s"] / 1e9
+    assert link["moved_gbps"] == pytest.approx(moved, rel=0.01, abs=1e-3)
+    assert link["utilization"] == pytest.approx(
+        link["moved_gbps"] / link["reference_gbps"], rel=0.01, abs=1e-3
+    )
+    assert link["reference_gbps"] > 0 and "copy" in link["reference"]
 
 
 def test_storage_max_bytes_caps_the_file_store(tmp_path, capsys):

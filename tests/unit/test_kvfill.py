@@ -92,3 +92,39 @@ def test_too_few_seeds_is_an_index_error():
     pool = DevicePool.allocate(parse_geometry("mha:1:1:8:float16"), 64, 4)
     with pytest.raises(IndexError):
         kvfill.fill(pool, np.arange(16), np.zeros(2, dtype=np.int64), page_size=4, first=0)
+
+
+def test_device_path_writes_and_finds_what_the_host_path_does():
+    """The torch path that GPU pools take, run here on CPU tensors: the same bytes as the numpy
+    path, and the same bad pages after the same damage."""
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        spec, page, size, first, slots = case(rng, trial)
+        seeds = rng.integers(0, 1 << 16, size=(first + len(slots)) // page + 2)
+        pools = [DevicePool.allocate(parse_geometry(spec), size, page) for _ in range(2)]
+        kvfill.fill(pools[0], slots, seeds, page_size=page, first=first)
+        kvfill._fill_on_device(pools[1], np.asarray(slots), seeds, page, first)
+        assert all(torch.equal(a, b) for a, b in zip(pool_bytes(pools[0]), pool_bytes(pools[1])))
+        assert kvfill._bad_on_device(pools[1], np.asarray(slots), seeds, page, first) == 0
+        geo = pools[0].geometry
+        for _ in range(int(rng.integers(1, 5))):
+            layer, comp = int(rng.integers(geo.layers)), int(rng.integers(geo.components))
+            row = int(slots[rng.integers(len(slots))])
+            for pool in pools:
+                flat = pool.buffer(layer, comp).view(torch.uint8).reshape(size, -1)
+                flat[row, int(rng.integers(flat.shape[1]))] ^= 0x5A
+        want = kvfill.count_bad_pages(pools[0], slots, seeds, page_size=page, first=first)
+        assert want > 0
+        assert kvfill._bad_on_device(pools[1], np.asarray(slots), seeds, page, first) == want
+
+
+def test_pools_off_the_host_take_the_device_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kvfill, "_fill_on_device", lambda *a: calls.append("fill"))
+    monkeypatch.setattr(kvfill, "_bad_on_device", lambda *a: calls.append("check") or 7)
+    pool = DevicePool.allocate(parse_geometry("mha:1:1:8:float16"), 16, 4)
+    monkeypatch.setattr(pool, "device", torch.device("cuda:0"))  # where a GPU pool lives
+    seeds = np.zeros(4, dtype=np.int64)
+    kvfill.fill(pool, np.arange(8), seeds, page_size=4, first=0)
+    assert kvfill.count_bad_pages(pool, np.arange(8), seeds, page_size=4, first=0) == 7
+    assert calls == ["fill", "check"]

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hicache.kernels.engines import CudaEngine
-from hicache.kernels.indices import SlotArray, plan_transfer
+from hicache.kernels.indices import PagePlan, SlotArray, plan_transfer
 from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import FaultHook, FaultPoint, OnDone, check_layer
 from hicache.kernels.streams.progress import LayerProgress
 from hicache.kernels.streams.worker import OrderedWorker
-from hicache.kernels.transfer import check_io, run_backup, run_load_layer
+from hicache.kernels.transfer import check_io, run_backup, run_load_all, run_load_layer
 
 
 def _check(result: Any, what: str) -> Any:
@@ -70,6 +71,9 @@ class _Cuda:
     def destroy_events(self, events: list[Any]) -> None:
         for event in events:
             self.rt.cudaEventDestroy(event)
+
+    def destroy_stream(self, stream: Any) -> None:
+        self.rt.cudaStreamDestroy(stream)
 
 
 class CudaLoadHandle:
@@ -244,3 +248,66 @@ class CudaStreams:
     def close(self) -> None:
         self._loads.close()
         self._backups.close()
+
+
+class CudaInlineCopies:
+    """Synchronous copies for virtual streams on a CUDA pool (streams/inline.py): the engine
+    `CudaStreams` uses, on a non-blocking stream of its own. Each copy is ordered after the
+    work already queued on the caller's current stream (the compute that wrote the slots a
+    backup reads, or still reads the slots a load overwrites), as `CudaStreams` orders it, and
+    is waited for on the host before the call returns."""
+
+    kind = "cuda"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, io: str) -> None:
+        check_io(io)
+        if device_pool.device.type != "cuda":
+            raise ValueError(
+                f"CUDA inline copies need a CUDA device pool, got one on {device_pool.device}"
+            )
+        self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
+        self._cuda = _Cuda()
+        with torch.cuda.device(device_pool.device):
+            self._stream: Any = self._cuda.stream()
+        self._engine = CudaEngine(device_pool.device, self._stream)
+
+    def _run(self, copy: Callable[[CudaEngine], object]) -> None:
+        device = self.device_pool.device
+        if self._stream is None:
+            raise RuntimeError("CUDA inline copies are closed")
+        ready, done = self._cuda.event(), self._cuda.event()
+        try:
+            self._cuda.record(ready, torch.cuda.current_stream(device).cuda_stream)
+            self._cuda.stream_wait(self._stream, ready)
+            with (
+                torch.cuda.device(device),
+                torch.cuda.stream(torch.cuda.ExternalStream(int(self._stream), device=device)),
+            ):
+                copy(self._engine)
+            self._cuda.record(done, self._stream)
+            self._cuda.synchronize(done)
+        finally:
+            self._cuda.destroy_events([ready, done])
+
+    def load_all(self, plan: PagePlan) -> None:
+        self._run(
+            lambda engine: run_load_all(plan, self.host_pool, self.device_pool, self.io, engine)
+        )
+
+    def load_layer(self, plan: PagePlan, layer: int) -> None:
+        self._run(
+            lambda engine: run_load_layer(
+                plan, self.host_pool, self.device_pool, layer, self.io, engine
+            )
+        )
+
+    def backup(self, plan: PagePlan) -> None:
+        self._run(
+            lambda engine: run_backup(plan, self.device_pool, self.host_pool, self.io, engine)
+        )
+
+    def close(self) -> None:
+        """Release the stream (every copy on it was waited for already). Idempotent."""
+        if self._stream is not None:
+            self._cuda.destroy_stream(self._stream)
+            self._stream = None

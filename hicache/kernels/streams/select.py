@@ -41,9 +41,10 @@ def make_streams(
 ) -> tuple[TransferStreams, StreamSelection]:
     """Build transfer streams for these pools.
 
-    prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "inline" (CPU
-    copies on the event loop at submit: the virtual streams' machinery with no modelled time;
-    needs `schedule`), "cuda" or "auto"
+    prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "inline" (copies
+    on the event loop at submit: the virtual streams' machinery with no modelled time;
+    needs `schedule`); both move bytes with the engine of the device pool's device
+    (streams/inline.py). "cuda" or "auto"
     (CUDA when the device pool is on a CUDA device and the driver answers, else CPU with the
     reason), "cpu". `transfer_sms`: the SMs a CUDA stream's copy kernel may occupy. Raises
     ValueError for an unknown preference or missing virtual arguments."""
@@ -60,7 +61,10 @@ def make_streams(
             device_pool, host_pool, io=io, schedule=schedule, bandwidth=float("inf"), fault=fault
         )
         return streams, StreamSelection(
-            "inline", prefer, "CPU copies on the event loop at submit (cpu_transfers='inline')"
+            "inline",
+            prefer,
+            f"{streams.copies.kind.upper()} copies on the event loop at submit "
+            "(cpu_transfers='inline')",
         )
     if prefer == "virtual":
         if schedule is None or bandwidth is None:
@@ -73,7 +77,10 @@ def make_streams(
             device_pool, host_pool, io=io, schedule=schedule, bandwidth=bandwidth, fault=fault
         )
         return streams, StreamSelection(
-            "virtual", prefer, "virtual time requested (deterministic mode)"
+            "virtual",
+            prefer,
+            "virtual time requested (deterministic mode); bytes move at submit with the "
+            f"{streams.copies.kind.upper()} engine of the device pool's {device_pool.device}",
         )
     from hicache.kernels.streams.cpu import CpuStreams
 

@@ -1,7 +1,8 @@
 """Virtual transfer streams for deterministic mode.
 
-Bytes are copied inline at submit; completion is *reported* at virtual times from a bandwidth
-model: within one direction jobs are serial, and layer `i` of a load lands
+Bytes are copied inline at submit, by the engine that fits the pools' device (streams/inline.py:
+the CPU row copier for host pools, the CUDA engine on its own stream, waited for, for GPU pools);
+completion is *reported* at virtual times from a bandwidth model: within one direction jobs are serial, and layer `i` of a load lands
 `bytes_per_layer / bandwidth` after layer `i-1` (a backup lands once, after all its bytes).
 Timing goes through `schedule(delay_seconds, callback)`, supplied by the runtime; callbacks run
 on the event loop, so `on_done` is called on the loop (from a scheduled callback, never from
@@ -15,7 +16,6 @@ from collections.abc import Callable
 
 import anyio
 
-from hicache.kernels.engines import CpuEngine
 from hicache.kernels.indices import SlotArray, plan_transfer
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import (
@@ -27,7 +27,8 @@ from hicache.kernels.streams.base import (
     TransferFailed,
     check_layer,
 )
-from hicache.kernels.transfer import check_io, run_backup, run_load_all
+from hicache.kernels.streams.inline import InlineCopies, inline_copies
+from hicache.kernels.transfer import check_io
 
 Step = tuple[float, Callable[[], bool]]
 """(delay, action): an action returns True when the rest of its job is to be skipped."""
@@ -136,7 +137,10 @@ class VirtualStreams:
         schedule: Schedule,
         bandwidth: float,
         fault: FaultHook | None = None,
+        copies: InlineCopies | None = None,
     ) -> None:
+        """`copies`: what moves the bytes (default: `inline_copies` for the device pool's
+        device; raises `UnreachableMemory` for a device no engine moves)."""
         check_io(io)
         if not bandwidth or bandwidth <= 0:
             raise ValueError(
@@ -145,7 +149,7 @@ class VirtualStreams:
         self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
         self.bandwidth = float(bandwidth)
         self._fault = fault
-        self._engine = CpuEngine()
+        self.copies = copies if copies is not None else inline_copies(device_pool, host_pool, io)
         self._loads, self._backups = _Lane(schedule), _Lane(schedule)
         self._load_jobs = 0
         self._backup_jobs = 0
@@ -174,7 +178,7 @@ class VirtualStreams:
         self._load_jobs += 1
         copy_error: BaseException | None = None
         try:  # all layers in one move: they are all copied before any completion is reported
-            run_load_all(plan, self.host_pool, self.device_pool, self.io, self._engine)
+            self.copies.load_all(plan)
         except Exception as exc:  # noqa: BLE001 - reported through on_done, on the loop's turn
             copy_error = exc
         layer_bytes = plan.tokens * self.device_pool.geometry.bytes_per_token // layers
@@ -230,7 +234,7 @@ class VirtualStreams:
         extra, error = self._extra(FaultPoint("backup", job, None))
         if error is None:
             try:
-                run_backup(plan, self.device_pool, self.host_pool, self.io, self._engine)
+                self.copies.backup(plan)
             except Exception as exc:  # noqa: BLE001 - reported through on_done
                 error = exc
         nbytes = plan.tokens * self.device_pool.geometry.bytes_per_token
@@ -242,5 +246,8 @@ class VirtualStreams:
         self._backups.push([(nbytes / self.bandwidth + extra, action)])
 
     def close(self) -> None:
-        """Refuse new jobs; already scheduled completions still fire. Idempotent."""
+        """Refuse new jobs; already scheduled completions still fire (their bytes moved at
+        submit). Idempotent."""
+        if not self._closed:
+            self.copies.close()
         self._closed = True

@@ -11,6 +11,7 @@ import numpy as np
 
 from hicache.config import EVICTION_POLICIES, WRITE_POLICIES, CacheConfig
 from hicache.policies.prefetch import PREFETCH_POLICIES
+from hicache.testing.devices import pool_device
 from hicache.testing.simulation.faults import FAULT_KINDS, SimFaults, random_faults
 
 T = TypeVar("T")
@@ -144,7 +145,7 @@ def random_config(seed: int, *, mode: str = "virtual", skip: Iterable[str] = ())
         channel_capacity=pick(rng, (4, 8, 16, 64)),
         deterministic=virtual,
         seed=seed,
-        device="cpu",
+        device=pool_device("cpu")[0],  # HICACHE_TEST_DEVICE moves the pools to a GPU
         cpu_transfers="inline" if virtual else "thread",
         transfer_bandwidth=pick(rng, (20e9, 2e6, 2e5)),
     )

@@ -59,7 +59,6 @@ class LateLandingStreams:
     ) -> VirtualLoadHandle:
         from hicache.kernels.indices import plan_transfer
         from hicache.kernels.streams.virtual import VirtualLoadHandle
-        from hicache.kernels.transfer import run_load_layer
 
         s._check_open()
         plan = plan_transfer(s.host_pool, s.device_pool, host_slots, device_slots)
@@ -74,7 +73,7 @@ class LateLandingStreams:
                 error = fault
                 if error is None:
                     try:
-                        run_load_layer(plan, s.host_pool, s.device_pool, layer, s.io, s._engine)
+                        s.copies.load_layer(plan, layer)
                     except Exception as exc:  # noqa: BLE001 - reported like a stream would
                         error = exc
                 if error is not None:
@@ -100,7 +99,6 @@ class LateLandingStreams:
         s: VirtualStreams, device_slots: SlotArray, host_slots: SlotArray, on_done: OnDone
     ) -> None:
         from hicache.kernels.indices import plan_transfer
-        from hicache.kernels.transfer import run_backup
 
         s._check_open()
         plan = plan_transfer(s.host_pool, s.device_pool, host_slots, device_slots)
@@ -113,7 +111,7 @@ class LateLandingStreams:
             error = fault
             if error is None:
                 try:
-                    run_backup(plan, s.device_pool, s.host_pool, s.io, s._engine)
+                    s.copies.backup(plan)
                 except Exception as exc:  # noqa: BLE001
                     error = exc
             on_done(error)

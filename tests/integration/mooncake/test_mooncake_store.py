@@ -198,7 +198,9 @@ async def test_corrupt_value_is_a_miss_an_event_and_deleted(store, raw, tamper: 
 
 
 async def test_two_processes_share_one_store(store) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}"}
+    caller = os.environ.get("PYTHONPATH")  # kept: packages installed beside the checkout
+    path = os.pathsep.join(p for p in (str(ROOT), str(Path(__file__).parent), caller) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     out = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "writer.py"), store.spec, "shared", "4", "xp"],
         capture_output=True,

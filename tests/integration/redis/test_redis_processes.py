@@ -20,7 +20,10 @@ ROOT = HERE.parents[2]
 
 
 def _write_in_another_process(url: str, tenant: str, seed: int, count: int) -> int:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    caller = os.environ.get("PYTHONPATH")  # kept: packages installed beside the checkout
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(HERE), caller) if p)
+    )
     done = subprocess.run(
         [sys.executable, str(HERE / "redis_writer_process.py"), url, tenant, KV, str(seed), str(count)],
         capture_output=True, text=True, timeout=60, env=env, check=False,

@@ -162,6 +162,21 @@ def test_streamed_moves_match_numpy_rows(layout):
     )
 
 
+def _with_root(pythonpath: str | None) -> str:
+    """This checkout first, then the caller's own path (packages installed beside it, e.g.
+    wheels unpacked into a target dir on a machine with no network)."""
+    return os.pathsep.join([str(ROOT), *([pythonpath] if pythonpath else [])])
+
+
+def test_subprocesses_keep_the_callers_python_path():
+    assert _with_root(None) == str(ROOT)
+    assert _with_root(f"/opt/a{os.pathsep}/opt/b").split(os.pathsep) == [
+        str(ROOT),
+        "/opt/a",
+        "/opt/b",
+    ]
+
+
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -169,7 +184,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        env={**os.environ, "PYTHONPATH": _with_root(os.environ.get("PYTHONPATH")), **env},
         check=False,
     )
 

@@ -1,0 +1,93 @@
+"""Copies that are complete when the call returns: how virtual (and inline) streams move bytes.
+
+Virtual streams model *when* a transfer lands; the bytes themselves move at submit, with the
+engine a real stream of the pools' device uses: the CPU row copier for host pools, the CUDA
+engine on a stream of its own for GPU pools (streams/cuda.py, `CudaInlineCopies`), waited for
+before the call returns. So a test on virtual time runs the same on a CPU and on a GPU machine,
+and no path hands device memory to the CPU copier (which would dereference device pointers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from hicache.kernels.engines import CpuEngine
+from hicache.kernels.indices import PagePlan
+from hicache.kernels.pools import DevicePool, HostPool
+from hicache.kernels.rows import UnreachableMemory
+from hicache.kernels.transfer import run_backup, run_load_all, run_load_layer
+
+
+class InlineCopies(Protocol):
+    """Synchronous whole-transfer copies between one device pool and one host pool."""
+
+    kind: str  # the engine's kind: "cpu" or "cuda"
+
+    def load_all(self, plan: PagePlan) -> None:
+        """Every layer of the planned pages host->device; bytes in place on return."""
+        ...
+
+    def load_layer(self, plan: PagePlan, layer: int) -> None:
+        """One layer of the planned pages host->device; bytes in place on return."""
+        ...
+
+    def backup(self, plan: PagePlan) -> None:
+        """Every layer of the planned pages device->host; bytes in place on return."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class CpuInlineCopies:
+    """Inline copies for a device pool in host memory: the CPU engine on the calling thread."""
+
+    kind = "cpu"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, io: str) -> None:
+        self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
+        self._engine = CpuEngine()
+
+    def load_all(self, plan: PagePlan) -> None:
+        run_load_all(plan, self.host_pool, self.device_pool, self.io, self._engine)
+
+    def load_layer(self, plan: PagePlan, layer: int) -> None:
+        run_load_layer(plan, self.host_pool, self.device_pool, layer, self.io, self._engine)
+
+    def backup(self, plan: PagePlan) -> None:
+        run_backup(plan, self.device_pool, self.host_pool, self.io, self._engine)
+
+    def close(self) -> None:
+        """Nothing held: CPU copies are done when they return."""
+
+
+Maker = Callable[[DevicePool, HostPool, str], InlineCopies]
+
+
+def _cuda_copies(device_pool: DevicePool, host_pool: HostPool, io: str) -> InlineCopies:
+    from hicache.kernels.streams.cuda import CudaInlineCopies  # needs cuda-python and a driver
+
+    return CudaInlineCopies(device_pool, host_pool, io)
+
+
+MAKERS: Mapping[str, Maker] = {"cpu": CpuInlineCopies, "cuda": _cuda_copies}
+"""The inline copies of each device type a device pool can live on."""
+
+
+def inline_copies(
+    device_pool: DevicePool,
+    host_pool: HostPool,
+    io: str,
+    *,
+    makers: Mapping[str, Maker] = MAKERS,
+) -> InlineCopies:
+    """The inline copies that fit where `device_pool` lives (`makers` by device type; tests
+    pass stand-ins). Raises `UnreachableMemory` for a device type no engine moves."""
+    kind = device_pool.device.type
+    maker = makers.get(kind)
+    if maker is None:
+        raise UnreachableMemory(
+            f"no copy engine moves a device pool on {device_pool.device}; "
+            f"pools live on one of {sorted(makers)}"
+        )
+    return maker(device_pool, host_pool, io)
