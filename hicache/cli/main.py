@@ -35,7 +35,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in [minimum, maximum]; the error names the value and rule."""
-    rule = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    rule = (
+        f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    )
 
     def parse(text: str) -> int:
         try:
