@@ -71,9 +71,7 @@ def check_fits(
         parts = [f"L2 {fmt_bytes(need.l2)}"]
         if need.device == "cpu" and need.l1:
             parts.insert(0, f"L1 {fmt_bytes(need.l1)} (device is cpu)")
-        problems.append(
-            f"{' + '.join(parts)} of host memory, {fmt_bytes(free)} available"
-        )
+        problems.append(f"{' + '.join(parts)} of host memory, {fmt_bytes(free)} available")
     if need.device != "cpu" and need.l1 and device_free is not None:
         on_device = device_free(need.device)
         if on_device is not None and need.l1 > on_device:

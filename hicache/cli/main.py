@@ -285,22 +285,28 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             return run(args)
-        except (ValueError, OSError) as exc:  # bad flags, trace or storage: say which, no trace
-            print(f"hicache replay: error: {redact_text(str(exc))}", file=sys.stderr)
+        # bad flags, trace or storage, a missing optional dependency: say which, no traceback
+        except (ValueError, OSError, ImportError) as exc:
+            print(f"hicache replay: error: {_one_line(redact_text(str(exc)))}", file=sys.stderr)
             return 2
     if args.command == "sweep":
         from hicache.cli.sweep import run as run_sweep
 
         try:
             return run_sweep(args)
-        except (ValueError, OSError) as exc:
-            print(f"hicache sweep: error: {exc}", file=sys.stderr)
+        except (ValueError, OSError, ImportError) as exc:
+            print(f"hicache sweep: error: {_one_line(str(exc))}", file=sys.stderr)
             return 2
     if args.command == "check-log":
         from hicache.cli.checklog import run as run_check
 
         return run_check(args)
     return 2
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line (a library message may span several)."""
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

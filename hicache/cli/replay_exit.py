@@ -29,7 +29,6 @@ from pathlib import Path
 from types import FrameType
 
 import anyio
-from anyio.abc import CancelScope
 
 __all__ = [
     "PREFIX",
@@ -94,7 +93,7 @@ def reinstall_stop_handlers() -> None:
         signal.signal(sig, raise_stopped)
 
 
-async def watch_signals(stop: StopRequest, scope: CancelScope) -> None:
+async def watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
     """Record the first signal in `stop` (the replay ends after its current step); cancel
     `scope` on a second one. Runs until cancelled."""
     with anyio.open_signal_receiver(*SIGNALS) as signals:
