@@ -609,6 +609,6 @@ def _is_plain_int(value: object) -> bool:
 
 def _count(call: str, n: object) -> int:
     """A token count a caller passes: a non-negative integer (3.5 or "3" is refused, not cut)."""
-    if not _is_plain_int(n) or int(n) < 0:  # type: ignore[call-overload]
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
         raise InvalidRequest(f"{call}: num_tokens must be an integer >= 0, got {n!r}")
-    return int(n)  # type: ignore[call-overload]
+    return int(n)

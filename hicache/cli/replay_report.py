@@ -112,8 +112,10 @@ def print_table(s: dict[str, Any]) -> None:
         ("input tokens", f"{s['input_tokens']:,}"),
         (
             "hit rate",
-            f"{s['hit_rate']:.4f}  (cold-start bound {s['bound_hit_rate']:.4f}: an unbounded "
-            "cache that starts empty; a warm L3 can pass it)",
+            (
+                f"{s['hit_rate']:.4f}  (cold-start bound {s['bound_hit_rate']:.4f}: an "
+                "unbounded cache that starts empty; a warm L3 can pass it)"
+            ),
         ),
         ("  from L1 (device)", f"{s['hit_tokens']['device'] / tok:.4f}"),
         ("  from L2 (host)", f"{s['hit_tokens']['host'] / tok:.4f}"),
@@ -128,8 +130,10 @@ def print_table(s: dict[str, Any]) -> None:
         ("wall", f"{s['wall_s']:.2f} s"),
         (
             "time in cache calls",
-            f"{s['control_us_per_request']:.0f} us/request  (match to insert, copies included; "
-            "the model's compute excluded)",
+            (
+                f"{s['control_us_per_request']:.0f} us/request  (inside the cache's calls, "
+                "match to insert; the stand-in model's compute and the checks excluded)"
+            ),
         ),
     ]
     partial = s.get("partial")
@@ -138,8 +142,10 @@ def print_table(s: dict[str, Any]) -> None:
             0,
             (
                 "PARTIAL",
-                f"stopped by {partial['stopped_by']} after {s['requests']} of "
-                f"{partial['requests_in_trace']} requests",
+                (
+                    f"stopped by {partial['stopped_by']} after {s['requests']} of "
+                    f"{partial['requests_in_trace']} requests"
+                ),
             ),
         )
     hy = s.get("hybrid")
@@ -171,8 +177,10 @@ def print_table(s: dict[str, Any]) -> None:
         rows.append(
             (
                 "L3 errors / corrupt values",
-                f"{problems['errors']:,} / {problems['corrupt_values']:,}  (each a miss or a "
-                "skipped upload; --events has the details)",
+                (
+                    f"{problems['errors']:,} / {problems['corrupt_values']:,}  (each a miss or "
+                    "a skipped upload; --events has the details)"
+                ),
             )
         )
     store = s.get("storage_stats", {})

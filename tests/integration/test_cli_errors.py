@@ -29,6 +29,7 @@ def hicache(
         [sys.executable, "-m", "hicache.cli.main", *args],
         cwd=tmp_path,
         env=env,
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -134,10 +135,11 @@ def test_metrics_port_without_prometheus_client_is_one_line(tmp_path):
         pythonpath=(str(tmp_path / "stub"),),
     )
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines() == [
+    expected = (
         "hicache replay: error: hicache metrics need prometheus_client: "
         "pip install 'hicache[metrics]'"
-    ]
+    )
+    assert done.stderr.splitlines() == [expected]
 
 
 def test_replay_and_sweep_round_sizes_to_whole_pages_alike(tmp_path):
@@ -159,7 +161,7 @@ def test_replay_help_shows_the_defaults(tmp_path):
     # each option's entry: from its line ("  --flag ...") to the next option's
     entries = {
         m.group(1): " ".join(m.group(0).split())
-        for m in re.finditer(r"^  (--[\w-]+).*?(?=^  -|\Z)", done.stdout, re.M | re.S)
+        for m in re.finditer(r"^  (--[\w-]+).*?(?=^  -|\Z)", done.stdout, re.MULTILINE | re.DOTALL)
     }
     for flag, default in (
         ("--page-size", "64"),

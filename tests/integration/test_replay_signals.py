@@ -70,7 +70,9 @@ def leftovers(tmp_path: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name
+)
 def test_signal_stops_cleanly_and_removes_the_store(tmp_path, sig):
     proc = start_replay(tmp_path, "--quiet")
     wait_for_stored_values(tmp_path, proc)
@@ -99,7 +101,7 @@ def test_killed_replays_store_is_swept_by_the_next_start(tmp_path):
     proc.wait(timeout=WAIT_S)
     (stale,) = leftovers(tmp_path)
     nxt = start_replay(tmp_path, "--quiet", "--limit", "2", "--storage", "none")
-    out, err = nxt.communicate(timeout=WAIT_S)
+    _out, err = nxt.communicate(timeout=WAIT_S)
     assert nxt.returncode == 0, err
     assert f"removed {stale}" in err
     assert leftovers(tmp_path) == []
