@@ -608,7 +608,8 @@ def _is_plain_int(value: object) -> bool:
 
 
 def _count(call: str, n: object) -> int:
-    """A token count a caller passes: a non-negative integer (3.5 or "3" is refused, not cut)."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+    """A token count a caller passes must be an integer (3.5 or "3" is refused, not cut); the
+    tree refuses a negative one, naming the request."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
         raise InvalidRequest(f"{call}: num_tokens must be an integer >= 0, got {n!r}")
     return int(n)

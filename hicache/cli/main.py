@@ -279,7 +279,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # a bad flag (its one line is printed), or --help: the code
+        return stop.code if isinstance(stop.code, int) else 2
     if args.command == "replay":
         from hicache.cli.replay import run
 
