@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,9 @@ def stop_on_signals() -> Iterator[None]:
     def raise_stopped(signum: int, frame: FrameType | None) -> None:
         raise Stopped(signum)
 
+    if not _main_thread():  # only the main thread may set handlers; the caller's stay
+        yield
+        return
     previous = {sig: signal.signal(sig, raise_stopped) for sig in SIGNALS}
     try:
         yield
@@ -89,13 +93,18 @@ def reinstall_stop_handlers() -> None:
     def raise_stopped(signum: int, frame: FrameType | None) -> None:
         raise Stopped(signum)
 
+    if not _main_thread():
+        return
     for sig in SIGNALS:
         signal.signal(sig, raise_stopped)
 
 
 async def watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
     """Record the first signal in `stop` (the replay ends after its current step); cancel
-    `scope` on a second one. Runs until cancelled."""
+    `scope` on a second one. Runs until cancelled (at once outside the main thread, where
+    signals cannot be received: the replay then runs to its end)."""
+    if not _main_thread():
+        return
     with anyio.open_signal_receiver(*SIGNALS) as signals:
         async for signum in signals:
             if stop.signum is None:
@@ -165,6 +174,10 @@ def _tree_bytes(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def exit_code(signum: int) -> int:

@@ -173,3 +173,23 @@ def test_replay_help_shows_the_defaults(tmp_path):
         ("--batch", "8"),
     ):
         assert f"(default: {default})" in entries[flag], entries[flag]
+
+
+def test_summary_shows_rejections_storage_problems_and_what_its_terms_mean(tmp_path, capsys):
+    from hicache.cli.main import main
+    from hicache.cli.replay_report import storage_problems
+
+    out = tmp_path / "s.json"
+    argv = ["replay", *SMALL, "--limit", "50", "--device-tokens", "6400", "--host-tokens"]
+    argv += ["12800", "--storage", "memory", "--json", str(out), "--tmp-dir", str(tmp_path)]
+    assert main(argv) == 0
+    s = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert s["rejected_requests"] > 0
+    assert f"50  ({s['rejected_requests']} rejected: L1 too small)" in table
+    assert s["storage_problems"] == {"errors": 0, "corrupt_values": 0}
+    assert "L3 errors / corrupt values" in table and "L3 bytes stored / peak / cap" in table
+    assert "cold-start bound: the hit rate of an unbounded cache that starts empty" in table
+    assert "time in cache calls: wall time inside" in table
+    mooncake_like = {"errors": 2, "unreachable": 3, "corrupt": 1}
+    assert storage_problems(mooncake_like) == {"errors": 5, "corrupt_values": 1}
