@@ -105,18 +105,21 @@ async def watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
     signals cannot be received: the replay then runs to its end)."""
     if not _main_thread():
         return
-    with anyio.open_signal_receiver(*SIGNALS) as signals:
-        async for signum in signals:
-            if stop.signum is None:
-                stop.signum = signum
-                print(
-                    f"\nhicache replay: {stop.name}: stopping after this step, closing the cache "
-                    "(again to stop at once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                scope.cancel()
+    try:
+        with anyio.open_signal_receiver(*SIGNALS) as signals:
+            async for signum in signals:
+                if stop.signum is None:
+                    stop.signum = signum
+                    print(
+                        f"\nhicache replay: {stop.name}: stopping after this step, closing the cache "
+                        "(again to stop at once)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                else:
+                    scope.cancel()
+    finally:  # the loop's receiver put the default handlers back: a signal from here on
+        reinstall_stop_handlers()  # until the loop ends raises Stopped, not a plain exit
 
 
 @contextlib.contextmanager
