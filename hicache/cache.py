@@ -588,10 +588,11 @@ def _tokens(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | tuple[Any, ...]:
 
 
 def _int_array(what: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
-    """`values` as an int64 array; InvalidRequest naming `what` for anything but integers
-    (strings, floats, bools: a float slot would be truncated to another slot silently)."""
+    """`values` as an integer array (a list becomes int64); InvalidRequest naming `what` for
+    anything but integers (strings, floats, bools: a float slot would be truncated to another
+    slot silently)."""
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
-        return values if values.dtype == np.int64 else values.astype(np.int64)
+        return values  # as given, as before: the tree and the keys take any integer dtype
     arr = np.asarray(values)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
