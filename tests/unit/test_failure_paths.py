@@ -149,3 +149,29 @@ def test_deterministic_cache_refuses_network_storage():
         cfg = CacheConfig(deterministic=True, storage=spec, model_id="m")
         with pytest.raises(ConfigError, match="deterministic=True"):
             cfg.resolve()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_file_store_whose_directory_vanishes_makes_it_again(tmp_path, anyio_backend):
+    """A directory removed under a running store: what it held is gone (misses, no error and no
+    wrong bytes), and the next writes make the directory again and are read back."""
+    import shutil
+
+    from tests.unit.backends.conftest import FakeHostPool, page_keys
+
+    ns = Namespace(model="test/model", kv="mha:2:2:4:bfloat16", page_size=PAGE)
+    backend = FileBackend(tmp_path / "store", namespace=ns, threads=0)
+    pool = FakeHostPool(pages=4)
+    for page in range(4):
+        pool.fill(page, seed=page)
+    keys = page_keys(ns, 4)
+    assert await backend.set_from(keys[:2], [pool.page_buffer(p) for p in range(2)]) == 2
+    shutil.rmtree(tmp_path / "store")
+    assert await backend.set_from(keys[2:], [pool.page_buffer(p) for p in (2, 3)]) == 2
+    out = FakeHostPool(pages=4)
+    assert await backend.exists(keys[:2]) == 0
+    assert await backend.get_into(keys[:1], [out.page_buffer(0)]) == 0
+    assert await backend.get_into(keys[2:], [out.page_buffer(p) for p in (2, 3)]) == 2
+    assert out.page_bytes(2) == pool.page_bytes(2) and out.page_bytes(3) == pool.page_bytes(3)
+    assert backend.stats()["corrupt"] == 0
