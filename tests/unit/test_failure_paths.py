@@ -175,3 +175,21 @@ async def test_file_store_whose_directory_vanishes_makes_it_again(tmp_path, anyi
     assert await backend.get_into(keys[2:], [out.page_buffer(p) for p in (2, 3)]) == 2
     assert out.page_bytes(2) == pool.page_bytes(2) and out.page_bytes(3) == pool.page_bytes(3)
     assert backend.stats()["corrupt"] == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_mooncake_without_its_client_library_fails_at_open(anyio_backend):
+    from hicache.backends.mooncake import MooncakeBackend
+    from hicache.backends.mooncake_spec import parse_spec
+
+    def no_library(spec: object) -> object:
+        raise ModuleNotFoundError("No module named 'mooncake'")
+
+    ns = Namespace(model="m", kv="mha:1:1:4:float16", page_size=PAGE)
+    backend = MooncakeBackend(
+        parse_spec("mooncake://127.0.0.1:50051", {}), namespace=ns, client_factory=no_library
+    )
+    with pytest.raises(BackendUnavailable, match="client is not installed"):
+        await backend.connect()
+    await backend.aclose()
