@@ -23,6 +23,7 @@ from hicache.results import (
     TierStats,
     UnknownRequest,
 )
+from hicache.runtime.errors import KernelClosed
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigError",
     "HiCache",
     "InvalidRequest",
+    "KernelClosed",
     "LedgerImbalance",
     "LoadBackOutcome",
     "MatchOutcome",

@@ -47,6 +47,7 @@ from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.runtime import Kernel, Mailbox
 from hicache.secrets import redact_url
+from hicache.sizing import TierBytes, check_fits, cuda_free
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -93,6 +94,7 @@ async def _assemble(
     cfg: CacheConfig, rewrites: Sequence[Rewrite], parts: Parts, resources: AsyncExitStack
 ) -> Assembly:
     geometry = parse_geometry(cfg.kv)
+    check_pools_fit(cfg, geometry.bytes_per_token, own_device_pool=parts.device_pool is None)
     device = parts.device_pool or DevicePool.allocate(
         geometry, size=cfg.device_tokens, page_size=cfg.page_size, device=_device(cfg.device)
     )
@@ -321,6 +323,22 @@ def adopt_storage(
     )
     return StorageAttachment(
         backend=sealed, spec=f"{cls.__module__}:{cls.__qualname__}", owned=False
+    )
+
+
+def check_pools_fit(cfg: CacheConfig, bytes_per_token: int, *, own_device_pool: bool) -> None:
+    """ConfigError with the sizes when L1 and L2 cannot fit in what the machine has now
+    (hicache/sizing.py); before anything is allocated."""
+    need = TierBytes(
+        device=_device(cfg.device) if own_device_pool else "cpu",
+        l1=cfg.device_tokens * bytes_per_token if own_device_pool else 0,
+        l2=cfg.host_capacity * bytes_per_token,
+    )
+    check_fits(
+        need,
+        what=f"kv={cfg.kv} is {bytes_per_token:,} bytes per token; device_tokens="
+        f"{cfg.device_tokens:,}, host_tokens={cfg.host_capacity:,}",
+        device_free=cuda_free,
     )
 
 

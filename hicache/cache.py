@@ -60,6 +60,7 @@ from hicache.results import (
     Retention,
 )
 from hicache.runtime import Kernel, Mailbox, Reply
+from hicache.runtime.errors import KernelClosed
 from hicache.types import RequestId
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class HiCache:
         self._attached: Callable[[], StorageAttachment | None] = lambda: None  # see `backend`
         self._namespace: Namespace | None = None  # L3's, for `attach_storage`
         self._kernel: Kernel | None = None
+        self._closed = False  # set once `async with` has ended: calls raise KernelClosed
         self._streams: TransferStreams | None = None
         self._resources = AsyncExitStack()
         self._metrics: CacheMetrics | None = None
@@ -124,6 +126,11 @@ class HiCache:
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Self:
+        if self._kernel is not None:  # opened before: its pools and tables are gone
+            raise KernelClosed(
+                "this HiCache was opened already (and is open or closed): a cache opens once; "
+                "make a new HiCache(config) for another run"
+            )
         parts = Parts(
             device_pool=self._device_pool,
             log=self._log,
@@ -186,6 +193,7 @@ class HiCache:
             try:
                 suppress = await kernel.__aexit__(exc_type, exc, tb)
             finally:
+                self._closed = True
                 await self._resources.aclose()  # exporter, an owned backend, the streams
         if leak is not None:
             raise leak
@@ -207,6 +215,8 @@ class HiCache:
     # ------------------------------------------------------------------ plumbing
     async def _call(self, make: Callable[[Reply[T]], Asks[T]], timeout: float | None = None) -> T:
         """Send the tree the request `make(reply)` builds; its answer (typed by the message)."""
+        if self._closed:
+            raise KernelClosed("this HiCache is closed (its `async with` block has ended)")
         if self._kernel is None or self._tree_inbox is None:
             raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
         inbox: Mailbox[Any] = self._tree_inbox  # every `Asks` the facade builds is a TreeInbox
@@ -267,13 +277,17 @@ class HiCache:
         return await self._call(lambda r: LoadBackBatch(rids=batch, reply=r))
 
     async def allocate(self, rid: RequestId, num_tokens: int) -> np.ndarray:
-        """Device slots for new tokens, evicting L1 as needed; CapacityError if impossible."""
+        """Device slots for new tokens, evicting L1 as needed; CapacityError if impossible.
+        The array is the caller's own (writable: index device buffers with it freely)."""
         (out,) = await self.allocate_many([(rid, num_tokens)])
         return out
 
     async def allocate_many(self, sizes: Iterable[tuple[RequestId, int]]) -> tuple[np.ndarray, ...]:
-        batch = tuple((rid, int(n)) for rid, n in sizes)
-        return await self._call(lambda r: AllocBatch(sizes=batch, reply=r))
+        batch = tuple((rid, _count("allocate", n)) for rid, n in sizes)
+        slots = await self._call(lambda r: AllocBatch(sizes=batch, reply=r))
+        # The tree keeps the ledger's read-only array; the caller gets a copy it may write to
+        # (torch warns when indexing with a read-only array) without touching the tree's.
+        return tuple(np.array(s) for s in slots)
 
     async def cache_finished(
         self,
@@ -558,7 +572,7 @@ def _cache_item(item: CacheItemTuple) -> CacheItem:
     return CacheItem(
         rid=item[0],
         tokens=_tokens(item[1]),
-        device_slots=np.asarray(item[2], dtype=np.int64),
+        device_slots=_int_array("device_slots", item[2]),
         finished=bool(item[3]),
         salt=_salt(salt),
     )
@@ -566,8 +580,37 @@ def _cache_item(item: CacheItemTuple) -> CacheItem:
 
 def _tokens(tokens: Sequence[Any] | np.ndarray) -> np.ndarray | tuple[Any, ...]:
     if isinstance(tokens, np.ndarray):
-        return tokens
+        return _int_array("tokens", tokens)
     seq = list(tokens)
     if seq and isinstance(seq[0], tuple):
         return tuple(seq)  # bigram keys
-    return np.asarray(seq, dtype=np.int64)
+    return _int_array("tokens", seq)
+
+
+def _int_array(what: str, values: Sequence[Any] | np.ndarray) -> np.ndarray:
+    """`values` as an integer array (a list becomes int64); InvalidRequest naming `what` for
+    anything but integers (strings, floats, bools: a float slot would be truncated to another
+    slot silently)."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return values  # as given, as before: the tree and the keys take any integer dtype
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        bad = next((v for v in arr.reshape(-1).tolist() if not _is_plain_int(v)), arr.flat[0])
+        raise InvalidRequest(
+            f"{what} must be integers, got {type(bad).__name__} {bad!r} (dtype {arr.dtype})"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _is_plain_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _count(call: str, n: object) -> int:
+    """A token count a caller passes must be an integer (3.5 or "3" is refused, not cut); the
+    tree refuses a negative one, naming the request."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+        raise InvalidRequest(f"{call}: num_tokens must be an integer >= 0, got {n!r}")
+    return int(n)

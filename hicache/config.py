@@ -22,6 +22,14 @@ from hicache.secrets import load_credential, redact_text, redact_url, safe_repr
 
 EVICTION_POLICIES: tuple[str, ...] = tuple(STRATEGIES)
 WRITE_POLICIES: tuple[str, ...] = tuple(_WRITE_POLICIES)
+_REAL_IO_SCHEMES = (
+    "redis://",
+    "rediss://",
+    "unix://",
+    "redis+cluster://",
+    "rediss+cluster://",
+    "mooncake://",
+)
 _DEFAULT_MODEL_ID = "model"  # with storage on, must be replaced by the model's own name
 
 
@@ -231,6 +239,12 @@ class CacheConfig:
                 f"storage={redact_url(self.storage)!r} needs model_id: set model_id to name the model "
                 f"(it is part of every L3 key; with the default model_id={_DEFAULT_MODEL_ID!r} "
                 "two models of the same geometry would share L3 keys and read each other's KV)"
+            )
+        if self.deterministic and self.storage and self.storage.startswith(_REAL_IO_SCHEMES):
+            raise ConfigError(
+                f"storage={redact_url(self.storage)!r} with deterministic=True: a virtual-time "
+                "cache runs no real I/O; use storage 'memory' or 'file:DIR' (or a backend of "
+                "your own that runs inline), or deterministic=False"
             )
         if self.channel_capacity < 4:
             raise ConfigError("channel_capacity must be at least 4 (credits need room)")

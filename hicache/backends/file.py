@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import anyio
 
 from hicache.backends import file_io
-from hicache.backends.base import PageBuffer, check_ttl
+from hicache.backends.base import BackendUnavailable, PageBuffer, check_ttl
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file_index import (
@@ -95,6 +95,11 @@ def value_path(root: str | os.PathLike[str], namespace_digest: str, page_hash: s
     return os.path.join(root, namespace_digest, page_hash[:2], page_hash[2:3], page_hash)
 
 
+class StoreDirectoryUnavailable(BackendUnavailable, ValueError):
+    """The store's directory cannot be created or written at open (a `BackendUnavailable`;
+    also a ValueError, as a bad `file:DIR` spec is)."""
+
+
 class FileBackend:
     """StorageBackend over a directory. Owns its counters, its LRU index and its temporary
     files; shares value files with any other instance over the same directory."""
@@ -140,7 +145,9 @@ class FileBackend:
         try:
             make_dirs(self._tmp)
         except OSError as exc:
-            raise ValueError(f"file backend cannot create directory {self._tmp!r}: {exc}") from exc
+            raise StoreDirectoryUnavailable(
+                f"file backend cannot create directory {self._tmp!r}: {exc}"
+            ) from exc
         clean_temps(self._tmp, stale_temp_s)
         # Expiry marks need nanosecond atimes: where they do not survive, a ttl is not enforced.
         self.enforces_ttl = marks_survive(self._tmp)

@@ -1,10 +1,12 @@
 """`memory`: framed page values in a process-local dict, for tests and single-process runs.
 
 Values are kept as framed bytes (header + payload), so the read path checks them exactly
-like a remote store would. Capacity rule: with `capacity_bytes` set, storing a value evicts
-the least recently used values (by get or put) until the framed total fits; a value larger
-than the whole capacity is not stored (a failed set, not an error). Calls run inline (no
-threads): a dict needs none, and deterministic runs need their absence.
+like a remote store would. Capacity rule: storing a value evicts the least recently used
+values (by get or put) until the framed total fits `capacity_bytes`; a value larger than the
+whole capacity is not stored (a failed set, not an error). By default the capacity is half the
+memory available when the store is made (`default_capacity`), so a long run cannot take the
+process's memory; `capacity_bytes=None` means unbounded. Calls run inline (no threads): a dict
+needs none, and deterministic runs need their absence.
 
 Expiry: a value put with `ttl` seconds is a miss (and dropped) once `clock()` (monotonic by
 default) has passed its deadline; expired values are also the first to go when the capacity
@@ -24,6 +26,25 @@ from typing import Any
 
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import EventSink, SimpleStoreBackend
+from hicache.sizing import available_memory
+
+DEFAULT_FRACTION = 0.5
+"""Of the memory available at construction, what a `MemoryStore` holds at most by default."""
+
+
+def default_capacity() -> int | None:
+    """`DEFAULT_FRACTION` of the available memory (None, unbounded, where it is unknown)."""
+    free = available_memory()
+    return None if free is None else max(1, int(free * DEFAULT_FRACTION))
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "DEFAULT_CAPACITY"
+
+
+DEFAULT_CAPACITY: Any = _Default()
+"""`capacity_bytes`' default: `default_capacity()` when the store is made."""
 
 
 class MemoryStore:
@@ -33,8 +54,13 @@ class MemoryStore:
     enforces_ttl = True
 
     def __init__(
-        self, capacity_bytes: int | None = None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        capacity_bytes: int | None = DEFAULT_CAPACITY,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if capacity_bytes is DEFAULT_CAPACITY:
+            capacity_bytes = default_capacity()
         if capacity_bytes is not None and (
             isinstance(capacity_bytes, bool)
             or not isinstance(capacity_bytes, int)
@@ -48,6 +74,7 @@ class MemoryStore:
         self._deadlines: dict[str, float] = {}  # only values put with a ttl
         self._clock = clock
         self._bytes = 0
+        self.peak_bytes = 0  # the most framed bytes ever held
         self._lock = threading.Lock()
         self.evictions = 0  # values dropped to stay within capacity
 
@@ -86,6 +113,7 @@ class MemoryStore:
             while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
                 self._drop(next(iter(self._values)))
                 self.evictions += 1
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
             return True
 
     def delete(self, key: str) -> None:
@@ -132,9 +160,9 @@ class MemoryBackend(SimpleStoreBackend):
         namespace: Namespace,
         emit: EventSink | None = None,
         store: MemoryStore | None = None,
-        capacity_bytes: int | None = None,
+        capacity_bytes: int | None = DEFAULT_CAPACITY,
     ) -> None:
-        if store is not None and capacity_bytes is not None:
+        if store is not None and capacity_bytes is not DEFAULT_CAPACITY:
             raise ValueError(
                 "give either store or capacity_bytes, not both (the store has its own capacity)"
             )
@@ -149,7 +177,8 @@ class MemoryBackend(SimpleStoreBackend):
     def from_spec(
         cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
     ) -> MemoryBackend:
-        """Spec `memory`. Options: `store` (a shared MemoryStore), `capacity_bytes`."""
+        """Spec `memory`. Options: `store` (a shared MemoryStore), `capacity_bytes` (default:
+        half the available memory; None: unbounded)."""
         if spec != "memory":
             raise ValueError(f"memory backend spec is exactly 'memory', got {spec!r}")
         unknown = set(options) - {"store", "capacity_bytes"}
@@ -163,4 +192,6 @@ class MemoryBackend(SimpleStoreBackend):
         out = dict(super().stats())
         out["evictions"] = self.store.evictions
         out["stored_bytes"] = self.store.nbytes
+        out["peak_stored_bytes"] = self.store.peak_bytes
+        out["max_bytes"] = self.store.capacity_bytes or 0  # 0: unbounded
         return out

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.to_thread
 
-from hicache.backends.base import PageBuffer
+from hicache.backends.base import BackendUnavailable, PageBuffer
 from hicache.backends.mooncake_io import (
     ChunkResult,
     get_chunk,
@@ -87,8 +87,9 @@ def connect_client(spec: MooncakeSpec) -> Any:
 
 
 class MooncakeBackend:
-    """A `StorageBackend` over one Mooncake Store client. Connects lazily on first use (in a
-    worker thread), so construction never blocks. Safe for concurrent awaits from one loop;
+    """A `StorageBackend` over one Mooncake Store client. Connects in `connect()` (the cache
+    awaits it at open), or else lazily on first use (in a worker thread), so construction
+    never blocks. Safe for concurrent awaits from one loop;
     at most `spec.lanes` client calls run at once, each with its own registered lane."""
 
     def __init__(
@@ -142,6 +143,21 @@ class MooncakeBackend:
                 f"namespace must be a hicache.backends.keys.Namespace, got {namespace!r}"
             )
         return cls(parse_spec(spec, options), namespace=namespace, emit=emit)
+
+    async def connect(self) -> None:
+        """The open-time check (base.py): set the client up now, in a worker thread, so that
+        a missing client library or an unreachable master fails the open with
+        `BackendUnavailable` instead of every later call answering a miss."""
+        where = f"Mooncake master {self.spec.master}"
+        try:
+            await anyio.to_thread.run_sync(self._ready_client)
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"{where}: the Mooncake client is not installed ({exc}); "
+                "pip install mooncake-transfer-engine (or -non-cuda)"
+            ) from None
+        except (ConnectionError, OSError) as exc:
+            raise BackendUnavailable(f"{where} unreachable: {exc}") from None
 
     def attach_host_pool(self, pool: HostPool) -> None:
         """The cache that owns this backend hands it its host pool: register the pool's buffer

@@ -1,6 +1,6 @@
 """`hicache check-log EVENTS.jsonl`: re-derive what the event log says happened and check the
 invariants it lets one check. Exit 0 when the log holds, 1 naming the first violation, 2 when
-the file cannot be read.
+the file cannot be read, is not text, or holds no events.
 
 What is checked (docs/events.md, "Checking a log", lists what the events do not let it check
 and the fields that would), in layers: the framing of each line (`checklog_read.py`); runs,
@@ -52,6 +52,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except OSError as exc:
         print(f"hicache check-log: error: {exc}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:  # not a text file: not an event log at all
+        print(
+            f"hicache check-log: error: {args.events}: not a UTF-8 event log (byte "
+            f"{exc.start}: {exc.reason})",
+            file=sys.stderr,
+        )
+        return 2
+    if not report.events:
+        print(
+            f"hicache check-log: error: {args.events}: holds no events (nothing to check)",
+            file=sys.stderr,
+        )
         return 2
     if not args.quiet:
         r = report

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from hicache.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache.policies.prefetch import PREFETCH_POLICIES
@@ -24,8 +26,54 @@ _HYBRID_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line: what was wrong, and where to read more."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum]; the error names the value and rule."""
+    rule = (
+        f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    )
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    parse.__name__ = rule  # argparse names the type in some messages
+    return parse
+
+
+def _token_count(text: str) -> int:
+    """An argparse type: a token count (65536, 100k, 1.5M) >= 1, as the sweep reads them;
+    rounded down to whole pages once the page size is known (`replay_args.cache_config`)."""
+    from hicache.cli.sweep_grid import parse_tokens
+
+    try:
+        value = parse_tokens(text)
+    except ValueError:
+        value = -1.0
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token count >= 1 (e.g. 65536, 200k, 1.5M)"
+        )
+    return int(value)
+
+
+_COUNT = _int_at_least(1)
+_PORT = _int_at_least(0, 65535)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache", description="hierarchical KV cache tools")
+    parser = _Parser(prog="hicache", description="hierarchical KV cache tools")
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser(
         "replay",
@@ -33,15 +81,33 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     r.add_argument("--trace", default=str(_REPO_TRACE), help="JSONL trace (Mooncake format)")
-    r.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    r.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")
-    r.add_argument("--page-size", type=int, default=64)
-    r.add_argument("--device-tokens", type=int, default=200_000)
-    r.add_argument("--host-tokens", type=int, default=400_000)
+    r.add_argument("--limit", type=_COUNT, default=None, help="replay only the first N requests")
+    r.add_argument("--block-tokens", type=_COUNT, default=512, help="tokens per trace hash id")
+    r.add_argument("--page-size", type=_COUNT, default=64, help="tokens per KV page")
+    r.add_argument(
+        "--device-tokens",
+        type=_token_count,
+        default=200_000,
+        help="L1 (device) size in tokens (65536, 200k, 1.5M), rounded down to whole pages",
+    )
+    r.add_argument(
+        "--host-tokens",
+        type=_token_count,
+        default=400_000,
+        help="L2 (host) size in tokens, rounded down to whole pages",
+    )
     r.add_argument(
         "--storage",
         default="file",
-        help="none | memory | file (a temporary directory) | file:DIR | SPEC",
+        help="none | memory (in this process, capped: see docs/backends.md) | file (a "
+        "temporary directory under --tmp-dir, in RAM by default) | file:DIR | SPEC",
+    )
+    r.add_argument(
+        "--tmp-dir",
+        default=None,
+        metavar="DIR",
+        help="where `--storage file` makes its temporary store, removed at exit (default: "
+        "/dev/shm, RAM, when writable; else the system's temporary directory)",
     )
     r.add_argument(
         "--storage-max-bytes",
@@ -51,14 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--detach-at",
-        type=int,
+        type=_COUNT,
         default=None,
         metavar="N",
         help="detach L3 at run time once N requests are done (the replay goes on without it)",
     )
     r.add_argument(
         "--attach-at",
-        type=int,
+        type=_COUNT,
         default=None,
         metavar="M",
         help="attach the same --storage again once M requests are done (M > --detach-at)",
@@ -69,12 +135,19 @@ def _parser() -> argparse.ArgumentParser:
         help="the model id in the L3 keys (replays of other traces or geometries "
         "sharing one store should differ)",
     )
-    r.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
-    r.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
+    r.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru", help="eviction policy")
+    r.add_argument(
+        "--write-policy", choices=WRITE_POLICIES, default="write_through", help="L1 -> L2 -> L3"
+    )
     r.add_argument(
         "--exclusive", action="store_true", help="L2 as a victim tier of L1 (implies write_back)"
     )
-    r.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="wait_complete")
+    r.add_argument(
+        "--prefetch-policy",
+        choices=PREFETCH_POLICIES,
+        default="wait_complete",
+        help="when a request stops waiting for L3 -> L2",
+    )
     r.add_argument(
         "--kv",
         default="mha:2:1:32:float16",
@@ -89,18 +162,20 @@ def _parser() -> argparse.ArgumentParser:
         "with room for L1 and L2 snapshots (auto: one per grid point of L1 and of L2), not in "
         "the K/V pools",
     )
-    r.add_argument("--layout", default="page_first")
-    r.add_argument("--io", default="kernel", choices=("kernel", "direct"))
+    r.add_argument("--layout", default="page_first", help="the pools' memory layout")
+    r.add_argument(
+        "--io", default="kernel", choices=("kernel", "direct"), help="how pages are copied"
+    )
     r.add_argument(
         "--cpu-transfers",
         default=None,
         choices=("thread", "inline"),
         help="without CUDA: copies on worker threads or inline (default: the config's)",
     )
-    r.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
+    r.add_argument("--batch", type=_COUNT, default=8, help="requests per scheduler step")
     r.add_argument(
         "--salts",
-        type=int,
+        type=_int_at_least(0),
         default=0,
         help="spread requests over N salts (tenants): request i runs under salt-{i %% N}",
     )
@@ -118,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="virtual time and simulated transfers: identical runs, identical logs",
     )
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="with --deterministic")
     r.add_argument("--events", default=None, help="write the event log (JSON lines) here")
     r.add_argument("--json", default=None, help="write the summary as JSON here")
     r.add_argument(
@@ -140,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--metrics-port",
-        type=int,
+        type=_PORT,
         default=None,
         help="serve Prometheus metrics on this port (/metrics) while replaying",
     )
@@ -152,9 +227,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     s.add_argument("--trace", default=str(_REPO_TRACE), help="JSONL trace (Mooncake format)")
-    s.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    s.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")
-    s.add_argument("--page-size", type=int, default=64)
+    s.add_argument("--limit", type=_COUNT, default=None, help="replay only the first N requests")
+    s.add_argument("--block-tokens", type=_COUNT, default=512, help="tokens per trace hash id")
+    s.add_argument("--page-size", type=_COUNT, default=64, help="tokens per KV page")
     s.add_argument(
         "--device",
         default="100k,200k,400k,1M",
@@ -167,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--exclusive", action="store_true", help="L2 as a victim tier of L1 (implies write_back)"
     )
-    s.add_argument("--batch", type=int, default=8, help="requests per scheduler step")
+    s.add_argument("--batch", type=_COUNT, default=8, help="requests per scheduler step")
     s.add_argument(
         "--hybrid",
         default=None,
@@ -194,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("events", help="the event log, as written by --events or configure_logging")
     c.add_argument(
         "--device-tokens",
-        type=int,
+        type=_COUNT,
         default=None,
         help="the L1 size the log was written with: also check that the tree never "
         "holds more device tokens",
@@ -204,28 +279,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # a bad flag (its one line is printed), or --help: the code
+        return stop.code if isinstance(stop.code, int) else 2
     if args.command == "replay":
         from hicache.cli.replay import run
 
         try:
             return run(args)
-        except (ValueError, OSError) as exc:  # bad flags, trace or storage: say which, no trace
-            print(f"hicache replay: error: {redact_text(str(exc))}", file=sys.stderr)
+        # bad flags, trace or storage, a missing optional dependency: say which, no traceback
+        except (ValueError, OSError, ImportError) as exc:
+            print(f"hicache replay: error: {_one_line(redact_text(str(exc)))}", file=sys.stderr)
             return 2
     if args.command == "sweep":
         from hicache.cli.sweep import run as run_sweep
 
         try:
             return run_sweep(args)
-        except (ValueError, OSError) as exc:
-            print(f"hicache sweep: error: {exc}", file=sys.stderr)
+        except (ValueError, OSError, ImportError) as exc:
+            print(f"hicache sweep: error: {_one_line(str(exc))}", file=sys.stderr)
             return 2
     if args.command == "check-log":
         from hicache.cli.checklog import run as run_check
 
         return run_check(args)
     return 2
+
+
+def _one_line(message: str) -> str:
+    """An error message on one line (a library message may span several)."""
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

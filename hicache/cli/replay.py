@@ -22,11 +22,10 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -38,7 +37,17 @@ from hicache.cli.hybrid_replay import (
     run_hybrid_step,
 )
 from hicache.cli.replay_args import cache_config, pin_tiers, scratch_dir
-from hicache.cli.replay_link import link_utilization, measure_link
+from hicache.cli.replay_exit import (
+    Stopped,
+    StopRequest,
+    exit_code,
+    owned_scratch,
+    reinstall_stop_handlers,
+    stop_on_signals,
+    sweep_stale,
+    watch_signals,
+)
+from hicache.cli.replay_link import LinkReference, link_utilization, measure_link
 from hicache.cli.replay_progress import progress_display
 from hicache.cli.replay_report import add_flags, print_table, summarize
 from hicache.cli.replay_step import Timer, run_step
@@ -51,6 +60,8 @@ from hicache.observability import EventLog
 from hicache.results import CapacityError
 from hicache.runtime import run_deterministic
 from hicache.types import RequestId
+
+_T = TypeVar("_T")
 
 
 async def replay(
@@ -69,6 +80,8 @@ async def replay(
     pin_first_block: tuple[str, ...] = (),
     hybrid: HybridModel | None = None,
     state_snapshots: tuple[int | None, int | None] | None = None,
+    tally: Tally | None = None,
+    stop: StopRequest | None = None,
 ) -> tuple[Tally, dict[str, Any]]:
     """Replay `requests`; `progress(done)` after every step, and `on_step(tally)` too (the
     running counts: the live hit rate is (device_hit + loaded) / input_tokens). With
@@ -76,7 +89,8 @@ async def replay(
     again (the same `cfg.storage`, with `cfg.extra`) once that many are. With `hybrid`,
     requests go one by one through `HybridCache` (hybrid_replay.py; its pool: the config's),
     with `state_snapshots` (L1, L2; None: state_config's default) keeping the snapshots in a
-    states cache of their own."""
+    states cache of their own. `tally` (a new one by default) is filled as steps end; once
+    `stop` records a signal, no step starts and the cache closes as after the last one."""
     check_storage_switch(cfg, detach_at, attach_at)
     if any(t not in ("device", "host") for t in pin_first_block):
         raise ValueError(
@@ -84,7 +98,7 @@ async def replay(
         )
     if hybrid is not None and pin_first_block:
         raise ValueError("--pin-first-block is not supported with --hybrid")
-    tally = Tally()
+    tally = Tally() if tally is None else tally
     timer = Timer(tally)
     async with (
         HiCache(cfg, log=log) as cache,
@@ -101,6 +115,8 @@ async def replay(
         pins = pin_first_block
         hc = HybridCache(cache, hybrid, states=states) if hybrid is not None else None
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
+            if stop is not None and stop.signum is not None:
+                break
             storage_on = cache.backend is not None
             if hc is not None:
                 await run_hybrid_step(
@@ -145,7 +161,8 @@ async def replay(
             await switches.after(cache, tally.requests)
         backend = cache.backend
         with timer:
-            await cache.flush()
+            if stop is None or stop.signum is None:  # stopped: close without waiting on L3
+                await cache.flush()
             stats = await cache.stats()
         extra: dict[str, Any] = {
             "run_s": time.perf_counter() - opened,  # first step to the last write flushed
@@ -244,48 +261,79 @@ def run(args: argparse.Namespace) -> int:
     hybrid = parse_hybrid(spec, args.page_size, args.kv) if spec is not None else None
     kv = hybrid_kv(args.kv, hybrid) if hybrid is not None else args.kv
     state_sizes = parse_state_snapshots(getattr(args, "state_snapshots", None), hybrid)
-    requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
-    with tempfile.TemporaryDirectory(prefix="hicache-replay-", dir=scratch_dir()) as tmp:
-        cfg = cache_config(args, kv=kv, tmp=tmp)
-        with contextlib.ExitStack() as files:
-            events_file = (
-                files.enter_context(open(args.events, "w", encoding="utf-8"))
-                if args.events
-                else None
-            )
-            log = EventLog(sink=events_file) if events_file else None
-            # the link's contiguous copy rate, before the clock starts (virtual time: none)
-            link = None if args.deterministic else measure_link(cfg.device)
-            t0 = time.perf_counter()
-            with progress_display(len(requests), args.quiet) as show:
-
-                async def main() -> tuple[Tally, dict[str, Any]]:
-                    return await replay(
-                        cfg,
-                        requests,
-                        block_tokens=args.block_tokens,
-                        batch=args.batch,
-                        verify=args.verify,
-                        log=log,
-                        progress=lambda done: None,
-                        on_step=show,
-                        salts=args.salts,
-                        detach_at=getattr(args, "detach_at", None),
-                        attach_at=getattr(args, "attach_at", None),
-                        pin_first_block=tiers,
-                        hybrid=hybrid,
-                        state_snapshots=state_sizes,
+    parent = getattr(args, "tmp_dir", None)
+    if parent is not None and not Path(parent).is_dir():
+        raise ValueError(f"--tmp-dir {parent}: not a directory")
+    parent = parent or scratch_dir()
+    stop = StopRequest()
+    tally = Tally()  # filled as the replay goes: a stopped run reports what it did
+    outcome: tuple[Tally, dict[str, Any]] | None = None
+    requests: list[TraceRequest] = []
+    cfg: CacheConfig | None = None
+    link: LinkReference | None = None
+    t0 = time.perf_counter()
+    with stop_on_signals():
+        try:
+            report_swept(sweep_stale(parent))
+            requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)
+            if not requests:
+                raise ValueError(f"--trace {args.trace}: holds no requests")
+            with owned_scratch(parent) as tmp:
+                cfg = cache_config(args, kv=kv, tmp=tmp)
+                with contextlib.ExitStack() as files:
+                    events_file = (
+                        files.enter_context(open(args.events, "w", encoding="utf-8"))
+                        if args.events
+                        else None
                     )
+                    log = EventLog(sink=events_file) if events_file else None
+                    # the link's contiguous copy rate, before the clock starts (virtual time: none)
+                    link = None if args.deterministic else measure_link(cfg.device)
+                    t0 = time.perf_counter()
+                    with progress_display(len(requests), args.quiet) as show:
+                        run_cfg = cfg
 
-                if args.deterministic:
-                    tally, extra = run_deterministic(main, seed=args.seed)
-                else:
-                    tally, extra = anyio.run(main)
-            wall = time.perf_counter() - t0
+                        async def replay_once() -> tuple[Tally, dict[str, Any]]:
+                            return await replay(
+                                run_cfg,
+                                requests,
+                                block_tokens=args.block_tokens,
+                                batch=args.batch,
+                                verify=args.verify,
+                                log=log,
+                                progress=lambda done: None,
+                                on_step=show,
+                                salts=args.salts,
+                                detach_at=getattr(args, "detach_at", None),
+                                attach_at=getattr(args, "attach_at", None),
+                                pin_first_block=tiers,
+                                hybrid=hybrid,
+                                state_snapshots=state_sizes,
+                                tally=tally,
+                                stop=stop,
+                            )
+
+                        async def main() -> tuple[Tally, dict[str, Any]] | None:
+                            return await until_stopped(replay_once, stop)
+
+                        if args.deterministic:
+                            outcome = run_deterministic(main, seed=args.seed)
+                        else:
+                            outcome = anyio.run(main)
+                        reinstall_stop_handlers()  # the event loop put the defaults back
+        except Stopped as s:
+            stop.signum = stop.signum if stop.signum is not None else s.signum
+    wall = time.perf_counter() - t0
+    if stop.signum is not None and (cfg is None or not tally.requests):
+        print(f"hicache replay: {stop.name}: stopped before any request ran", file=sys.stderr)
+        return exit_code(stop.signum)
+    assert cfg is not None
+    tally, extra = outcome if outcome is not None else (tally, {})
+    done = requests if stop.signum is None else requests[: tally.requests]
     summary = summarize(
-        tally, extra, cfg, requests, block_tokens=args.block_tokens, storage=args.storage, wall=wall
+        tally, extra, cfg, done, block_tokens=args.block_tokens, storage=args.storage, wall=wall
     )
-    if link is not None:
+    if link is not None and "run_s" in extra:
         moved = summary["bytes"]["d2h"] + summary["bytes"]["h2d"]
         summary["link"] = link_utilization(moved, extra["run_s"], link)
     add_flags(
@@ -297,8 +345,40 @@ def run(args: argparse.Namespace) -> int:
         attach_at=getattr(args, "attach_at", None),
         hybrid_spec=spec,
     )
+    if stop.signum is not None:  # what it did before the signal: marked so
+        summary["partial"] = {"stopped_by": stop.name, "requests_in_trace": len(requests)}
     print_table(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    if stop.signum is not None:
+        return exit_code(stop.signum)
     corrupt_states = summary.get("hybrid", {}).get("corrupt_states", 0)
     return 1 if summary["corrupt_pages"] or corrupt_states else 0
+
+
+async def until_stopped(work: Callable[[], Awaitable[_T]], stop: StopRequest) -> _T | None:
+    """`work()`, with SIGTERM, SIGHUP and SIGINT watched meanwhile (replay_exit): None when a
+    second signal cancelled it."""
+    result: list[_T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_signals, stop, tg.cancel_scope)
+        try:
+            result.append(await work())
+        except Exception as exc:  # noqa: BLE001 - raised as is below, not as a group
+            failure.append(exc)
+        finally:
+            tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return result[0] if result else None
+
+
+def report_swept(removed: list[tuple[str, int]]) -> None:
+    """One line on stderr per stale store removed at start."""
+    for path, size in removed:
+        print(
+            f"hicache replay: removed {path} ({size / 1e9:.2f} GB), the store of a replay that "
+            "ended without removing it",
+            file=sys.stderr,
+        )

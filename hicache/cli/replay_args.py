@@ -9,13 +9,15 @@ from pathlib import Path
 
 from hicache.config import CacheConfig
 
-__all__ = ["cache_config", "pin_tiers", "scratch_dir"]
+__all__ = ["cache_config", "pin_tiers", "scratch_dir", "whole_pages"]
 
 
 def scratch_dir() -> str | None:
-    """Where the default file store goes: RAM-backed /dev/shm when writable (a file store on
-    local NVMe behaves like it; an overlay /tmp can cost milliseconds per file), else the
-    system's temporary directory."""
+    """Where the default file store goes without `--tmp-dir`: RAM-backed /dev/shm when
+    writable (a file store on local NVMe behaves like it; an overlay /tmp can cost
+    milliseconds per file), else the system's temporary directory. In RAM, the store's
+    default cap (90 % of the free space) is most of the machine's memory: `replay_exit`
+    removes it at every exit."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
@@ -39,8 +41,8 @@ def cache_config(args: argparse.Namespace, *, kv: str, tmp: str) -> CacheConfig:
     return CacheConfig(
         kv=kv,
         page_size=args.page_size,
-        device_tokens=args.device_tokens,
-        host_tokens=args.host_tokens,
+        device_tokens=whole_pages("--device-tokens", args.device_tokens, args.page_size),
+        host_tokens=whole_pages("--host-tokens", args.host_tokens, args.page_size),
         eviction=args.eviction,
         write_policy=args.write_policy,
         exclusive=args.exclusive,
@@ -58,6 +60,19 @@ def cache_config(args: argparse.Namespace, *, kv: str, tmp: str) -> CacheConfig:
         encrypt_at_rest=getattr(args, "encrypt_at_rest", False),
         **({"cpu_transfers": args.cpu_transfers} if args.cpu_transfers else {}),
     )
+
+
+def whole_pages(flag: str, tokens: int, page_size: int) -> int:
+    """A tier size from the command line rounded down to whole pages, as `hicache sweep`
+    rounds its sizes (the API, `CacheConfig`, takes exact multiples only); ValueError when
+    not even one page is left."""
+    rounded = int(tokens) // page_size * page_size
+    if rounded <= 0:
+        raise ValueError(
+            f"{flag} {tokens}: needs at least one page ({page_size} tokens with --page-size "
+            f"{page_size})"
+        )
+    return rounded
 
 
 def pin_tiers(value: str | None) -> tuple[str, ...]:

@@ -61,11 +61,20 @@ def summarize(
     }
     if "backend" in extra:
         summary["storage_stats"] = extra["backend"]
+        summary["storage_problems"] = storage_problems(extra["backend"])
     if tally.per_salt:  # requests spread over salts: each salt's own hit rate (live measure)
         summary["hit_rate_per_salt"] = {
             k: round(hit / max(total, 1), 4) for k, (total, hit) in sorted(tally.per_salt.items())
         }
     return summary
+
+
+def storage_problems(stats: dict[str, Any]) -> dict[str, int]:
+    """What went wrong in L3, from the backend's counters (names differ by backend): failed
+    calls (errors, an unreachable or unavailable store) and values that failed verification
+    (read as misses and deleted). Each is a miss or a skipped upload, never wrong KV."""
+    errors = sum(int(stats.get(k, 0)) for k in ("errors", "unreachable", "unavailable"))
+    return {"errors": errors, "corrupt_values": int(stats.get("corrupt", 0))}
 
 
 def add_flags(
@@ -94,10 +103,14 @@ def add_flags(
 def print_table(s: dict[str, Any]) -> None:
     """The summary as the two-column table `hicache replay` prints."""
     tok = s["input_tokens"] or 1
+    rejected = s["rejected_requests"]
     rows = [
-        ("requests", f"{s['requests']}"),
+        (
+            "requests",
+            f"{s['requests']}" + (f"  ({rejected} rejected: L1 too small)" if rejected else ""),
+        ),
         ("input tokens", f"{s['input_tokens']:,}"),
-        ("hit rate", f"{s['hit_rate']:.4f}  (bound {s['bound_hit_rate']:.4f})"),
+        ("hit rate", f"{s['hit_rate']:.4f}  (cold-start bound {s['bound_hit_rate']:.4f})"),
         ("  from L1 (device)", f"{s['hit_tokens']['device'] / tok:.4f}"),
         ("  from L2 (host)", f"{s['hit_tokens']['host'] / tok:.4f}"),
         ("  from L3 (storage)", f"{s['hit_tokens']['storage'] / tok:.4f}"),
@@ -109,13 +122,25 @@ def print_table(s: dict[str, Any]) -> None:
         ),
         ("verified / corrupt pages", f"{s['verified_pages']:,} / {s['corrupt_pages']}"),
         ("wall", f"{s['wall_s']:.2f} s"),
-        ("control plane", f"{s['control_us_per_request']:.0f} us/request"),
+        ("time in cache calls", f"{s['control_us_per_request']:.0f} us/request"),
     ]
     link = s.get("link")
     if link is not None:  # bytes moved L1<->L2 over the wall, against the link's own copy rate
         moved = f"{link['moved_gbps']:.1f} GB/s moved in {link['run_s']:.2f} s"
         ref = f"{link['reference']}: {link['reference_gbps']:.1f} GB/s"
         rows.append(("link utilization", f"{link['utilization']:.2f} x  ({moved}; {ref})"))
+    partial = s.get("partial")
+    if partial is not None:
+        rows.insert(
+            0,
+            (
+                "PARTIAL",
+                (
+                    f"stopped by {partial['stopped_by']} after {s['requests']} of "
+                    f"{partial['requests_in_trace']} requests"
+                ),
+            ),
+        )
     hy = s.get("hybrid")
     if hy is not None:
         where = (
@@ -140,6 +165,14 @@ def print_table(s: dict[str, Any]) -> None:
             room = f"{own['device_snapshots']:,} / {own['host_snapshots']:,} snapshots"
             moved = f"evicted {ev['device']:,} / {ev['host']:,}, {own['h2s']:,} bytes to L3"
             rows.append(("states cache L1 / L2", f"{room}, {moved}"))
+    problems = s.get("storage_problems")
+    if problems is not None:
+        rows.append(
+            (
+                "L3 errors / corrupt values",
+                f"{problems['errors']:,} / {problems['corrupt_values']:,}  (misses; see --events)",
+            )
+        )
     store = s.get("storage_stats", {})
     if "peak_stored_bytes" in store:  # a file store: how full it got against its cap
         sizes = (store["stored_bytes"], store["peak_stored_bytes"], store["max_bytes"])
@@ -153,3 +186,11 @@ def print_table(s: dict[str, Any]) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    for line in _NOTES:
+        print(line)
+
+
+_NOTES = (
+    "cold-start bound: the hit rate of an unbounded cache that starts empty (a warm L3 can pass it)",
+    "time in cache calls: wall time inside match ... insert per request (no model compute)",
+)

@@ -102,7 +102,7 @@ def test_storage_max_bytes_caps_the_file_store(tmp_path, capsys):
     "argv, message",
     [
         (["--kv", "mha:2:x:8:float16"], "heads"),
-        (["--page-size", "0"], "page_size"),
+        (["--page-size", "0"], "--page-size"),
         (["--storage", "nosuch://x"], "nosuch"),
         (["--storage-max-bytes", "lots"], "--storage-max-bytes"),
     ],

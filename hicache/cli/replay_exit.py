@@ -1,0 +1,188 @@
+"""How `hicache replay` ends when it is told to stop, and what it leaves behind.
+
+A replay's default file store lives in a temporary directory (in RAM, /dev/shm, where that is
+writable). Three rules keep it from outliving the replay:
+
+- The directory is owned: `owned_scratch` holds an exclusive `flock` on a file inside it for
+  the whole run, and removes the directory on every exit.
+- SIGTERM, SIGHUP and SIGINT stop the replay after the step in flight (`watch_signals`): the
+  cache closes as at the end of a run, the temporary store is removed, a partial summary is
+  printed, and the command exits 128 + the signal's number. A second signal cancels at once
+  (the cache still closes, without waiting for work in flight). Before and after the event
+  loop runs, the same signals raise `Stopped` (`stop_on_signals`).
+- At start, `sweep_stale` removes `hicache-replay-*` directories whose lock no process holds:
+  replays killed by SIGKILL or a power cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import anyio
+
+__all__ = [
+    "PREFIX",
+    "SIGNALS",
+    "StopRequest",
+    "Stopped",
+    "exit_code",
+    "owned_scratch",
+    "reinstall_stop_handlers",
+    "stop_on_signals",
+    "sweep_stale",
+    "watch_signals",
+]
+
+PREFIX = "hicache-replay-"
+_OWNER = ".owner"  # locked by the live replay; holds its pid, for people reading the directory
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class Stopped(BaseException):
+    """A signal arrived outside the event loop; a BaseException, as KeyboardInterrupt is, so
+    no `except Exception` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass(slots=True)
+class StopRequest:
+    """The first signal the replay received (None: none yet), read between steps."""
+
+    signum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within: SIGTERM, SIGHUP and SIGINT raise `Stopped` (the default handlers restored after)."""
+
+    def raise_stopped(signum: int, frame: FrameType | None) -> None:
+        raise Stopped(signum)
+
+    if not _main_thread():  # only the main thread may set handlers; the caller's stay
+        yield
+        return
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def reinstall_stop_handlers() -> None:
+    """The event loop restores default handlers when it ends: put `Stopped` back."""
+
+    def raise_stopped(signum: int, frame: FrameType | None) -> None:
+        raise Stopped(signum)
+
+    if not _main_thread():
+        return
+    for sig in SIGNALS:
+        signal.signal(sig, raise_stopped)
+
+
+async def watch_signals(stop: StopRequest, scope: anyio.CancelScope) -> None:
+    """Record the first signal in `stop` (the replay ends after its current step); cancel
+    `scope` on a second one. Runs until cancelled (at once outside the main thread, where
+    signals cannot be received: the replay then runs to its end)."""
+    if not _main_thread():
+        return
+    try:
+        with anyio.open_signal_receiver(*SIGNALS) as signals:
+            async for signum in signals:
+                if stop.signum is None:
+                    stop.signum = signum
+                    print(
+                        f"\nhicache replay: {stop.name}: stopping after this step, closing the cache "
+                        "(again to stop at once)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                else:
+                    scope.cancel()
+    finally:  # the loop's receiver put the default handlers back: a signal from here on
+        reinstall_stop_handlers()  # until the loop ends raises Stopped, not a plain exit
+
+
+@contextlib.contextmanager
+def owned_scratch(parent: str | None) -> Iterator[str]:
+    """A new `hicache-replay-*` directory under `parent` (None: the system's temporary
+    directory), locked as this process's for as long as the context runs, and removed on
+    every exit from it."""
+    path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
+    try:
+        fd = os.open(os.path.join(path, _OWNER), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            yield path
+        finally:
+            os.close(fd)  # releases the lock
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep_stale(parent: str | None) -> list[tuple[str, int]]:
+    """Remove the `hicache-replay-*` directories under `parent` whose owner lock no process
+    holds (their replay ended without cleaning up); (path, bytes) of each removed. A
+    directory without an owner file is left alone (it may be being created)."""
+    root = Path(parent if parent is not None else tempfile.gettempdir())
+    removed: list[tuple[str, int]] = []
+    try:
+        candidates = sorted(root.glob(f"{PREFIX}*"))
+    except OSError:
+        return removed
+    for path in candidates:
+        owner = path / _OWNER
+        try:
+            fd = os.open(owner, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live replay holds it
+            size = _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                removed.append((str(path), size))
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by a signal."""
+    return 128 + signum
