@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/hicache replay
 
-# Services and native libraries the service-backed tests need: redis-server (Debian), and
-# libibverbs1 + the Mooncake client wheel (its tests run against a real master and store).
+# Services and native libraries the service-backed tests need: redis-server (Debian),
+# libibverbs1 + the Mooncake client wheel (its tests run against a real master and store), and
+# NIXL (nixl-cu12: its POSIX plugin runs without a GPU; the nixl backend's tests use it).
 services: $(STAMP)
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || missing="redis-server redis-tools"; \
@@ -34,6 +35,9 @@ services: $(STAMP)
 	@$(VPY) -c "import mooncake.store" 2>/dev/null || \
 	  $(VPY) -m pip install -q 'mooncake-transfer-engine-non-cuda' || \
 	  echo "mooncake client not installable; its tests will skip"
+	@$(VPY) -c "import nixl_cu12" 2>/dev/null || \
+	  $(VPY) -m pip install -q 'nixl-cu12>=1.5' || \
+	  echo "nixl not installable; the nixl backend's tests will skip"
 
 # The static gates (docs/decisions.md, "Static gates"): lint, formatting, types. `make test`
 # runs them first; any finding fails it. `ruff check --fix .` and `ruff format .` fix most.
