@@ -70,6 +70,7 @@ def test_spec_options_and_errors() -> None:
         True,
     )
     assert spec.params == (("use_uring", "true"),)
+    assert NixlSpec.parse("nixl:/d").params == (("use_aio", "true"),)  # the POSIX default queue
     assert NixlSpec.parse("nixl:/d?plugin=gds_mt", threads=1).plugin == "GDS_MT"
     for bad, match in [
         ("nixl:", "needs a directory"),
