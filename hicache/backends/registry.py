@@ -7,6 +7,7 @@ Known forms:
     redis://… rediss://… unix://… redis+cluster://…   hicache.backends.redis:RedisBackend
     mooncake://…                             hicache.backends.mooncake:MooncakeBackend
     nixl:DIR[?…]                             hicache.backends.nixl:NixlBackend
+    aibrix:DIR[?…]                           hicache.backends.aibrix:AibrixBackend
     package.module:Class[?ARG]               any class with the same from_spec classmethod
 
 Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`; the full
@@ -39,11 +40,12 @@ _SCHEMES: tuple[tuple[str, str], ...] = (
     ("rediss+cluster://", "hicache.backends.redis:RedisBackend"),
     ("mooncake://", "hicache.backends.mooncake:MooncakeBackend"),
     ("nixl:", "hicache.backends.nixl:NixlBackend"),
+    ("aibrix:", "hicache.backends.aibrix:AibrixBackend"),
 )
 _IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)(\?.*)?")
 
 _RESERVED = frozenset(
-    {"memory", "file", "redis", "rediss", "unix", "mooncake", "nixl"}
+    {"memory", "file", "redis", "rediss", "unix", "mooncake", "nixl", "aibrix"}
 )  # typos, not modules
 
 KNOWN_FORMS = (
@@ -56,6 +58,7 @@ KNOWN_FORMS = (
     "rediss+cluster://HOST:PORT",
     "mooncake://…",
     "nixl:DIR",
+    "aibrix:DIR",
     "package.module:Class",
 )
 
