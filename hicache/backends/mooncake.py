@@ -28,6 +28,7 @@ import anyio
 import anyio.to_thread
 
 from hicache.backends.base import BackendUnavailable, PageBuffer
+from hicache.backends.batch import check_buffers, check_keys
 from hicache.backends.mooncake_io import (
     ChunkResult,
     get_chunk,
@@ -263,7 +264,7 @@ class MooncakeBackend:
         self._stats["staged_pages"] += result.staged
 
     async def exists(self, keys: Sequence[str]) -> int:
-        keys = _check_keys(keys)
+        keys = self._check_keys(keys)
         if not keys or not self._available("exists"):
             return 0
 
@@ -289,10 +290,10 @@ class MooncakeBackend:
         return await self._transfer("set", keys, sources)
 
     async def _transfer(self, op: str, keys: Sequence[str], pages: Sequence[PageBuffer]) -> int:
-        keys = _check_keys(keys)
-        if len(pages) != len(keys):
-            raise ValueError(f"{op}: {len(keys)} keys but {len(pages)} page buffers")
-        self._stats["gets" if op == "get" else "sets"] += 1
+        keys = self._check_keys(keys)
+        # Validation only: the pages go on as given (host pool pages carry their header room).
+        check_buffers(self.namespace, keys, pages, writable=op == "get")
+        self._stats["gets" if op == "get" else "sets"] += len(keys)  # pages asked for
         if not keys or not self._available(op):
             return 0
         chunk_fn = get_chunk if op == "get" else put_chunk
@@ -344,7 +345,7 @@ class MooncakeBackend:
         return done
 
     async def delete(self, keys: Sequence[str]) -> None:
-        keys = _check_keys(keys)
+        keys = self._check_keys(keys)
         if keys and self._available("delete"):
             await self._run("delete", lambda: self._ready_client().batch_remove(keys, True))
 
@@ -357,6 +358,11 @@ class MooncakeBackend:
     def stats(self) -> Mapping[str, int | float]:
         return dict(self._stats)
 
+    def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        """The keys as a list; each must be a key of this namespace (a caller's bug otherwise)."""
+        check_keys(self.namespace, keys)
+        return list(keys)
+
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -365,11 +371,3 @@ class MooncakeBackend:
         if client is not None:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(client.close)
-
-
-def _check_keys(keys: Sequence[str]) -> list[str]:
-    keys = list(keys)
-    for key in keys:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"keys must be non-empty strings, got {key!r}")
-    return keys

@@ -275,6 +275,8 @@ class RedisBackend:
     def _check_keys(self, keys: Sequence[str]) -> None:
         if self._closed:
             raise RuntimeError("RedisBackend used after aclose()")
+        if isinstance(keys, (str, bytes)):  # a lone key would be checked character by character
+            raise TypeError("keys must be a sequence of key strings, not a single string")
         prefix = self.namespace.prefix
         for key in keys:
             if not isinstance(key, str) or not key.startswith(prefix):

@@ -6,6 +6,8 @@ Known forms:
     file:DIR                                 hicache.backends.file:FileBackend
     redis://… rediss://… unix://… redis+cluster://…   hicache.backends.redis:RedisBackend
     mooncake://…                             hicache.backends.mooncake:MooncakeBackend
+    nixl:DIR[?…]                             hicache.backends.nixl:NixlBackend
+    aibrix:DIR[?…]                           hicache.backends.aibrix:AibrixBackend
     package.module:Class[?ARG]               any class with the same from_spec classmethod
 
 Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`; the full
@@ -37,11 +39,13 @@ _SCHEMES: tuple[tuple[str, str], ...] = (
     ("redis+cluster://", "hicache.backends.redis:RedisBackend"),
     ("rediss+cluster://", "hicache.backends.redis:RedisBackend"),
     ("mooncake://", "hicache.backends.mooncake:MooncakeBackend"),
+    ("nixl:", "hicache.backends.nixl:NixlBackend"),
+    ("aibrix:", "hicache.backends.aibrix:AibrixBackend"),
 )
 _IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)(\?.*)?")
 
 _RESERVED = frozenset(
-    {"memory", "file", "redis", "rediss", "unix", "mooncake"}
+    {"memory", "file", "redis", "rediss", "unix", "mooncake", "nixl", "aibrix"}
 )  # typos, not modules
 
 KNOWN_FORMS = (
@@ -53,6 +57,8 @@ KNOWN_FORMS = (
     "redis+cluster://HOST:PORT",
     "rediss+cluster://HOST:PORT",
     "mooncake://…",
+    "nixl:DIR",
+    "aibrix:DIR",
     "package.module:Class",
 )
 

@@ -13,6 +13,8 @@
 - `run_simulation(seed, ...)` / `SimViolation` / `SimHooks` (`hicache.testing.simulation`): the
   seeded whole-cache simulation (random configs, concurrent clients, injected faults; never
   wrong KV, never hung, never leaked), also over an engine's own scheduler (docs/testing.md).
+- `hicache.testing.conformance` (imported on its own: it needs pytest): the L3 conformance kit,
+  one class of tests any storage backend runs to show it is a correct L3 (docs/backends.md).
 """
 
 from __future__ import annotations

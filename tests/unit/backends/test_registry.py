@@ -19,6 +19,8 @@ from hicache.backends.registry import open_backend, resolve
         ("unix:///run/redis.sock", "hicache.backends.redis:RedisBackend"),
         ("redis+cluster://h:1", "hicache.backends.redis:RedisBackend"),
         ("mooncake://master:50051", "hicache.backends.mooncake:MooncakeBackend"),
+        ("nixl:/data/kv?plugin=POSIX", "hicache.backends.nixl:NixlBackend"),
+        ("aibrix:/data/kv", "hicache.backends.aibrix:AibrixBackend"),
         ("my_pkg.stores:FastStore", "my_pkg.stores:FastStore"),
     ],
 )
@@ -31,6 +33,15 @@ def test_unknown_spec_lists_known_forms(spec):
     with pytest.raises(ValueError) as err:
         resolve(spec)
     assert "memory" in str(err.value) and "file:" in str(err.value)
+
+
+def test_nixl_and_aibrix_specs_need_a_directory():
+    from hicache.backends.keys import Namespace
+
+    ns = Namespace(model="m", kv="mha:1:1:8:float16", page_size=4)
+    for spec in ("nixl:", "aibrix:"):
+        with pytest.raises(ValueError, match="needs a directory"):
+            open_backend(spec, namespace=ns)
 
 
 def test_file_spec_needs_a_directory():

@@ -1,0 +1,133 @@
+"""The NIXL backend over the real NIXL library (POSIX plugin): the conformance kit, and what is
+its own (spec parsing, files shared with the file store, registered host memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hicache.backends.base import BackendUnavailable
+from hicache.backends.file import FileBackend, value_path
+from hicache.backends.keys import Namespace
+from hicache.backends.nixl import NixlBackend, NixlSpec, nixl_missing
+from hicache.backends.registry import connect_backend
+from hicache.testing.conformance import BackendConformance, Pages, namespace, page_keys
+
+pytestmark = pytest.mark.nixl
+if nixl_missing() is not None:  # one line in the summary, not one per test
+    pytest.skip(str(nixl_missing()), allow_module_level=True)
+
+
+class NixlHarness:
+    def __init__(self, root: Path, **options: Any) -> None:
+        self.root = root
+        self.options = options
+
+    def open(self, ns: Namespace, emit: Any) -> NixlBackend:
+        return NixlBackend.from_spec(f"nixl:{self.root}", namespace=ns, emit=emit, **self.options)
+
+    def path(self, key: str) -> Path:
+        _, digest, name = key.split(":")
+        return Path(value_path(self.root, digest, name))
+
+    def read_raw(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_raw(self, key: str, value: bytes) -> None:
+        self.path(key).write_bytes(value)
+
+
+class TestNixlConformance(BackendConformance):
+    @pytest.fixture
+    def harness(self, tmp_path: Path) -> NixlHarness:
+        return NixlHarness(tmp_path / "store")
+
+
+class TestNixlUringConformance(BackendConformance):
+    """The same over io_uring (the POSIX plugin's `use_uring`), where the kernel allows it."""
+
+    @pytest.fixture
+    def harness(self, tmp_path: Path) -> NixlHarness:
+        return NixlHarness(tmp_path / "store", params={"use_uring": "true"})
+
+
+def test_spec_options_and_errors() -> None:
+    spec = NixlSpec.parse("nixl:/data/kv?threads=4&timeout=2.5&fsync=yes&param.use_uring=true")
+    assert (spec.root, spec.plugin, spec.threads, spec.timeout, spec.fsync) == (
+        "/data/kv",
+        "POSIX",
+        4,
+        2.5,
+        True,
+    )
+    assert spec.params == (("use_uring", "true"),)
+    assert NixlSpec.parse("nixl:/d").params == (("use_aio", "true"),)  # the POSIX default queue
+    assert NixlSpec.parse("nixl:/d?plugin=gds_mt", threads=1).plugin == "GDS_MT"
+    for bad, match in [
+        ("nixl:", "needs a directory"),
+        ("nixl:/d?plugin=OBJ", "not a file plugin"),
+        ("nixl:/d?threads=0", "threads"),
+        ("nixl:/d?timeout=-1", "timeout"),
+        ("nixl:/d?fsync=maybe", "fsync"),
+        ("nixl:/d?treads=2", "unknown option 'treads'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            NixlSpec.parse(bad)
+    with pytest.raises(TypeError, match="unknown nixl backend options"):
+        NixlSpec.parse("nixl:/d", bogus=1)
+
+
+@pytest.mark.anyio
+async def test_values_read_the_same_through_the_file_store(tmp_path: Path) -> None:
+    ns = namespace("shared")
+    keys = page_keys(ns, 4)
+    src = Pages(4).fill(1)
+    nixl = await connect_backend(f"nixl:{tmp_path}", namespace=ns)
+    assert await nixl.set_from(keys, src.buffers(range(4))) == 4
+    files = FileBackend(tmp_path, namespace=ns, threads=0)
+    dst = Pages(4)
+    assert await files.get_into(keys, dst.buffers(range(4))) == 4
+    assert np.array_equal(src.data, dst.data)
+    other = page_keys(ns, 2, start=500)
+    assert await files.set_from(other, src.buffers(range(2))) == 2
+    assert await nixl.get_into(other, dst.buffers(range(2))) == 2
+    assert dst.page_bytes(1) == src.page_bytes(1)
+    await nixl.aclose()
+    await files.aclose()
+
+
+@pytest.mark.anyio
+async def test_registered_host_memory_moves_without_per_batch_registration(
+    tmp_path: Path,
+) -> None:
+    ns = namespace("registered")
+    keys = page_keys(ns, 8)
+    pool = np.random.default_rng(2).integers(0, 256, (8, 1024), dtype=np.uint8)
+    backend = NixlBackend.from_spec(f"nixl:{tmp_path}", namespace=ns)
+    backend.register_host_memory(pool.ctypes.data, pool.nbytes)
+    assert await backend.set_from(keys, [[memoryview(row)] for row in pool]) == 8
+    copy = pool.copy()
+    pool[:] = 0
+    assert await backend.get_into(keys, [[memoryview(row)] for row in pool]) == 8
+    assert np.array_equal(pool, copy)
+    assert backend.stats()["bytes_read"] == pool.nbytes
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_plugin_that_cannot_start_fails_the_open(tmp_path: Path) -> None:
+    ns = namespace("gds")
+    # GDS needs cuFile and a GPU; where it does start, this test has nothing to show.
+    try:
+        backend = await connect_backend(f"nixl:{tmp_path}?plugin=GDS", namespace=ns)
+    except BackendUnavailable as exc:
+        assert "GDS" in str(exc) and str(tmp_path) in str(exc)
+    else:
+        await backend.aclose()
+        pytest.skip("the GDS plugin starts here")
