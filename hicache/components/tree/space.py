@@ -123,7 +123,9 @@ class Space:
         ctx, tree, writes = self._ctx, self._ctx.tree, self.writes
         assert writes is not None
         exclusive = ctx.cfg.exclusive
-        ev = tree.evict_device(n, now=ctx.now, require_host_copy=exclusive)
+        # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
+        back_up = ctx.storage_on and ctx.cfg.evict_to_storage
+        ev = tree.evict_device(n, now=ctx.now, require_host_copy=exclusive, back_up=back_up)
         self.free("device", ev.freed)
         self.free("host", ev.freed_host)
         freed = len(ev.freed)
@@ -133,7 +135,7 @@ class Space:
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
         wait: Wait | None = None
-        for node in ev.needs_backup:  # write_back / exclusive: copy to L2, then evict
+        for node in ev.needs_backup:  # write_back, exclusive, L3 on: copy to L2, then evict
             if exclusive and not tree.outranks_host(node, now=ctx.now):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
