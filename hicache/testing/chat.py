@@ -1,4 +1,5 @@
-"""A multi-turn chat workload as a Mooncake-format trace (`hicache/cli/trace.py`).
+"""A multi-turn chat workload as Mooncake-format trace records (what `hicache replay --trace`
+reads, one JSON object per line: `write_trace`).
 
 Conversations share a few system prompts; each turn's input is its conversation so far (the
 system prompt, then every earlier turn) plus the turn's new blocks, so each turn extends the
@@ -16,10 +17,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-
-from hicache.cli.trace import TraceRequest
 
 __all__ = ["ChatShape", "multi_turn_chat", "write_trace"]
 
@@ -49,8 +49,10 @@ class ChatShape:
 
 def multi_turn_chat(
     requests: int, *, shape: ChatShape | None = None, block_tokens: int = 512, seed: int = 0
-) -> list[TraceRequest]:
-    """`requests` turns of interleaved conversations (see the module's docstring)."""
+) -> list[dict[str, Any]]:
+    """`requests` turns of interleaved conversations (see the module's docstring), as trace
+    records: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (block ids; block
+    h stands for `block_tokens` tokens, as `hicache replay --block-tokens` reads them)."""
     if requests < 0:
         raise ValueError(f"requests must be >= 0, got {requests}")
     if block_tokens < 1:
@@ -70,7 +72,7 @@ def multi_turn_chat(
         return list(prompts[int(rng.integers(shape.system_prompts))]), draw(shape.turns)
 
     slots = [new_conversation() for _ in range(shape.active)]  # (blocks so far, turns left)
-    out: list[TraceRequest] = []
+    out: list[dict[str, Any]] = []
     while len(out) < requests:
         for slot in rng.permutation(shape.active).tolist():
             if len(out) == requests:
@@ -80,26 +82,18 @@ def multi_turn_chat(
             blocks = blocks + list(range(next_block, next_block + added))
             next_block += added
             out.append(
-                TraceRequest(
-                    index=len(out),
-                    timestamp_ms=len(out) * shape.interval_ms,
-                    input_length=len(blocks) * block_tokens,
-                    output_length=draw(shape.output_tokens),
-                    hash_ids=tuple(blocks),
-                )
+                {
+                    "timestamp": len(out) * shape.interval_ms,
+                    "input_length": len(blocks) * block_tokens,
+                    "output_length": draw(shape.output_tokens),
+                    "hash_ids": blocks,
+                }
             )
             slots[slot] = new_conversation() if left == 1 else (blocks, left - 1)
     return out
 
 
-def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
-    """Write `requests` as a Mooncake-format JSONL trace (`hicache replay --trace PATH`)."""
+def write_trace(path: str | Path, records: list[dict[str, Any]]) -> None:
+    """Write trace records as JSON lines (`hicache replay --trace PATH` reads them)."""
     with open(path, "w", encoding="utf-8") as f:
-        for r in requests:
-            line = {
-                "timestamp": r.timestamp_ms,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-            f.write(json.dumps(line) + "\n")
+        f.writelines(json.dumps(record) + "\n" for record in records)
