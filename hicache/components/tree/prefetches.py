@@ -76,14 +76,13 @@ class PrefetchFlows:
         end = len(tokens) // page * page
         length = end - matched
         anchor = state.last_node
+        assert anchor is not None  # a matched request's deepest node (the root if none)
         reason = None
-        if anchor is None:
-            reason = "anchor_without_host_copy"
-        elif length < threshold:
+        if length < threshold:
             reason = "below_threshold"
         elif self.tokens + length > self._rate_limit() or self.credits == 0:
             reason = "rate_limited"
-        if reason is not None or anchor is None:
+        if reason is not None:
             ctx.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
             state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
             return state.prefetch  # what a later wait or poll reports too
