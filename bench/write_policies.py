@@ -7,7 +7,8 @@ tokens), in real time: write_through, write_back and write_through_selective wit
 replay's wait_complete prefetch, and "defaults" (`CacheConfig`'s own write and prefetch
 policies: write_through_selective, timeout). `--chat` replays `hicache.testing.chat`'s
 multi-turn chat trace (written to a temporary file) instead of the shipped one;
-`--without-l3` replays the same rows with `--storage none`. Prints each row's hit rate (and
+`--without-l3` replays the same rows with `--storage none`; `--rows` picks rows, among them
+write_through_selective with `evict_to_storage=False` and the `best_effort` prefetch policy. Prints each row's hit rate (and
 x write_through's), where the hits came from, the trace's bound, d2h bytes (and x write_through's)
 and, with verification, the corrupt pages (must be 0).
 
@@ -40,6 +41,16 @@ ROWS = {  # row -> CacheConfig fields (the replay's prefetch policy unless named
         "prefetch_policy": "wait_complete",
     },
     "defaults": {},
+    "write_through_selective (evict_to_storage off)": {
+        "write_policy": "write_through_selective",
+        "prefetch_policy": "wait_complete",
+        "evict_to_storage": False,
+    },
+    "write_through (best_effort)": {
+        "write_policy": "write_through",
+        "prefetch_policy": "best_effort",
+    },
+    "defaults (best_effort)": {"prefetch_policy": "best_effort"},
 }
 
 
@@ -73,6 +84,12 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=3000)
     ap.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--without-l3", action="store_true", help="--storage none")
+    ap.add_argument(
+        "--rows",
+        default=",".join(list(ROWS)[:4]),
+        help="rows to run, comma-separated, among: " + "; ".join(ROWS) + " (write_through "
+        "runs first whatever is asked: the ratios are to it)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = str(_REPO_TRACE)
@@ -99,8 +116,12 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ref: dict[str, float] | None = None
     bad = 0
-    for row, fields in ROWS.items():
-        r = run(CacheConfig(**base, **fields), requests, args.verify)
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in ROWS]
+    if unknown:
+        ap.error(f"--rows: unknown {unknown}; known: {list(ROWS)}")
+    for row in dict.fromkeys(["write_through", *wanted]):
+        r = run(CacheConfig(**base, **ROWS[row]), requests, args.verify)
         ref = ref or r
         bad += int(r["corrupt"])
         print(
