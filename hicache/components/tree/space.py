@@ -139,25 +139,34 @@ class Space:
             if exclusive and not tree.outranks_host(node, now=ctx.now):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
-                gone = tree.discard_device(node)
-                self.free("device", gone.freed)
-                self.free("host", gone.freed_host)
-                ctx.counters.device_evictions += len(gone.freed)
-                ctx.out.info(
-                    "tree.evict_device",
-                    tokens=len(gone.freed),
-                    demoted=0,
-                    removed=len(gone.removed),
-                    reason="older_than_l2",
-                )
-                freed += len(gone.freed)
+                freed += self._discard(node, "older_than_l2")
             elif wait is None:
                 started = writes.start_backup(node, evicting=True)
                 if isinstance(started, Wait):
                     wait = started  # the rest stay on L1, found again by the next eviction
+                elif not started and back_up and tree.needs_backup(node):
+                    # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
+                    # L3 attached it leaves L1 as without L3, rather than fail the allocation.
+                    freed += self._discard(node, "no_l2_room")
         if freed:
             return True
         return wait if wait is not None else False
+
+    def _discard(self, node: NodeId, reason: str) -> int:
+        """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
+        ctx = self._ctx
+        gone = ctx.tree.discard_device(node)
+        self.free("device", gone.freed)
+        self.free("host", gone.freed_host)
+        ctx.counters.device_evictions += len(gone.freed)
+        ctx.out.info(
+            "tree.evict_device",
+            tokens=len(gone.freed),
+            demoted=0,
+            removed=len(gone.removed),
+            reason=reason,
+        )
+        return len(gone.freed)
 
     def host(self, n: int) -> np.ndarray | Wait | None:
         """Host slots for n tokens, evicting L2."""
