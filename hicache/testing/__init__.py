@@ -12,6 +12,8 @@
 - `run_simulation(seed, ...)` / `SimViolation` / `SimHooks` (`hicache.testing.simulation`): the
   seeded whole-cache simulation (random configs, concurrent clients, injected faults; never
   wrong KV, never hung, never leaked), also over an engine's own scheduler (docs/testing.md).
+- `multi_turn_chat(requests, shape=ChatShape(...))` / `write_trace` (`hicache.testing.chat`):
+  a multi-turn chat workload as Mooncake-format trace records, for `hicache replay --trace`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.kernels.faults import FaultPlan
 from hicache.runtime import run_deterministic as run_virtual
+from hicache.testing.chat import ChatShape, multi_turn_chat, write_trace
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.kvfill import count_bad_pages as bad_pages
 from hicache.testing.kvfill import fill as fill_kv
@@ -50,6 +53,7 @@ def virtual_config(**overrides: Any) -> CacheConfig:
 
 __all__ = [
     "BackendFaults",
+    "ChatShape",
     "FaultPlan",
     "FaultyBackend",
     "ScriptedScheduler",
@@ -61,9 +65,11 @@ __all__ = [
     "bad_prefix_pages",
     "fill_kv",
     "kv_seeds",
+    "multi_turn_chat",
     "page_seeds",
     "run_simulation",
     "run_virtual",
     "synthetic_compute",
     "virtual_config",
+    "write_trace",
 ]
