@@ -85,7 +85,10 @@ class CacheConfig:
     secret_file: str | None = None
     secret_env: str | None = None
     encrypt_at_rest: bool = False  # AES-256-GCM per value; needs a secret and `cryptography`
-    prefetch_policy: str = "best_effort"
+    # With L3: a page leaving L1 without an L2 copy is first copied to L2, and so reaches L3,
+    # whatever the write policy (False: dropped, as without L3). docs/configuration.md.
+    evict_to_storage: bool = True
+    prefetch_policy: str = "timeout"
     prefetch_threshold: int = 256  # tokens; clamped up to page_size
     prefetch_timeout_base: float = 1.0  # seconds
     prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 tokens
@@ -230,6 +233,8 @@ class CacheConfig:
         if not isinstance(self.tenant, str):
             raise ConfigError(f"tenant={self.tenant!r} must be a string")
         _check_encryption(self.encrypt_at_rest, self.load_secret() is not None)
+        if not isinstance(self.evict_to_storage, bool):
+            raise ConfigError(f"evict_to_storage={self.evict_to_storage!r} must be True or False")
         if self.storage is not None and not isinstance(self.storage, str):
             raise ConfigError(
                 f"storage={redact_text(repr(self.storage))} must be None or a backend spec string"

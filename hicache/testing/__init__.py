@@ -15,6 +15,8 @@
   wrong KV, never hung, never leaked), also over an engine's own scheduler (docs/testing.md).
 - `hicache.testing.conformance` (imported on its own: it needs pytest): the L3 conformance kit,
   one class of tests any storage backend runs to show it is a correct L3 (docs/backends.md).
+- `multi_turn_chat(requests, shape=ChatShape(...))` / `write_trace` (`hicache.testing.chat`):
+  a multi-turn chat workload as Mooncake-format trace records, for `hicache replay --trace`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.kernels.faults import FaultPlan
 from hicache.runtime import run_deterministic as run_virtual
+from hicache.testing.chat import ChatShape, multi_turn_chat, write_trace
 from hicache.testing.devices import pool_device
 from hicache.testing.faulty_backend import BackendFaults, FaultyBackend
 from hicache.testing.kvfill import count_bad_pages as bad_pages
@@ -56,6 +59,7 @@ def virtual_config(**overrides: Any) -> CacheConfig:
 
 __all__ = [
     "BackendFaults",
+    "ChatShape",
     "FaultPlan",
     "FaultyBackend",
     "ScriptedScheduler",
@@ -67,10 +71,12 @@ __all__ = [
     "bad_prefix_pages",
     "fill_kv",
     "kv_seeds",
+    "multi_turn_chat",
     "page_seeds",
     "pool_device",
     "run_simulation",
     "run_virtual",
     "synthetic_compute",
     "virtual_config",
+    "write_trace",
 ]

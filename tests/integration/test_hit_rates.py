@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 
 from hicache import CacheConfig
+from hicache.cli.coremodel import replay_trace
 from hicache.cli.replay import replay
 from hicache.cli.trace import bound_hit_rate, read_trace
 from hicache.components.allocator.core import SlotLedger
 from hicache.components.tree.core import RadixTree
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.runtime import run_deterministic
+from hicache.testing.chat import ChatShape, multi_turn_chat, write_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 PAGE = 64
@@ -124,3 +127,74 @@ def test_unbounded_storage_reaches_the_infinite_capacity_bound():
     assert with_l3 >= 0.98 * bound, (with_l3, bound)
     assert tally.storage_hit > 0
     assert l1_only < 0.5 * bound, (l1_only, bound)
+
+
+# ------------------------------------------------------------------ L3 under every write policy
+CHAT = ChatShape(active=120, system_prompts=2, system_blocks=2, turns=(2, 6), turn_blocks=(1, 3))
+CHAT_TIERS = dict(
+    kv="mha:1:1:8:float16",
+    page_size=16,
+    device_tokens=2048,
+    host_tokens=4096,
+    storage="memory",
+    model_id="chat",
+)
+POLICIES = {  # name -> CacheConfig fields; "defaults": every field but the tiers left as is
+    "write_through": {"write_policy": "write_through"},
+    "write_back": {"write_policy": "write_back"},
+    "write_through_selective": {"write_policy": "write_through_selective"},
+    "defaults": {},
+}
+
+
+def chat_requests(tmp_path: Path, count: int = 600) -> list:
+    path = tmp_path / "chat.jsonl"
+    write_trace(path, multi_turn_chat(count, shape=CHAT, block_tokens=64))
+    return read_trace(path, block_tokens=64)
+
+
+def test_l3_pays_off_under_every_write_policy_on_multi_turn_chat(tmp_path):
+    """A conversation's pages leave L1 and L2 between its turns (120 interleaved, 2 shared
+    system prompts that stay hot on L1): its next turn finds them in L3 under every policy,
+    below a system prompt that may have no L2 copy. Instant workers (wait_complete): the
+    controller's own decisions, deterministic, in a fraction of a second each."""
+    requests = chat_requests(tmp_path)
+    runs = {}
+    for name, fields in POLICIES.items():
+        cfg = CacheConfig(**CHAT_TIERS, **fields, prefetch_policy="wait_complete")
+        runs[name] = replay_trace(cfg, requests, storage=True, block_tokens=64).summary()
+    through = runs["write_through"]
+    bound = bound_hit_rate(requests, block_tokens=64, page_size=16)
+    assert through["hit_rate"] >= 0.8 * bound, (through, bound)
+    assert through["hit_tokens"]["storage"] > through["hit_tokens"]["host"]  # L3 does the work
+    for name, run in runs.items():
+        assert run["hit_rate"] >= 0.95 * through["hit_rate"], (name, run, through)
+        assert run["transfer_tokens"]["d2h"] <= through["transfer_tokens"]["d2h"], (name, run)
+        assert run["hit_tokens"]["storage"] >= 0.9 * through["hit_tokens"]["storage"], name
+
+
+def test_defaults_with_l3_reach_write_through_on_chat_with_every_page_verified(tmp_path):
+    """The same workload through the real cache (actors, bytes moved, virtual time): the
+    defaults (write_through_selective, prefetch timeout) against write_through, every page
+    that comes back from L2 or L3 checked."""
+    requests = chat_requests(tmp_path, 300)
+    rates = {}
+    for name in ("write_through", "defaults"):
+        cfg = CacheConfig(**CHAT_TIERS, **POLICIES[name], deterministic=True)
+        tally, extra = run_deterministic(
+            lambda cfg=cfg: replay(
+                cfg,
+                requests,
+                block_tokens=64,
+                batch=8,
+                verify=True,
+                log=None,
+                progress=lambda n: None,
+            )
+        )
+        assert tally.corrupt_pages == 0 and tally.verified_pages > 0, name
+        rates[name] = ((tally.device_hit + tally.host_hit) / tally.input_tokens, tally, extra)
+    (through, t_tally, t_extra), (default, d_tally, d_extra) = rates.values()
+    assert t_tally.storage_hit > 0 and d_tally.storage_hit >= 0.9 * t_tally.storage_hit
+    assert default >= 0.95 * through, (default, through)
+    assert d_extra["bytes"]["d2h"] <= t_extra["bytes"]["d2h"]

@@ -279,22 +279,36 @@ def test_admission_skips_are_reported_with_their_reason():
             below = await cache.prefetch("short", short)
             await cache.release("short")
             off = await cache.prefetch_poll("nobody")
-        # Write-back keeps a fresh insert on L1 only: a prefetch would hang new pages under
-        # a node whose host copy does not exist.
+        return below, off
+
+    below, off = run_virtual(main)
+    assert (below.state, below.reason) == ("skipped", "below_threshold")
+    assert off.state == "none"
+
+
+def test_a_prefetch_below_a_prefix_only_on_l1_backs_it_up_and_lands():
+    """Write-back keeps a fresh insert on L1 only. A prefetch below it still runs: once
+    storage has enough below, the prefix gets its L2 copy (and so its L3 one), and what
+    arrives hangs below it, read back byte-exact."""
+    log = EventLog(capture=True)
+
+    async def main():
+        store = await stored(TOKENS)
         async with reader(
-            store, prefetch_policy="wait_complete", write_policy="write_back"
+            store, prefetch_policy="wait_complete", write_policy="write_back", log=log
         ) as cache:
             head = TOKENS[:32]
             await write(cache, "head", head)
-            await cache.match("r", TOKENS)
-            anchor = await cache.prefetch("r", TOKENS)
-            await cache.release("r")
-        return below, off, anchor
+            got = await fetch(cache, "r", TOKENS)
+            await cache.flush()
+            return got, await cache.stats()
 
-    below, off, anchor = run_virtual(main)
-    assert (below.state, below.reason) == ("skipped", "below_threshold")
-    assert off.state == "none"
-    assert (anchor.state, anchor.reason) == ("skipped", "anchor_without_host_copy")
+    got, stats = run_virtual(main)
+    assert got.prefetch.state == "done" and got.prefetch.done_tokens == 32
+    assert got.device_hit == 32 and got.load.loaded_tokens == 32 and got.bad == 0
+    backups = [e for e in log.events if e["event"] == "tree.anchor_backup"]
+    assert [(e["nodes"], e["tokens"]) for e in backups] == [(1, 32)]
+    assert stats.bytes["d2h"] > 0 and stats.host.cached_tokens >= 64  # head's copy + the rest
 
 
 def test_prefetch_without_storage_is_none():

@@ -54,6 +54,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"errors {counts['capacity_errors']:,}; abandoned {counts['abandoned']:,}"
     )
     tr.write_line(
+        f"backups an L1 eviction waited for {counts['evict_backups']:,}; prefetch anchors "
+        f"backed up on demand {counts['anchor_backups']:,} nodes"
+    )
+    tr.write_line(
         f"retention ranges {counts['retained']:,}; pins {counts['pins']:,} "
         f"({counts['pins_refused']:,} refused at the cap); unpins {counts['unpinned']:,}"
     )

@@ -67,6 +67,21 @@ def test_seed_with_thread_transfers(sim_results, thread_seed):
     assert report.mode == "thread"
 
 
+# Seeds past CI's range that failed once (`--sim-seeds 10000`), run on every CI run: with L3
+# attached, L1 eviction copies to L2 first, and a warm-up cache (write_through) whose L2 held
+# only pages also on L1 or locked could not: the copy found no room and the allocation
+# failed. Such a page now leaves L1 as without L3.
+REGRESSION_SEEDS = (2858, 5960)
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS)
+def test_seeds_that_failed_once(seed):
+    try:
+        run_simulation(seed)
+    except SimViolation as violation:
+        pytest.fail(str(violation), pytrace=False)
+
+
 # ---------------------------------------------------------------------------------- the harness
 def test_a_seed_replays_exactly():
     """Deterministic mode: the same seed makes the same calls and gets the same answers."""

@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -36,12 +37,14 @@ from hicache.components.tree.effects import (
     StartTimer,
     SubmitLoad,
 )
+from hicache.components.tree.node import NodeState
 from hicache.config import CacheConfig
 from hicache.messages import (
     AllocBatch,
     Backup,
     CacheBatch,
     CacheItem,
+    Clear,
     Drain,
     LoadBackBatch,
     LoadDone,
@@ -95,11 +98,20 @@ def contents(tokens: list[int], salt: bytes = b"") -> list[int]:
 class ControllerMachine(RuleBasedStateMachine):
     @initialize(
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-        exclusive=st.booleans(),
-        storage=st.booleans(),
+        # Mostly inclusive and with L3: where a prefetch may need its anchor backed up.
+        exclusive=st.sampled_from([False, False, False, True]),
+        storage=st.sampled_from([True, True, False]),
         eviction=st.sampled_from(["lru", "lfu", "fifo"]),
+        evict_to_storage=st.booleans(),
     )
-    def setup(self, policy: str, exclusive: bool, storage: bool, eviction: str) -> None:
+    def setup(
+        self,
+        policy: str,
+        exclusive: bool,
+        storage: bool,
+        eviction: str,
+        evict_to_storage: bool = True,
+    ) -> None:
         cfg, _ = CacheConfig(
             kv="mha:1:1:1:float16",
             page_size=PAGE,
@@ -110,9 +122,11 @@ class ControllerMachine(RuleBasedStateMachine):
             eviction=eviction,
             load_back_threshold=1,
             prefetch_threshold=PAGE,
+            prefetch_rate_fraction=1.0,
             channel_capacity=16,
             storage="memory" if storage else None,
             model_id="m",
+            evict_to_storage=evict_to_storage,
         ).resolve()
         tree = RadixTree(
             page_size=PAGE,
@@ -142,6 +156,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.timers: set[int] = set()
         self.handles: set[int] = set()  # loads whose handle the driver holds
         self.drained: Drained | None = None
+        self.seen: list[tuple[list[int], bytes]] = []  # the pages and salt of every request
 
     # ------------------------------------------------------------------ driving
     def execute(self, effects: list[Any]) -> None:
@@ -212,11 +227,11 @@ class ControllerMachine(RuleBasedStateMachine):
             else:
                 self.failed_loads.add(cmd.op)
             self.complete(LoadDone(op=cmd.op, ok=ok))
-        elif isinstance(cmd, Upload):
+        elif isinstance(cmd, Upload):  # a failed one stores nothing
             slots = cmd.host_slots.tolist()
-            for i, h in enumerate(cmd.hashes):
+            for i, h in enumerate(cmd.hashes if ok else ()):
                 self.l3[h] = tuple(self.host[s] for s in slots[i * PAGE : (i + 1) * PAGE])
-            self.complete(UploadDone(op=cmd.op, stored_pages=len(cmd.hashes)))
+            self.complete(UploadDone(op=cmd.op, stored_pages=len(cmd.hashes) if ok else 0))
         else:
             self.step_prefetcher(cmd)
         return True
@@ -285,6 +300,7 @@ class ControllerMachine(RuleBasedStateMachine):
         keep: tuple[int, int, int, float] | None,
     ) -> None:
         tokens = [p for p in pages for _ in range(PAGE)] + [7] * extra
+        self.seen.append((pages, salt))
         rid = self.next_rid
         self.next_rid += 1
         arr = np.array(tokens, dtype=np.uint32)
@@ -305,6 +321,30 @@ class ControllerMachine(RuleBasedStateMachine):
             (lb,) = reply.value
             req["prefix"] = lb.device_slots
             req["waits"] |= set(reply.loads[0]) if reply.loads else set()
+
+    @precondition(lambda self: self.seen)
+    @rule(
+        i=st.integers(0, 20),
+        more=st.lists(st.integers(0, 2), max_size=2),
+        wait=st.booleans(),
+    )
+    def next_turn(self, i: int, more: list[int], wait: bool) -> None:
+        """A conversation comes back: an earlier request's pages, maybe extended, prefetched
+        (with `wait`, every prefetch probes and reads first, then it loads back). Its prefix
+        may be only on L1 by now and the rest only in L3: the anchor is backed up on demand,
+        racing what the other rules do meanwhile (evictions, releases, failed uploads)."""
+        pages, salt = self.seen[-1 - i % len(self.seen)]
+        self.new_request(pages + more, 0, False, True, salt, None)
+        if not wait:
+            return
+        while self.step_worker("prefetcher"):
+            pass
+        rid = self.next_rid - 1
+        reply = self.call(lambda r: LoadBackBatch(rids=(rid,), reply=r))
+        (lb,) = reply.value
+        req = self.requests[rid]
+        req["prefix"] = lb.device_slots
+        req["waits"] |= set(reply.loads[0]) if reply.loads else set()
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 20))
@@ -407,13 +447,22 @@ class ControllerMachine(RuleBasedStateMachine):
         reply = self.call(lambda r: Unpin(tokens=tokens, salt=b"", reply=r))
         assert reply.error is None and isinstance(reply.value, bool)
 
+    @rule(tiers=st.sampled_from([("host",), ("device",)]))
+    def clear(self, tiers: tuple[str, ...]) -> None:
+        """Let every worker finish, then drop a tier's unlocked pages. Clearing L2 leaves
+        prefixes only on L1 above pages only in L3: a prefetch below them backs its anchor up."""
+        while any(self.step_worker(w) for w in self.queues):
+            pass
+        reply = self.call(lambda r: Clear(tiers=tiers, reply=r, poll=True))
+        assert reply.error is None and reply.value is not None, reply.error
+
     # ------------------------------------------------------------------ workers
     @rule(
         worker=st.sampled_from(["writer", "loader", "uploader", "prefetcher"]),
         ok=st.sampled_from([True, True, True, False]),
     )
     def worker_step(self, worker: str, ok: bool) -> None:
-        self.step_worker(worker, ok=ok or worker not in ("writer", "loader"))
+        self.step_worker(worker, ok=ok or worker == "prefetcher")
 
     # ------------------------------------------------------------------ checks
     @invariant()
@@ -509,3 +558,108 @@ def test_a_failed_load_reverts_the_pieces_a_later_match_split_off():
         ("worker_step", dict(worker="loader", ok=False)),  # the load fails
         ("new_request", dict(pages=[2])), ("compute_and_cache", {}),  # reads [2]: must be right
     ])  # fmt: skip
+
+
+# ---------------------------------------------------------------------- anchors backed up on demand
+def _anchor_only_on_l1(policy: str = "write_back") -> tuple[ControllerMachine, dict[str, Any]]:
+    """A machine with L3 whose prefix [0, 0] is only on L1 (no L2 copy: the policy never made
+    one) while the pages after it, [1, 1, 1, 1], are only in L3; then a request for
+    [0, 0, 1, 1, 1, 1] is matched (on [0, 0]) and prefetches the rest. Its op is started,
+    not yet probed."""
+    m = ControllerMachine()
+    m.setup(policy=policy, exclusive=False, storage=True, eviction="lru")
+    request = dict(extra=0, keep=None, load=False, prefetch=False, salt=b"")
+
+    def cached(pages: list[int]) -> None:
+        m.new_request(**{**request, "pages": pages})
+        m.compute_and_cache(i=0)
+        while m.step_worker("writer") or m.step_worker("uploader"):
+            pass
+
+    cached([0, 0, 1, 1, 1, 1])
+    for pages in ([1, 2, 1, 2, 1, 2], [2, 2, 2, 2, 2, 2], [2, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 2]):
+        cached(pages)  # L1 evicts [0, 0, 1, 1, 1, 1]'s tail through L2 into L3
+    for pages in ([1, 2, 1, 2, 2, 2], [2, 2, 1, 2, 2, 2], [2, 1, 0, 1, 1, 1], [1, 1, 0, 1, 1, 2]):
+        cached(pages)  # and L2 drops it
+    cached([0, 0])  # [0, 0] stays hot on L1
+    m.new_request(**{**request, "pages": [0, 0, 1, 1, 1, 1], "prefetch": True})
+    m.whole()
+    ops = m.core.prefetches.ops
+    assert len(ops) == 1, "the prefetch did not start"
+    (op,) = ops.values()
+    assert not m.tree.has_host_copy(op.anchor) and m.tree.num_tokens(op.anchor) == 2 * PAGE
+    return m, {**request, "pages": [0, 0, 1, 1, 1, 1]}
+
+
+def _pressure(m: ControllerMachine) -> None:
+    """Two requests of other pages, cached: L1 evicts (under write_back, backing up first)."""
+    for pages in ([2, 2, 0, 2, 2, 0], [1, 0, 2, 0, 1, 0]):
+        m.new_request(pages=pages, extra=0, load=False, prefetch=False, salt=b"", keep=None)
+        m.compute_and_cache(i=len(m.requests) - 1)
+        m.whole()
+
+
+def _read_back(m: ControllerMachine, request: dict[str, Any]) -> None:
+    """Run every worker out, finish what is open, read the prefetched request again (its
+    prefix's KV is checked against what it must be) and drain (every slot back)."""
+    while any(m.step_worker(w) for w in m.queues):
+        m.whole()
+    while m.requests:
+        m.compute_and_cache(i=0)
+    m.new_request(**{**request, "load": True})
+    m.compute_and_cache(i=0)
+    m.whole()
+    m.teardown()
+
+
+def _step(m: ControllerMachine, worker: str, ok: bool = True) -> None:
+    assert m.step_worker(worker, ok=ok), f"nothing for the {worker}"
+    m.whole()
+
+
+def test_a_prefetch_below_an_anchor_only_on_l1_backs_the_anchor_up():
+    m, request = _anchor_only_on_l1()
+    (op,) = m.core.prefetches.ops.values()
+    _step(m, "prefetcher")  # the probe: the 4 pages are in L3
+    assert m.core.counters.anchor_backups == 1 and m.tree.backup_in_flight(op.anchor)
+    _step(m, "writer")
+    assert m.tree.has_host_copy(op.anchor)
+    _step(m, "prefetcher")  # the read lands below it
+    assert m.core.counters.storage_hit_tokens == 4 * PAGE
+    _read_back(m, request)
+
+
+@pytest.mark.parametrize(
+    "race",
+    ["evicted_before_probe", "evicted_during_backup", "released", "backup_failed", "upload_failed"],
+)
+def test_an_anchor_backed_up_on_demand_races(race: str):
+    """The on-demand anchor backup against what may happen meanwhile: L1 evicts the anchor
+    (before the probe: its eviction backs it up first; during its backup: it waits, locked),
+    the request is released mid-prefetch, the backup fails, its upload fails. Whatever the
+    order, the tree stays whole and every page read back holds its own KV."""
+    m, request = _anchor_only_on_l1()
+    rid = next(iter(m.requests))
+    (op,) = m.core.prefetches.ops.values()
+    if race in ("evicted_before_probe", "released", "evicted_during_backup"):
+        m.release(rid)  # its lock goes: only the prefetch holds the anchor now
+    if race == "evicted_before_probe":
+        _pressure(m)  # its eviction backs it up first (L3 is on), then demotes it
+        assert m.tree.state(op.anchor) is NodeState.HOST_ONLY
+    _step(m, "prefetcher")  # the probe
+    backups = [c for c in m.queues["writer"] if isinstance(c, Backup)]
+    on_demand = 0 if race == "evicted_before_probe" else 1
+    assert m.core.counters.anchor_backups == on_demand and len(backups) == on_demand
+    if race == "evicted_during_backup":
+        _pressure(m)  # parks on the backup (the anchor is locked by it), then evicts it
+        assert m.tree.state(op.anchor) is NodeState.HOST_ONLY
+    if race == "backup_failed":
+        while m.queues["writer"]:
+            _step(m, "writer", ok=False)
+        _pressure(m)
+    if race == "upload_failed":
+        while m.queues["writer"]:
+            _step(m, "writer")
+        while m.queues["uploader"]:
+            _step(m, "uploader", ok=False)
+    _read_back(m, request)

@@ -148,11 +148,13 @@ class RadixTree:
         """Drop one ``lock_ref`` on node..root. Raises if the node is not locked. Mutates."""
         refs.unlock(self._s, node)
 
-    def protect_host(self, node: NodeId) -> None:
+    def protect_host(self, node: NodeId, *, copy_complete: bool = True) -> None:
         """Add one ``host_ref`` on node..root: none of these nodes leaves the tree (their host copies
-        stay) while an L2 transfer uses them. Raises if the node's host copy is still being written.
-        Mutates. Protecting the root does nothing."""
-        refs.protect_host(self._s, node)
+        stay) while an L2 transfer uses them. Raises if the node's host copy is still being written,
+        unless ``copy_complete`` is False (the caller only keeps the path in the tree: a prefetch
+        anchor, whose copy nothing reads; a node without any copy is kept on L1 or backed up
+        before it leaves, see ``evict_device``). Mutates. Protecting the root does nothing."""
+        refs.protect_host(self._s, node, copy_complete=copy_complete)
 
     def release_host(self, node: NodeId) -> None:
         """Drop one ``host_ref`` on node..root. Raises if the node is not protected. Mutates."""
@@ -272,11 +274,17 @@ class RadixTree:
         return self._s.evictable_host
 
     def evict_device(
-        self, num_tokens: int, *, now: float, require_host_copy: bool = False
+        self,
+        num_tokens: int,
+        *,
+        now: float,
+        require_host_copy: bool = False,
+        back_up: bool = False,
     ) -> DeviceEviction:
         """Free at least ``num_tokens`` device slots if unlocked leaves allow, cheapest first by the
         strategy, leaf-first. A leaf with a host copy is demoted to HOST_ONLY; one without is removed
-        with its host-only descendants, unless the write policy (write_back) or ``require_host_copy``
+        with its host-only descendants, unless the write policy (write_back), ``back_up`` (the caller
+        wants every page that leaves L1 copied to L2 first: L3 is attached) or ``require_host_copy``
         (exclusive mode) wants a host copy first: then it is reported in ``needs_backup`` and kept.
         Never touches locked nodes, or removes a host-protected one. With ``require_host_copy``
         the last leaf taken, when longer than what is still wanted, is split and only its last
@@ -284,7 +292,9 @@ class RadixTree:
         moves into L2 whole, and moving more than wanted evicts as much more from L2. Retention
         and pins are read at ``now`` (``retention.py``). Mutates."""
         policies = (self.eviction, self.write_policy)
-        return leaf_eviction.evict_device(self._s, num_tokens, *policies, require_host_copy, now)
+        return leaf_eviction.evict_device(
+            self._s, num_tokens, *policies, require_host_copy, now, back_up
+        )
 
     def evict_host(self, num_tokens: int, *, now: float, by_pages: bool = False) -> HostEviction:
         """Free at least ``num_tokens`` host slots if possible by removing host-only leaves that are

@@ -52,10 +52,11 @@ def evict_device(
     write_policy: WritePolicy,
     require_host_copy: bool,
     now: float,
+    back_up: bool = False,
 ) -> DeviceEviction:
     if num_tokens < 0:
         raise TreeError(f"evict_device: num_tokens must be >= 0, got {num_tokens}")
-    keep_unbacked = require_host_copy or write_policy.backup_on_evict
+    keep_unbacked = require_host_copy or back_up or write_policy.backup_on_evict
     freed: list[np.ndarray] = []
     freed_host: list[np.ndarray] = []
     demoted: list[NodeId] = []

@@ -1,11 +1,11 @@
 """The controller's prefetch flow (L3 -> L2).
 
 Owns every prefetch in flight, its credits, the tokens in flight for the rate limit, and the
-reports and timer firings not applied yet. An op goes: admitted (threshold, anchor with a host
-copy, rate limit) -> probed by the prefetcher -> host slots for exactly the pages storage has
-(or revoked below the threshold; waiting for an upload that pins the only evictable pages) ->
-read -> *settled* (what arrived is inserted as host-only nodes below the anchor, the
-request's waiters are answered) -> *ended* (the prefetcher no longer touches its host slots;
+reports and timer firings not applied yet. An op goes: admitted (threshold, rate limit) ->
+probed by the prefetcher -> host slots for exactly the pages storage has (or revoked below the
+threshold; waiting for an upload that pins the only evictable pages), and an L2 copy for an
+anchor path that had none -> read -> *settled* (what arrived is inserted as host-only nodes
+below the anchor, the request's waiters are answered) -> *ended* (the prefetcher no longer touches its host slots;
 the rest are freed, the credit returns). Every step after the start is taken on agreed
 reports (`controller.py`), so all TP ranks take it alike.
 """
@@ -25,7 +25,7 @@ from hicache.components.tree.structure import salt_seed
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch
 from hicache.results import PrefetchOutcome
-from hicache.types import EMPTY_SLOTS, OpId, RequestId
+from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
 
 class PrefetchFlows:
@@ -76,14 +76,13 @@ class PrefetchFlows:
         end = len(tokens) // page * page
         length = end - matched
         anchor = state.last_node
+        assert anchor is not None  # a matched request's deepest node (the root if none)
         reason = None
-        if anchor is None or not tree.has_host_copy(anchor):
-            reason = "anchor_without_host_copy"
-        elif length < threshold:
+        if length < threshold:
             reason = "below_threshold"
         elif self.tokens + length > self._rate_limit() or self.credits == 0:
             reason = "rate_limited"
-        if reason is not None or anchor is None:
+        if reason is not None:
             ctx.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
             state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
             return state.prefetch  # what a later wait or poll reports too
@@ -97,7 +96,10 @@ class PrefetchFlows:
         timed = cfg.prefetch_policy == "timeout"
         if timed:
             ctx.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
-        tree.protect_host(anchor)
+        # The anchor stays in the tree until the op settles. Without an L2 copy (it is only on
+        # L1: a hot prefix under write_back or selective) it gets one if storage has enough
+        # below it (`_back_up_anchor`), so what lands outlives the anchor's stay in L1.
+        tree.protect_host(anchor, copy_complete=False)
         self.ops[op_id] = PrefetchOp(
             rid=rid,
             anchor=anchor,
@@ -183,9 +185,32 @@ class PrefetchFlows:
                 self._settle(op_id, revoked=False)
             elif hit >= 0 and not op.reading and not op.stopping:
                 op.reading = True
+                self._back_up_anchor(op)
                 self._read(op_id)
         if finished:
             self._end(op_id)
+
+    def _back_up_anchor(self, op: PrefetchOp) -> None:
+        """Storage holds enough below an anchor whose path is only on L1: give it the L2 copy
+        write_through would have made (what is not backed up yet, root first), so that the
+        pages about to hang below it are not dropped with it when L1 evicts it. Not in
+        exclusive mode (L2 takes what L1 drops: the anchor gets its copy when it leaves L1).
+        The prefetch does not wait for it: until the copy lands, L1 eviction backs the anchor
+        up first or removes it with what hangs below, as for any page (`evict_device`)."""
+        ctx, tree = self._ctx, self._ctx.tree
+        if ctx.cfg.exclusive or op.hit_pages <= 0:
+            return
+        path = []
+        node: NodeId | None = op.anchor
+        while node is not None and not tree.is_root(node):
+            if tree.needs_backup(node):
+                path.append(node)
+            node = tree.parent(node)
+        if path:
+            tokens = sum(tree.num_tokens(n) for n in path)
+            ctx.counters.anchor_backups += len(path)
+            ctx.out.info("tree.anchor_backup", rid=op.rid, nodes=len(path), tokens=tokens)
+            self._writes.start_backups(reversed(path))
 
     def retry_reads(self) -> None:
         """Probed ops that waited for host room: try again (an upload has ended)."""

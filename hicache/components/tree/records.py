@@ -85,5 +85,7 @@ class Counters:
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     skipped_uploads: int = 0  # the upload backlog was full
+    evict_backups: int = 0  # backups an L1 eviction waited for (write_back, exclusive, L3 on)
+    anchor_backups: int = 0  # nodes backed up for a prefetch anchor that had no L2 copy
     upload_timeouts: int = 0
     abandoned_ops: int = 0  # ended at close past its deadline

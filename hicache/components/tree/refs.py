@@ -45,9 +45,9 @@ def unlock(s: TreeStructure, node: NodeId) -> None:
     add_lock(s, x, -1)
 
 
-def protect_host(s: TreeStructure, node: NodeId) -> None:
+def protect_host(s: TreeStructure, node: NodeId, *, copy_complete: bool = True) -> None:
     x = s.node(node)
-    if x.backup is not None:
+    if copy_complete and x.backup is not None:
         raise TreeError(f"protect_host of node {node}: its host copy is still being written")
     _add_host_ref(s, x, 1)
 

@@ -123,7 +123,9 @@ class Space:
         ctx, tree, writes = self._ctx, self._ctx.tree, self.writes
         assert writes is not None
         exclusive = ctx.cfg.exclusive
-        ev = tree.evict_device(n, now=ctx.now, require_host_copy=exclusive)
+        # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
+        back_up = ctx.storage_on and ctx.cfg.evict_to_storage
+        ev = tree.evict_device(n, now=ctx.now, require_host_copy=exclusive, back_up=back_up)
         self.free("device", ev.freed)
         self.free("host", ev.freed_host)
         freed = len(ev.freed)
@@ -133,29 +135,38 @@ class Space:
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
         wait: Wait | None = None
-        for node in ev.needs_backup:  # write_back / exclusive: copy to L2, then evict
+        for node in ev.needs_backup:  # write_back, exclusive, L3 on: copy to L2, then evict
             if exclusive and not tree.outranks_host(node, now=ctx.now):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
-                gone = tree.discard_device(node)
-                self.free("device", gone.freed)
-                self.free("host", gone.freed_host)
-                ctx.counters.device_evictions += len(gone.freed)
-                ctx.out.info(
-                    "tree.evict_device",
-                    tokens=len(gone.freed),
-                    demoted=0,
-                    removed=len(gone.removed),
-                    reason="older_than_l2",
-                )
-                freed += len(gone.freed)
+                freed += self._discard(node, "older_than_l2")
             elif wait is None:
                 started = writes.start_backup(node, evicting=True)
                 if isinstance(started, Wait):
                     wait = started  # the rest stay on L1, found again by the next eviction
+                elif not started and back_up and tree.needs_backup(node):
+                    # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
+                    # L3 attached it leaves L1 as without L3, rather than fail the allocation.
+                    freed += self._discard(node, "no_l2_room")
         if freed:
             return True
         return wait if wait is not None else False
+
+    def _discard(self, node: NodeId, reason: str) -> int:
+        """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
+        ctx = self._ctx
+        gone = ctx.tree.discard_device(node)
+        self.free("device", gone.freed)
+        self.free("host", gone.freed_host)
+        ctx.counters.device_evictions += len(gone.freed)
+        ctx.out.info(
+            "tree.evict_device",
+            tokens=len(gone.freed),
+            demoted=0,
+            removed=len(gone.removed),
+            reason=reason,
+        )
+        return len(gone.freed)
 
     def host(self, n: int) -> np.ndarray | Wait | None:
         """Host slots for n tokens, evicting L2."""

@@ -122,6 +122,7 @@ class WriteFlows:
         assert device is not None
         ctx.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
         ctx.counters.d2h_bytes += len(host) * ctx.bytes_per_token
+        ctx.counters.evict_backups += evicting
 
     def finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
         ctx = self._ctx

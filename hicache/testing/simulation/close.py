@@ -113,6 +113,11 @@ async def quiesce(ctx: SimContext) -> None:
         ctx.counts["l1_evicted_tokens"] += stats.device.evictions
         ctx.counts["l2_evicted_tokens"] += stats.host.evictions
         ctx.counts["l3_hit_tokens"] += stats.storage_hit_tokens
+        tree = cache.kernel.actors.get("tree")
+        counters = getattr(getattr(tree, "core", None), "counters", None)  # looked at if there
+        if counters is not None:
+            ctx.counts["evict_backups"] += counters.evict_backups
+            ctx.counts["anchor_backups"] += counters.anchor_backups
         if stats.inflight["requests"] != len(ctx.abandoned_rids):
             ctx.violate(
                 f"{stats.inflight['requests']} requests open after the run; only "

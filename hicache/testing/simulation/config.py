@@ -73,6 +73,7 @@ class SimConfig:
             "write_policy": c["write_policy"],
             "prefetch_policy": c["prefetch_policy"],
             "exclusive": c["exclusive"],
+            "evict_to_storage": c["evict_to_storage"],
             "eviction": c["eviction"],
             "storage": self.storage,
             "layout": c["layout"],
@@ -91,7 +92,8 @@ class SimConfig:
             f"mode={self.mode} page={c['page_size']} L1={c['device_tokens']} "
             f"L2={c['host_tokens']} kv={c['kv']} layout={c['layout']} io={c['io_backend']} "
             f"write={c['write_policy']} prefetch={c['prefetch_policy']} "
-            f"exclusive={c['exclusive']} eviction={c['eviction']} storage={storage} "
+            f"exclusive={c['exclusive']} evict_to_storage={c['evict_to_storage']} "
+            f"eviction={c['eviction']} storage={storage} "
             f"landing={'late' if self.late_landing else 'submit'} warm_l3={self.warm_l3} "
             f"clients={self.clients}x{self.requests} alphabet={self.alphabet} faults={faults}"
         )
@@ -149,6 +151,9 @@ def random_config(seed: int, *, mode: str = "virtual", skip: Iterable[str] = ())
         cpu_transfers="inline" if virtual else "thread",
         transfer_bandwidth=pick(rng, (20e9, 2e6, 2e5)),
     )
+    # Fields added later draw from their own stream, so every seed keeps the rest of its setup.
+    later = np.random.default_rng([seed, 2])
+    cache["evict_to_storage"] = bool(later.random() < 0.75)
     late = virtual and "late_landing" not in skip and bool(rng.random() < 0.5)
     faults = random_faults(rng, storage != "none", virtual, skip)
     wrap = storage != "none" and (faults.backend is not None or bool(rng.random() < 0.5))
