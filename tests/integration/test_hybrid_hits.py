@@ -166,3 +166,30 @@ def test_when_l1_cannot_take_the_l2_part_the_hit_is_the_deepest_point_that_lande
     assert first.length == 40 and hogged > 0
     assert (second.kv_len, second.length, second.device_hit) == (48, 40, 40)
     assert third.length == 48  # with room again, the whole of it
+
+
+def test_a_load_back_may_take_its_own_threshold():
+    """What the snapshots' reads use: `load_back(threshold=)` in place of the config's."""
+    from hicache import InvalidRequest
+
+    short = NEW[:8]  # two pages: below the default threshold of 10
+
+    async def main():
+        async with HiCache(cfg(write_policy="write_through")) as cache:
+            await cache.match("a", short)
+            slots = await cache.allocate("a", 8)
+            await cache.cache_finished("a", short, slots)
+            await cache.flush()
+            await cache.clear(["device"])
+            await cache.match("x", short)
+            skipped = await cache.load_back("x")
+            await cache.match("y", short)
+            taken = await cache.load_back("y", threshold=0)
+            with pytest.raises(InvalidRequest, match="threshold must be an int"):
+                await cache.load_back("y", threshold=-1)
+            await cache.release_many(["x", "y"])
+            return skipped, taken
+
+    skipped, taken = run_virtual(main)
+    assert (skipped.loaded_tokens, len(skipped.device_slots)) == (0, 0)
+    assert (taken.loaded_tokens, len(taken.device_slots)) == (8, 8)
