@@ -267,14 +267,20 @@ class HiCache:
         batch = tuple(_match_item(item) for item in items)
         return await self._call(lambda r: MatchBatch(items=batch, reply=r))
 
-    async def load_back(self, rid: RequestId) -> LoadBackOutcome:
-        """Bring the L2-only part of the last match into L1 (skipped below the threshold)."""
-        (out,) = await self.load_back_many([rid])
+    async def load_back(self, rid: RequestId, *, threshold: int | None = None) -> LoadBackOutcome:
+        """Bring the L2-only part of the last match into L1 (skipped below the threshold).
+        `threshold`: fewest L2 tokens worth loading for this call, in place of
+        `load_back_threshold` (a short stretch that matters whole, say a recurrent snapshot)."""
+        (out,) = await self.load_back_many([rid], threshold=threshold)
         return out
 
-    async def load_back_many(self, rids: Iterable[RequestId]) -> tuple[LoadBackOutcome, ...]:
+    async def load_back_many(
+        self, rids: Iterable[RequestId], *, threshold: int | None = None
+    ) -> tuple[LoadBackOutcome, ...]:
+        if threshold is not None and not _is_index(threshold):
+            raise InvalidRequest(f"load_back threshold must be an int >= 0, got {threshold!r}")
         batch = tuple(rids)
-        return await self._call(lambda r: LoadBackBatch(rids=batch, reply=r))
+        return await self._call(lambda r: LoadBackBatch(rids=batch, reply=r, threshold=threshold))
 
     async def allocate(self, rid: RequestId, num_tokens: int) -> np.ndarray:
         """Device slots for new tokens, evicting L1 as needed; CapacityError if impossible.

@@ -61,6 +61,7 @@ class MatchBatch:
 class LoadBackBatch:
     rids: tuple[RequestId, ...]
     reply: Reply[tuple[LoadBackOutcome, ...]]
+    threshold: int | None = None  # fewest L2 tokens worth loading (None: the config's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,14 @@ groups an engine declares, the rule for how much of a prefix they may reuse, and
 wrapper that keeps recurrent snapshots in every tier (docs/hybrid.md)."""
 
 from hicache.hybrid.cache import HybridCache, HybridHit, HybridPrefetch
-from hicache.hybrid.groups import FullAttention, HybridModel, LayerGroup, Recurrent, SlidingWindow
+from hicache.hybrid.groups import (
+    FullAttention,
+    HybridModel,
+    LayerGroup,
+    NoCache,
+    Recurrent,
+    SlidingWindow,
+)
 from hicache.hybrid.states import state_config
 
 __all__ = [
@@ -13,6 +20,7 @@ __all__ = [
     "HybridModel",
     "HybridPrefetch",
     "LayerGroup",
+    "NoCache",
     "Recurrent",
     "SlidingWindow",
     "state_config",

@@ -20,10 +20,10 @@ import numpy as np
 
 from hicache.cache import HiCache, Salt
 from hicache.hybrid.groups import HybridModel
-from hicache.hybrid.snapshots import Snapshots, loaded_back, probe_id
+from hicache.hybrid.snapshots import Chain, Snapshots, loaded_back, probe_id
 from hicache.hybrid.states import DIGEST_TOKENS, TOKEN_LIMIT, state_model_id, state_pages
 from hicache.kernels.pools import DevicePool
-from hicache.results import CacheOutcome, InvalidRequest
+from hicache.results import CacheOutcome, InvalidRequest, MatchOutcome
 from hicache.types import RequestId
 
 __all__ = ["HybridCache", "HybridHit", "HybridPrefetch"]
@@ -133,16 +133,16 @@ class HybridCache:
         state: bytes | None = None
         points: list[int] = []
         tier: str | None = None
+        slots = found.device_slots
         if self.model.stateful:
             points = self.model.candidates(len(arr), kv_len, self.max_probes)
-            length, state, tier = await self._snaps.deepest(rid, arr, points, salt)
-        slots = found.device_slots
-        if length > len(slots):
+            async with self._snaps.looked_up(rid, arr, points, salt) as chains:
+                length, state, tier, slots = await self._resume(rid, found, chains)
+        elif length > len(slots):
             slots = await loaded_back(self.cache, rid, self._last_layer)
+            length = self.model.usable(len(arr), len(slots))  # what landed, if not all
         for handle in found.pending:
             await handle.wait_async(self._last_layer)
-        if len(slots) < length:  # L1 could not take the L2 part: resume from what is there
-            length = self.model.usable(len(arr), len(slots), [length] if state else ())
         if len(slots) != length:  # the request's cached prefix is the hit: move its lock there
             slots = (await self.cache.match(rid, arr[:length], salt=salt)).device_slots
             if len(slots) < length:  # not expected: the lock kept them in L1; resume from 0
@@ -159,6 +159,36 @@ class HybridCache:
             snapshot_hint=top if self.model.stateful and top > length else None,
             state_tier=tier if length and state is not None else None,
         )
+
+    async def _resume(
+        self, rid: RequestId, found: MatchOutcome, chains: list[Chain]
+    ) -> tuple[int, bytes | None, str | None, np.ndarray]:
+        """(length, state, its tier, the request's device slots) at the deepest point whose
+        snapshot and K/V both land in L1, or 0. `load_back_threshold` weighs the tokens a
+        load saves against the deepest point that needs none (`floor`), not the tokens it
+        moves: a chain of a page or two in L2 below a prefix in L1 can be the whole hit."""
+        device = found.device_len
+        free = [
+            c for c in chains if c.whole and c.point <= device and (self._snaps.own or c.in_device)
+        ]
+        floor = free[0].point if free else 0  # a states cache's own loads always run
+        worth = max(1, self.cache.config.load_back_threshold)
+        slots, loaded = found.device_slots, False
+        for chain in chains:
+            if not chain.whole or (chain.point > floor and chain.point - floor < worth):
+                continue
+            state = await self._snaps.read(chain)
+            if state is None:
+                continue
+            if chain.point > len(slots) and not loaded:
+                slots, loaded = (
+                    await loaded_back(self.cache, rid, self._last_layer, threshold=0),
+                    True,
+                )
+            if chain.point > len(slots):
+                continue  # L1 could not take the K/V: a shallower point may still be whole
+            return chain.point, state, "device" if chain.in_device else "host", slots
+        return 0, None, None, slots
 
     async def prefetch(
         self, rid: RequestId, tokens: Sequence[int] | np.ndarray, *, salt: Salt = None

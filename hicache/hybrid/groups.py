@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from hicache.config import ConfigError
 
-__all__ = ["FullAttention", "HybridModel", "LayerGroup", "Recurrent", "SlidingWindow", "Stateful"]
+__all__ = [
+    "FullAttention",
+    "HybridModel",
+    "LayerGroup",
+    "NoCache",
+    "Recurrent",
+    "SlidingWindow",
+    "Stateful",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +69,29 @@ class Recurrent:
     grid: int
 
 
-LayerGroup = FullAttention | SlidingWindow | Recurrent
+@dataclass(frozen=True, slots=True)
+class NoCache:
+    """Layers that keep nothing between tokens (Nemotron-H's MLP and MoE layers): declared
+    so that every model layer is named once, and a layer left out by mistake is still caught."""
+
+    layers: tuple[int, ...]
+
+
+_PART = {"FullAttention": "kv", "SlidingWindow": "kv", "Recurrent": "state", "NoCache": "none"}
+LayerGroup = FullAttention | SlidingWindow | Recurrent | NoCache
 Stateful = Recurrent | SlidingWindow  # a group kept as snapshots (a sliding one with a grid)
 
 
 @dataclass(frozen=True, slots=True)
 class HybridModel:
-    """The layer groups of one model, as the engine declares them. Attention layers kept as
-    pages (full, and sliding without a grid) hold K/V in the cache's pool, pool layer i being
-    `pool_layers[i]`; recurrent states and windowed sliding layers' windows are kept per
-    snapshot point, one snapshot holding every such group's part in group order
-    (hybrid/states.py)."""
+    """The layer groups of one model, as the engine declares them, by the model's own layer
+    numbers. A model layer has at most one K/V part (in one FullAttention or SlidingWindow
+    group) and at most one state (in one Recurrent group): a layer with both (Falcon-H1's,
+    Zamba2's hybrid layers) is named in one group of each; a layer with neither is named in
+    NoCache. Attention layers kept as pages (full, and sliding without a grid) hold K/V in the
+    cache's pool, pool layer i being `pool_layers[i]`; recurrent states and windowed sliding
+    layers' windows are kept per snapshot point, one snapshot holding every such group's part
+    in group order (hybrid/states.py)."""
 
     groups: tuple[LayerGroup, ...]
     page_size: int
@@ -81,7 +101,7 @@ class HybridModel:
             raise ConfigError("a hybrid model needs at least one layer group")
         if self.page_size <= 0:
             raise ConfigError(f"page_size must be > 0, got {self.page_size}")
-        seen: set[int] = set()
+        parts: dict[int, dict[str, str]] = {}  # layer -> its part ("kv", "state", "none") -> group
         for group in self.groups:
             name = type(group).__name__
             if not group.layers:
@@ -89,9 +109,7 @@ class HybridModel:
             for layer in group.layers:
                 if layer < 0:
                     raise ConfigError(f"{name} names layer {layer}: layers count from 0")
-                if layer in seen:
-                    raise ConfigError(f"layer {layer} is in two groups")
-                seen.add(layer)
+                self._claim(parts.setdefault(layer, {}), layer, name)
             if isinstance(group, SlidingWindow) and group.window < 1:
                 raise ConfigError(f"SlidingWindow window must be >= 1, got {group.window}")
             if isinstance(group, SlidingWindow) and group.grid is None and group.state_bytes:
@@ -100,14 +118,38 @@ class HybridModel:
                 isinstance(group, SlidingWindow) and group.grid is not None
             ):
                 self._check_stateful(name, group)
+        seen = set(parts)
         if seen != set(range(len(seen))):
             missing = sorted(set(range(max(seen) + 1)) - seen)
-            raise ConfigError(f"layers {missing} are in no group")
+            raise ConfigError(
+                f"layers {missing} are in no group (a layer that keeps no cache is named in "
+                "NoCache)"
+            )
         if not self.pool_layers:
             raise ConfigError(
                 "a hybrid model needs at least one attention layer kept as pages (full, or "
                 "sliding without a grid)"
             )
+
+    @staticmethod
+    def _claim(held: dict[str, str], layer: int, name: str) -> None:
+        """Give `layer` the part a group of type `name` declares, refusing a second of it."""
+        part = _PART[name]
+        if part == "none" and part in held:
+            raise ConfigError(f"layer {layer} is in two NoCache groups")
+        if part in held:
+            what = {"kv": "K/V", "state": "state"}[part]
+            raise ConfigError(
+                f"layer {layer} is in two groups that both hold its {what} ({held[part]} and "
+                f"{name}): a model layer has at most one K/V part and one state"
+            )
+        if "none" in held or (part == "none" and held):
+            other = next(iter(held.values()))
+            raise ConfigError(
+                f"layer {layer} is in NoCache and in {other if part == 'none' else name}: a "
+                "layer that keeps a cache is not NoCache"
+            )
+        held[part] = name
 
     def _check_stateful(self, name: str, group: Stateful) -> None:
         if group.state_bytes <= 0:
@@ -126,7 +168,7 @@ class HybridModel:
             sorted(
                 layer
                 for group in self.groups
-                if not isinstance(group, Recurrent)
+                if isinstance(group, FullAttention | SlidingWindow)
                 for layer in group.layers
             )
         )

@@ -10,7 +10,8 @@ of its own, found only whole, and a missing or partial chain is no snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ from hicache.kernels.pools import DevicePool
 from hicache.results import CapacityError, MatchOutcome
 from hicache.types import RequestId
 
-__all__ = ["Snapshots", "loaded_back", "probe_id"]
+__all__ = ["Chain", "Snapshots", "loaded_back", "probe_id"]
 
 
 def probe_id(rid: RequestId, point: int) -> RequestId:
@@ -30,12 +31,36 @@ def probe_id(rid: RequestId, point: int) -> RequestId:
     return RequestId(f"\0hybrid-state:{rid!r}:{point}")
 
 
-async def loaded_back(cache: HiCache, rid: RequestId, last_layer: int) -> np.ndarray:
+async def loaded_back(
+    cache: HiCache, rid: RequestId, last_layer: int, *, threshold: int | None = None
+) -> np.ndarray:
     """`load_back` of the request's L2-only part in `cache`, landed: its device slots."""
-    back = await cache.load_back(rid)
+    back = await cache.load_back(rid, threshold=threshold)
     if back.handle is not None:
         await back.handle.wait_async(last_layer)
     return back.device_slots
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """One snapshot's lookup: the state after the first `point` tokens, looked up under
+    `probe`; its pages are `[base, end)` of the key `found` matched."""
+
+    point: int
+    probe: RequestId
+    base: int
+    end: int
+    found: MatchOutcome
+
+    @property
+    def whole(self) -> bool:
+        """L1 and L2 hold every page of it."""
+        return self.found.device_len + self.found.host_len >= self.end
+
+    @property
+    def in_device(self) -> bool:
+        """L1 holds every page of it: read without a load."""
+        return self.found.device_len >= self.end
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,42 +87,41 @@ class Snapshots:
     def last_layer(self) -> int:
         return self.pool.geometry.layers - 1
 
-    async def deepest(
+    @asynccontextmanager
+    async def looked_up(
         self, rid: RequestId, arr: np.ndarray, points: list[int], salt: Salt
-    ) -> tuple[int, bytes | None, str | None]:
-        """(point, state, tier it was in) of the deepest of `points` whose snapshot L1/L2
-        hold whole, or (0, None, None). Every point is looked up in one call, under its own
-        probe id, and every probe is released before returning."""
-        if not points:
-            return 0, None, None
+    ) -> AsyncIterator[list[Chain]]:
+        """The chains of the snapshots after arr[:p] for each of `points`, in order, all
+        looked up in one call, each under its own probe id; every probe is released on
+        leaving."""
         probes = [probe_id(rid, p) for p in points]
         keys = self.keys(arr, points)
         try:
             outs = await self.cache.match_many(
                 (probe, key, salt) for probe, (key, _) in zip(probes, keys, strict=True)
             )
-            for point, probe, (key, base), out in zip(points, probes, keys, outs, strict=True):
-                if out.device_len + out.host_len < len(key):
-                    continue
-                state = await self._read(probe, out, base, len(key))
-                if state is not None:
-                    return point, state, "device" if out.device_len >= len(key) else "host"
-            return 0, None, None
+            yield [
+                Chain(point, probe, base, len(key), out)
+                for point, probe, (key, base), out in zip(points, probes, keys, outs, strict=True)
+            ]
         finally:
-            await self.cache.release_many(probes)
+            if probes:
+                await self.cache.release_many(probes)
 
-    async def _read(
-        self, probe: RequestId, found: MatchOutcome, base: int, end: int
-    ) -> bytes | None:
-        """The snapshot in a chain the probe matched whole (loaded into L1 for the read)."""
-        slots = found.device_slots
-        if len(slots) < end:
-            slots = await loaded_back(self.cache, probe, self.last_layer)
-            if len(slots) < end:
+    async def read(self, chain: Chain) -> bytes | None:
+        """The snapshot in a chain found whole (its L2 part loaded into L1 for the read,
+        however short: the hit depends on it); None when it cannot be had or is not a state
+        of this geometry."""
+        if not chain.whole:
+            return None
+        slots = chain.found.device_slots
+        if len(slots) < chain.end:
+            slots = await loaded_back(self.cache, chain.probe, self.last_layer, threshold=0)
+            if len(slots) < chain.end:
                 return None
-        for handle in found.pending:
+        for handle in chain.found.pending:
             await handle.wait_async(self.last_layer)
-        return read_state(self.pool, slots[base:end], self.state_bytes)
+        return read_state(self.pool, slots[chain.base : chain.end], self.state_bytes)
 
     async def fetch(
         self, rid: RequestId, arr: np.ndarray, points: list[int], salt: Salt

@@ -15,21 +15,32 @@ Everything is fp32 on CPU with eager attention and transformers' pure-torch fall
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import (
     BambaConfig,
     BambaForCausalLM,
     DynamicCache,
+    FalconH1Config,
+    FalconH1ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    NemotronHConfig,
+    NemotronHForCausalLM,
     PreTrainedModel,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
+    Zamba2Config,
+    Zamba2ForCausalLM,
 )
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
 KINDS = ("gemma3", "bamba", "qwen3next")
+# Families whose layers are not one cache part each: Falcon-H1 (every layer attention and
+# Mamba2), Zamba2 (Mamba2 layers, two of them also running a shared attention block),
+# Nemotron-H (an MLP-only layer, no cache).
+FAMILIES = ("falconh1", "zamba2", "nemotronh")
 WINDOW = 16  # gemma3's sliding window: a layer sees the last WINDOW tokens, itself included
 VOCAB = 256
 # All attention layers (full and sliding) of every kind share this geometry.
@@ -43,8 +54,16 @@ INIT_RANGE = 0.05
 class LayerSpec:
     """What the cache library keeps for one decoder layer."""
 
-    kind: str  # "full" | "sliding" | "recurrent"
+    kind: str  # "full" | "sliding" | "recurrent" | "hybrid" (full and recurrent) | "none"
     window: int | None = None  # sliding layers: tokens seen by a query, itself included
+
+    @property
+    def has_kv(self) -> bool:
+        return self.kind in ("full", "sliding", "hybrid")
+
+    @property
+    def has_state(self) -> bool:
+        return self.kind in ("recurrent", "hybrid")
 
 
 @dataclass
@@ -59,7 +78,7 @@ class Snapshots:
     states: dict[int, dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
 
 
-def _config(kind: str) -> Gemma3TextConfig | BambaConfig | Qwen3NextConfig:
+def _config(kind: str) -> Any:
     common = {
         "vocab_size": VOCAB,
         "hidden_size": 64,
@@ -117,7 +136,43 @@ def _config(kind: str) -> Gemma3TextConfig | BambaConfig | Qwen3NextConfig:
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         )
-    raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
+    mamba = {"mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}
+    if kind == "falconh1":
+        return FalconH1Config(
+            **common,
+            head_dim=HEAD_DIM,
+            mamba_d_ssm=128,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+            **mamba,
+        )
+    if kind == "zamba2":
+        # one shared attention block, run by layers 1 and 3 (each its own K/V); head_dim is
+        # 2 * hidden_size / num_attention_heads = 32 here
+        return Zamba2Config(
+            **common,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            n_mamba_heads=4,
+            chunk_size=16,
+            **mamba,
+        )
+    if kind == "nemotronh":
+        common.pop("num_hidden_layers")  # the layer types say it
+        return NemotronHConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            layers_block_type=["mamba", "attention", "mlp", "mamba"],
+            ssm_state_size=16,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=1,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=16,
+        )
+    raise ValueError(f"unknown kind {kind!r}; one of {KINDS + FAMILIES}")
 
 
 def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
@@ -127,10 +182,13 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
         "gemma3": Gemma3ForCausalLM,
         "bamba": BambaForCausalLM,
         "qwen3next": Qwen3NextForCausalLM,
+        "falconh1": FalconH1ForCausalLM,
+        "zamba2": Zamba2ForCausalLM,
+        "nemotronh": NemotronHForCausalLM,
     }
     torch.manual_seed(seed)
     model = cls[kind](config).to(torch.float32).eval()
-    assert model.config.num_hidden_layers == 4
+    assert len(model.config.layer_types) == 4
     return model
 
 
@@ -145,6 +203,10 @@ def layer_specs(model: PreTrainedModel) -> list[LayerSpec]:
             specs.append(LayerSpec("sliding", config.sliding_window))
         elif layer_type == "linear_attention":
             specs.append(LayerSpec("recurrent"))
+        elif layer_type == "hybrid":  # a Mamba2 state and full attention's K/V
+            specs.append(LayerSpec("hybrid"))
+        elif layer_type in ("mlp", "moe"):  # nothing kept between tokens
+            specs.append(LayerSpec("none"))
         else:
             raise ValueError(f"unsupported layer type {layer_type!r}")
     return specs
@@ -218,10 +280,10 @@ def prefill_snapshots(model: PreTrainedModel, tokens: list[int], points: list[in
                     "recurrent": _plain(cache.layers[i].recurrent_states[0][0]),
                 }
                 for i, spec in enumerate(specs)
-                if spec.kind == "recurrent"
+                if spec.has_state
             }
     for i, spec in enumerate(specs):
-        if spec.kind != "recurrent":
+        if spec.has_kv:
             layer = cache.layers[i]
             assert layer.keys.shape[-2] == len(tokens), (i, layer.keys.shape)
             snaps.kv[i] = (
@@ -245,12 +307,13 @@ def restore_cache(
     cache = DynamicCache(config=model.config)
     for i, spec in enumerate(layer_specs(model)):
         layer = cache.layers[i]
-        if spec.kind == "recurrent":
+        if spec.has_state:
             assert isinstance(layer, LinearAttentionLayer)
             conv, rec = states_at_h[i]["conv"], states_at_h[i]["recurrent"]
             # As in a prefill: sets the conv kernel size and has_previous_state.
             cache.update_conv_state(conv[None].clone(), i, conv_kernel_size=conv.shape[-1])
             cache.update_recurrent_state(rec[None].clone(), i)
+        if not spec.has_kv:
             continue
         keys, values = kv[i]
         assert keys.shape[0] >= h and values.shape[0] >= h

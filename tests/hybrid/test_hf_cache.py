@@ -22,12 +22,15 @@ from hicache.hybrid import (
     FullAttention,
     HybridCache,
     HybridModel,
+    LayerGroup,
+    NoCache,
     Recurrent,
     SlidingWindow,
     state_config,
 )
 from hicache.testing import run_virtual
 from tests.hybrid.hf_models import (
+    FAMILIES,
     KINDS,
     VOCAB,
     attention_geometry,
@@ -58,8 +61,11 @@ class Adapter:
         state_bytes = len(self.recurrent_layers) * sum(
             int(np.prod(s)) * 4 for s in self.shapes.values()
         )
-        groups = []
-        full = tuple(i for i, s in enumerate(self.specs) if s.kind == "full")
+        # declared by the model's own layer numbers: a layer with K/V and a state (Falcon-H1,
+        # Zamba2) is in a FullAttention group and in the Recurrent one, an MLP-only layer
+        # (Nemotron-H) in NoCache
+        groups: list[LayerGroup] = []
+        full = tuple(i for i, s in enumerate(self.specs) if s.kind in ("full", "hybrid"))
         sliding = [i for i, s in enumerate(self.specs) if s.kind == "sliding"]
         self.window = self.specs[sliding[0]].window if sliding else 0
         self.windowed_layers = sliding if windowed else []
@@ -72,11 +78,13 @@ class Adapter:
             groups.append(SlidingWindow(tuple(sliding), self.window))
         if self.recurrent_layers:
             groups.append(Recurrent(tuple(self.recurrent_layers), state_bytes, GRID))
+        if none := tuple(i for i, s in enumerate(self.specs) if s.kind == "none"):
+            groups.append(NoCache(none))
         self.hybrid = HybridModel(tuple(groups), PAGE)
 
     @property
     def recurrent_layers(self) -> list[int]:
-        return [i for i, s in enumerate(self.specs) if s.kind == "recurrent"]
+        return [i for i, s in enumerate(self.specs) if s.has_state]
 
     def config(self, **overrides) -> CacheConfig:
         kv = f"mha:{len(self.hybrid.pool_layers)}:{self.kv_heads}:{self.head_dim}:float32"
@@ -195,6 +203,9 @@ CASES = [(kind, False, False) for kind in KINDS] + [
     ("qwen3next", True, False),
     ("gemma3", False, True),
     ("gemma3", True, True),
+    *((family, False, False) for family in FAMILIES),
+    ("falconh1", True, False),
+    ("nemotronh", True, False),
 ]
 IDS = [f"{k}-{'own' if o else 'pool'}{'-windowed' if w else ''}" for k, o, w in CASES]
 
@@ -207,7 +218,8 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
     first = torch.randint(0, VOCAB, (48,), generator=gen).tolist()
     second = first + torch.randint(0, VOCAB, (16,), generator=gen).tolist()
     cfg = adapter.config(storage=f"file:{tmp_path}")
-    if windowed and not own:  # a window snapshot is 12 pool pages: room for a request's six
+    if (windowed or kind in FAMILIES) and not own:  # a snapshot is 11-12 pool pages: room
+        # for a request's six (Falcon-H1's four Mamba2 states, 42 KiB, are 11 pages)
         cfg = adapter.config(storage=f"file:{tmp_path}", device_tokens=1024, host_tokens=2048)
 
     async def main():
@@ -246,6 +258,14 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
         before = prefill_snapshots(model, second, [h - GRID])
         _, shifted = adapter.unpack(adapter.pack({}, before.kv, h - GRID), h)
         assert error(resume_logits(model, second, h, {**kv, **shifted}, states), full[h:]) >= WRONG
+    both = [i for i, s in enumerate(adapter.specs) if s.kind == "hybrid"]
+    if both:  # a layer with a state still needs its K/V: the last token's zeroed in one
+        damaged = {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}
+        damaged[both[-1]][0][h - 1] = 0
+        damaged[both[-1]][1][h - 1] = 0
+        assert error(resume_logits(model, second, h, damaged, states), full[h:]) >= WRONG
+    if kind == "nemotronh":  # the MLP-only layer is declared and keeps nothing
+        assert adapter.hybrid.pool_layers == (1,) and 2 not in kv and 2 not in states
     sliding = [i for i, s in enumerate(adapter.specs) if s.kind == "sliding"]
     if sliding:  # the window's oldest token zeroed in every sliding layer
         window = adapter.specs[sliding[0]].window

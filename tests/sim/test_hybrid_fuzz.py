@@ -3,7 +3,8 @@ request ever resumes from an inconsistent set of layer groups.
 
 Each example draws a hybrid geometry (sliding + full attention; recurrent + full; two
 recurrent groups with different grids + sliding + full; sliding layers kept as windows in the
-snapshots + full + recurrent), snapshots of 1 or 2 pool pages, a small L1 and L2 (so eviction
+snapshots + full + recurrent; layers declared by model layer, two with K/V and a state, one
+with a state alone, one with no cache), snapshots of 1 or 2 pool pages, a small L1 and L2 (so eviction
 happens), a write policy (exclusive L2 included) and, maybe, an L3 memory store that later
 cache instances open again; then 10-30 steps over a few shared base prompts: requests served
 whole (match, compute, cache with a random subset of their snapshot points) or dropped after
@@ -46,6 +47,7 @@ from hicache.hybrid import (
     FullAttention,
     HybridCache,
     HybridModel,
+    NoCache,
     Recurrent,
     SlidingWindow,
     state_config,
@@ -65,7 +67,8 @@ HEADER = 16  # hybrid/states.py's snapshot header
 @dataclass(frozen=True)
 class Plan:
     # "a": sliding + full; "b": recurrent + full; "c": 2 recurrent + sliding + full;
-    # "d": windowed sliding (its window kept in the snapshots) + full + recurrent
+    # "d": windowed sliding (its window kept in the snapshots) + full + recurrent;
+    # "e": layers with K/V and a state, a state alone, or no cache (declared by model layer)
     geometry: str
     model: HybridModel
     layers: int  # attention layers (the pool's)
@@ -96,6 +99,13 @@ def plans(draw, geometry: str) -> Plan:
         groups: tuple = (SlidingWindow((0,), window), FullAttention((1,)))
     elif geometry == "b":
         groups = (Recurrent((0, 1, 3), state_bytes=size, grid=draw(grids)), FullAttention((2,)))
+    elif geometry == "e":  # by model layer: layers 0 and 2 hold K/V and a state (Falcon-H1,
+        # Zamba2's hybrid layers), 1 a state alone, 3 nothing (Nemotron-H's MLP layers)
+        groups = (
+            FullAttention((0, 2)),
+            Recurrent((0, 1, 2), state_bytes=size, grid=draw(grids)),
+            NoCache((3,)),
+        )
     elif geometry == "d":  # the sliding layers keep only their window, in each snapshot
         g1, g2 = draw(st.lists(grids, min_size=2, max_size=2, unique=True))
         first = draw(st.integers(1, size - 1))
@@ -334,8 +344,14 @@ def summary(request):
 @pytest.mark.timeout(120 + EXAMPLES)
 @pytest.mark.parametrize(
     "geometry",
-    "abcd",
-    ids=["sliding+full", "recurrent+full", "2recurrent+sliding+full", "windowed+full+recurrent"],
+    "abcde",
+    ids=[
+        "sliding+full",
+        "recurrent+full",
+        "2recurrent+sliding+full",
+        "windowed+full+recurrent",
+        "kv-and-state+state+nocache",
+    ],
 )
 @settings(
     max_examples=EXAMPLES,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.config import ConfigError
-from hicache.hybrid import FullAttention, HybridModel, Recurrent, SlidingWindow
+from hicache.hybrid import FullAttention, HybridModel, NoCache, Recurrent, SlidingWindow
 
 PAGE = 4
 
@@ -28,8 +28,25 @@ def bamba_like(grid: int = 8) -> HybridModel:
     [
         ((), PAGE, "at least one layer group"),
         ((FullAttention(()),), PAGE, "has no layers"),
-        ((FullAttention((0,)), SlidingWindow((0,), 4)), PAGE, "layer 0 is in two groups"),
-        ((FullAttention((0, 2)),), PAGE, r"layers \[1\] are in no group"),
+        (
+            (FullAttention((0,)), SlidingWindow((0,), 4)),
+            PAGE,
+            r"layer 0 is in two groups that both hold its K/V \(FullAttention and SlidingWindow\)",
+        ),
+        (
+            (FullAttention((0,)), Recurrent((0,), 10, 8), Recurrent((0,), 10, 8)),
+            PAGE,
+            "layer 0 is in two groups that both hold its state",
+        ),
+        ((FullAttention((0,)), NoCache((0,))), PAGE, "layer 0 is in NoCache and in FullAttention"),
+        (
+            (NoCache((1,)), FullAttention((0, 1))),
+            PAGE,
+            "layer 1 is in NoCache and in FullAttention",
+        ),
+        ((FullAttention((0,)), NoCache((1,)), NoCache((1,))), PAGE, "two NoCache groups"),
+        ((FullAttention((0,)), NoCache(())), PAGE, "NoCache group has no layers"),
+        ((FullAttention((0, 2)),), PAGE, r"layers \[1\] are in no group \(a layer that keeps"),
         ((SlidingWindow((0,), 0),), PAGE, "window must be >= 1"),
         ((FullAttention((0,)), Recurrent((1,), 0, 8)), PAGE, "state_bytes must be > 0"),
         ((FullAttention((0,)), Recurrent((1,), 10, 6)), PAGE, "multiple of the page size"),
@@ -63,6 +80,29 @@ def test_windowed_sliding_layers_leave_the_pool_and_resume_only_at_a_snapshot():
     assert model.usable(30, 28, [24, 28]) == 28
     alone = HybridModel((SlidingWindow((0,), 6, 40, 8), FullAttention((1,))), PAGE)
     assert alone.snapshot_points(30) == [8, 16, 24, 28] and alone.recurrent == ()
+
+
+def test_a_layer_may_hold_kv_and_a_state_or_no_cache_at_all():
+    """Falcon-H1 (every layer attention and Mamba2), Zamba2 (Mamba2 everywhere, a shared
+    attention block's K/V on some layers), Nemotron-H (MLP-only layers): declared by the
+    model's layer numbers."""
+    falcon = HybridModel(
+        (FullAttention((0, 1, 2)), Recurrent((0, 1, 2), state_bytes=30, grid=8)), PAGE
+    )
+    assert falcon.pool_layers == (0, 1, 2) and falcon.recurrent[0].layers == (0, 1, 2)
+    zamba = HybridModel(
+        (Recurrent((0, 1, 2, 3, 4), state_bytes=50, grid=8), FullAttention((1, 4))), PAGE
+    )
+    assert zamba.pool_layers == (1, 4) and zamba.attention_layers == (1, 4)
+    nemotron = HybridModel((Recurrent((0, 3), 20, 8), NoCache((1, 4)), FullAttention((2,))), PAGE)
+    assert nemotron.pool_layers == (2,) and nemotron.attention_layers == (2,)
+    assert nemotron.state_bytes == 20 and [type(g) for g in nemotron.stateful] == [Recurrent]
+    for model in (falcon, zamba, nemotron):
+        assert model.usable(30, 28, [8, 16]) == 16  # the rule is the recurrent groups'
+    hymba = HybridModel(
+        (SlidingWindow((0, 1), 6), FullAttention((2,)), Recurrent((0, 1, 2), 30, 8)), PAGE
+    )  # sliding and full attention heads beside a state in every layer
+    assert hymba.pool_layers == (0, 1, 2)
 
 
 def test_attention_layers_map_to_pool_layers_in_model_order():

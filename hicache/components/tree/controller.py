@@ -183,9 +183,9 @@ class Controller:
             case MatchBatch(items=items, reply=reply):
                 matched, match_loads = requests.match_batch(items)
                 out.answer(reply, matched, tuple(match_loads) if any(match_loads) else None)
-            case LoadBackBatch(rids=rids, reply=reply):
+            case LoadBackBatch(rids=rids, reply=reply, threshold=threshold):
                 done = parked.done if parked is not None else []
-                wait = requests.load_back_batch(rids, done)
+                wait = requests.load_back_batch(rids, done, threshold)
                 if wait is not None:
                     return Parked(wait, done)
                 waits = tuple(ops for _, ops in done)

@@ -56,11 +56,15 @@ class LoadFlows:
                 y = tree.parent(y)
         return pending
 
-    def load_back(self, rid: RequestId, state: RequestState) -> int | Wait:
+    def load_back(
+        self, rid: RequestId, state: RequestState, threshold: int | None = None
+    ) -> int | Wait:
         """Load the request's L2-only stretch into L1 when it is worth it: the tokens loaded
-        (0 when below the threshold, out of credits or out of room), or the wait it needs."""
+        (0 when below the threshold, out of credits or out of room), or the wait it needs.
+        `threshold`: the caller's own in place of `load_back_threshold`."""
         ctx, tree = self._ctx, self._ctx.tree
-        if state.host_len < max(1, ctx.cfg.load_back_threshold) or state.last_node is None:
+        least = ctx.cfg.load_back_threshold if threshold is None else threshold
+        if state.host_len < max(1, least) or state.last_node is None:
             return 0
         if self.credits == 0:
             ctx.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)

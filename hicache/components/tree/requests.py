@@ -175,10 +175,14 @@ class Requests:
 
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def load_back_batch(
-        self, rids: Sequence[RequestId], done: list[tuple[LoadBackOutcome, Loads]]
+        self,
+        rids: Sequence[RequestId],
+        done: list[tuple[LoadBackOutcome, Loads]],
+        threshold: int | None = None,
     ) -> Wait | None:
         """Load back each request in turn, appending to `done`; a `Wait` parks the batch,
-        which goes on from where it stopped once retried."""
+        which goes on from where it stopped once retried. `threshold`: the batch's own
+        `load_back_threshold` (None: the config's)."""
         if not done:
             self.check_rids(rids, "load_back")
             for rid in rids:
@@ -192,7 +196,7 @@ class Requests:
                     # may have loaded or cached part of it since. Take the tree's prefix now.
                     self.rematch(state)
                 state.loaded_back = True
-                got = self._loads.load_back(rid, state)
+                got = self._loads.load_back(rid, state, threshold)
                 if isinstance(got, Wait):
                     return got
                 loaded = got
