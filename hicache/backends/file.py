@@ -447,8 +447,7 @@ _STRIPE_PAGES = 128
 """Fewest pages per worker-thread call of a batch (a batch of 128 pages, a prefetch's, is one
 call; 512 or more go out as `threads` calls). Handing a call to a worker thread costs the event
 loop tens of microseconds, and the batches in flight at once already spread over the threads:
-`hicache replay --limit 2500` used 13-16 % less CPU than with runs of 32 (docs/benchmarks.md,
-session 6)."""
+`hicache replay --limit 2500` used 13-16 % less CPU than with runs of 32 (docs/benchmarks.md)."""
 
 _Job = tuple[Any, ...]
 _Result = Any
