@@ -1,8 +1,10 @@
 """CUDA transfer streams through cuda-python: a non-blocking stream per direction, an event per
 layer for loads, torch ops enqueued on those streams via `torch.cuda.ExternalStream`.
 
-A worker thread per direction enqueues the copies (so submit never blocks the loop) and then
-waits for them on the host (cudaEventSynchronize) before calling `on_done` on that thread.
+Two worker threads per direction: one enqueues the copies (so submit never blocks the loop),
+the other waits for them on the host (cudaEventSynchronize) and calls `on_done`, in submission
+order. Job N+1 is enqueued while job N's copies still run, so the stream never idles between
+jobs for a thread hand-off and a Python launch.
 `LoadHandle.wait(layer)` blocks only until the layer's copies are *enqueued* (microseconds),
 then makes torch's current stream wait on the layer's event: no host sync on the copy."""
 
@@ -138,6 +140,9 @@ class CudaStreams:
         }
         self._loads = OrderedWorker("hicache-cuda-load")
         self._backups = OrderedWorker("hicache-cuda-backup")
+        # completions, in the order their jobs were enqueued (each direction is one stream)
+        self._loads_done = OrderedWorker("hicache-cuda-load-done")
+        self._backups_done = OrderedWorker("hicache-cuda-backup-done")
         self._jobs = {"load": 0, "backup": 0}
         self._lock = threading.Lock()
 
@@ -178,7 +183,24 @@ class CudaStreams:
         stream = self._load_stream
         engine = self._engines["load"]
 
+        def complete(error: Exception | None) -> None:
+            try:
+                if error is None:
+                    for layer in range(layers):
+                        self._cuda.synchronize(handle.events[layer])
+                        handle.completed.land(layer)
+            except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
+                error = exc
+            finally:
+                self._cuda.destroy_events([ready])
+            if error is not None:
+                # layers already enqueued still complete on the GPU; the job as a whole failed
+                handle.enqueued.fail(error)
+                handle.completed.fail(error)
+            on_done(error)
+
         def job() -> None:
+            error: Exception | None = None
             try:
                 self._cuda.stream_wait(stream, ready)
                 with (
@@ -195,18 +217,9 @@ class CudaStreams:
                         )
                         self._cuda.record(handle.events[layer], stream)
                         handle.enqueued.land(layer)
-                for layer in range(layers):
-                    self._cuda.synchronize(handle.events[layer])
-                    handle.completed.land(layer)
-            except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
-                # layers already enqueued still complete on the GPU; the job as a whole failed
-                handle.enqueued.fail(exc)
-                handle.completed.fail(exc)
-                on_done(exc)
-                return
-            finally:
-                self._cuda.destroy_events([ready])
-            on_done(None)
+            except Exception as exc:  # noqa: BLE001 - reported in order by the completion
+                error = exc
+            self._loads_done.submit(lambda: complete(error))
 
         self._loads.submit(job)
         return handle
@@ -220,8 +233,18 @@ class CudaStreams:
         stream = self._backup_stream
         engine = self._engines["backup"]
 
+        def complete(done_event: Any, error: Exception | None) -> None:
+            try:
+                if error is None:
+                    self._cuda.synchronize(done_event)
+            except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
+                error = exc
+            finally:
+                self._cuda.destroy_events([e for e in (ready, done_event) if e is not None])
+            on_done(error)
+
         def job() -> None:
-            done_event = None
+            done_event, error = None, None
             try:
                 self._cuda.stream_wait(stream, ready)
                 if self._fault is not None:
@@ -235,19 +258,18 @@ class CudaStreams:
                     run_backup(plan, self.device_pool, self.host_pool, self.io, engine)
                 done_event = self._cuda.event()
                 self._cuda.record(done_event, stream)
-                self._cuda.synchronize(done_event)
-            except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
-                on_done(exc)
-                return
-            finally:
-                self._cuda.destroy_events([e for e in (ready, done_event) if e is not None])
-            on_done(None)
+            except Exception as exc:  # noqa: BLE001 - reported in order by the completion
+                error = exc
+            self._backups_done.submit(lambda: complete(done_event, error))
 
         self._backups.submit(job)
 
     def close(self) -> None:
+        # the enqueuers first: each hands its last completions over before it stops
         self._loads.close()
         self._backups.close()
+        self._loads_done.close()
+        self._backups_done.close()
 
 
 class CudaInlineCopies:
