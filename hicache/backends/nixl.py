@@ -46,6 +46,7 @@ from hicache.backends.framing import (
     FIXED_HEADER_SIZE,
     CorruptValue,
     checksums,
+    checksums_started,
     decode_header,
     header_size,
     pack_header,
@@ -366,7 +367,7 @@ class NixlBackend:
         (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
         registered regions for its duration. None when done, else the failure."""
         agent = self._ready()
-        loose = _merge([(ptr, n) for ptr, n, _ in local if not self._regions.covers(ptr, n)])
+        loose = _loose(self._regions, local)
         registered = []
         handle = None
         try:
@@ -409,10 +410,10 @@ class NixlBackend:
     def _write_batch(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
     ) -> tuple[list[bool], list[tuple[str, str]]]:
-        crcs = checksums(pages)
+        # The checksums run on the checksum pool while the payload moves; each header is
+        # written once both are done, before its file is renamed into place.
+        crcs_later = checksums_started(pages)
         hsize = self._header_size
-        headers = np.empty(len(keys) * hsize, dtype=np.uint8)
-        base = headers.__array_interface__["data"][0]
         tmp_dir = os.path.join(self.root, self.namespace.digest, "tmp")
         opened: list[tuple[str, int]] = []  # (temporary path, fd), per page
         errors: list[tuple[str, str]] = []
@@ -420,10 +421,7 @@ class NixlBackend:
         remote: list[tuple[int, int, int]] = []
         files: list[tuple[int, int]] = []
         try:
-            for i, (key, pieces) in enumerate(zip(keys, pages)):
-                length = sum(p.nbytes for p in pieces)
-                header = pack_header(key, length, crcs[i])
-                headers[i * hsize : (i + 1) * hsize] = np.frombuffer(header, dtype=np.uint8)
+            for key, pieces in zip(keys, pages):
                 try:
                     tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
                     fd = _create(tmp)
@@ -431,22 +429,16 @@ class NixlBackend:
                     errors.append((key, f"{type(exc).__name__}: {exc}"))
                     break
                 opened.append((tmp, fd))
-                local.append((base + i * hsize, hsize, 0))
-                remote.append((0, hsize, fd))
-                offset = hsize
-                for piece in pieces:
-                    if piece.nbytes:
-                        local.append((address_of(piece), piece.nbytes, 0))
-                        remote.append((offset, piece.nbytes, fd))
-                        offset += piece.nbytes
-                files.append((fd, offset))
-            failure = self._transfer("WRITE", local, remote, files) if opened else None
+                files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
+            failure = self._transfer("WRITE", local, remote, files) if local else None
+            crcs = crcs_later.result()
             oks = [False] * len(keys)
             if failure is not None:
                 errors.append((keys[0], failure))
                 return oks, errors
             for i, (tmp, fd) in enumerate(opened):
                 try:
+                    os.pwrite(fd, pack_header(keys[i], files[i][1] - hsize, crcs[i]), 0)
                     if self.spec.fsync:
                         os.fsync(fd)
                     _place(tmp, paths[i])
@@ -455,6 +447,7 @@ class NixlBackend:
                     errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
             return oks, errors
         finally:
+            crcs_later.result()  # the pages are the caller's again only once it is done
             for tmp, fd in opened:
                 os.close(fd)
                 with contextlib.suppress(FileNotFoundError):
@@ -473,8 +466,8 @@ class NixlBackend:
         files: list[tuple[int, int]] = []
         try:
             # Only the present prefix is read: a miss ends what the count can report.
-            for i, (key, path, pieces) in enumerate(zip(keys, paths, pages)):
-                want = sum(p.nbytes for p in pieces)
+            wants = [sum(p.nbytes for p in pieces) for pieces in pages]
+            for i, (key, path, pieces, want) in enumerate(zip(keys, paths, pages, wants)):
                 try:
                     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
@@ -490,12 +483,7 @@ class NixlBackend:
                     break
                 local.append((base + i * hsize, hsize, 0))
                 remote.append((0, hsize, fd))
-                offset = hsize
-                for piece in pieces:
-                    if piece.nbytes:
-                        local.append((address_of(piece), piece.nbytes, 0))
-                        remote.append((offset, piece.nbytes, fd))
-                        offset += piece.nbytes
+                _add_pieces(local, remote, pieces, fd, hsize)
                 files.append((fd, size))
             landed = len(files)
             if not landed:
@@ -508,7 +496,7 @@ class NixlBackend:
             for i in range(landed):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
-                    if header.payload_len != sum(p.nbytes for p in pages[i]):
+                    if header.payload_len != wants[i]:
                         raise CorruptValue("truncated", "header and file size disagree")
                     if header.crc32 != crcs[i]:
                         raise CorruptValue("checksum", f"checksum mismatch for {keys[i]!r}")
@@ -521,6 +509,36 @@ class NixlBackend:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _add_pieces(
+    local: list[tuple[int, int, int]],
+    remote: list[tuple[int, int, int]],
+    pieces: list[memoryview],
+    fd: int,
+    offset: int,
+) -> int:
+    """Append the descriptors that move `pieces` to or from consecutive offsets of file `fd`
+    starting at `offset`; returns the offset after the last."""
+    for piece in pieces:
+        n = piece.nbytes
+        if n:
+            local.append((address_of(piece), n, 0))
+            remote.append((offset, n, fd))
+            offset += n
+    return offset
+
+
+def _loose(regions: RegisteredRegions, local: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The DRAM of `local` outside the registered regions, merged into ranges. A batch of
+    host-pool pages lies inside one region: one check of its span instead of one per piece."""
+    if not local:
+        return []
+    start = min(ptr for ptr, _, _ in local)
+    end = max(ptr + n for ptr, n, _ in local)
+    if regions.covers(start, end - start):
+        return []
+    return _merge([(ptr, n) for ptr, n, _ in local if not regions.covers(ptr, n)])
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
