@@ -30,6 +30,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -43,7 +44,6 @@ from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_c
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import value_path
 from hicache.backends.framing import (
-    FIXED_HEADER_SIZE,
     CorruptValue,
     checksums,
     checksums_started,
@@ -54,6 +54,13 @@ from hicache.backends.framing import (
 from hicache.backends.keys import Namespace
 from hicache.backends.mooncake_memory import RegisteredRegions, address_of
 from hicache.backends.simple import EventSink
+from hicache.backends.value_files import (
+    count_present,
+    create_temp,
+    place,
+    size_mismatch,
+    unlink_all,
+)
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 """NIXL plugins that move memory to and from files; the backend runs over any of them."""
@@ -276,7 +283,7 @@ class NixlBackend:
         self._counters.exists_calls += 1
         if self._closed or not keys:
             return 0
-        present: int = await self._run(_count_present, [self._path(k) for k in keys])
+        present: int = await self._run(count_present, [self._path(k) for k in keys])
         return present
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
@@ -316,7 +323,7 @@ class NixlBackend:
         check_keys(self.namespace, keys)
         self._counters.deletes += len(keys)
         if keys:
-            await self._run(_unlink_all, [self._path(k) for k in keys])
+            await self._run(unlink_all, [self._path(k) for k in keys])
 
     async def clear(self) -> None:
         """Remove this namespace's directory (its values and temporary files), nothing else."""
@@ -359,17 +366,19 @@ class NixlBackend:
     def _transfer(
         self,
         op: str,
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
+        parts: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]],
         files: list[tuple[int, int]],
+        part_done: Callable[[int], None] | None = None,
     ) -> str | None:
-        """One NIXL transfer of `local` DRAM descriptors to/from `remote` FILE descriptors
-        (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
-        registered regions for its duration. None when done, else the failure."""
+        """NIXL transfers of `local` DRAM descriptors to/from `remote` FILE descriptors
+        (offset, length, fd), one per `(local, remote)` part, all posted at once and awaited
+        in order (`part_done(i)` once part i is done, while later ones still move), registering
+        the files `(fd, length)` and any DRAM outside the registered regions for their
+        duration. None when all are done, else the failure."""
         agent = self._ready()
-        loose = _loose(self._regions, local)
+        loose = _loose(self._regions, [d for local, _ in parts for d in local])
         registered = []
-        handle = None
+        handles: list[Any] = []
         try:
             with self._lock:
                 if loose:
@@ -379,27 +388,37 @@ class NixlBackend:
                 registered.append(
                     agent.register_memory([(0, n, fd, "") for fd, n in files], "FILE")
                 )
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, "FILE"),
-                agent.name,
-            )
-            state = agent.transfer(handle)
+            states = []
+            for local, remote in parts:
+                handles.append(
+                    agent.initialize_xfer(
+                        op,
+                        agent.get_xfer_descs(local, "DRAM"),
+                        agent.get_xfer_descs(remote, "FILE"),
+                        agent.name,
+                    )
+                )
+                states.append(agent.transfer(handles[-1]))
             deadline = time.monotonic() + self.spec.timeout
             polls = 0
-            while state == "PROC":
-                polls += 1
-                if polls % 256 == 0:  # a long transfer: stop spinning, let others run
-                    if time.monotonic() > deadline:
-                        return f"transfer not done after {self.spec.timeout}s"
-                    time.sleep(0)
-                state = agent.check_xfer_state(handle)
-            return None if state == "DONE" else f"NIXL transfer state {state}"
+            for i, (handle, posted) in enumerate(zip(handles, states)):
+                state = posted
+                while state == "PROC":
+                    polls += 1
+                    if polls % 256 == 0:  # a long transfer: stop spinning, let others run
+                        if time.monotonic() > deadline:
+                            return f"transfer not done after {self.spec.timeout}s"
+                        time.sleep(0)
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    return f"NIXL transfer state {state}"
+                if part_done is not None:
+                    part_done(i)
+            return None
         except Exception as exc:  # noqa: BLE001 - NIXL's errors are a failed batch
             return f"{type(exc).__name__}: {exc}"
         finally:
-            if handle is not None:
+            for handle in handles:
                 with contextlib.suppress(Exception):  # releasing also aborts a late transfer
                     agent.release_xfer_handle(handle)
             with self._lock:
@@ -424,13 +443,13 @@ class NixlBackend:
             for key, pieces in zip(keys, pages):
                 try:
                     tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
-                    fd = _create(tmp)
+                    fd = create_temp(tmp)
                 except OSError as exc:
                     errors.append((key, f"{type(exc).__name__}: {exc}"))
                     break
                 opened.append((tmp, fd))
                 files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
-            failure = self._transfer("WRITE", local, remote, files) if local else None
+            failure = self._transfer("WRITE", [(local, remote)], files) if local else None
             crcs = crcs_later.result()
             oks = [False] * len(keys)
             if failure is not None:
@@ -441,7 +460,7 @@ class NixlBackend:
                     os.pwrite(fd, pack_header(keys[i], files[i][1] - hsize, crcs[i]), 0)
                     if self.spec.fsync:
                         os.fsync(fd)
-                    _place(tmp, paths[i])
+                    place(tmp, paths[i])
                     oks[i] = True
                 except OSError as exc:
                     errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
@@ -464,6 +483,8 @@ class NixlBackend:
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         files: list[tuple[int, int]] = []
+        ends: list[int] = []  # per page: where its descriptors end in local / remote
+        early: list[Future[list[int]]] = []  # the first half's checksums, once it landed
         try:
             # Only the present prefix is read: a miss ends what the count can report.
             wants = [sum(p.nbytes for p in pieces) for pieces in pages]
@@ -478,21 +499,33 @@ class NixlBackend:
                 fds.append(fd)
                 size = os.fstat(fd).st_size
                 if size != hsize + want:
-                    result.corrupt.append((key, _size_mismatch(fd, key, size, want)))
-                    _unlink_all([path])
+                    result.corrupt.append((key, size_mismatch(fd, key, size, want)))
+                    unlink_all([path])
                     break
                 local.append((base + i * hsize, hsize, 0))
                 remote.append((0, hsize, fd))
                 _add_pieces(local, remote, pieces, fd, hsize)
+                ends.append(len(local))
                 files.append((fd, size))
             landed = len(files)
             if not landed:
                 return result
-            failure = self._transfer("READ", local, remote, files)
+            # Two transfers: the first half's checksums run while the second half moves.
+            cut = landed // 2
+            split = ends[cut - 1] if cut else 0
+            parts = [(local[:split], remote[:split]), (local[split:], remote[split:])]
+            if not cut:
+                parts = parts[1:]
+
+            def first_half_done(part: int) -> None:
+                if cut and part == 0:
+                    early.append(checksums_started(pages[:cut]))
+
+            failure = self._transfer("READ", parts, files, first_half_done)
             if failure is not None:
                 result.errors.append((keys[0], failure))
                 return result
-            crcs = checksums(pages[:landed])
+            crcs = (early[0].result() if early else []) + checksums(pages[cut:landed])
             for i in range(landed):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
@@ -502,11 +535,13 @@ class NixlBackend:
                         raise CorruptValue("checksum", f"checksum mismatch for {keys[i]!r}")
                 except CorruptValue as exc:
                     result.corrupt.append((keys[i], exc.reason))
-                    _unlink_all([paths[i]])
+                    unlink_all([paths[i]])
                     continue
                 result.ok[i] = True
             return result
         finally:
+            for started in early:
+                started.result()  # the pages are the caller's again only once it is done
             for fd in fds:
                 os.close(fd)
 
@@ -550,42 +585,3 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append([ptr, ptr + n])
     return [(start, end - start) for start, end in merged]
-
-
-def _create(tmp: str) -> int:
-    """A new temporary file (its directory made if missing), open for writing."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        return os.open(tmp, flags, 0o600)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
-        return os.open(tmp, flags, 0o600)
-
-
-def _place(tmp: str, path: str) -> None:
-    """Rename a written temporary file into place (its shard directory made if missing)."""
-    try:
-        os.replace(tmp, path)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        os.replace(tmp, path)
-
-
-def _size_mismatch(fd: int, key: str, size: int, want: int) -> str:
-    """Why a value file of `size` bytes cannot be a `want`-byte page: its header's reason."""
-    head = os.pread(fd, FIXED_HEADER_SIZE + 4096, 0)
-    try:
-        header = decode_header(head, key)
-    except CorruptValue as exc:
-        return exc.reason
-    return "length" if header.payload_len != want else "truncated"
-
-
-def _count_present(paths: list[str]) -> int:
-    return prefix_count(os.path.exists(p) for p in paths)
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
