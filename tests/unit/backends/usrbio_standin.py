@@ -50,13 +50,17 @@ class Ioring:
         self.prepared: list[tuple[IovSlice, int, int]] = []
         self.submitted: list[tuple[IovSlice, int, int]] = []
 
-    def prepare(self, iov: IovSlice, read: bool, fd: int, offset: int, userdata: Any = None) -> None:
+    def prepare(
+        self, iov: IovSlice, read: bool, fd: int, offset: int, userdata: Any = None
+    ) -> None:
         api = self.api
         api.calls.append(("prepare", "read" if read else "write", iov.stop - iov.start))
         if not isinstance(iov, IovSlice) or iov.iov.mount != self.mount:
             raise ValueError("prepare needs a slice of an iov made on this ring's mount")
         if read != self.for_read:
-            raise ValueError(f"a ring made with for_read={self.for_read} cannot {'read' if read else 'write'}")
+            raise ValueError(
+                f"a ring made with for_read={self.for_read} cannot {'read' if read else 'write'}"
+            )
         if fd not in api.registered:
             raise ValueError(f"fd {fd} is not registered (register_fd)")
         if len(self.prepared) + len(self.submitted) >= self.entries:
