@@ -3,14 +3,15 @@
 Values are the standard framed values (framing.py: header, then the page), one file per page at
 the file store's paths (`DIR/<digest>/<h[0:2]>/<h[2]>/<h>`), so a directory written here reads
 the same with `file:DIR` and back. What NIXL adds is the data path: a batch is one NIXL
-transfer of DRAM descriptors (each page's header slot and pieces) to FILE descriptors (each
-file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
+transfer of DRAM descriptors (each page's pieces, and on reads its header slot) to FILE
+descriptors (each file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
 default, GDS / GDS_MT (cuFile) where a GPU and its driver are present. Nothing is copied:
 the host pool is registered with the agent once (`attach_host_pool`); pieces elsewhere (a test's
 buffers, the sealing layer's blocks) are registered for their batch.
 
 Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
-transfer is done, so readers never see part of a value. A read transfers each present file's
+transfer is done, so readers never see part of a value; the pages' checksums are computed on
+the checksum pool while the transfer moves them, and each header is written (`pwrite`) after. A read transfers each present file's
 header and page in one batch, then checks the header and the CRC-32 where the bytes landed: a
 value that fails is a miss, a `storage.corrupt` event, and its file is deleted. `exists` stats
 the files. There is no size cap and no expiry: values stay until `delete` or `clear`, so give
@@ -30,7 +31,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -366,19 +366,17 @@ class NixlBackend:
     def _transfer(
         self,
         op: str,
-        parts: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]],
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
         files: list[tuple[int, int]],
-        part_done: Callable[[int], None] | None = None,
     ) -> str | None:
-        """NIXL transfers of `local` DRAM descriptors to/from `remote` FILE descriptors
-        (offset, length, fd), one per `(local, remote)` part, all posted at once and awaited
-        in order (`part_done(i)` once part i is done, while later ones still move), registering
-        the files `(fd, length)` and any DRAM outside the registered regions for their
-        duration. None when all are done, else the failure."""
+        """One NIXL transfer of `local` DRAM descriptors to/from `remote` FILE descriptors
+        (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
+        registered regions for its duration. None when done, else the failure."""
         agent = self._ready()
-        loose = _loose(self._regions, [d for local, _ in parts for d in local])
+        loose = _loose(self._regions, local)
         registered = []
-        handles: list[Any] = []
+        handle = None
         try:
             with self._lock:
                 if loose:
@@ -388,37 +386,27 @@ class NixlBackend:
                 registered.append(
                     agent.register_memory([(0, n, fd, "") for fd, n in files], "FILE")
                 )
-            states = []
-            for local, remote in parts:
-                handles.append(
-                    agent.initialize_xfer(
-                        op,
-                        agent.get_xfer_descs(local, "DRAM"),
-                        agent.get_xfer_descs(remote, "FILE"),
-                        agent.name,
-                    )
-                )
-                states.append(agent.transfer(handles[-1]))
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "FILE"),
+                agent.name,
+            )
+            state = agent.transfer(handle)
             deadline = time.monotonic() + self.spec.timeout
             polls = 0
-            for i, (handle, posted) in enumerate(zip(handles, states)):
-                state = posted
-                while state == "PROC":
-                    polls += 1
-                    if polls % 256 == 0:  # a long transfer: stop spinning, let others run
-                        if time.monotonic() > deadline:
-                            return f"transfer not done after {self.spec.timeout}s"
-                        time.sleep(0)
-                    state = agent.check_xfer_state(handle)
-                if state != "DONE":
-                    return f"NIXL transfer state {state}"
-                if part_done is not None:
-                    part_done(i)
-            return None
+            while state == "PROC":
+                polls += 1
+                if polls % 256 == 0:  # a long transfer: stop spinning, let others run
+                    if time.monotonic() > deadline:
+                        return f"transfer not done after {self.spec.timeout}s"
+                    time.sleep(0)
+                state = agent.check_xfer_state(handle)
+            return None if state == "DONE" else f"NIXL transfer state {state}"
         except Exception as exc:  # noqa: BLE001 - NIXL's errors are a failed batch
             return f"{type(exc).__name__}: {exc}"
         finally:
-            for handle in handles:
+            if handle is not None:
                 with contextlib.suppress(Exception):  # releasing also aborts a late transfer
                     agent.release_xfer_handle(handle)
             with self._lock:
@@ -449,7 +437,7 @@ class NixlBackend:
                     break
                 opened.append((tmp, fd))
                 files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
-            failure = self._transfer("WRITE", [(local, remote)], files) if local else None
+            failure = self._transfer("WRITE", local, remote, files) if local else None
             crcs = crcs_later.result()
             oks = [False] * len(keys)
             if failure is not None:
@@ -483,8 +471,6 @@ class NixlBackend:
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         files: list[tuple[int, int]] = []
-        ends: list[int] = []  # per page: where its descriptors end in local / remote
-        early: list[Future[list[int]]] = []  # the first half's checksums, once it landed
         try:
             # Only the present prefix is read: a miss ends what the count can report.
             wants = [sum(p.nbytes for p in pieces) for pieces in pages]
@@ -505,27 +491,15 @@ class NixlBackend:
                 local.append((base + i * hsize, hsize, 0))
                 remote.append((0, hsize, fd))
                 _add_pieces(local, remote, pieces, fd, hsize)
-                ends.append(len(local))
                 files.append((fd, size))
             landed = len(files)
             if not landed:
                 return result
-            # Two transfers: the first half's checksums run while the second half moves.
-            cut = landed // 2
-            split = ends[cut - 1] if cut else 0
-            parts = [(local[:split], remote[:split]), (local[split:], remote[split:])]
-            if not cut:
-                parts = parts[1:]
-
-            def first_half_done(part: int) -> None:
-                if cut and part == 0:
-                    early.append(checksums_started(pages[:cut]))
-
-            failure = self._transfer("READ", parts, files, first_half_done)
+            failure = self._transfer("READ", local, remote, files)
             if failure is not None:
                 result.errors.append((keys[0], failure))
                 return result
-            crcs = (early[0].result() if early else []) + checksums(pages[cut:landed])
+            crcs = checksums(pages[:landed])
             for i in range(landed):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
@@ -540,8 +514,6 @@ class NixlBackend:
                 result.ok[i] = True
             return result
         finally:
-            for started in early:
-                started.result()  # the pages are the caller's again only once it is done
             for fd in fds:
                 os.close(fd)
 
