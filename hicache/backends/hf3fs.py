@@ -282,7 +282,7 @@ class Hf3fsBackend:
         return lane
 
     def _retire(self, lane: _Lane) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(ValueError):  # aclose may have taken them all
             self._lanes.remove(lane)
         lane.close()
 
@@ -442,26 +442,32 @@ class Hf3fsBackend:
             return oks, [(keys[0], str(exc))]
         for run in rounds:
             opened: list[tuple[str, int, bool]] = []  # (temporary path, fd, registered)
+            prepared = 0  # pages whose I/O is on the ring: submitted even if a later one fails
             try:
                 offset = 0
                 for i in run:
-                    tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
-                    fd = create_temp(tmp)
-                    opened.append((tmp, fd, False))
-                    usrbio.register_fd(fd)
-                    opened[-1] = (tmp, fd, True)
-                    at = offset + hsize
-                    for piece in pages[i]:
-                        buf[at : at + piece.nbytes] = piece
-                        at += piece.nbytes
-                    payload = buf[offset + hsize : at]
-                    buf[offset : offset + hsize] = pack_header(
-                        keys[i], lengths[i], checksum([payload])
-                    )
-                    payload.release()
-                    lane.writes.prepare(lane.iov[offset:at], False, fd, 0)
+                    try:
+                        tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
+                        fd = create_temp(tmp)
+                        opened.append((tmp, fd, False))
+                        usrbio.register_fd(fd)
+                        opened[-1] = (tmp, fd, True)
+                        at = offset + hsize
+                        for piece in pages[i]:
+                            buf[at : at + piece.nbytes] = piece
+                            at += piece.nbytes
+                        payload = buf[offset + hsize : at]
+                        buf[offset : offset + hsize] = pack_header(
+                            keys[i], lengths[i], checksum([payload])
+                        )
+                        payload.release()
+                        lane.writes.prepare(lane.iov[offset:at], False, fd, 0)
+                    except (OSError, RuntimeError, ValueError) as exc:  # a file, or usrbio
+                        errors.append((keys[i], _os_error(exc)))
+                        break
+                    prepared += 1
                     offset = at
-                moved = self._submit(lane, lane.writes, len(run))
+                moved = self._submit(lane, lane.writes, prepared) if prepared else []
                 for i, n, (tmp, fd, _) in zip(run, moved, opened):
                     if n != hsize + lengths[i]:
                         errors.append((keys[i], _io_error(n, hsize + lengths[i])))
@@ -472,8 +478,8 @@ class Hf3fsBackend:
                     oks[i] = True
             except _Stalled as exc:
                 errors.append((keys[run[0]], str(exc)))
-            except (OSError, RuntimeError, ValueError) as exc:  # a file, or usrbio refusing it
-                errors.append((keys[run[max(len(opened) - 1, 0)]], _os_error(exc)))
+            except OSError as exc:  # fsync or rename
+                errors.append((keys[run[0]], _os_error(exc)))
             finally:
                 for tmp, fd, registered in opened:
                     if registered:
@@ -500,7 +506,7 @@ class Hf3fsBackend:
             return result
         for run in rounds:
             fds: list[tuple[int, bool]] = []  # (fd, registered)
-            present: list[int] = []  # page indices read in this round, a prefix of it
+            present: list[int] = []  # pages whose I/O is on the ring, a prefix of the round
             try:
                 offset = 0
                 for i in run:
@@ -508,15 +514,23 @@ class Hf3fsBackend:
                         fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
                     except FileNotFoundError:
                         break
-                    fds.append((fd, False))
-                    size = os.fstat(fd).st_size
-                    if size != hsize + wants[i]:
-                        result.corrupt.append((keys[i], size_mismatch(fd, keys[i], size, wants[i])))
-                        unlink_all([paths[i]])
+                    except OSError as exc:
+                        result.errors.append((keys[i], _os_error(exc)))
                         break
-                    usrbio.register_fd(fd)
-                    fds[-1] = (fd, True)
-                    lane.reads.prepare(lane.iov[offset : offset + size], True, fd, 0)
+                    fds.append((fd, False))
+                    try:
+                        size = os.fstat(fd).st_size
+                        if size != hsize + wants[i]:
+                            reason = size_mismatch(fd, keys[i], size, wants[i])
+                            result.corrupt.append((keys[i], reason))
+                            unlink_all([paths[i]])
+                            break
+                        usrbio.register_fd(fd)
+                        fds[-1] = (fd, True)
+                        lane.reads.prepare(lane.iov[offset : offset + size], True, fd, 0)
+                    except (OSError, RuntimeError, ValueError) as exc:  # a file, or usrbio
+                        result.errors.append((keys[i], _os_error(exc)))
+                        break
                     present.append(i)
                     offset += size
                 if present:
@@ -531,8 +545,6 @@ class Hf3fsBackend:
                         offset += size
             except _Stalled as exc:
                 result.errors.append((keys[run[0]], str(exc)))
-            except (OSError, RuntimeError, ValueError) as exc:  # a file, or usrbio refusing it
-                result.errors.append((keys[run[0]], _os_error(exc)))
             finally:
                 for fd, registered in fds:
                     if registered:

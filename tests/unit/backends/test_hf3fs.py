@@ -177,6 +177,30 @@ async def test_a_torn_write_is_not_stored(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_page_usrbio_refuses_ends_the_batch_and_leaves_the_ring_empty(
+    tmp_path: Path,
+) -> None:
+    harness = Hf3fsHarness(tmp_path, threads=1)
+    ns = namespace("refused")
+    keys = page_keys(ns, 6)
+    src = Pages(6).fill(8)
+    events = Events()
+    backend = harness.open(ns, events)
+    harness.usrbio.refuse_fds_after = 2
+    assert await backend.set_from(keys[:4], src.buffers(range(4))) == 2  # the two prepared
+    assert "too many registered fds" in events.named("storage.error")[0]["error"]
+    rings = [r() for r in harness.usrbio.rings]
+    assert all(not r.prepared and not r.submitted for r in rings if r is not None)
+    harness.usrbio.refuse_fds_after = None
+    assert await backend.set_from(keys[2:], src.buffers(range(2, 6))) == 4
+    dst = Pages(6)
+    assert await backend.get_into(keys, dst.buffers(range(6))) == 6
+    assert np.array_equal(src.data, dst.data)
+    assert harness.usrbio.registered == set()
+    await backend.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_stalled_lane_is_retired_and_replaced(tmp_path: Path) -> None:
     harness = Hf3fsHarness(tmp_path, timeout=0.2, threads=1)
     ns = namespace("stall")

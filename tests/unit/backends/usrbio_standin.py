@@ -103,9 +103,11 @@ class UsrbioStandIn:
         self.registered: set[int] = set()
         self.calls: list[tuple[Any, ...]] = []
         self.live: weakref.WeakSet[Any] = weakref.WeakSet()  # iovs and rings not yet dropped
+        self.rings: list[weakref.ref[Ioring]] = []
         self.stalled = threading.Event()
         self.resumed = threading.Event()
         self.writes_short_by = 0
+        self.refuse_fds_after: int | None = None  # register_fd fails once this many are held
         self._lock = threading.Lock()
 
     def tear(self, view: memoryview) -> memoryview:
@@ -114,6 +116,8 @@ class UsrbioStandIn:
     def register_fd(self, fd: int) -> None:
         with self._lock:
             self.calls.append(("register_fd",))
+            if self.refuse_fds_after is not None and len(self.registered) >= self.refuse_fds_after:
+                raise OSError(24, "too many registered fds")
             if fd in self.registered:
                 raise ValueError(f"fd {fd} registered twice")
             os.fstat(fd)  # an open fd
@@ -151,6 +155,7 @@ class UsrbioStandIn:
         self.calls.append(("make_ioring", entries, for_read))
         ring = Ioring(self, mount, entries, for_read)
         self.live.add(ring)
+        self.rings.append(weakref.ref(ring))
         return ring
 
     @contextlib.contextmanager
