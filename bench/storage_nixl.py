@@ -5,8 +5,9 @@ Per page size (16 and 64 tokens of a 32-layer, 8-head, 128-dim bfloat16 model: 2
 pieces each, layer-first), rounds alternate which goes first and each runs on fresh keys:
 
 - raw NIXL: per batch of 16 pages, open one file per page, register the files, one transfer of
-  every piece (host memory registered once), wait, deregister, close; reading back the same
-  way. No header, no checksum, no temporary file.
+  every piece (host memory registered once; piece addresses taken as the backend takes them),
+  wait, deregister, close; reading back the same way. No header, no checksum, no temporary
+  file.
 - `nixl:` backend: `set_from` / `get_into` of the same pages in batches of 16 (framed,
   checksummed, written to a temporary file and renamed, verified on read), host memory
   registered once as the cache does (`register_host_memory`).
@@ -36,6 +37,7 @@ import numpy as np
 
 from bench.storage import BenchLayout, Shape, run_case
 from hicache.backends.file import FileBackend
+from hicache.backends.mooncake_memory import address_of
 from hicache.backends.nixl import NixlBackend, NixlSpec, load_nixl, nixl_missing
 
 BATCH = 16
@@ -60,7 +62,7 @@ class RawNixl:
         for fd, page in zip(fds, pages):
             offset = 0
             for piece in layout.pieces(array, page):
-                local.append((np.frombuffer(piece, np.uint8).ctypes.data, piece.nbytes, 0))
+                local.append((address_of(piece), piece.nbytes, 0))
                 remote.append((offset, piece.nbytes, fd))
                 offset += piece.nbytes
         files = agent.register_memory([(0, layout.shape.page_bytes, fd, "") for fd in fds], "FILE")

@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 try:  # same polynomial and result as zlib.crc32, much faster
     from isal.isal_zlib import crc32 as _crc32
@@ -105,6 +105,13 @@ def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
     for future in helpers:
         out.extend(future.result())
     return out
+
+
+def checksums_started(values: Sequence[Sequence[memoryview | bytes]]) -> Future[list[int]]:
+    """`checksums` of `values` computed on the checksum pool, returned at once: for a caller
+    with other work to do meanwhile (a transfer that does not need them). The values must not
+    change until the future is done."""
+    return _checksum_pool().submit(lambda: [checksum(value) for value in values])
 
 
 def encode_header(key: str, pieces: Sequence[memoryview | bytes]) -> bytes:

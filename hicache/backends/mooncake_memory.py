@@ -9,6 +9,7 @@ a registered region goes zero-copy, any other piece is copied through a lane's s
 from __future__ import annotations
 
 import bisect
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +23,14 @@ def address_of(view: memoryview) -> int:
     mv = view if isinstance(view, memoryview) else memoryview(view)
     if not mv.c_contiguous:
         raise ValueError("page pieces must be C-contiguous buffers")
+    if not mv.nbytes:
+        return 0
+    if not mv.readonly:  # ctypes takes only writable buffers; ~10x faster than numpy's view
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     # __array_interface__, not .ctypes.data: the latter builds a ctypes helper per call (~10x slower)
-    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]) if mv.nbytes else 0
+    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0])
 
 
 class RegisteredRegions:

@@ -3,14 +3,15 @@
 Values are the standard framed values (framing.py: header, then the page), one file per page at
 the file store's paths (`DIR/<digest>/<h[0:2]>/<h[2]>/<h>`), so a directory written here reads
 the same with `file:DIR` and back. What NIXL adds is the data path: a batch is one NIXL
-transfer of DRAM descriptors (each page's header slot and pieces) to FILE descriptors (each
-file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
+transfer of DRAM descriptors (each page's pieces, and on reads its header slot) to FILE
+descriptors (each file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
 default, GDS / GDS_MT (cuFile) where a GPU and its driver are present. Nothing is copied:
 the host pool is registered with the agent once (`attach_host_pool`); pieces elsewhere (a test's
 buffers, the sealing layer's blocks) are registered for their batch.
 
 Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
-transfer is done, so readers never see part of a value. A read transfers each present file's
+transfer is done, so readers never see part of a value; the pages' checksums are computed on
+the checksum pool while the transfer moves them, and each header is written (`pwrite`) after. A read transfers each present file's
 header and page in one batch, then checks the header and the CRC-32 where the bytes landed: a
 value that fails is a miss, a `storage.corrupt` event, and its file is deleted. `exists` stats
 the files. There is no size cap and no expiry: values stay until `delete` or `clear`, so give
@@ -43,9 +44,9 @@ from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_c
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import value_path
 from hicache.backends.framing import (
-    FIXED_HEADER_SIZE,
     CorruptValue,
     checksums,
+    checksums_started,
     decode_header,
     header_size,
     pack_header,
@@ -53,6 +54,13 @@ from hicache.backends.framing import (
 from hicache.backends.keys import Namespace
 from hicache.backends.mooncake_memory import RegisteredRegions, address_of
 from hicache.backends.simple import EventSink
+from hicache.backends.value_files import (
+    count_present,
+    create_temp,
+    place,
+    size_mismatch,
+    unlink_all,
+)
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 """NIXL plugins that move memory to and from files; the backend runs over any of them."""
@@ -275,7 +283,7 @@ class NixlBackend:
         self._counters.exists_calls += 1
         if self._closed or not keys:
             return 0
-        present: int = await self._run(_count_present, [self._path(k) for k in keys])
+        present: int = await self._run(count_present, [self._path(k) for k in keys])
         return present
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
@@ -315,7 +323,7 @@ class NixlBackend:
         check_keys(self.namespace, keys)
         self._counters.deletes += len(keys)
         if keys:
-            await self._run(_unlink_all, [self._path(k) for k in keys])
+            await self._run(unlink_all, [self._path(k) for k in keys])
 
     async def clear(self) -> None:
         """Remove this namespace's directory (its values and temporary files), nothing else."""
@@ -366,7 +374,7 @@ class NixlBackend:
         (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
         registered regions for its duration. None when done, else the failure."""
         agent = self._ready()
-        loose = _merge([(ptr, n) for ptr, n, _ in local if not self._regions.covers(ptr, n)])
+        loose = _loose(self._regions, local)
         registered = []
         handle = None
         try:
@@ -409,10 +417,10 @@ class NixlBackend:
     def _write_batch(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
     ) -> tuple[list[bool], list[tuple[str, str]]]:
-        crcs = checksums(pages)
+        # The checksums run on the checksum pool while the payload moves; each header is
+        # written once both are done, before its file is renamed into place.
+        crcs_later = checksums_started(pages)
         hsize = self._header_size
-        headers = np.empty(len(keys) * hsize, dtype=np.uint8)
-        base = headers.__array_interface__["data"][0]
         tmp_dir = os.path.join(self.root, self.namespace.digest, "tmp")
         opened: list[tuple[str, int]] = []  # (temporary path, fd), per page
         errors: list[tuple[str, str]] = []
@@ -420,41 +428,33 @@ class NixlBackend:
         remote: list[tuple[int, int, int]] = []
         files: list[tuple[int, int]] = []
         try:
-            for i, (key, pieces) in enumerate(zip(keys, pages)):
-                length = sum(p.nbytes for p in pieces)
-                header = pack_header(key, length, crcs[i])
-                headers[i * hsize : (i + 1) * hsize] = np.frombuffer(header, dtype=np.uint8)
+            for key, pieces in zip(keys, pages):
                 try:
                     tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
-                    fd = _create(tmp)
+                    fd = create_temp(tmp)
                 except OSError as exc:
                     errors.append((key, f"{type(exc).__name__}: {exc}"))
                     break
                 opened.append((tmp, fd))
-                local.append((base + i * hsize, hsize, 0))
-                remote.append((0, hsize, fd))
-                offset = hsize
-                for piece in pieces:
-                    if piece.nbytes:
-                        local.append((address_of(piece), piece.nbytes, 0))
-                        remote.append((offset, piece.nbytes, fd))
-                        offset += piece.nbytes
-                files.append((fd, offset))
-            failure = self._transfer("WRITE", local, remote, files) if opened else None
+                files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
+            failure = self._transfer("WRITE", local, remote, files) if local else None
+            crcs = crcs_later.result()
             oks = [False] * len(keys)
             if failure is not None:
                 errors.append((keys[0], failure))
                 return oks, errors
             for i, (tmp, fd) in enumerate(opened):
                 try:
+                    os.pwrite(fd, pack_header(keys[i], files[i][1] - hsize, crcs[i]), 0)
                     if self.spec.fsync:
                         os.fsync(fd)
-                    _place(tmp, paths[i])
+                    place(tmp, paths[i])
                     oks[i] = True
                 except OSError as exc:
                     errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
             return oks, errors
         finally:
+            crcs_later.result()  # the pages are the caller's again only once it is done
             for tmp, fd in opened:
                 os.close(fd)
                 with contextlib.suppress(FileNotFoundError):
@@ -473,8 +473,8 @@ class NixlBackend:
         files: list[tuple[int, int]] = []
         try:
             # Only the present prefix is read: a miss ends what the count can report.
-            for i, (key, path, pieces) in enumerate(zip(keys, paths, pages)):
-                want = sum(p.nbytes for p in pieces)
+            wants = [sum(p.nbytes for p in pieces) for pieces in pages]
+            for i, (key, path, pieces, want) in enumerate(zip(keys, paths, pages, wants)):
                 try:
                     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
@@ -485,17 +485,12 @@ class NixlBackend:
                 fds.append(fd)
                 size = os.fstat(fd).st_size
                 if size != hsize + want:
-                    result.corrupt.append((key, _size_mismatch(fd, key, size, want)))
-                    _unlink_all([path])
+                    result.corrupt.append((key, size_mismatch(fd, key, size, want)))
+                    unlink_all([path])
                     break
                 local.append((base + i * hsize, hsize, 0))
                 remote.append((0, hsize, fd))
-                offset = hsize
-                for piece in pieces:
-                    if piece.nbytes:
-                        local.append((address_of(piece), piece.nbytes, 0))
-                        remote.append((offset, piece.nbytes, fd))
-                        offset += piece.nbytes
+                _add_pieces(local, remote, pieces, fd, hsize)
                 files.append((fd, size))
             landed = len(files)
             if not landed:
@@ -508,19 +503,49 @@ class NixlBackend:
             for i in range(landed):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
-                    if header.payload_len != sum(p.nbytes for p in pages[i]):
+                    if header.payload_len != wants[i]:
                         raise CorruptValue("truncated", "header and file size disagree")
                     if header.crc32 != crcs[i]:
                         raise CorruptValue("checksum", f"checksum mismatch for {keys[i]!r}")
                 except CorruptValue as exc:
                     result.corrupt.append((keys[i], exc.reason))
-                    _unlink_all([paths[i]])
+                    unlink_all([paths[i]])
                     continue
                 result.ok[i] = True
             return result
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _add_pieces(
+    local: list[tuple[int, int, int]],
+    remote: list[tuple[int, int, int]],
+    pieces: list[memoryview],
+    fd: int,
+    offset: int,
+) -> int:
+    """Append the descriptors that move `pieces` to or from consecutive offsets of file `fd`
+    starting at `offset`; returns the offset after the last."""
+    for piece in pieces:
+        n = piece.nbytes
+        if n:
+            local.append((address_of(piece), n, 0))
+            remote.append((offset, n, fd))
+            offset += n
+    return offset
+
+
+def _loose(regions: RegisteredRegions, local: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The DRAM of `local` outside the registered regions, merged into ranges. A batch of
+    host-pool pages lies inside one region: one check of its span instead of one per piece."""
+    if not local:
+        return []
+    start = min(ptr for ptr, _, _ in local)
+    end = max(ptr + n for ptr, n, _ in local)
+    if regions.covers(start, end - start):
+        return []
+    return _merge([(ptr, n) for ptr, n, _ in local if not regions.covers(ptr, n)])
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -532,42 +557,3 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append([ptr, ptr + n])
     return [(start, end - start) for start, end in merged]
-
-
-def _create(tmp: str) -> int:
-    """A new temporary file (its directory made if missing), open for writing."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        return os.open(tmp, flags, 0o600)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
-        return os.open(tmp, flags, 0o600)
-
-
-def _place(tmp: str, path: str) -> None:
-    """Rename a written temporary file into place (its shard directory made if missing)."""
-    try:
-        os.replace(tmp, path)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        os.replace(tmp, path)
-
-
-def _size_mismatch(fd: int, key: str, size: int, want: int) -> str:
-    """Why a value file of `size` bytes cannot be a `want`-byte page: its header's reason."""
-    head = os.pread(fd, FIXED_HEADER_SIZE + 4096, 0)
-    try:
-        header = decode_header(head, key)
-    except CorruptValue as exc:
-        return exc.reason
-    return "length" if header.payload_len != want else "truncated"
-
-
-def _count_present(paths: list[str]) -> int:
-    return prefix_count(os.path.exists(p) for p in paths)
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)

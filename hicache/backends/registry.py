@@ -8,6 +8,7 @@ Known forms:
     mooncake://…                             hicache.backends.mooncake:MooncakeBackend
     nixl:DIR[?…]                             hicache.backends.nixl:NixlBackend
     aibrix:DIR[?…]                           hicache.backends.aibrix:AibrixBackend
+    hf3fs:DIR[?…]                            hicache.backends.hf3fs:Hf3fsBackend
     package.module:Class[?ARG]               any class with the same from_spec classmethod
 
 Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`; the full
@@ -41,11 +42,12 @@ _SCHEMES: tuple[tuple[str, str], ...] = (
     ("mooncake://", "hicache.backends.mooncake:MooncakeBackend"),
     ("nixl:", "hicache.backends.nixl:NixlBackend"),
     ("aibrix:", "hicache.backends.aibrix:AibrixBackend"),
+    ("hf3fs:", "hicache.backends.hf3fs:Hf3fsBackend"),
 )
 _IMPORT_PATH = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)(\?.*)?")
 
 _RESERVED = frozenset(
-    {"memory", "file", "redis", "rediss", "unix", "mooncake", "nixl", "aibrix"}
+    {"memory", "file", "redis", "rediss", "unix", "mooncake", "nixl", "aibrix", "hf3fs"}
 )  # typos, not modules
 
 KNOWN_FORMS = (
@@ -59,6 +61,7 @@ KNOWN_FORMS = (
     "mooncake://…",
     "nixl:DIR",
     "aibrix:DIR",
+    "hf3fs:DIR",
     "package.module:Class",
 )
 

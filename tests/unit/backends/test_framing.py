@@ -88,6 +88,19 @@ def test_checksums_of_a_batch_match_one_by_one(sizes, monkeypatch):
     )  # distinct data: a swap would show
 
 
+def test_checksums_started_match_checksums_in_order():
+    """The checksums a writer starts before its transfer are each value's, in order."""
+    import numpy as np
+
+    from hicache.backends import framing
+
+    rng = np.random.default_rng(5)
+    values = [[memoryview(rng.integers(0, 256, n, dtype=np.uint8)), b"x"] for n in (9, 1 << 20, 0)]
+    started = framing.checksums_started(values)
+    assert started.result(timeout=30) == [framing.checksum(v) for v in values]
+    assert framing.checksums_started([]).result(timeout=30) == []
+
+
 def test_verify_payload_uses_a_given_checksum():
     h = decode_header(encode_header("k", [b"payload"]), "k")
     from hicache.backends.framing import checksum
