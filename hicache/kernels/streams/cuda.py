@@ -132,6 +132,7 @@ class CudaStreams:
         self._cuda = _Cuda()
         with torch.cuda.device(device_pool.device):
             self._load_stream, self._backup_stream = self._cuda.stream(), self._cuda.stream()
+        self._streams: tuple[Any, ...] = (self._load_stream, self._backup_stream)  # to destroy
         self._engines = {
             "load": CudaEngine(device_pool.device, self._load_stream, transfer_sms=transfer_sms),
             "backup": CudaEngine(
@@ -265,11 +266,16 @@ class CudaStreams:
         self._backups.submit(job)
 
     def close(self) -> None:
+        """Let the jobs queued finish and report, then release both streams. Idempotent."""
         # the enqueuers first: each hands its last completions over before it stops
         self._loads.close()
         self._backups.close()
         self._loads_done.close()
         self._backups_done.close()
+        with self._lock:
+            streams, self._streams = self._streams, ()
+        for stream in streams:  # every copy on them was waited for by the completions
+            self._cuda.destroy_stream(stream)
 
 
 class CudaInlineCopies:

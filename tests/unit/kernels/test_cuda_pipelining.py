@@ -29,6 +29,7 @@ class FakeCuda:
         self._events = 0
         self._first = True
         self.destroyed: list[int] = []
+        self.destroyed_streams: list[int] = []
         self._lock = threading.Lock()
 
     def stream(self) -> int:
@@ -58,6 +59,9 @@ class FakeCuda:
     def destroy_events(self, events) -> None:
         with self._lock:
             self.destroyed.extend(events)
+
+    def destroy_stream(self, stream) -> None:
+        self.destroyed_streams.append(stream)
 
 
 @pytest.fixture
@@ -170,3 +174,18 @@ def test_a_load_is_enqueued_while_the_one_before_still_copies(streams):
     assert both.wait(WAIT_S)
     assert done == [(0, None), (1, None)]
     assert first.done() and second.done()
+
+
+def test_close_lets_jobs_report_then_releases_both_streams_once(streams):
+    s, fake, _calls = streams
+    done, both, on_done = reporter()
+    s.submit_backup(SLOTS, SLOTS, on_done=on_done(0))
+    s.submit_load(SLOTS, SLOTS, on_done=on_done(1))
+    fake.gate.set()
+    s.close()
+    assert both.is_set() and sorted(i for i, _ in done) == [0, 1]
+    assert fake.destroyed_streams == [7, 7]  # the load stream and the backup stream
+    s.close()
+    assert fake.destroyed_streams == [7, 7]
+    with pytest.raises(RuntimeError, match="closed"):
+        s.submit_backup(SLOTS, SLOTS, on_done=on_done(2))
