@@ -10,6 +10,7 @@ then makes torch's current stream wait on the layer's event: no host sync on the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -184,16 +185,18 @@ class CudaStreams:
         stream = self._load_stream
         engine = self._engines["load"]
 
-        def complete(error: Exception | None) -> None:
+        def complete(error: Exception | None, drained: Any) -> None:
             try:
                 if error is None:
                     for layer in range(layers):
                         self._cuda.synchronize(handle.events[layer])
                         handle.completed.land(layer)
+                else:
+                    self._drain(drained)
             except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
                 error = exc
             finally:
-                self._cuda.destroy_events([ready])
+                self._cuda.destroy_events([e for e in (ready, drained) if e is not None])
             if error is not None:
                 # layers already enqueued still complete on the GPU; the job as a whole failed
                 handle.enqueued.fail(error)
@@ -202,6 +205,7 @@ class CudaStreams:
 
         def job() -> None:
             error: Exception | None = None
+            drained = None
             try:
                 self._cuda.stream_wait(stream, ready)
                 with (
@@ -220,7 +224,8 @@ class CudaStreams:
                         handle.enqueued.land(layer)
             except Exception as exc:  # noqa: BLE001 - reported in order by the completion
                 error = exc
-            self._loads_done.submit(lambda: complete(error))
+                drained = self._after_enqueued(stream)
+            self._loads_done.submit(lambda: complete(error, drained))
 
         self._loads.submit(job)
         return handle
@@ -238,6 +243,8 @@ class CudaStreams:
             try:
                 if error is None:
                     self._cuda.synchronize(done_event)
+                else:
+                    self._drain(done_event)
             except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
                 error = exc
             finally:
@@ -261,9 +268,34 @@ class CudaStreams:
                 self._cuda.record(done_event, stream)
             except Exception as exc:  # noqa: BLE001 - reported in order by the completion
                 error = exc
+                if done_event is not None:
+                    self._cuda.destroy_events([done_event])
+                done_event = self._after_enqueued(stream)
             self._backups_done.submit(lambda: complete(done_event, error))
 
         self._backups.submit(job)
+
+    def _after_enqueued(self, stream: Any) -> Any:
+        """After a job failed: an event behind whatever copies it did enqueue, or None where
+        the stream takes none (the device is lost: nothing on it runs on)."""
+        try:
+            event = self._cuda.event()
+        except Exception:  # noqa: BLE001 - see the docstring
+            return None
+        try:
+            self._cuda.record(event, stream)
+        except Exception:  # noqa: BLE001 - see the docstring
+            self._cuda.destroy_events([event])
+            return None
+        return event
+
+    def _drain(self, event: Any) -> None:
+        """Wait for the copies a failed job enqueued (`_after_enqueued`) before it is reported:
+        the tree then frees and reuses its slots, which those copies must no longer write."""
+        if event is None:
+            return
+        with contextlib.suppress(Exception):  # the job's own error is the one reported
+            self._cuda.synchronize(event)
 
     def close(self) -> None:
         """Let the jobs queued finish and report, then release both streams. Idempotent."""

@@ -189,3 +189,25 @@ def test_close_lets_jobs_report_then_releases_both_streams_once(streams):
     assert fake.destroyed_streams == [7, 7]
     with pytest.raises(RuntimeError, match="closed"):
         s.submit_backup(SLOTS, SLOTS, on_done=on_done(2))
+
+
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_a_failed_job_is_reported_after_the_copies_it_enqueued(streams, direction):
+    """The tree frees (and reuses) a failed transfer's slots once it hears of the failure:
+    the copies the job enqueued before failing must have run by then."""
+    s, fake, calls = streams
+    calls.fail_at = 2 if direction == "load" else 1  # a load's second layer; the backup's copy
+    reported = threading.Event()
+    errors: list[object] = []
+
+    def on_done(error):
+        errors.append(error)
+        reported.set()
+
+    submit = s.submit_load if direction == "load" else s.submit_backup
+    submit(SLOTS, SLOTS, on_done=on_done)
+    assert fake.synchronizing.wait(WAIT_S), "reported without waiting for the stream"
+    assert not reported.is_set()
+    fake.gate.set()
+    assert reported.wait(WAIT_S)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
