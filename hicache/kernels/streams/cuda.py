@@ -339,11 +339,19 @@ class CudaInlineCopies:
         try:
             self._cuda.record(ready, torch.cuda.current_stream(device).cuda_stream)
             self._cuda.stream_wait(self._stream, ready)
-            with (
-                torch.cuda.device(device),
-                torch.cuda.stream(torch.cuda.ExternalStream(int(self._stream), device=device)),
-            ):
-                copy(self._engine)
+            try:
+                with (
+                    torch.cuda.device(device),
+                    torch.cuda.stream(torch.cuda.ExternalStream(int(self._stream), device=device)),
+                ):
+                    copy(self._engine)
+            except Exception:
+                # what was enqueued before the failure runs before the caller hears of it (and
+                # frees the slots); the copy's own error is the one raised
+                with contextlib.suppress(Exception):
+                    self._cuda.record(done, self._stream)
+                    self._cuda.synchronize(done)
+                raise
             self._cuda.record(done, self._stream)
             self._cuda.synchronize(done)
         finally:

@@ -30,6 +30,7 @@ class FakeCuda:
         self._first = True
         self.destroyed: list[int] = []
         self.destroyed_streams: list[int] = []
+        self.synchronized: list[int] = []
         self._lock = threading.Lock()
 
     def stream(self) -> int:
@@ -49,6 +50,7 @@ class FakeCuda:
     def synchronize(self, event) -> None:
         with self._lock:
             first, self._first = self._first, False
+            self.synchronized.append(event)
         if first:
             self.synchronizing.set()
             assert self.gate.wait(WAIT_S), "the test never released the first copy"
@@ -211,3 +213,15 @@ def test_a_failed_job_is_reported_after_the_copies_it_enqueued(streams, directio
     fake.gate.set()
     assert reported.wait(WAIT_S)
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+
+
+def test_a_failed_inline_copy_raises_after_what_it_enqueued_has_run(streams):
+    _s, fake, calls = streams
+    fake.gate.set()
+    calls.fail_at = 1
+    device_pool = SimpleNamespace(device=torch.device("cuda:0"), geometry=G)
+    inline = cuda_streams.CudaInlineCopies(device_pool, SimpleNamespace(), "kernel")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="copy refused"):
+        inline.load_all("plan")  # type: ignore[arg-type]
+    assert len(fake.synchronized) == 1  # the stream was waited for before the error went up
+    inline.close()
