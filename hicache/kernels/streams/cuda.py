@@ -83,9 +83,10 @@ class CudaLoadHandle:
     """LoadHandle of the CUDA streams. `progress` counts layers whose copies are enqueued and
     recorded (the worker sets it); `landed` additionally needs the layer's event complete."""
 
-    def __init__(self, cuda: _Cuda, layers: int) -> None:
+    def __init__(self, cuda: _Cuda, layers: int, device: torch.device) -> None:
         self._cuda = cuda
         self.layers = layers
+        self._device = device  # the pool's: its current stream is the one that reads the layers
         self.events = [cuda.event() for _ in range(layers)]
         self.enqueued = LayerProgress(layers)
         self.completed = LayerProgress(layers)
@@ -93,7 +94,9 @@ class CudaLoadHandle:
 
     def wait(self, layer: int) -> None:
         self.enqueued.block_until(layer)
-        self._cuda.stream_wait(torch.cuda.current_stream().cuda_stream, self.events[layer])
+        self._cuda.stream_wait(
+            torch.cuda.current_stream(self._device).cuda_stream, self.events[layer]
+        )
 
     async def wait_async(self, layer: int) -> None:
         await self.completed.wait_async(layer)
@@ -179,7 +182,7 @@ class CudaStreams:
     ) -> CudaLoadHandle:
         plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
         layers = self.device_pool.geometry.layers
-        handle = CudaLoadHandle(self._cuda, layers)
+        handle = CudaLoadHandle(self._cuda, layers, self.device_pool.device)
         ready = self._after_compute()
         job_index = self._next_job("load")
         stream = self._load_stream

@@ -31,6 +31,7 @@ class FakeCuda:
         self.destroyed: list[int] = []
         self.destroyed_streams: list[int] = []
         self.synchronized: list[int] = []
+        self.waits: list[tuple[int, int]] = []
         self._lock = threading.Lock()
 
     def stream(self) -> int:
@@ -45,7 +46,7 @@ class FakeCuda:
         pass
 
     def stream_wait(self, stream, event) -> None:
-        pass
+        self.waits.append((stream, event))
 
     def synchronize(self, event) -> None:
         with self._lock:
@@ -86,10 +87,14 @@ def streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda *a, **k: None)
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0)
-    )
-    device_pool = SimpleNamespace(device=torch.device("cuda:0"), geometry=G)
+
+    def current_stream(device=None):
+        # a stream per device, as torch has; None is the current device, cuda:0 here
+        index = 0 if device is None else torch.device(device).index
+        return SimpleNamespace(cuda_stream=100 + index)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    device_pool = SimpleNamespace(device=torch.device("cuda:1"), geometry=G)
     s = cuda_streams.CudaStreams(device_pool, SimpleNamespace(), io="kernel")  # type: ignore[arg-type]
     yield s, fake, calls
     fake.gate.set()
@@ -225,3 +230,13 @@ def test_a_failed_inline_copy_raises_after_what_it_enqueued_has_run(streams):
         inline.load_all("plan")  # type: ignore[arg-type]
     assert len(fake.synchronized) == 1  # the stream was waited for before the error went up
     inline.close()
+
+
+def test_waiting_for_a_layer_orders_the_pools_device_stream(streams):
+    """The pool is on cuda:1 while the caller's current device is cuda:0: the wait must order
+    cuda:1's current stream (the one whose kernels read the layer), not cuda:0's."""
+    s, fake, _calls = streams
+    fake.gate.set()
+    handle = s.submit_load(SLOTS, SLOTS, on_done=lambda error: None)
+    handle.wait(1)
+    assert fake.waits[-1] == (101, handle.events[1])
