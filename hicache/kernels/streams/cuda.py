@@ -230,7 +230,11 @@ class CudaStreams:
                 drained = self._after_enqueued(stream)
             self._loads_done.submit(lambda: complete(error, drained))
 
-        self._loads.submit(job)
+        try:
+            self._loads.submit(job)
+        except BaseException:  # closed: the job never runs to release its event
+            self._cuda.destroy_events([ready])
+            raise
         return handle
 
     def submit_backup(
@@ -276,7 +280,11 @@ class CudaStreams:
                 done_event = self._after_enqueued(stream)
             self._backups_done.submit(lambda: complete(done_event, error))
 
-        self._backups.submit(job)
+        try:
+            self._backups.submit(job)
+        except BaseException:  # closed: the job never runs to release its event
+            self._cuda.destroy_events([ready])
+            raise
 
     def _after_enqueued(self, stream: Any) -> Any:
         """After a job failed: an event behind whatever copies it did enqueue, or None where

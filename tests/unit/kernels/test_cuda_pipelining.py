@@ -5,6 +5,7 @@ functions are stand-ins that record what they get (tests/gpu moves real bytes)."
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from types import SimpleNamespace
 
@@ -194,8 +195,13 @@ def test_close_lets_jobs_report_then_releases_both_streams_once(streams):
     assert fake.destroyed_streams == [7, 7]  # the load stream and the backup stream
     s.close()
     assert fake.destroyed_streams == [7, 7]
-    with pytest.raises(RuntimeError, match="closed"):
-        s.submit_backup(SLOTS, SLOTS, on_done=on_done(2))
+    for submit in (s.submit_backup, s.submit_load):
+        first = fake._events + 1
+        with pytest.raises(RuntimeError, match="closed"):
+            submit(SLOTS, SLOTS, on_done=on_done(2))
+        gc.collect()  # a refused load's handle, and its layer events, are gone
+        made = set(range(first, fake._events + 1))
+        assert made and made <= set(fake.destroyed)  # every event the refused job made
 
 
 @pytest.mark.parametrize("direction", ["load", "backup"])
