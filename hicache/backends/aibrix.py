@@ -154,6 +154,7 @@ class AibrixBackend:
         self._emit = emit or _no_events
         self._counters = Counters()
         self._conn: Any = None
+        self._opening: anyio.Lock | None = None  # the first calls at once take one share
         self._closed = False
         self._inflight = 0  # calls using the connector; close waits for them
         self._idle: anyio.Event | None = None
@@ -196,10 +197,13 @@ class AibrixBackend:
 
     async def _ready(self) -> Any:
         if self._conn is None:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-            self._conn = await anyio.to_thread.run_sync(
-                _acquire, self.path, self._threads, self._ttl
-            )
+            self._opening = self._opening or anyio.Lock()  # made in the loop that uses it
+            async with self._opening:
+                if self._conn is None:
+                    os.makedirs(self.path, mode=0o700, exist_ok=True)
+                    self._conn = await anyio.to_thread.run_sync(
+                        _acquire, self.path, self._threads, self._ttl
+                    )
         return self._conn
 
     # -- protocol -------------------------------------------------------------------------

@@ -129,10 +129,14 @@ def owned_scratch(parent: str | None) -> Iterator[str]:
     every exit from it."""
     path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
     try:
-        fd = os.open(os.path.join(path, _OWNER), os.O_WRONLY | os.O_CREAT, 0o600)
+        # Locked under another name, then renamed (the lock stays with the file): a concurrent
+        # `sweep_stale` never finds this directory's owner file unlocked and removes it.
+        claiming = os.path.join(path, _OWNER + ".new")
+        fd = os.open(claiming, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(fd, f"{os.getpid()}\n".encode())
+            os.rename(claiming, os.path.join(path, _OWNER))
             yield path
         finally:
             os.close(fd)  # releases the lock

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,12 @@ def _check(result: Any, what: str) -> Any:
     if int(err) != 0:
         raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)}")
     return rest[0] if rest else None
+
+
+def _destroy_own(rt: Any, stream: Any, events: list[Any]) -> None:
+    for event in events:
+        rt.cudaEventDestroy(event)
+    rt.cudaStreamDestroy(stream)
 
 
 class CudaEngine:
@@ -135,6 +142,9 @@ class CudaEngine:
                     for _ in range(2)
                 ]
             self._own = (stream, events[0], events[1])
+            # an engine made per call (transfer.py's load_layer/backup without one) must not
+            # leave its stream behind; work still queued on them completes first (CUDA's rule)
+            weakref.finalize(self, _destroy_own, rt, stream, events).atexit = False
         return self._own
 
     def host_words(self, host: HostPool) -> torch.Tensor:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -71,12 +73,27 @@ def first_touch(buffer: np.ndarray, threads: int) -> int:
     return len(ranges)
 
 
-def mapped_bytes(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+class Mapping(mmap.mmap):
+    """An anonymous mapping that runs `before_unmap` (callables, in order) when it is
+    collected, while its memory is still mapped: weakref callbacks on an mmap run only after
+    its munmap."""
+
+    before_unmap: list[Callable[[], object]]
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():  # the process's end frees it; the callees may be gone
+            return
+        for release in getattr(self, "before_unmap", ()):
+            release()
+
+
+def mapped_bytes(nbytes: int) -> tuple[torch.Tensor, Mapping]:
     """An untouched uint8 tensor of exactly `nbytes` over an anonymous mapping, starting on a
     2 MiB boundary and advised for huge pages where the platform has them, and the mapping
     (alive while any view of the tensor is). The mapping is one huge page longer than asked,
     for the alignment; that slack is never touched, so never backed by memory."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = Mapping(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.before_unmap = []
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)

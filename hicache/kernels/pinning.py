@@ -9,7 +9,7 @@ the buffer comes from torch's pinned allocator as before, and `HostMemory.pinnin
 
 from __future__ import annotations
 
-import weakref
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from hicache.kernels.huge_pages import (
     HUGE_PAGE,
     TOUCH_BYTES_PER_THREAD,
+    Mapping,
     first_touch,
     mapped_bytes,
     max_touch_threads,
@@ -47,12 +48,11 @@ def _ok(result: Any) -> tuple[bool, str]:
     return int(err) == 0, getattr(err, "name", str(err))
 
 
-def register_host(buffer: torch.Tensor, owner: object, *, runtime: Any = None) -> str | None:
+def register_host(buffer: torch.Tensor, owner: Mapping, *, runtime: Any = None) -> str | None:
     """Page-lock `buffer` (a contiguous uint8 CPU tensor) and map it for every device
-    (`cudaHostRegister`, portable and mapped), unregistered when `owner` (the object whose
-    lifetime is the memory's: the mapping) is collected. Returns None on success, else why
-    not. `runtime`: the cuda-python runtime module (default) or a stand-in with the same
-    calls."""
+    (`cudaHostRegister`, portable and mapped), unregistered when `owner` (the mapping holding
+    the memory) is collected, before it is unmapped. Returns None on success, else why not.
+    `runtime`: the cuda-python runtime module (default) or a stand-in with the same calls."""
     rt = _runtime() if runtime is None else runtime
     address, size = buffer.data_ptr(), buffer.numel()
     flags = int(rt.cudaHostRegisterPortable) | int(rt.cudaHostRegisterMapped)
@@ -62,9 +62,8 @@ def register_host(buffer: torch.Tensor, owner: object, *, runtime: Any = None) -
         return f"cudaHostRegister raised {type(exc).__name__}: {exc}"
     if not ok:
         return f"cudaHostRegister failed: {name}"
-    # Unregister before the mapping goes: weakref callbacks run before the munmap. Not at
-    # exit: the process's end frees both, and the runtime may be torn down by then.
-    weakref.finalize(owner, rt.cudaHostUnregister, address).atexit = False
+    # Unregistered before the mapping's munmap (not at exit: the process's end frees both).
+    owner.before_unmap.append(functools.partial(rt.cudaHostUnregister, address))
     return None
 
 

@@ -89,6 +89,9 @@ class Events:
     def named(self, event: str) -> list[dict[str, Any]]:
         return [f for e, f in self.seen if e == event]
 
+    def names(self) -> list[str]:
+        return [e for e, _ in self.seen]
+
 
 class Pages:
     """Host pages laid out layer-first, [layers, K/V, pages, piece_bytes]: each page is four

@@ -193,3 +193,26 @@ def test_a_load_back_may_take_its_own_threshold():
     skipped, taken = run_virtual(main)
     assert (skipped.loaded_tokens, len(skipped.device_slots)) == (0, 0)
     assert (taken.loaded_tokens, len(taken.device_slots)) == (8, 8)
+
+
+def test_a_match_cancelled_while_reading_a_snapshot_leaves_no_probe_behind(monkeypatch):
+    """The snapshot lookups' probe requests are released even when the match is cancelled
+    in the middle (a request aborted by its engine): none stays locked in the tree."""
+    import anyio
+
+    from hicache.hybrid.snapshots import Snapshots
+
+    async def never(self, chain):
+        await anyio.sleep_forever()
+
+    async def main():
+        async with AsyncExitStack() as stack:
+            hc = await opened(stack, cfg(), own=False)
+            await store(hc, STORED, range(8, 49, 8))
+            monkeypatch.setattr(Snapshots, "read", never)
+            with anyio.move_on_after(5) as scope:
+                await hc.match("c", np.concatenate([STORED, NEW[:4]]))
+            await hc.release("c")  # what the engine does with an aborted request
+            return scope.cancelled_caught, (await hc.cache.stats()).inflight["requests"]
+
+    assert run_virtual(main) == (True, 0)

@@ -119,3 +119,23 @@ def test_sweep_removes_only_stores_no_process_owns(tmp_path):
         assert removed == [(str(ended), 100 + len("4000000\n"))]
         assert Path(live).is_dir() and unowned.is_dir() and not ended.exists()
     assert not Path(live).exists()  # the owner removes its own at exit
+
+
+def test_a_sweep_while_a_replay_claims_its_store_leaves_it(tmp_path, monkeypatch):
+    """The worst moment for a concurrent sweep: the new store's owner file is open but not yet
+    locked. The sweep must not take that store for an ended replay's."""
+    import hicache.cli.replay_exit as replay_exit
+
+    real_flock, swept = replay_exit.fcntl.flock, []
+
+    def sweep_then_lock(fd: int, op: int) -> None:
+        if not swept:  # the claim's own lock: another replay sweeps just before it
+            swept.append(None)  # the sweep's own locks go straight through
+            swept[0] = sweep_stale(str(tmp_path))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(replay_exit.fcntl, "flock", sweep_then_lock)
+    with owned_scratch(str(tmp_path)) as live:
+        assert swept == [[]]
+        assert (Path(live) / ".owner").read_text() == f"{os.getpid()}\n"
+    assert not Path(live).exists()

@@ -10,6 +10,7 @@ then makes torch's current stream wait on the layer's event: no host sync on the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -82,9 +83,10 @@ class CudaLoadHandle:
     """LoadHandle of the CUDA streams. `progress` counts layers whose copies are enqueued and
     recorded (the worker sets it); `landed` additionally needs the layer's event complete."""
 
-    def __init__(self, cuda: _Cuda, layers: int) -> None:
+    def __init__(self, cuda: _Cuda, layers: int, device: torch.device) -> None:
         self._cuda = cuda
         self.layers = layers
+        self._device = device  # the pool's: its current stream is the one that reads the layers
         self.events = [cuda.event() for _ in range(layers)]
         self.enqueued = LayerProgress(layers)
         self.completed = LayerProgress(layers)
@@ -92,7 +94,9 @@ class CudaLoadHandle:
 
     def wait(self, layer: int) -> None:
         self.enqueued.block_until(layer)
-        self._cuda.stream_wait(torch.cuda.current_stream().cuda_stream, self.events[layer])
+        self._cuda.stream_wait(
+            torch.cuda.current_stream(self._device).cuda_stream, self.events[layer]
+        )
 
     async def wait_async(self, layer: int) -> None:
         await self.completed.wait_async(layer)
@@ -132,6 +136,7 @@ class CudaStreams:
         self._cuda = _Cuda()
         with torch.cuda.device(device_pool.device):
             self._load_stream, self._backup_stream = self._cuda.stream(), self._cuda.stream()
+        self._streams: tuple[Any, ...] = (self._load_stream, self._backup_stream)  # to destroy
         self._engines = {
             "load": CudaEngine(device_pool.device, self._load_stream, transfer_sms=transfer_sms),
             "backup": CudaEngine(
@@ -177,22 +182,24 @@ class CudaStreams:
     ) -> CudaLoadHandle:
         plan = plan_transfer(self.host_pool, self.device_pool, host_slots, device_slots)
         layers = self.device_pool.geometry.layers
-        handle = CudaLoadHandle(self._cuda, layers)
+        handle = CudaLoadHandle(self._cuda, layers, self.device_pool.device)
         ready = self._after_compute()
         job_index = self._next_job("load")
         stream = self._load_stream
         engine = self._engines["load"]
 
-        def complete(error: Exception | None) -> None:
+        def complete(error: Exception | None, drained: Any) -> None:
             try:
                 if error is None:
                     for layer in range(layers):
                         self._cuda.synchronize(handle.events[layer])
                         handle.completed.land(layer)
+                else:
+                    self._drain(drained)
             except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
                 error = exc
             finally:
-                self._cuda.destroy_events([ready])
+                self._cuda.destroy_events([e for e in (ready, drained) if e is not None])
             if error is not None:
                 # layers already enqueued still complete on the GPU; the job as a whole failed
                 handle.enqueued.fail(error)
@@ -201,6 +208,7 @@ class CudaStreams:
 
         def job() -> None:
             error: Exception | None = None
+            drained = None
             try:
                 self._cuda.stream_wait(stream, ready)
                 with (
@@ -219,9 +227,14 @@ class CudaStreams:
                         handle.enqueued.land(layer)
             except Exception as exc:  # noqa: BLE001 - reported in order by the completion
                 error = exc
-            self._loads_done.submit(lambda: complete(error))
+                drained = self._after_enqueued(stream)
+            self._loads_done.submit(lambda: complete(error, drained))
 
-        self._loads.submit(job)
+        try:
+            self._loads.submit(job)
+        except BaseException:  # closed: the job never runs to release its event
+            self._cuda.destroy_events([ready])
+            raise
         return handle
 
     def submit_backup(
@@ -237,6 +250,8 @@ class CudaStreams:
             try:
                 if error is None:
                     self._cuda.synchronize(done_event)
+                else:
+                    self._drain(done_event)
             except Exception as exc:  # noqa: BLE001 - a failed copy is reported through on_done
                 error = exc
             finally:
@@ -260,16 +275,50 @@ class CudaStreams:
                 self._cuda.record(done_event, stream)
             except Exception as exc:  # noqa: BLE001 - reported in order by the completion
                 error = exc
+                if done_event is not None:
+                    self._cuda.destroy_events([done_event])
+                done_event = self._after_enqueued(stream)
             self._backups_done.submit(lambda: complete(done_event, error))
 
-        self._backups.submit(job)
+        try:
+            self._backups.submit(job)
+        except BaseException:  # closed: the job never runs to release its event
+            self._cuda.destroy_events([ready])
+            raise
+
+    def _after_enqueued(self, stream: Any) -> Any:
+        """After a job failed: an event behind whatever copies it did enqueue, or None where
+        the stream takes none (the device is lost: nothing on it runs on)."""
+        try:
+            event = self._cuda.event()
+        except Exception:  # noqa: BLE001 - see the docstring
+            return None
+        try:
+            self._cuda.record(event, stream)
+        except Exception:  # noqa: BLE001 - see the docstring
+            self._cuda.destroy_events([event])
+            return None
+        return event
+
+    def _drain(self, event: Any) -> None:
+        """Wait for the copies a failed job enqueued (`_after_enqueued`) before it is reported:
+        the tree then frees and reuses its slots, which those copies must no longer write."""
+        if event is None:
+            return
+        with contextlib.suppress(Exception):  # the job's own error is the one reported
+            self._cuda.synchronize(event)
 
     def close(self) -> None:
+        """Let the jobs queued finish and report, then release both streams. Idempotent."""
         # the enqueuers first: each hands its last completions over before it stops
         self._loads.close()
         self._backups.close()
         self._loads_done.close()
         self._backups_done.close()
+        with self._lock:
+            streams, self._streams = self._streams, ()
+        for stream in streams:  # every copy on them was waited for by the completions
+            self._cuda.destroy_stream(stream)
 
 
 class CudaInlineCopies:
@@ -301,11 +350,19 @@ class CudaInlineCopies:
         try:
             self._cuda.record(ready, torch.cuda.current_stream(device).cuda_stream)
             self._cuda.stream_wait(self._stream, ready)
-            with (
-                torch.cuda.device(device),
-                torch.cuda.stream(torch.cuda.ExternalStream(int(self._stream), device=device)),
-            ):
-                copy(self._engine)
+            try:
+                with (
+                    torch.cuda.device(device),
+                    torch.cuda.stream(torch.cuda.ExternalStream(int(self._stream), device=device)),
+                ):
+                    copy(self._engine)
+            except Exception:
+                # what was enqueued before the failure runs before the caller hears of it (and
+                # frees the slots); the copy's own error is the one raised
+                with contextlib.suppress(Exception):
+                    self._cuda.record(done, self._stream)
+                    self._cuda.synchronize(done)
+                raise
             self._cuda.record(done, self._stream)
             self._cuda.synchronize(done)
         finally:

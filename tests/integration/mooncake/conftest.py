@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,3 +33,20 @@ def private_store(mooncake_ready: None, tmp_path: Path) -> Iterator[Store]:
     s = start_store(tmp_path)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def raw(store: Store) -> Iterator[Any]:
+    """A plain Mooncake client on the module's store, to read and plant values behind the
+    backend."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert (
+        client.setup(
+            "127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}"
+        )
+        == 0
+    )
+    yield client
+    client.close()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,22 +32,6 @@ class MooncakeHarness:
     def write_raw(self, key: str, value: bytes) -> None:
         self.raw.remove(key, True)
         assert self.raw.put(key, value) == 0
-
-
-@pytest.fixture(scope="module")
-def raw(store: Any) -> Iterator[Any]:
-    """A plain Mooncake client, to read and plant values behind the backend."""
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    assert (
-        client.setup(
-            "127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}"
-        )
-        == 0
-    )
-    yield client
-    client.close()
 
 
 class TestMooncakeConformance(BackendConformance):

@@ -151,22 +151,6 @@ async def test_namespaces_do_not_share_keys_and_clear_is_scoped(store) -> None:
     await b.aclose()
 
 
-@pytest.fixture(scope="module")
-def raw(store):
-    """A plain Mooncake client, to plant values the backend did not write."""
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
-    assert (
-        client.setup(
-            "127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{store.rpc_port}"
-        )
-        == 0
-    )
-    yield client
-    client.close()
-
-
 @pytest.mark.parametrize("tamper", ["checksum", "key", "length", "magic"])
 async def test_corrupt_value_is_a_miss_an_event_and_deleted(store, raw, tamper: str) -> None:
     events = Events()

@@ -9,19 +9,9 @@ from typing import Any
 
 from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend, MemoryStore
+from hicache.testing.conformance import Events
 
-
-class Events:
-    """An EventSink that records (name, fields)."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def __call__(self, event: str, **fields: Any) -> None:
-        self.seen.append((event, fields))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [f for e, f in self.seen if e == event]
+__all__ = ["Events", "FileHarness", "MemoryHarness"]
 
 
 class MemoryHarness:

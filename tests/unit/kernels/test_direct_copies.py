@@ -430,6 +430,14 @@ class RecordingCudart:
         self.calls.append(("wait", stream, event))
         return (0,)
 
+    def cudaEventDestroy(self, event):
+        self.calls.append(("destroy event", event))
+        return (0,)
+
+    def cudaStreamDestroy(self, stream):
+        self.calls.append(("destroy stream", stream))
+        return (0,)
+
 
 def test_on_the_legacy_default_stream_the_engine_issues_on_its_own(monkeypatch):
     """The batch calls refuse stream 0: the engine orders its own stream after the work queued

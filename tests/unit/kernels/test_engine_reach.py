@@ -189,3 +189,45 @@ def test_a_device_engine_moves_only_its_own_device():
         UnreachableMemory, match="CUDA copy engine cannot move a device pool on cpu"
     ):
         check_reach(BoundTo("cuda:0"), SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
+
+
+def test_an_engines_own_stream_is_destroyed_with_the_engine(monkeypatch):
+    """The stream and events a CUDA engine makes for copies issued from the legacy default
+    stream go when the engine does (an engine made per call must not leave them behind)."""
+    import contextlib
+    import gc
+
+    from hicache.kernels.cuda_engine import CudaEngine
+
+    class Runtime:
+        cudaStreamNonBlocking = 1
+        cudaEventDisableTiming = 2
+
+        def __init__(self) -> None:
+            self.made: list[str] = []
+            self.destroyed: list[str] = []
+
+        def cudaStreamCreateWithFlags(self, flags):
+            self.made.append(f"stream{len(self.made)}")
+            return (0, self.made[-1])
+
+        def cudaEventCreateWithFlags(self, flags):
+            self.made.append(f"event{len(self.made)}")
+            return (0, self.made[-1])
+
+        def cudaEventDestroy(self, event):
+            self.destroyed.append(event)
+
+        def cudaStreamDestroy(self, stream):
+            self.destroyed.append(stream)
+
+    runtime = Runtime()
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    engine = CudaEngine(torch.device("cuda:0"), None, issuer=None, kernel_copies="torch")
+    engine._cudart = runtime  # type: ignore[attr-defined]
+    engine._own_stream()
+    engine._own_stream()  # made once
+    assert len(runtime.made) == 3 and runtime.destroyed == []
+    del engine
+    gc.collect()
+    assert sorted(runtime.destroyed) == sorted(runtime.made)

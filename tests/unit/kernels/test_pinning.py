@@ -33,6 +33,7 @@ class RecordingRuntime:
         self.error = error
         self.registered: list[tuple[int, int, int]] = []
         self.unregistered: list[int] = []
+        self.mapped_at_unregister: list[bool] = []
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> tuple[int]:
         self.registered.append((ptr, size, flags))
@@ -40,7 +41,18 @@ class RecordingRuntime:
 
     def cudaHostUnregister(self, ptr: int) -> tuple[int]:
         self.unregistered.append(ptr)
+        self.mapped_at_unregister.append(is_mapped(ptr))
         return (0,)
+
+
+def is_mapped(address: int) -> bool:
+    """Whether `address` lies in one of this process's mappings (Linux: /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
 
 
 @pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 10 * 4096 + 5, 3 << 20])
@@ -131,6 +143,7 @@ def test_pinned_host_memory_registers_the_exact_range_and_unregisters_when_freed
     del view
     gc.collect()
     assert runtime.unregistered == [address]
+    assert runtime.mapped_at_unregister == [True]  # unregistered before the munmap
 
 
 def test_failed_registration_falls_back_to_torch_pinned_and_says_why(monkeypatch):
