@@ -29,12 +29,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
-import itertools
 import os
 import queue
-import shutil
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from types import ModuleType
@@ -43,20 +41,12 @@ from urllib.parse import parse_qsl
 
 import anyio
 
-from hicache.backends.base import BackendUnavailable, PageBuffer
-from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
-from hicache.backends.blocking import BlockingRunner
-from hicache.backends.file import value_path
-from hicache.backends.framing import CorruptValue, checksum, decode_header, header_size, pack_header
+from hicache.backends.base import BackendUnavailable
+from hicache.backends.framing import CorruptValue, checksum, decode_header, pack_header
 from hicache.backends.keys import Namespace
+from hicache.backends.page_files import PageFileBackend, ReadResult, WriteResult, os_error
 from hicache.backends.simple import EventSink
-from hicache.backends.value_files import (
-    count_present,
-    create_temp,
-    place,
-    size_mismatch,
-    unlink_all,
-)
+from hicache.backends.value_files import create_temp, place, size_mismatch, unlink_all
 
 _OPTIONS = ("threads", "timeout", "fsync", "entries", "iov_mb", "mount")
 
@@ -153,10 +143,6 @@ def _flag(value: object) -> bool:
     raise ValueError(f"hf3fs option fsync must be yes or no, got {value!r}")
 
 
-def _no_events(event: str, **fields: Any) -> None:
-    return None
-
-
 class _Lane:
     """One batch's usrbio resources: a read ring, a write ring, and a shared-memory buffer
     registered with the mount as their iov. Used by one worker thread at a time."""
@@ -189,18 +175,11 @@ class _Lane:
             self.shm.close()
 
 
-@dataclass(slots=True)
-class _ReadResult:
-    ok: list[bool]
-    corrupt: list[tuple[str, str]]  # (key, reason); their files are deleted
-    errors: list[tuple[str, str]]  # (key, error)
-
-
 class _Stalled(Exception):
     """A submission not reaped within the timeout (its lane is marked stalled)."""
 
 
-class Hf3fsBackend:
+class Hf3fsBackend(PageFileBackend):
     """StorageBackend over files on a 3FS mount through usrbio; see the module docstring. Owns
     its lanes, its counters and its temporary files."""
 
@@ -212,26 +191,13 @@ class Hf3fsBackend:
         emit: EventSink | None = None,
         usrbio: Any = None,
     ) -> None:
-        if not isinstance(namespace, Namespace):
-            raise TypeError(
-                f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
-            )
+        super().__init__(spec.root, spec.threads, namespace=namespace, emit=emit)
         self.spec = spec
-        self.namespace = namespace
-        self.root = os.fspath(spec.root)
-        self._emit = emit or _no_events
         self._usrbio = usrbio  # the API module: hf3fs_fuse.io unless given (tests)
-        self._runner = BlockingRunner(spec.threads)
-        self._counters = Counters()
-        self._header_size = header_size(namespace.prefix + "0" * 64)
         self._lock = threading.Lock()  # opening, and the lane set
         self._mount = ""
         self._idle_lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
         self._lanes: list[_Lane] = []  # every live lane, idle or taken (closed at aclose)
-        self._temp_seq = itertools.count()
-        self._closed = False
-        self._inflight = 0
-        self._idle: anyio.Event | None = None
 
     def __repr__(self) -> str:
         return f"Hf3fsBackend({self.root!r})"
@@ -286,68 +252,11 @@ class Hf3fsBackend:
             self._lanes.remove(lane)
         lane.close()
 
-    # -- protocol -------------------------------------------------------------------------
-
-    async def exists(self, keys: Sequence[str]) -> int:
-        check_keys(self.namespace, keys)
-        self._counters.exists_calls += 1
-        if self._closed or not keys:
-            return 0
-        present: int = await self._run(count_present, [self._path(k) for k in keys])
-        return present
-
-    async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
-        pages = check_buffers(self.namespace, keys, targets, writable=True)
-        self._counters.gets += len(keys)
-        if self._closed or not keys:
-            return 0
-        paths = [self._path(k) for k in keys]
-        result: _ReadResult = await self._run(self._with_lane, self._read_batch, keys, paths, pages)
-        for key, reason in result.corrupt:
-            self._counters.corrupt += 1
-            self._emit("storage.corrupt", key=key, reason=reason)
-        for key, error in result.errors:
-            self._error("get", key, error)
-        hits = prefix_count(result.ok)
-        self._counters.get_hits += hits
-        self._counters.bytes_read += sum(p.nbytes for page in pages[:hits] for p in page)
-        return hits
-
-    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
-        pages = check_buffers(self.namespace, keys, sources, writable=False)
-        self._counters.sets += len(keys)
-        if self._closed or not keys:
-            return 0
-        paths = [self._path(k) for k in keys]
-        oks, errors = await self._run(self._with_lane, self._write_batch, keys, paths, pages)
-        for key, error in errors:
-            self._error("set", key, error)
-        self._counters.set_ok += sum(oks)
-        self._counters.bytes_written += sum(
-            p.nbytes for page, ok in zip(pages, oks) if ok for p in page
-        )
-        return prefix_count(oks)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        check_keys(self.namespace, keys)
-        self._counters.deletes += len(keys)
-        if keys:
-            await self._run(unlink_all, [self._path(k) for k in keys])
-
-    async def clear(self) -> None:
-        """Remove this namespace's directory (its values and temporary files), nothing else."""
-        await self._run(shutil.rmtree, os.path.join(self.root, self.namespace.digest), True)
-
     def stats(self) -> Mapping[str, int | float]:
-        return {**self._counters.as_dict(), "lanes": len(self._lanes)}
+        return {**super().stats(), "lanes": len(self._lanes)}
 
-    async def aclose(self) -> None:
-        """Wait for the batches in flight, then release every lane (rings, iovs, shared
-        memory). Idempotent; later calls are misses."""
-        self._closed = True
-        while self._inflight:
-            self._idle = self._idle or anyio.Event()
-            await self._idle.wait()
+    def _release(self) -> None:
+        """Release every lane (rings, iovs, shared memory); nothing is in flight."""
         with self._lock:
             lanes, self._lanes = self._lanes, []
         while not self._idle_lanes.empty():
@@ -355,40 +264,38 @@ class Hf3fsBackend:
         for lane in lanes:
             lane.close()
 
-    # -- loop side helpers ----------------------------------------------------------------
-
-    def _path(self, key: str) -> str:
-        return value_path(self.root, self.namespace.digest, self.namespace.page_hash_of(key))
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        self._inflight += 1
-        try:
-            return await self._runner.run(fn, *args)
-        finally:
-            self._inflight -= 1
-            if not self._inflight and self._idle is not None:
-                self._idle.set()
-                self._idle = None
-
-    def _error(self, op: str, key: str, error: str) -> None:
-        self._counters.errors += 1
-        self._emit("storage.error", op=op, key=key, error=error)
-
     # -- worker-thread side: files and I/O; no counters, no events ------------------------
 
-    def _with_lane(self, batch: Callable[..., Any], *args: Any) -> Any:
-        """`batch(lane, *args)` on an idle lane (made if none); a lane whose submission
-        stalled is retired, any other goes back to the idle set."""
+    def _read_pages(
+        self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
+    ) -> ReadResult:
+        result = ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
+        done: ReadResult | None = self._with_lane(
+            self._read_batch, result.errors, keys, paths, pages
+        )
+        return result if done is None else done
+
+    def _write_pages(
+        self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
+    ) -> WriteResult:
+        oks: list[bool] = [False] * len(keys)
+        errors: list[tuple[str, str]] = []
+        done: WriteResult | None = self._with_lane(self._write_batch, errors, keys, paths, pages)
+        return (oks, errors) if done is None else done
+
+    def _with_lane(
+        self, batch: Callable[..., Any], errors: list[tuple[str, str]], keys: list[str], *args: Any
+    ) -> Any:
+        """`batch(lane, keys, *args)` on an idle lane (made if none); a lane whose submission
+        stalled is retired, any other goes back to the idle set. None, the failure added to
+        `errors`, when no lane can be made."""
         try:
             lane = self._take_lane()
         except (ImportError, OSError, RuntimeError, ValueError) as exc:
-            keys = args[0]
-            failure = f"no usrbio lane: {type(exc).__name__}: {exc}"
-            if batch == self._read_batch:
-                return _ReadResult(ok=[False] * len(keys), corrupt=[], errors=[(keys[0], failure)])
-            return [False] * len(keys), [(keys[0], failure)]
+            errors.append((keys[0], f"no usrbio lane: {os_error(exc)}"))
+            return None
         try:
-            return batch(lane, *args)
+            return batch(lane, keys, *args)
         finally:
             if lane.stalled or self._closed:
                 self._retire(lane)
@@ -429,12 +336,11 @@ class Hf3fsBackend:
 
     def _write_batch(
         self, lane: _Lane, keys: list[str], paths: list[str], pages: list[list[memoryview]]
-    ) -> tuple[list[bool], list[tuple[str, str]]]:
+    ) -> WriteResult:
         hsize = self._header_size
         lengths = [sum(p.nbytes for p in pieces) for pieces in pages]
         oks = [False] * len(keys)
         errors: list[tuple[str, str]] = []
-        tmp_dir = os.path.join(self.root, self.namespace.digest, "tmp")
         usrbio, buf = self._ready(), lane.buf
         try:
             rounds = self._rounds([hsize + n for n in lengths])
@@ -447,7 +353,7 @@ class Hf3fsBackend:
                 offset = 0
                 for i in run:
                     try:
-                        tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
+                        tmp = self._temp_path()
                         fd = create_temp(tmp)
                         opened.append((tmp, fd, False))
                         usrbio.register_fd(fd)
@@ -463,7 +369,7 @@ class Hf3fsBackend:
                         payload.release()
                         lane.writes.prepare(lane.iov[offset:at], False, fd, 0)
                     except (OSError, RuntimeError, ValueError) as exc:  # a file, or usrbio
-                        errors.append((keys[i], _os_error(exc)))
+                        errors.append((keys[i], os_error(exc)))
                         break
                     prepared += 1
                     offset = at
@@ -479,7 +385,7 @@ class Hf3fsBackend:
             except _Stalled as exc:
                 errors.append((keys[run[0]], str(exc)))
             except OSError as exc:  # fsync or rename
-                errors.append((keys[run[0]], _os_error(exc)))
+                errors.append((keys[run[0]], os_error(exc)))
             finally:
                 for tmp, fd, registered in opened:
                     if registered:
@@ -494,8 +400,8 @@ class Hf3fsBackend:
 
     def _read_batch(
         self, lane: _Lane, keys: list[str], paths: list[str], pages: list[list[memoryview]]
-    ) -> _ReadResult:
-        result = _ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
+    ) -> ReadResult:
+        result = ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
         hsize = self._header_size
         wants = [sum(p.nbytes for p in pieces) for pieces in pages]
         usrbio, buf = self._ready(), lane.buf
@@ -515,7 +421,7 @@ class Hf3fsBackend:
                     except FileNotFoundError:
                         break
                     except OSError as exc:
-                        result.errors.append((keys[i], _os_error(exc)))
+                        result.errors.append((keys[i], os_error(exc)))
                         break
                     fds.append((fd, False))
                     try:
@@ -529,7 +435,7 @@ class Hf3fsBackend:
                         fds[-1] = (fd, True)
                         lane.reads.prepare(lane.iov[offset : offset + size], True, fd, 0)
                     except (OSError, RuntimeError, ValueError) as exc:  # a file, or usrbio
-                        result.errors.append((keys[i], _os_error(exc)))
+                        result.errors.append((keys[i], os_error(exc)))
                         break
                     present.append(i)
                     offset += size
@@ -562,7 +468,7 @@ class Hf3fsBackend:
         key: str,
         pieces: list[memoryview],
         path: str,
-        result: _ReadResult,
+        result: ReadResult,
         i: int,
     ) -> None:
         """Check the value read at `offset` of the iov and, if sound, copy it into `pieces`."""
@@ -592,7 +498,3 @@ def _io_error(moved: int, expected: int) -> str:
     if moved < 0:
         return f"usrbio I/O failed: {os.strerror(-moved)} (errno {-moved})"
     return f"usrbio I/O moved {moved} of {expected} bytes"
-
-
-def _os_error(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"

@@ -27,10 +27,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -39,28 +37,19 @@ from urllib.parse import parse_qsl
 import anyio
 import numpy as np
 
-from hicache.backends.base import BackendUnavailable, PageBuffer
-from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
-from hicache.backends.blocking import BlockingRunner
-from hicache.backends.file import value_path
+from hicache.backends.base import BackendUnavailable
 from hicache.backends.framing import (
     CorruptValue,
     checksums,
     checksums_started,
     decode_header,
-    header_size,
     pack_header,
 )
 from hicache.backends.keys import Namespace
 from hicache.backends.mooncake_memory import RegisteredRegions, address_of
+from hicache.backends.page_files import PageFileBackend, ReadResult, WriteResult, os_error
 from hicache.backends.simple import EventSink
-from hicache.backends.value_files import (
-    count_present,
-    create_temp,
-    place,
-    size_mismatch,
-    unlink_all,
-)
+from hicache.backends.value_files import create_temp, place, size_mismatch, unlink_all
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 """NIXL plugins that move memory to and from files; the backend runs over any of them."""
@@ -182,44 +171,20 @@ def _flag(value: object, name: str) -> bool:
     raise ValueError(f"nixl option {name} must be yes or no, got {value!r}")
 
 
-def _no_events(event: str, **fields: Any) -> None:
-    return None
-
-
-@dataclass(slots=True)
-class _ReadResult:
-    ok: list[bool]
-    corrupt: list[tuple[str, str]]  # (key, reason); their files are deleted
-    errors: list[tuple[str, str]]  # (key, error)
-
-
-class NixlBackend:
+class NixlBackend(PageFileBackend):
     """StorageBackend over files through a NIXL agent; see the module docstring. Owns its agent,
     its counters and its temporary files."""
 
     def __init__(
         self, spec: NixlSpec, *, namespace: Namespace, emit: EventSink | None = None
     ) -> None:
-        if not isinstance(namespace, Namespace):
-            raise TypeError(
-                f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
-            )
+        super().__init__(spec.root, spec.threads, namespace=namespace, emit=emit)
         self.spec = spec
-        self.namespace = namespace
-        self.root = os.fspath(spec.root)
-        self._emit = emit or _no_events
-        self._runner = BlockingRunner(spec.threads)
-        self._counters = Counters()
-        self._header_size = header_size(namespace.prefix + "0" * 64)
         self._regions = RegisteredRegions()  # host memory registered once (attach_host_pool)
         self._pending_regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()  # the agent, its registrations
         self._agent: Any = None
         self._api: ModuleType | None = None
-        self._temp_seq = itertools.count()
-        self._closed = False
-        self._inflight = 0
-        self._idle: anyio.Event | None = None
 
     def __repr__(self) -> str:
         return f"NixlBackend({self.root!r}, plugin={self.spec.plugin})"
@@ -276,90 +241,10 @@ class NixlBackend:
             self._pending_regions.clear()
             return self._agent
 
-    # -- protocol -------------------------------------------------------------------------
-
-    async def exists(self, keys: Sequence[str]) -> int:
-        check_keys(self.namespace, keys)
-        self._counters.exists_calls += 1
-        if self._closed or not keys:
-            return 0
-        present: int = await self._run(count_present, [self._path(k) for k in keys])
-        return present
-
-    async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
-        pages = check_buffers(self.namespace, keys, targets, writable=True)
-        self._counters.gets += len(keys)
-        if self._closed or not keys:
-            return 0
-        paths = [self._path(k) for k in keys]
-        result = await self._run(self._read_batch, list(keys), paths, pages)
-        for key, reason in result.corrupt:
-            self._counters.corrupt += 1
-            self._emit("storage.corrupt", key=key, reason=reason)
-        for key, error in result.errors:
-            self._error("get", key, error)
-        hits = prefix_count(result.ok)
-        self._counters.get_hits += hits
-        self._counters.bytes_read += sum(p.nbytes for page in pages[:hits] for p in page)
-        return hits
-
-    async def set_from(self, keys: Sequence[str], sources: Sequence[PageBuffer]) -> int:
-        pages = check_buffers(self.namespace, keys, sources, writable=False)
-        self._counters.sets += len(keys)
-        if self._closed or not keys:
-            return 0
-        paths = [self._path(k) for k in keys]
-        oks, errors = await self._run(self._write_batch, list(keys), paths, pages)
-        for key, error in errors:
-            self._error("set", key, error)
-        stored = prefix_count(oks)
-        self._counters.set_ok += sum(oks)
-        self._counters.bytes_written += sum(
-            p.nbytes for page, ok in zip(pages, oks) if ok for p in page
-        )
-        return stored
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        check_keys(self.namespace, keys)
-        self._counters.deletes += len(keys)
-        if keys:
-            await self._run(unlink_all, [self._path(k) for k in keys])
-
-    async def clear(self) -> None:
-        """Remove this namespace's directory (its values and temporary files), nothing else."""
-        await self._run(shutil.rmtree, os.path.join(self.root, self.namespace.digest), True)
-
-    def stats(self) -> Mapping[str, int | float]:
-        return self._counters.as_dict()
-
-    async def aclose(self) -> None:
-        """Wait for the batches in flight (their transfers use the agent), then drop the
-        agent. Idempotent; later calls are misses."""
-        self._closed = True
-        while self._inflight:
-            self._idle = self._idle or anyio.Event()
-            await self._idle.wait()
+    def _release(self) -> None:
+        """Drop the agent (once the batches in flight, whose transfers use it, are done)."""
         with self._lock:
             self._agent = None
-
-    # -- loop side helpers ----------------------------------------------------------------
-
-    def _path(self, key: str) -> str:
-        return value_path(self.root, self.namespace.digest, self.namespace.page_hash_of(key))
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        self._inflight += 1
-        try:
-            return await self._runner.run(fn, *args)
-        finally:
-            self._inflight -= 1
-            if not self._inflight and self._idle is not None:
-                self._idle.set()
-                self._idle = None
-
-    def _error(self, op: str, key: str, error: str) -> None:
-        self._counters.errors += 1
-        self._emit("storage.error", op=op, key=key, error=error)
 
     # -- worker-thread side: files and transfers; no counters, no events ------------------
 
@@ -414,14 +299,13 @@ class NixlBackend:
                     with contextlib.suppress(Exception):
                         agent.deregister_memory(reg)
 
-    def _write_batch(
+    def _write_pages(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
-    ) -> tuple[list[bool], list[tuple[str, str]]]:
+    ) -> WriteResult:
         # The checksums run on the checksum pool while the payload moves; each header is
         # written once both are done, before its file is renamed into place.
         crcs_later = checksums_started(pages)
         hsize = self._header_size
-        tmp_dir = os.path.join(self.root, self.namespace.digest, "tmp")
         opened: list[tuple[str, int]] = []  # (temporary path, fd), per page
         errors: list[tuple[str, str]] = []
         local: list[tuple[int, int, int]] = []
@@ -430,10 +314,10 @@ class NixlBackend:
         try:
             for key, pieces in zip(keys, pages):
                 try:
-                    tmp = os.path.join(tmp_dir, f"{os.getpid()}.{next(self._temp_seq)}")
+                    tmp = self._temp_path()
                     fd = create_temp(tmp)
                 except OSError as exc:
-                    errors.append((key, f"{type(exc).__name__}: {exc}"))
+                    errors.append((key, os_error(exc)))
                     break
                 opened.append((tmp, fd))
                 files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
@@ -451,7 +335,7 @@ class NixlBackend:
                     place(tmp, paths[i])
                     oks[i] = True
                 except OSError as exc:
-                    errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
+                    errors.append((keys[i], os_error(exc)))
             return oks, errors
         finally:
             crcs_later.result()  # the pages are the caller's again only once it is done
@@ -460,10 +344,10 @@ class NixlBackend:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)  # placed ones were renamed away already
 
-    def _read_batch(
+    def _read_pages(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
-    ) -> _ReadResult:
-        result = _ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
+    ) -> ReadResult:
+        result = ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
         hsize = self._header_size
         headers = np.empty(len(keys) * hsize, dtype=np.uint8)
         base = headers.__array_interface__["data"][0]
@@ -480,7 +364,7 @@ class NixlBackend:
                 except FileNotFoundError:
                     break
                 except OSError as exc:
-                    result.errors.append((key, f"{type(exc).__name__}: {exc}"))
+                    result.errors.append((key, os_error(exc)))
                     break
                 fds.append(fd)
                 size = os.fstat(fd).st_size
