@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from hicache.backends.file import value_path
 from hicache.backends.hf3fs import Hf3fsBackend, usrbio_missing
 from hicache.backends.keys import Namespace
 from hicache.testing.conformance import BackendConformance
+from tests.unit.backends.harness import ValueFileHarness
 
 pytestmark = pytest.mark.hf3fs
 if usrbio_missing() is not None:  # one line in the summary, not one per test
@@ -26,26 +26,12 @@ if not os.environ.get("HICACHE_HF3FS_DIR"):
     )
 
 
-class RealHf3fsHarness:
+class RealHf3fsHarness(ValueFileHarness):
     def __init__(self, root: Path) -> None:
         self.root = root
 
     def open(self, ns: Namespace, emit: Any) -> Hf3fsBackend:
         return Hf3fsBackend.from_spec(f"hf3fs:{self.root}", namespace=ns, emit=emit)
-
-    def path(self, key: str) -> Path:
-        _, digest, name = key.split(":")
-        return Path(value_path(self.root, digest, name))
-
-    def read_raw(self, key: str) -> bytes | None:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write_raw(self, key: str, value: bytes) -> None:
-        self.path(key).parent.mkdir(parents=True, exist_ok=True)
-        self.path(key).write_bytes(value)
 
 
 class TestHf3fsUsrbioConformance(BackendConformance):

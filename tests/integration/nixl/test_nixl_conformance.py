@@ -10,37 +10,25 @@ import numpy as np
 import pytest
 
 from hicache.backends.base import BackendUnavailable
-from hicache.backends.file import FileBackend, value_path
+from hicache.backends.file import FileBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.nixl import NixlBackend, NixlSpec, nixl_missing
 from hicache.backends.registry import connect_backend
 from hicache.testing.conformance import BackendConformance, Pages, namespace, page_keys
+from tests.unit.backends.harness import ValueFileHarness
 
 pytestmark = pytest.mark.nixl
 if nixl_missing() is not None:  # one line in the summary, not one per test
     pytest.skip(str(nixl_missing()), allow_module_level=True)
 
 
-class NixlHarness:
+class NixlHarness(ValueFileHarness):
     def __init__(self, root: Path, **options: Any) -> None:
         self.root = root
         self.options = options
 
     def open(self, ns: Namespace, emit: Any) -> NixlBackend:
         return NixlBackend.from_spec(f"nixl:{self.root}", namespace=ns, emit=emit, **self.options)
-
-    def path(self, key: str) -> Path:
-        _, digest, name = key.split(":")
-        return Path(value_path(self.root, digest, name))
-
-    def read_raw(self, key: str) -> bytes | None:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write_raw(self, key: str, value: bytes) -> None:
-        self.path(key).write_bytes(value)
 
 
 class TestNixlConformance(BackendConformance):

@@ -11,7 +11,30 @@ from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.testing.conformance import Events
 
-__all__ = ["Events", "FileHarness", "MemoryHarness"]
+__all__ = ["Events", "FileHarness", "MemoryHarness", "ValueFileHarness"]
+
+
+class ValueFileHarness:
+    """The conformance kit's raw access (`read_raw`, `write_raw`) for a backend that keeps the
+    file store's value files under `root` (file, nixl, hf3fs)."""
+
+    root: Path
+
+    def path(self, key: str) -> Path:
+        from hicache.backends.file import value_path
+
+        _, digest, name = key.split(":")
+        return Path(value_path(self.root, digest, name))
+
+    def read_raw(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write_raw(self, key: str, value: bytes) -> None:
+        self.path(key).parent.mkdir(parents=True, exist_ok=True)
+        self.path(key).write_bytes(value)
 
 
 class MemoryHarness:

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from hicache.backends.file import FileBackend, value_path
+from hicache.backends.file import FileBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.testing.conformance import BackendConformance
+
+from .harness import ValueFileHarness
 
 
 class ManualClock:
@@ -43,7 +45,7 @@ class MemoryHarness:
         self.clock.now += seconds
 
 
-class FileHarness:
+class FileHarness(ValueFileHarness):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.clock = ManualClock(time.time())
@@ -51,20 +53,10 @@ class FileHarness:
     def open(self, namespace: Namespace, emit: Any) -> FileBackend:
         return FileBackend(self.root, namespace=namespace, emit=emit, threads=2, clock=self.clock)
 
-    def path(self, key: str) -> Path:
-        _, digest, name = key.split(":")
-        return Path(value_path(self.root, digest, name))
-
-    def read_raw(self, key: str) -> bytes | None:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
     def write_raw(self, key: str, value: bytes) -> None:
         path = self.path(key)
         stat = path.stat() if path.exists() else None
-        path.write_bytes(value)
+        super().write_raw(key, value)
         if stat is not None:  # keep the expiry the backend keeps in the file's times
             os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 

@@ -12,17 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hicache.backends.file import FileBackend, value_path
+from hicache.backends.file import FileBackend
 from hicache.backends.hf3fs import Hf3fsBackend, Hf3fsSpec
 from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend, resolve
 from hicache.testing.conformance import BackendConformance, Pages, namespace, page_keys
 
-from .harness import Events
+from .harness import Events, ValueFileHarness
 from .usrbio_standin import UsrbioStandIn
 
 
-class Hf3fsHarness:
+class Hf3fsHarness(ValueFileHarness):
     stall_grace = 3.0  # the spec's 1 s timeout, plus the thread's return
 
     def __init__(self, mount: Path, **options: Any) -> None:
@@ -35,20 +35,6 @@ class Hf3fsHarness:
         return Hf3fsBackend.from_spec(
             f"hf3fs:{self.root}", namespace=ns, emit=emit, usrbio=self.usrbio, **self.options
         )
-
-    def path(self, key: str) -> Path:
-        _, digest, name = key.split(":")
-        return Path(value_path(self.root, digest, name))
-
-    def read_raw(self, key: str) -> bytes | None:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write_raw(self, key: str, value: bytes) -> None:
-        self.path(key).parent.mkdir(parents=True, exist_ok=True)
-        self.path(key).write_bytes(value)
 
     def stall(self) -> Any:
         return self.usrbio.stall()
