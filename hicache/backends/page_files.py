@@ -27,7 +27,7 @@ from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import value_path
 from hicache.backends.framing import header_size
 from hicache.backends.keys import Namespace
-from hicache.backends.simple import EventSink
+from hicache.backends.simple import EventSink, _no_events
 from hicache.backends.value_files import count_present, unlink_all
 
 
@@ -47,10 +47,6 @@ WriteResult = tuple[list[bool], list[tuple[str, str]]]
 def os_error(exc: Exception) -> str:
     """An exception as a `storage.error` event's error text."""
     return f"{type(exc).__name__}: {exc}"
-
-
-def _no_events(event: str, **fields: Any) -> None:
-    return None
 
 
 class PageFileBackend:
