@@ -26,12 +26,12 @@ import numpy as np
 from hicache import CacheConfig, HiCache
 from hicache.cli.trace import read_trace
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.core import RadixTree
 from hicache.kernels import DevicePool, HostPool, parse_geometry, run_backup, run_load_layer
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.indices import plan_transfer
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.radix.tree import RadixTree
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
 

@@ -113,7 +113,7 @@ def _apply_variants(names) -> None:
     Evicting only the shortfall (L1 and L2) and counting eviction backups in flight, once
     variants here, are what the tree controller does now (`hicache/components/tree/space.py`).
     """
-    from hicache.components.tree.core import RadixTree
+    from hicache.radix.tree import RadixTree
 
     if "split-stamp" in names:
         descend, split = RadixTree._descend, RadixTree._split
@@ -129,7 +129,7 @@ def _apply_variants(names) -> None:
 
         RadixTree._descend, RadixTree._split = _descend, _split
     if "partial-device" in names or "partial-host" in names:
-        import hicache.components.tree.core as core_mod
+        import hicache.radix.eviction as eviction_mod
         from hicache.policies.eviction import evict_in_order as whole_leaves
 
         state = {"tree": None}
@@ -154,7 +154,7 @@ def _apply_variants(names) -> None:
                     heapq.heappush(heap, (key(exposed), ident(exposed), exposed))
             return freed
 
-        core_mod.evict_in_order = by_pages
+        eviction_mod.evict_in_order = by_pages
         evict_device, evict_host = RadixTree.evict_device, RadixTree.evict_host
 
         def partial_device(self, num_tokens, *, now, require_host_copy=False):
@@ -173,7 +173,7 @@ def _apply_variants(names) -> None:
 
         RadixTree.evict_device, RadixTree.evict_host = partial_device, partial_host
     if "drop-host-all" in names:
-        from hicache.components.tree.core import _concat
+        from hicache.radix.results import concat
 
         def drop_host(self, plan):
             freed = []
@@ -185,7 +185,7 @@ def _apply_variants(names) -> None:
                 freed.append(x.host)
                 x.host = None
                 self._track(x)
-            return _concat(freed)
+            return concat(freed)
 
         RadixTree.drop_host = drop_host
 
@@ -290,9 +290,9 @@ def run_single(args) -> None:
 
     from hicache.cli.trace import read_trace
     from hicache.components.allocator.core import SlotLedger
-    from hicache.components.tree.core import RadixTree
     from hicache.policies.eviction import make_strategy
     from hicache.policies.write import write_policy
+    from hicache.radix.tree import RadixTree
 
     _apply_variants(args.variant)
     page = args.page_size

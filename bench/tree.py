@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_radix import ReferenceRadixCache
 
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.core import RadixTree
 from hicache.policies.eviction import LRU
 from hicache.policies.write import WRITE_THROUGH_SELECTIVE
+from hicache.radix.tree import RadixTree
 
 BLOCK = 512
 INFINITE_CAPACITY_HIT_RATE = 0.651  # of this trace, from the issue

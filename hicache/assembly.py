@@ -33,7 +33,6 @@ from hicache.components.prefetcher.actor import PrefetcherActor
 from hicache.components.topology import Topology
 from hicache.components.tree.actor import TreeActor
 from hicache.components.tree.agreement import RankAgreement, SingleRank, TorchDistributedAgreement
-from hicache.components.tree.core import RadixTree
 from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite
@@ -45,6 +44,7 @@ from hicache.messages import StorageAttachment, TreeInbox
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.radix.tree import RadixTree
 from hicache.runtime import Kernel, Mailbox
 from hicache.secrets import redact_url
 from hicache.sizing import TierBytes, check_fits, cuda_free

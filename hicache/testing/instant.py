@@ -25,7 +25,6 @@ from typing import Any
 
 from hicache.components.topology import Topology
 from hicache.components.tree.controller import Controller
-from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import (
     Answer,
     ClearStorage,
@@ -51,6 +50,7 @@ from hicache.messages import (
 )
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.radix.tree import RadixTree
 from hicache.results import LoadBackOutcome
 from hicache.types import OpId, PageHash
 

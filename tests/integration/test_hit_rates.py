@@ -14,9 +14,9 @@ from hicache.cli.coremodel import replay_trace
 from hicache.cli.replay import replay
 from hicache.cli.trace import bound_hit_rate, read_trace
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.core import RadixTree
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.radix.tree import RadixTree
 from hicache.runtime import run_deterministic
 from hicache.testing.chat import ChatShape, multi_turn_chat, write_trace
 

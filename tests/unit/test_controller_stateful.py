@@ -25,7 +25,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hicache.components.topology import Topology
 from hicache.components.tree.controller import Controller
-from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import (
     Answer,
     CancelTimer,
@@ -37,7 +36,6 @@ from hicache.components.tree.effects import (
     StartTimer,
     SubmitLoad,
 )
-from hicache.components.tree.node import NodeState
 from hicache.config import CacheConfig
 from hicache.messages import (
     AllocBatch,
@@ -64,6 +62,8 @@ from hicache.messages import (
 )
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.radix.structure import NodeState
+from hicache.radix.tree import RadixTree
 from hicache.results import CacheError, CapacityError, PinLimitError
 
 PAGE = 2

@@ -147,10 +147,8 @@ def _within(name: str, package: str) -> bool:
 
 
 def test_the_parser_sees_the_package():
-    assert "hicache.config" in MODULES and "hicache.components.tree.core" in MODULES
-    assert "hicache.components.tree.integrity" in _edges(
-        "hicache.components.tree.core", ("module",)
-    )
+    assert "hicache.config" in MODULES and "hicache.radix.tree" in MODULES
+    assert "hicache.radix.structure" in _edges("hicache.radix.tree", ("module",))
     assert "hicache.runtime.actor" in _edges("hicache.runtime.kernel", ("module",))
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from hicache.components.tree.node import NodeState
+from hicache.radix.structure import NodeState
 from tests.unit.tree_helpers import SlotSource, make_tree
 
 

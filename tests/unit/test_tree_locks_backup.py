@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from hicache.components.tree.node import NodeState
-from hicache.components.tree.returns import TreeError
+from hicache.radix.results import TreeError
+from hicache.radix.structure import NodeState
 from tests.unit.tree_helpers import SlotSource, make_tree
 
 

@@ -4,9 +4,9 @@ range's end, page-boundary splits, pins per tier and their expiry, on the tree's
 import numpy as np
 import pytest
 
-from hicache.components.tree.core import RadixTree
 from hicache.policies.eviction import LFU, LRU, SLRU
 from hicache.policies.write import write_policy
+from hicache.radix.tree import RadixTree
 from tests.unit.tree_helpers import SlotSource
 
 INF = float("inf")

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.core import RadixTree
-from hicache.components.tree.node import NodeState
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
+from hicache.radix.structure import NodeState
+from hicache.radix.tree import RadixTree
 
 DEVICE_PAGES = 12
 HOST_PAGES = 24

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from hicache.components.tree.core import RadixTree
 from hicache.policies.eviction import LRU
 from hicache.policies.write import write_policy
+from hicache.radix.tree import RadixTree
 
 
 def make_tree(page_size=1, *, strategy=None, policy="write_through_selective", bigram=False):

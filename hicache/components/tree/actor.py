@@ -24,7 +24,6 @@ import numpy as np
 from hicache.components.topology import Topology
 from hicache.components.tree.agreement import RankAgreement, SingleRank
 from hicache.components.tree.controller import Controller
-from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import (
     Answer,
     CancelTimer,
@@ -56,6 +55,7 @@ from hicache.messages import (
     UseBackend,
 )
 from hicache.observability.events import slot_runs
+from hicache.radix.tree import RadixTree
 from hicache.results import LoadBackOutcome, StorageTimeout
 from hicache.runtime import Actor, Mailbox, Reply
 from hicache.runtime.clock import TimerHandle

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import Effects
 from hicache.components.tree.records import Counters
 from hicache.config import CacheConfig
+from hicache.radix.tree import RadixTree
 from hicache.types import OpId
 
 

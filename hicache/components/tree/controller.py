@@ -21,7 +21,6 @@ from typing_extensions import assert_never
 
 from hicache.components.tree import reset, sync
 from hicache.components.tree.context import Context, Wait
-from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
 from hicache.components.tree.effects import Drained, Effect, LoadEnded
 from hicache.components.tree.loads import LoadFlows
@@ -61,6 +60,7 @@ from hicache.messages import (
     UploadTimedOut,
     WriteDone,
 )
+from hicache.radix.tree import RadixTree
 from hicache.results import (
     CacheError,
     CacheStats,

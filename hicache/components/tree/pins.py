@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from hicache.components.tree.context import Context
-from hicache.components.tree.node import INF
-from hicache.components.tree.returns import TreeError
+from hicache.radix.results import TreeError
+from hicache.radix.structure import INF
 from hicache.results import InvalidRequest, PinLimitError, PinOutcome
 
 PIN_TIERS = ("device", "host")

@@ -21,9 +21,9 @@ from hicache.components.tree.pins import PinTable
 from hicache.components.tree.records import PrefetchOp, RequestState
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
-from hicache.components.tree.structure import salt_seed
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch
+from hicache.radix.structure import salt_seed
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.retention import Range
-from hicache.components.tree.returns import LoadPlan
+from hicache.radix.results import LoadPlan
+from hicache.radix.tree import Range
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash, RequestId
 

@@ -17,12 +17,11 @@ from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.records import RequestState
-from hicache.components.tree.retention import Range
-from hicache.components.tree.returns import TreeError
-from hicache.components.tree.slot_arrays import concat
 from hicache.components.tree.space import Space
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import CacheItem, MatchItem
+from hicache.radix.results import TreeError, concat
+from hicache.radix.tree import Range
 from hicache.results import (
     CacheOutcome,
     CapacityError,

@@ -6,8 +6,8 @@ the end of time): pinned pages leave too, and come back pinned when cached or pr
 from __future__ import annotations
 
 from hicache.components.tree.context import Context
-from hicache.components.tree.node import INF
 from hicache.components.tree.space import Space
+from hicache.radix.structure import INF
 
 TIERS = ("device", "host", "storage")
 

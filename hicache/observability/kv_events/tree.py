@@ -23,9 +23,9 @@ from hicache.observability.kv_events.wire import (
 )
 
 if TYPE_CHECKING:
-    from hicache.components.tree.core import RadixTree
     from hicache.config import CacheConfig
     from hicache.observability.events import EventLog
+    from hicache.radix.tree import RadixTree
     from hicache.types import NodeId
 
 _logger = logging.getLogger("hicache.kv_events")

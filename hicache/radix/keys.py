@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.returns import TreeError
 from hicache.kernels.native import native_rows
+from hicache.radix.results import TreeError
 
 __all__ = ["KeyCodec"]
 
