@@ -3,6 +3,6 @@
 `tree.RadixTree` is the class callers use. Its layers, one module each: `structure` (the nodes
 and the facts kept about them, locks, queries, the integrity check), `eviction` (leaf-first
 eviction from both tiers) and `tree` (match and insert, retention and pins, backups and loads
-back); `results` holds what crosses the boundary (`TreeError`, the records calls return, slot
-arrays) and `keys` turns token ids into the bytes the tree compares.
+back); `results` holds what crosses the boundary (`TreeError`, `NodeState`, the records calls
+return, slot arrays) and `keys` turns token ids into the bytes the tree compares.
 """

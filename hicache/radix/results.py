@@ -1,8 +1,10 @@
-"""What crosses the tree's boundary: `TreeError`, the frozen records its calls return (ids, slot
-arrays and counts, never a node), and the read-only int64 slot arrays it takes and gives back."""
+"""What crosses the tree's boundary: `TreeError`, the node states and frozen records its calls
+return (ids, slot arrays and counts, never a node), and the read-only int64 slot arrays it takes
+and gives back."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,7 @@ __all__ = [
     "InsertResult",
     "LoadPlan",
     "MatchResult",
+    "NodeState",
     "TreeError",
     "concat",
     "frozen_slots",
@@ -26,6 +29,15 @@ __all__ = [
 class TreeError(ValueError):
     """A tree call with bad input (unknown or removed node, wrong lengths, unbalanced release,
     stale plan). Raised before anything changed."""
+
+
+class NodeState(enum.Enum):
+    """Where a node's KV lives. ``GONE``: the id was removed from the tree (ids are never reused)."""
+
+    DEVICE_ONLY = "device_only"
+    BOTH = "both"
+    HOST_ONLY = "host_only"
+    GONE = "gone"
 
 
 @dataclass(frozen=True, slots=True)

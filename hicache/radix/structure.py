@@ -20,7 +20,6 @@ Rules (docs/tree.md):
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
@@ -28,23 +27,14 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from hicache.radix.keys import KeyCodec
-from hicache.radix.results import ClearedSlots, TreeError, concat
+from hicache.radix.results import ClearedSlots, NodeState, TreeError, concat
 from hicache.types import EMPTY_SLOTS, NodeId, PageHash
 
-__all__ = ["INF", "Node", "NodeState", "Tier", "TreeObserver", "TreeStructure", "salt_seed"]
+__all__ = ["INF", "Node", "Tier", "TreeObserver", "TreeStructure", "salt_seed"]
 
 INF = float("inf")
 
 Tier = Literal["device", "host"]
-
-
-class NodeState(enum.Enum):
-    """Where a node's KV lives. ``GONE``: the id was removed from the tree (ids are never reused)."""
-
-    DEVICE_ONLY = "device_only"
-    BOTH = "both"
-    HOST_ONLY = "host_only"
-    GONE = "gone"
 
 
 class TreeObserver(Protocol):

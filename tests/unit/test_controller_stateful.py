@@ -62,7 +62,7 @@ from hicache.messages import (
 )
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
-from hicache.radix.structure import NodeState
+from hicache.radix.results import NodeState
 from hicache.radix.tree import RadixTree
 from hicache.results import CacheError, CapacityError, PinLimitError
 

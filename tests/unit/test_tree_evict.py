@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from hicache.radix.structure import NodeState
+from hicache.radix.results import NodeState
 from tests.unit.tree_helpers import SlotSource, make_tree
 
 

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from hicache.radix.results import TreeError
-from hicache.radix.structure import NodeState
+from hicache.radix.results import NodeState, TreeError
 from tests.unit.tree_helpers import SlotSource, make_tree
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from hicache.radix.structure import NodeState
+from hicache.radix.results import NodeState
 from tests.unit.test_tree_stateful import SETTINGS, TreeMachine
 from tests.unit.tree_helpers import SlotSource, make_tree, toks
 

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hicache.components.allocator.core import SlotLedger
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
-from hicache.radix.structure import NodeState
+from hicache.radix.results import NodeState
 from hicache.radix.tree import RadixTree
 
 DEVICE_PAGES = 12
