@@ -157,10 +157,12 @@ def _apply_variants(names) -> None:
         eviction_mod.evict_in_order = by_pages
         evict_device, evict_host = RadixTree.evict_device, RadixTree.evict_host
 
-        def partial_device(self, num_tokens, *, now, require_host_copy=False):
+        def partial_device(self, num_tokens, *, now, require_host_copy=False, **kw):
             state["tree"] = self if require_host_copy and "partial-device" in names else None
             try:
-                return evict_device(self, num_tokens, now=now, require_host_copy=require_host_copy)
+                return evict_device(
+                    self, num_tokens, now=now, require_host_copy=require_host_copy, **kw
+                )
             finally:
                 state["tree"] = None
 
