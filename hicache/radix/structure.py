@@ -144,8 +144,7 @@ class TreeStructure:
         self, *, codec: KeyCodec, observer: TreeObserver | None, default_priority: int
     ) -> None:
         self.page_size = codec.page_size
-        self.observer = observer
-        """Told where pages enter or leave a tier (``TreeObserver``); None: nobody."""
+        self.observer = observer  # told where pages enter or leave a tier; None: nobody
         self._codec = codec
         self._default_priority = default_priority  # a node's priority outside any live range
         self._ranked = False  # some node was given a priority: eviction ranks by it first
