@@ -25,7 +25,7 @@ import anyio.to_thread
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend
-from hicache.backends.sealed import seal_backend
+from hicache.backends.sealing.backend import seal_backend
 from hicache.components.allocator.actor import AllocatorActor
 from hicache.components.allocator.core import SlotLedger
 from hicache.components.loader.actor import LoaderActor
@@ -38,7 +38,7 @@ from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
 from hicache.messages import StorageAttachment, TreeInbox

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
-from hicache.backends.seal import MIN_SECRET_BYTES, Seal, crypto_missing
+from hicache.backends.sealing.seal import MIN_SECRET_BYTES, Seal, crypto_missing
 
 # The names come from the registries that implement them (all four modules are torch-free).
 from hicache.kernels.names import DEFAULT_TRANSFER_SMS, IO_BACKENDS, LAYOUTS, MAX_TRANSFER_SMS

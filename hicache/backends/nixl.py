@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl
 import anyio
 import numpy as np
 
-from hicache.backends.base import BackendUnavailable
+from hicache.backends.base import BackendUnavailable, EventSink
 from hicache.backends.framing import (
     CorruptValue,
     checksums,
@@ -46,9 +46,8 @@ from hicache.backends.framing import (
     pack_header,
 )
 from hicache.backends.keys import Namespace
-from hicache.backends.mooncake_memory import RegisteredRegions, address_of
+from hicache.backends.mooncake.memory import RegisteredRegions, address_of
 from hicache.backends.page_files import PageFileBackend, ReadResult, WriteResult, os_error
-from hicache.backends.simple import EventSink
 from hicache.backends.value_files import create_temp, place, size_mismatch, unlink_all
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")

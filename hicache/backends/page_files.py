@@ -21,13 +21,12 @@ from typing import Any
 
 import anyio
 
-from hicache.backends.base import PageBuffer
+from hicache.backends.base import EventSink, PageBuffer, no_events
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import value_path
 from hicache.backends.framing import header_size
 from hicache.backends.keys import Namespace
-from hicache.backends.simple import EventSink, _no_events
 from hicache.backends.value_files import count_present, unlink_all
 
 
@@ -62,7 +61,7 @@ class PageFileBackend:
             )
         self.namespace = namespace
         self.root = os.fspath(root)
-        self._emit = emit or _no_events
+        self._emit = emit or no_events
         self._runner = BlockingRunner(threads)
         self._counters = Counters()
         self._header_size = header_size(namespace.prefix + "0" * 64)

@@ -27,10 +27,9 @@ from typing import Any
 
 import anyio
 
-from hicache.backends.base import StorageBackend
+from hicache.backends.base import EventSink, StorageBackend
 from hicache.backends.keys import Namespace
-from hicache.backends.sealed import seal_backend
-from hicache.backends.simple import EventSink
+from hicache.backends.sealing.backend import seal_backend
 from hicache.secrets import redact_url
 
 _SCHEMES: tuple[tuple[str, str], ...] = (

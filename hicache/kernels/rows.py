@@ -3,7 +3,7 @@
 Every word view the transfers use is (pages, ..., row) with the last dim contiguous. Seen over
 its memory, such a view is a C-contiguous grid of rows of `row` words: page `p` owns rows
 `p * page_rows + inner` (`inner` in the view's element order). A page-to-page transfer is then
-a list of (source row, destination row) pairs. The compiled copier (native.py) moves any pair
+a list of (source row, destination row) pairs. The compiled copier (kernels/native/rowcopy.py) moves any pair
 list in one call (`plan_pairs`). Without it numpy moves a batch of rows in one C loop (`take`:
 one memcpy per row; fancy assignment: one contiguous copy per row), releasing the GIL and using
 one core (torch's CPU index ops are element-wise or fork an OpenMP team per call); pairs are
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.kernels.native import NativeRows
+from hicache.kernels.native.rowcopy import NativeRows
 
 SCRATCH_BYTES = 1 << 20
 """Staged copies gather this many bytes at a time: small enough to stay in L2 between the

@@ -16,7 +16,7 @@ from hicache import CacheConfig, HiCache
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.cli.checklog import check_events
 from hicache.cli.main import main
-from hicache.cli.replay import replay
+from hicache.cli.replay.command import replay
 from hicache.cli.trace import read_trace
 from hicache.config import ConfigError
 from hicache.observability import EventLog

@@ -181,7 +181,7 @@ async def test_file_store_whose_directory_vanishes_makes_it_again(tmp_path, anyi
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_mooncake_without_its_client_library_fails_at_open(anyio_backend):
     from hicache.backends.mooncake import MooncakeBackend
-    from hicache.backends.mooncake_spec import parse_spec
+    from hicache.backends.mooncake.spec import parse_spec
 
     def no_library(spec: object) -> object:
         raise ModuleNotFoundError("No module named 'mooncake'")

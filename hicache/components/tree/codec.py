@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from hicache.components.tree.returns import TreeError
-from hicache.kernels.native import native_rows
+from hicache.kernels.native.rowcopy import native_rows
 
 __all__ = ["KeyCodec"]
 
