@@ -3,7 +3,7 @@
 - backend.py: `MooncakeBackend`, the StorageBackend, its client and worker threads;
 - spec.py: the spec string parsed into a `MooncakeSpec`;
 - io.py: the blocking batch operations, one client call per chunk of pages;
-- memory.py: registered memory: what moves zero-copy, and the backend's own lanes.
+- memory.py: the backend's own registered lanes (header slots, staging).
 """
 
 from hicache.backends.mooncake.backend import MooncakeBackend

@@ -37,8 +37,9 @@ from hicache.backends.mooncake.io import (
     put_chunk,
     split_chunks,
 )
-from hicache.backends.mooncake.memory import Arena, Lane, RegisteredRegions
+from hicache.backends.mooncake.memory import Arena, Lane
 from hicache.backends.mooncake.spec import MooncakeSpec, parse_spec
+from hicache.backends.registered import RegisteredRegions
 
 _T = TypeVar("_T")
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from hicache.backends import framing
 from hicache.backends.base import PageBuffer
-from hicache.backends.mooncake.memory import HEADER_SLOT, Lane, RegisteredRegions, address_of
+from hicache.backends.mooncake.memory import HEADER_SLOT, Lane
+from hicache.backends.registered import RegisteredRegions, address_of
 
 OK = 0
 NOT_FOUND = -704
