@@ -268,7 +268,7 @@ def plan_pairs(
     wherever they go (streamed, nothing waits for them). Loads measured 20-25 % faster sorted by
     the host side (their source) when host rows are short and strided (page_first, page_head);
     page_head backups 0.61-0.84 of a memcpy sorted by the host side (their destination), 0.76-1.03
-    sorted by the device side (2026-12-03). Pure."""
+    sorted by the device side. Pure."""
     d, s = _pairs(dst, dst_pages, src, src_pages, by_dst=by_dst)
     return RowPlan(d, s, "staged")
 

@@ -341,9 +341,9 @@ class FileBackend:
                 # Writes in flight fill the cap: once one lands, its values can be evicted.
                 self._landed = self._landed or anyio.Event()
                 await self._landed.wait()
-            # Otherwise writes in flight when the eviction chose its victims landed before it
-            # ended: their values are stored now, not reserved, and evictable. Evict again
-            # (never return over the cap just because nothing is in flight any more).
+            # Otherwise the writes that were in flight when the eviction chose its victims
+            # landed while it ran: their values count as stored, not reserved, so they can be
+            # evicted. Evict again rather than return over the cap.
 
     async def _evict(self, need: int) -> int:
         self._evicting = done = anyio.Event()
