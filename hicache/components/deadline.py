@@ -1,4 +1,6 @@
-"""The deadline of a worker's storage calls, one op at a time (uploader and prefetcher)."""
+"""The deadline of a worker's storage calls, one op at a time (uploader and prefetcher): past
+`storage_timeout` the call is cancelled and the worker told; what that means for the op's host
+pages is docs/decisions.md's "A storage deadline ends the wait, not the memory claim"."""
 
 from __future__ import annotations
 

@@ -5,11 +5,10 @@ protected until `UploadDone`). The storage call runs in a helper task so the inb
 moving; a failed upload is retried with exponential backoff on the kernel's clock, and after
 the last try it is an event and a later miss, never an error for any request.
 
-Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
-tree is told at once (`UploadTimedOut`), so neither a flush nor a
-host allocation waits on a hung store. The op's one `UploadDone` still comes only when the
-call has really returned: a call running in a thread may still be reading the host pages, and
-they stay protected until then. A timed-out upload is not retried.
+Every storage call has a deadline (`storage_timeout`, components/deadline.py; why it ends the
+wait but not the hold on the host pages, and why a timed-out upload is not retried:
+docs/decisions.md). Past it the tree is told at once (`UploadTimedOut`); the op's one
+`UploadDone` comes when the call has really returned.
 
 The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
 run time; at open, the one it was built with). The tree switches only while no upload is in
