@@ -1,12 +1,10 @@
 """Page reads that land in place: a RESP connection whose GET replies are received straight
 into the caller's page memory (standalone servers, TCP / TLS / unix socket).
 
-Why: redis-py's parser turns every bulk reply into a `bytes` (the socket data is copied into
-the stream buffer, out of it, and sliced once more), and the page still has to be copied out
-of that. Here the replies are read by `_Replies`, an `asyncio.BufferedProtocol` that, once a GET
-reply's length line is read, hands the transport the target page's own pieces as the receive
-buffer, so the kernel's copy is the only one; the checksum then runs over the page in place.
-Everything but page reads stays on redis-py. A timeout or a cancellation aborts the connection,
+Why not redis-py's parser: docs/decisions.md, "Redis page reads land in place". Here the
+replies are read by `_Replies`, an `asyncio.BufferedProtocol` that, once a GET reply's length
+line is read, hands the transport the target page's own pieces as the receive buffer; the
+checksum then runs over the page in place. Everything but page reads stays on redis-py. A timeout or a cancellation aborts the connection,
 so nothing more is written into any page.
 
 Protocol subset: RESP2 replies `+`, `-`, `:` and `$` (no arrays: the commands sent here never
