@@ -11,7 +11,7 @@ import anyio
 
 from hicache.messages import IoDeadline
 from hicache.runtime import Mailbox, TimerHandle
-from hicache.runtime.actor import KernelServices
+from hicache.runtime.actor import SystemServices
 from hicache.types import OpId
 
 
@@ -25,14 +25,14 @@ class CallDeadline:
     timer: TimerHandle | None = None
 
     def arm(
-        self, kernel: KernelServices, inbox: Mailbox[Any], op: OpId, timeout: float
+        self, system: SystemServices, inbox: Mailbox[Any], op: OpId, timeout: float
     ) -> anyio.CancelScope:
         """Start a call: its scope, and a timer posting `IoDeadline` to the worker's inbox
         (reserved room: one pending deadline per op)."""
         self.call += 1
         self.scope = anyio.CancelScope()
         deliver, call = inbox.send_nowait, self.call
-        self.timer = kernel.call_later(timeout, lambda: deliver(IoDeadline(op=op, call=call)))
+        self.timer = system.call_later(timeout, lambda: deliver(IoDeadline(op=op, call=call)))
         return self.scope
 
     def disarm(self) -> None:

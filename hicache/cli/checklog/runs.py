@@ -48,11 +48,12 @@ class RunChecks(LogReader):
         self._abandoned = False
         self._slots = SlotOwnership()  # every slot the tree's ledgers have out, re-derived
 
-    # ------------------------------------------------------------------ kernel
+    # ------------------------------------------------------------ actor system
     def _on_kernel_started(self, e: dict[str, Any]) -> None:
         if self._run is not None:
             self._fail(
-                "a kernel started while another run in this log had not stopped (one cache per log)"
+                "an actor system started while another run in this log had not stopped"
+                " (one cache per log)"
             )
         actors = e.get("actors")
         if not isinstance(actors, list):
@@ -65,7 +66,7 @@ class RunChecks(LogReader):
         run = self._need_run()
         actor = e["component"]
         if actor not in run.actors:
-            self._fail(f"actor {actor!r} stopped but the kernel did not start it")
+            self._fail(f"actor {actor!r} stopped but the actor system did not start it")
         if actor in run.stopped:
             self._fail(f"actor {actor!r} stopped twice")
         run.stopped.add(actor)
@@ -79,10 +80,12 @@ class RunChecks(LogReader):
         run = self._need_run()
         reason = e.get("reason")
         if reason != "exit":
-            self._fail(f"the kernel stopped with reason {reason!r}, not 'exit'")
+            self._fail(f"the actor system stopped with reason {reason!r}, not 'exit'")
         missing = [a for a in run.actors if a not in run.stopped]
         if missing:
-            self._fail(f"the kernel stopped but actors {missing} never reported actor.stopped")
+            self._fail(
+                f"the actor system stopped but actors {missing} never reported actor.stopped"
+            )
         self._end_of_run()
         self._run = None
 

@@ -137,8 +137,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
     def _spawn(self, op: OpId) -> None:
         state = self._ops[op]
         state.busy = True
-        scope = state.deadline.arm(self.kernel, self.inbox, op, self._timeout)
-        self.kernel.start_soon(self._io, op, scope, name=f"prefetch-{op}")
+        scope = state.deadline.arm(self.system, self.inbox, op, self._timeout)
+        self.system.start_soon(self._io, op, scope, name=f"prefetch-{op}")
 
     async def _io_done(self, op: OpId, pages: int, error: str) -> None:
         state = self._ops[op]

@@ -1,4 +1,4 @@
-"""Kernel lifecycle on asyncio and trio: request/reply, clean shutdown, helpers, idleness."""
+"""ActorSystem lifecycle on asyncio and trio: request/reply, clean shutdown, helpers, idleness."""
 
 from dataclasses import dataclass
 
@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from hicache.observability import EventLog
-from hicache.runtime import Actor, Kernel, KernelClosed, Reply
+from hicache.runtime import Actor, ActorSystem, ActorSystemClosed, Reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,46 +62,46 @@ class Relay(Actor[Forward]):
 async def test_request_reply_and_clean_shutdown_drains_the_inbox():
     tasks_before = len(anyio.get_running_tasks())
     log = EventLog(capture=True)
-    kernel = Kernel(log=log)
+    system = ActorSystem(log=log)
     counter = Counter("counter")
-    kernel.add(counter)
-    async with kernel:
+    system.add(counter)
+    async with system:
         for i in range(10):  # more than the capacity: the sends wait their turn
             await counter.inbox.send(Add(amount=i))
-        assert await kernel.request(counter.inbox, lambda r: Total(reply=r)) == 45
+        assert await system.request(counter.inbox, lambda r: Total(reply=r)) == 45
         for _ in range(3):
             await counter.inbox.send(Add(amount=100))  # still queued when the block ends
     assert counter.total == 345 and counter.seen == [*range(10), 100, 100, 100]
     assert counter.lifecycle == ["start", "stop:13"]
     assert [e["event"] for e in log.events] == ["kernel.started", "actor.stopped", "kernel.stopped"]
-    assert log.events[-1]["reason"] == "exit" and kernel.failure is None
+    assert log.events[-1]["reason"] == "exit" and system.failure is None
     assert len(anyio.get_running_tasks()) == tasks_before
-    with pytest.raises(KernelClosed):
+    with pytest.raises(ActorSystemClosed):
         await counter.inbox.send(Add(amount=1))
-    with pytest.raises(KernelClosed):
-        kernel.reply()
+    with pytest.raises(ActorSystemClosed):
+        system.reply()
 
 
 @pytest.mark.anyio
 async def test_run_until_idle_waits_for_a_chain_to_settle():
-    kernel = Kernel()
+    system = ActorSystem()
     last = Relay("c", None)
     middle = Relay("b", last)
     first = Relay("a", middle)
     for actor in (first, middle, last):
-        kernel.add(actor)
-    async with kernel:
+        system.add(actor)
+    async with system:
         for n in range(20):
             await first.inbox.send(Forward(n))
-        await kernel.run_until_idle()
+        await system.run_until_idle()
         assert last.got == list(range(20))
 
 
 @pytest.mark.anyio
 async def test_helper_task_feeds_an_actor_and_is_cancelled_at_shutdown():
-    kernel = Kernel()
+    system = ActorSystem()
     counter = Counter("counter")
-    kernel.add(counter)
+    system.add(counter)
     finished: list[str] = []
 
     async def feeder(n: int) -> None:
@@ -112,58 +112,58 @@ async def test_helper_task_feeds_an_actor_and_is_cancelled_at_shutdown():
         finally:
             finished.append("cancelled")
 
-    async with kernel:
-        kernel.start_soon(feeder, 5, name="feeder")
-        await kernel.run_until_idle()
+    async with system:
+        system.start_soon(feeder, 5, name="feeder")
+        await system.run_until_idle()
         assert counter.total == 10
     assert finished == ["cancelled"]
 
 
 @pytest.mark.anyio
 async def test_body_error_propagates_unchanged_and_fails_pending_replies():
-    kernel = Kernel()
-    kernel.add(Counter("counter"))
-    async with kernel:
-        pending = kernel.reply()
+    system = ActorSystem()
+    system.add(Counter("counter"))
+    async with system:
+        pending = system.reply()
     with pytest.raises(ZeroDivisionError):
-        async with Kernel() as other:
+        async with ActorSystem() as other:
             lost = other.reply()
             1 / 0  # noqa: B018
-    with pytest.raises(KernelClosed, match="stopped before this reply was set"):
+    with pytest.raises(ActorSystemClosed, match="stopped before this reply was set"):
         lost.result()
-    with pytest.raises(KernelClosed):
+    with pytest.raises(ActorSystemClosed):
         pending.result()
 
 
 def test_misuse_is_rejected_with_clear_errors():
-    kernel = Kernel()
-    kernel.add(Counter("a"))
+    system = ActorSystem()
+    system.add(Counter("a"))
     with pytest.raises(ValueError, match="already added"):
-        kernel.add(Counter("a"))
+        system.add(Counter("a"))
     with pytest.raises(TypeError, match="needs an Actor"):
-        kernel.add(object())  # type: ignore[arg-type]
+        system.add(object())  # type: ignore[arg-type]
     owned = Counter("b")
-    Kernel().add(owned)
-    with pytest.raises(ValueError, match="another kernel"):
-        kernel.add(owned)
+    ActorSystem().add(owned)
+    with pytest.raises(ValueError, match="another actor system"):
+        system.add(owned)
     with pytest.raises(ValueError, match="not starting with '~'"):
         Counter("~x")
     with pytest.raises(RuntimeError, match="not been added"):
-        Counter("c").kernel  # noqa: B018
+        Counter("c").system  # noqa: B018
     with pytest.raises(ValueError, match="stop_timeout"):
-        Kernel(stop_timeout=0)
+        ActorSystem(stop_timeout=0)
 
 
 @pytest.mark.anyio
 async def test_kernel_runs_once_and_adds_only_before_start():
-    kernel = Kernel()
-    async with kernel:
+    system = ActorSystem()
+    async with system:
         with pytest.raises(RuntimeError, match="already started"):
-            kernel.add(Counter("late"))
+            system.add(Counter("late"))
         with pytest.raises(ValueError, match="finite number"):
-            kernel.call_later(-1, lambda: None)
+            system.call_later(-1, lambda: None)
     with pytest.raises(RuntimeError, match="runs once"):
-        async with kernel:
+        async with system:
             pass
 
 
@@ -171,17 +171,17 @@ async def test_kernel_runs_once_and_adds_only_before_start():
 async def test_outer_cancellation_stops_everything_and_propagates():
     tasks_before = len(anyio.get_running_tasks())
     log = EventLog(capture=True)
-    kernel = Kernel(log=log)
+    system = ActorSystem(log=log)
     counter = Counter("counter")
-    kernel.add(counter)
+    system.add(counter)
     with anyio.CancelScope() as outer:
-        async with kernel:
-            pending = kernel.reply()
+        async with system:
+            pending = system.reply()
             outer.cancel()
             await anyio.sleep_forever()
     assert outer.cancelled_caught
     assert counter.lifecycle == ["start"]  # cancelled, not a clean stop
-    with pytest.raises(KernelClosed):
+    with pytest.raises(ActorSystemClosed):
         pending.result()
     assert log.events[-1]["event"] == "kernel.stopped" and log.events[-1]["reason"] == "cancelled"
     assert len(anyio.get_running_tasks()) == tasks_before
@@ -199,12 +199,12 @@ def test_stop_timeout_cancels_what_will_not_stop():
 
     async def main() -> tuple[list[dict], float]:
         log = EventLog(capture=True)
-        kernel = Kernel(log=log, stop_timeout=45.0)
+        system = ActorSystem(log=log, stop_timeout=45.0)
         stubborn = Stubborn("stubborn", capacity=1)
-        kernel.add(stubborn)
-        async with kernel:
+        system.add(stubborn)
+        async with system:
             await stubborn.inbox.send(Add(amount=1))
-        return log.events, kernel.now()
+        return log.events, system.now()
 
     events, end = run_deterministic(main)
     assert end == 45.0
@@ -214,14 +214,14 @@ def test_stop_timeout_cancels_what_will_not_stop():
 
 @pytest.mark.anyio
 async def test_request_to_a_closed_mailbox_leaves_no_pending_reply():
-    kernel = Kernel()
+    system = ActorSystem()
     counter = Counter("counter")
-    kernel.add(counter)
-    async with kernel:
+    system.add(counter)
+    async with system:
         counter.inbox.close()
-        with pytest.raises(KernelClosed):
-            await kernel.request(counter.inbox, lambda r: Total(reply=r))
-        assert kernel.pending_replies == 0
+        with pytest.raises(ActorSystemClosed):
+            await system.request(counter.inbox, lambda r: Total(reply=r))
+        assert system.pending_replies == 0
 
 
 @pytest.mark.anyio
@@ -230,13 +230,13 @@ async def test_a_plain_thread_delivers_completions_through_threadsafe_sender():
 
     import anyio.to_thread
 
-    kernel = Kernel()
+    system = ActorSystem()
     counter = Counter("counter", capacity=8)
-    kernel.add(counter)
-    async with kernel:
+    system.add(counter)
+    async with system:
         deliver = counter.inbox.threadsafe_sender()
         worker = threading.Thread(target=lambda: [deliver(Add(amount=i)) for i in range(1, 6)])
         worker.start()
         await anyio.to_thread.run_sync(worker.join)
-        await kernel.run_until_idle()
+        await system.run_until_idle()
         assert counter.seen == [1, 2, 3, 4, 5]

@@ -1,8 +1,8 @@
-"""The kernel: starts every actor in one task group and supervises them.
+"""The actor system: starts every actor in one task group and supervises them.
 
-Lifecycle: `add` actors, then `async with kernel:`. On a clean exit the kernel waits until idle,
-cancels helper tasks and timers, closes every inbox, lets each actor drain it and run `on_stop`,
-and joins. When an actor (or helper, or timer callback) raises, the kernel emits
+Lifecycle: `add` actors, then `async with system:`. On a clean exit the actor system waits
+until idle, cancels helper tasks and timers, closes every inbox, lets each actor drain it and run
+`on_stop`, and joins. When an actor (or helper, or timer callback) raises, the actor system emits
 `kernel.actor_failed`, fails every pending reply with `ActorFailed`, closes every inbox, cancels
 the group, and `__aexit__` raises that `ActorFailed`. Either way no task outlives the block.
 """
@@ -28,7 +28,7 @@ from hicache.observability.events import EventLog
 from hicache.runtime.actor import Actor
 from hicache.runtime.clock import Clock, MonotonicClock, TimerHandle
 from hicache.runtime.deterministic import deterministic_seed, on_trio
-from hicache.runtime.errors import ActorFailed, KernelClosed, ReplyTimeout
+from hicache.runtime.errors import ActorFailed, ActorSystemClosed, ReplyTimeout
 from hicache.runtime.mailbox import Mailbox
 from hicache.runtime.reply import Reply
 from hicache.runtime.sequencer import TURN_KEY, Sequencer
@@ -55,14 +55,14 @@ class _LoopTimer:
         self._forget()
 
 
-class Kernel:
+class ActorSystem:
     """Starts, supervises and stops a set of actors. Runs once.
 
     `deterministic=None` means: deterministic inside `run_deterministic`, otherwise not.
     `seed=None` means: the seed given to `run_deterministic` (0 outside it). Seed 0 grants turns
     in sorted key order; any other seed perturbs the schedule reproducibly.
-    `stop_timeout`: clock seconds a clean shutdown may take before the kernel cancels the rest.
-    """
+    `stop_timeout`: clock seconds a clean shutdown may take before the actor system cancels the
+    rest."""
 
     def __init__(
         self,
@@ -105,18 +105,18 @@ class Kernel:
     # -- setup ---------------------------------------------------------------------------------
 
     def add(self, actor: Actor[Any]) -> None:
-        """Register an actor; only before the kernel starts. Names must be unique."""
+        """Register an actor; only before the actor system starts. Names must be unique."""
         if self._state != _NEW:
             raise RuntimeError(
-                f"cannot add actor {getattr(actor, 'name', actor)!r}: kernel already started"
+                f"cannot add actor {getattr(actor, 'name', actor)!r}: actor system already started"
             )
         if not isinstance(actor, Actor):
-            raise TypeError(f"Kernel.add needs an Actor, got {type(actor).__name__}")
+            raise TypeError(f"ActorSystem.add needs an Actor, got {type(actor).__name__}")
         if actor.name in self._actors:
             raise ValueError(f"an actor named {actor.name!r} is already added")
-        if actor._kernel is not None:
-            raise ValueError(f"actor {actor.name!r} already belongs to another kernel")
-        actor._kernel = self
+        if actor._system is not None:
+            raise ValueError(f"actor {actor.name!r} already belongs to another actor system")
+        actor._system = self
         self._actors[actor.name] = actor
 
     @property
@@ -128,7 +128,7 @@ class Kernel:
 
     async def __aenter__(self) -> Self:
         if self._state != _NEW:
-            raise RuntimeError("a Kernel runs once; create a new one")
+            raise RuntimeError("an ActorSystem runs once; create a new one")
         run_seed = deterministic_seed()
         self.deterministic = (
             self._want_deterministic
@@ -188,7 +188,9 @@ class Kernel:
             reason = "stop_timeout" if self._aborted else "exit"
         else:
             reason = "cancelled" if isinstance(error, anyio.get_cancelled_exc_class()) else "error"
-            self._abort(lambda: KernelClosed("the kernel stopped before this reply was set"))
+            self._abort(
+                lambda: ActorSystemClosed("the actor system stopped before this reply was set")
+            )
         suppressed: bool | None = False
         try:
             suppressed = await self._tg.__aexit__(
@@ -205,7 +207,7 @@ class Kernel:
             self._state = _STOPPED
             leftover = list(self._pending)
             for reply in leftover:
-                reply.fail(KernelClosed("the kernel stopped before this reply was set"))
+                reply.fail(ActorSystemClosed("the actor system stopped before this reply was set"))
             if self._sequencer is not None:
                 self._events.info("kernel.stopped", reason=reason, turns=self._sequencer.turns)
             else:
@@ -229,7 +231,9 @@ class Kernel:
             await self._actors_done.wait()
         if scope.cancelled_caught:
             self._events.warning("kernel.stop_timeout", timeout=self.stop_timeout)
-            self._abort(lambda: KernelClosed("the kernel stopped before this reply was set"))
+            self._abort(
+                lambda: ActorSystemClosed("the actor system stopped before this reply was set")
+            )
             return
         if self._turn is not None:
             await self._turn()
@@ -299,7 +303,7 @@ class Kernel:
                 blocked_sends=stats.blocked_sends,
                 high_water=stats.high_water,
             )
-        except Exception as exc:  # noqa: BLE001 - any crash stops the kernel (ActorFailed)
+        except Exception as exc:  # noqa: BLE001 - any crash stops the actor system (ActorFailed)
             self._on_task_failed(actor.name, exc)
         finally:
             actor._busy = False
@@ -312,7 +316,7 @@ class Kernel:
         self, fn: Callable[[], Awaitable[None]], *, name: str, key: str, turn_first: bool = True
     ) -> anyio.CancelScope:
         if self._state not in (_RUNNING, _STOPPING):
-            raise KernelClosed(f"cannot start {name!r}: the kernel is not running")
+            raise ActorSystemClosed(f"cannot start {name!r}: the actor system is not running")
         number = self._next_helper
         self._next_helper += 1
         scope = anyio.CancelScope()
@@ -326,7 +330,7 @@ class Kernel:
                     if turn is not None:
                         await turn()
                     await fn()
-            except Exception as exc:  # noqa: BLE001 - any crash stops the kernel (ActorFailed)
+            except Exception as exc:  # noqa: BLE001 - any crash stops the actor system (ActorFailed)
                 self._on_task_failed(name, exc)
             finally:
                 del self._helpers[number]
@@ -335,10 +339,10 @@ class Kernel:
         return scope
 
     def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None:
-        """Run `fn(*args)` as a helper task in the kernel's group (e.g. waiting on a stream).
+        """Run `fn(*args)` as a helper task in the actor system's group (e.g. waiting on a stream).
 
-        Helpers are cancelled at clean shutdown (after the kernel is idle); one that raises
-        stops the kernel like a failing actor, under `name`.
+        Helpers are cancelled at clean shutdown (after the actor system is idle); one that raises
+        stops the actor system like a failing actor, under `name`.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"helper task name must be a non-empty string, got {name!r}")
@@ -349,7 +353,7 @@ class Kernel:
         self._spawn(call, name=name, key=f"~task:{name}")
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> TimerHandle:
-        """Call `fn()` on the loop after `delay` seconds of the kernel's clock (virtual in
+        """Call `fn()` on the loop after `delay` seconds of the actor system's clock (virtual in
         deterministic mode). Pending timers are cancelled at shutdown."""
         if not (isinstance(delay, (int, float)) and delay >= 0 and math.isfinite(delay)):
             raise ValueError(f"call_later delay must be a finite number >= 0, got {delay!r}")
@@ -373,9 +377,9 @@ class Kernel:
         """`call_later` on asyncio without the sequencer: the loop's own timer calls `fn`, with
         no task (a task per timer cost more than what inline transfer streams schedule with
         it: one completion per copy). Same contract: cancelled at shutdown, a raise stops the
-        kernel under `name`."""
+        actor system under `name`."""
         if self._state not in (_RUNNING, _STOPPING):
-            raise KernelClosed(f"cannot start {name!r}: the kernel is not running")
+            raise ActorSystemClosed(f"cannot start {name!r}: the actor system is not running")
         assert self._loop is not None
         number = self._next_helper
         self._next_helper += 1
@@ -386,7 +390,7 @@ class Kernel:
             handle.fired = True
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - any crash stops the kernel (ActorFailed)
+            except Exception as exc:  # noqa: BLE001 - any crash stops the actor system (ActorFailed)
                 self._on_task_failed(name, exc)
 
         loop = self._loop
@@ -405,9 +409,10 @@ class Kernel:
     # -- requests ------------------------------------------------------------------------------
 
     def reply(self) -> Reply[Any]:
-        """A one-shot reply tracked by this kernel (failed with `ActorFailed` if an actor crashes)."""
+        """A one-shot reply tracked by this actor system (failed with `ActorFailed` if an actor
+        crashes)."""
         if self._state == _STOPPED:
-            raise KernelClosed("the kernel has stopped")
+            raise ActorSystemClosed("the actor system has stopped")
         if self.failure is not None:
             raise self.failure
         reply: Reply[Any] = Reply(
@@ -465,7 +470,7 @@ class Kernel:
         return self.clock.now()
 
     async def sleep(self, delay: float) -> None:
-        """Sleep on the kernel's clock; in deterministic mode resume only when granted a turn."""
+        """Sleep on the actor system's clock; in deterministic mode resume only when granted a turn."""
         await self.clock.sleep(delay)
         if self._turn is not None:
             await self._turn()
