@@ -15,8 +15,8 @@ Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`
 spec string is passed through unchanged. `open_backend` builds the backend (no I/O for the
 shipped ones); `connect_backend` builds it and then awaits its optional `connect()` check
 (base.py), which is how the cache opens storage. When the namespace carries a `Seal` (a
-secret), the backend comes back wrapped by `sealing.backend.seal_backend`: keyed names come from the
-namespace itself, sealed values from the wrapper, whatever the backend.
+secret), the backend comes back wrapped by `sealing.backend.seal_backend`: keyed names come
+from the namespace itself, sealed values from the wrapper, whatever the backend.
 """
 
 from __future__ import annotations
