@@ -54,7 +54,8 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], i
 
 def _token_count(text: str) -> int:
     """An argparse type: a token count (65536, 100k, 1.5M) >= 1, as the sweep reads them;
-    rounded down to whole pages once the page size is known (`cli/replay/args.py`'s `cache_config`)."""
+    rounded down to whole pages once the page size is known (`cli/replay/args.py`'s `cache_config`).
+    """
     from hicache.cli.sweep.grid import parse_tokens
 
     try:

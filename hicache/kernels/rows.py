@@ -3,13 +3,12 @@
 Every word view the transfers use is (pages, ..., row) with the last dim contiguous. Seen over
 its memory, such a view is a C-contiguous grid of rows of `row` words: page `p` owns rows
 `p * page_rows + inner` (`inner` in the view's element order). A page-to-page transfer is then
-a list of (source row, destination row) pairs. The compiled copier (kernels/native/rowcopy.py) moves any pair
-list in one call (`plan_pairs`). Without it numpy moves a batch of rows in one C loop (`take`:
-one memcpy per row; fancy assignment: one contiguous copy per row), releasing the GIL and using
-one core (torch's CPU index ops are element-wise or fork an OpenMP team per call); pairs are
-then ordered so that one side is sequential whenever possible, which makes the copy a single
-pass, and otherwise go through a cache-sized scratch buffer (gather, then scatter).
-"""
+a list of (source row, destination row) pairs. The compiled copier (native/rowcopy.py) moves any
+pair list in one call (`plan_pairs`). Without it numpy moves a batch of rows in one C loop (`take`:
+one memcpy per row; fancy assignment: one contiguous copy per row), releasing the GIL and using one
+core (torch's CPU index ops are element-wise or fork an OpenMP team per call); pairs are then
+ordered so that one side is sequential whenever possible, which makes the copy a single pass, and
+otherwise go through a cache-sized scratch buffer (gather, then scatter)."""
 
 from __future__ import annotations
 

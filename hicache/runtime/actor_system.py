@@ -303,7 +303,7 @@ class ActorSystem:
                 blocked_sends=stats.blocked_sends,
                 high_water=stats.high_water,
             )
-        except Exception as exc:  # noqa: BLE001 - any crash stops the actor system (ActorFailed)
+        except Exception as exc:  # noqa: BLE001 - any crash stops everything (ActorFailed)
             self._on_task_failed(actor.name, exc)
         finally:
             actor._busy = False
@@ -330,7 +330,7 @@ class ActorSystem:
                     if turn is not None:
                         await turn()
                     await fn()
-            except Exception as exc:  # noqa: BLE001 - any crash stops the actor system (ActorFailed)
+            except Exception as exc:  # noqa: BLE001 - any crash stops everything (ActorFailed)
                 self._on_task_failed(name, exc)
             finally:
                 del self._helpers[number]
@@ -390,7 +390,7 @@ class ActorSystem:
             handle.fired = True
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - any crash stops the actor system (ActorFailed)
+            except Exception as exc:  # noqa: BLE001 - any crash stops everything (ActorFailed)
                 self._on_task_failed(name, exc)
 
         loop = self._loop
@@ -470,7 +470,7 @@ class ActorSystem:
         return self.clock.now()
 
     async def sleep(self, delay: float) -> None:
-        """Sleep on the actor system's clock; in deterministic mode resume only when granted a turn."""
+        """Sleep on the actor system's clock; deterministic mode resumes only on a granted turn."""
         await self.clock.sleep(delay)
         if self._turn is not None:
             await self._turn()

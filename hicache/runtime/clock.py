@@ -58,7 +58,7 @@ class MonotonicClock:
 
 
 class Cancellable(Protocol):
-    """What a timer runs under: a task's cancel scope, or a loop timer (`ActorSystem.call_later`)."""
+    """What a timer runs under: a task's cancel scope or a loop timer (`ActorSystem.call_later`)."""
 
     def cancel(self) -> None: ...
 

@@ -460,7 +460,7 @@ def _nbytes(pieces: list[memoryview]) -> int:
 
 
 def _native() -> NativeFileIO | None:
-    """The compiled loops (kernels/native/rowcopy.py), where built and while nothing they stand for has
+    """The compiled loops (native.py), where built and while nothing they stand for has
     been replaced (tests wrap `write_value` here, or system calls in io.py)."""
     if write_value is not file_io.write_value or read_value is not file_io.read_value:
         return None

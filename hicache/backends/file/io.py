@@ -345,7 +345,7 @@ _CALLS = _calls()
 def python_io_untouched() -> bool:
     """Whether the system calls and functions this module's loops use are the real ones. A
     test that replaces one (to simulate a crash or a failing disk) is only seen by these
-    Python loops, so backend.py uses the compiled ones (kernels/native/rowcopy.py) only while this holds."""
+    Python loops, so backend.py uses the compiled ones (native.py) only while this holds."""
     return all(a is b for a, b in zip(_calls(), _CALLS))
 
 

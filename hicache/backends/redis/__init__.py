@@ -5,7 +5,8 @@
 - client.py: the redis.asyncio client and how its failures are classed;
 - calls.py: batches cut into pipelines within the pool's permits, failures reported once;
 - wire.py: commands written straight onto pooled connections, pages not joined;
-- direct.py: page reads received in place into the caller's page memory (connection and reply reader);
+- direct.py: page reads received in place into the caller's page memory (the connections
+  and their reply reader);
 - values.py: the framed value as pure functions over buffers.
 """
 

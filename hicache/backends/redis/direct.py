@@ -4,8 +4,8 @@ into the caller's page memory (standalone servers, TCP / TLS / unix socket).
 Why not redis-py's parser: docs/decisions.md, "Redis page reads land in place". Here the
 replies are read by `_Replies`, an `asyncio.BufferedProtocol` that, once a GET reply's length
 line is read, hands the transport the target page's own pieces as the receive buffer; the
-checksum then runs over the page in place. Everything but page reads stays on redis-py. A timeout or a cancellation aborts the connection,
-so nothing more is written into any page.
+checksum then runs over the page in place. Everything but page reads stays on redis-py. A timeout or
+a cancellation aborts the connection, so nothing more is written into any page.
 
 Protocol subset: RESP2 replies `+`, `-`, `:` and `$` (no arrays: the commands sent here never
 produce one). A length that differs from the page's is drained without being stored and

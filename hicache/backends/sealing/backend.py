@@ -1,7 +1,7 @@
 """A backend wrapper that seals every value it stores and opens every value it reads.
 
 `seal_backend(backend, namespace)` wraps any `StorageBackend` when the namespace carries a
-`Seal` (seal.py beside it), and returns it unchanged otherwise; `registry.open_backend` applies it to
+`Seal` (seal.py), and returns it unchanged otherwise; `registry.open_backend` applies it to
 every backend it builds. The wrapped backend stores `[seal block, page pieces]` (tag mode) or
 `[seal block, ciphertext]` (encryption) through its own framing and checksum, so every
 backend, the shipped ones and out-of-tree ones, gets the same protection unchanged; only the

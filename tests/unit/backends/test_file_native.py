@@ -1,6 +1,6 @@
-"""The compiled file-store loops (backends/file/native.py) against backends/file/io.py's Python loops: for every
-case each way gets the same file state, and must give the same result and leave the same
-files (bytes, timestamps)."""
+"""The compiled file-store loops (backends/file/native.py) against backends/file/io.py's Python
+loops: for every case each way gets the same file state, and must give the same result and leave
+the same files (bytes, timestamps)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The compiled row copier (kernels/native/rowcopy.py, rowcopy.c), its fallbacks, and huge-page pool memory."""
+"""The compiled row copier (kernels/native/rowcopy.py, rowcopy.c), its fallbacks, and huge-page
+pool memory."""
 
 from __future__ import annotations
 
