@@ -23,7 +23,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hicache.cli.main import _REPO_TRACE
-from hicache.cli.replay import Tally, replay
+from hicache.cli.replay.command import replay
+from hicache.cli.tally import Tally
 from hicache.cli.trace import read_trace
 from hicache.config import CacheConfig
 from hicache.runtime import run_deterministic

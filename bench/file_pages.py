@@ -3,8 +3,8 @@
 Run: python bench/file_pages.py [--pages 20000] [--dir /dev/shm] [--tokens 64000] [--repeats 7]
 
 File store: `--pages` values of 16 KiB (the replay's page: 64 tokens of mha:2:1:32:float16)
-written, probed (`exists`) and read back through file_io.py's Python loops and through the
-compiled loops (file_native.py, where they build), one thread, in a fresh directory under
+written, probed (`exists`) and read back through backends/file/io.py's Python loops and through the
+compiled loops (backends/file/native.py, where they build), one thread, in a fresh directory under
 `--dir` (default /dev/shm, else the system's temporary directory); per page: wall, user and
 system microseconds (this process's rusage).
 
@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hicache.backends import file_io
-from hicache.backends.file_native import native_file_io, unavailable_reason
+from hicache.backends.file import io as file_io
+from hicache.backends.file.native import native_file_io, unavailable_reason
 from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.pools import DevicePool
 from hicache.testing import kvfill

@@ -22,7 +22,7 @@ import threading
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache.backends.mooncake_spec import parse_size
+from hicache.backends.mooncake.spec import parse_size
 from hicache.cli.main import main as hicache_main
 
 

@@ -211,7 +211,7 @@ def run_replay(args) -> None:
     import anyio
 
     _apply_variants(args.variant)
-    from hicache.cli.replay import replay
+    from hicache.cli.replay.command import replay
     from hicache.cli.trace import read_trace
 
     requests = read_trace(args.trace, limit=args.limit, block_tokens=args.block_tokens)

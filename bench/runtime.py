@@ -20,7 +20,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hicache.runtime import Actor, Kernel, Reply, run_deterministic
+from hicache.runtime import Actor, ActorSystem, Reply, run_deterministic
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +71,9 @@ async def direct_rate(n: int) -> float:
 
 async def hop_rate(n: int, capacity: int) -> float:
     actor = Sum(capacity)
-    kernel = Kernel()
-    kernel.add(actor)
-    async with kernel:
+    system = ActorSystem()
+    system.add(actor)
+    async with system:
         actor.until = n
         actor.reached = anyio.Event()
         inbox = actor.inbox
@@ -87,13 +87,13 @@ async def hop_rate(n: int, capacity: int) -> float:
 
 async def round_trip_rate(n: int) -> float:
     actor = Sum(16)
-    kernel = Kernel()
-    kernel.add(actor)
-    async with kernel:
+    system = ActorSystem()
+    system.add(actor)
+    async with system:
         inbox = actor.inbox
         start = time.perf_counter()
         for _ in range(n):
-            await kernel.request(inbox, lambda r: Get(1, r))
+            await system.request(inbox, lambda r: Get(1, r))
         elapsed = time.perf_counter() - start
     return n / elapsed
 

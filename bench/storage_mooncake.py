@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from hicache.backends.mooncake import MooncakeBackend, connect_client
-from hicache.backends.mooncake_memory import address_of
-from hicache.backends.mooncake_spec import parse_spec
+from hicache.backends.mooncake.spec import parse_spec
+from hicache.backends.registered import address_of
 from hicache.testing.mooncake_store import import_error, start_store
 
 

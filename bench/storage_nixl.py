@@ -37,8 +37,8 @@ import numpy as np
 
 from bench.storage import BenchLayout, Shape, run_case
 from hicache.backends.file import FileBackend
-from hicache.backends.mooncake_memory import address_of
 from hicache.backends.nixl import NixlBackend, NixlSpec, load_nixl, nixl_missing
+from hicache.backends.registered import address_of
 
 BATCH = 16
 

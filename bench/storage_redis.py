@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.backends.keys import Namespace
 from hicache.backends.redis import RedisBackend
-from hicache.backends.redis_spec import DEFAULT_PIPELINE_BYTES
+from hicache.backends.redis.spec import DEFAULT_PIPELINE_BYTES
 from hicache.testing.redis_server import RedisServer, redis_server_binary
 
 Call = Callable[[range], Awaitable[None]]

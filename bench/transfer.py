@@ -281,7 +281,7 @@ def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from hicache.kernels.huge_pages import cpu_bytes
-    from hicache.kernels.native import native_rows
+    from hicache.kernels.native.rowcopy import native_rows
 
     copier = native_rows()
     if copier is None:

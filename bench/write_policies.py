@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 import anyio
 
 from hicache.cli.main import _REPO_TRACE
-from hicache.cli.replay import replay
+from hicache.cli.replay.command import replay
 from hicache.cli.trace import bound_hit_rate, read_trace
 from hicache.config import CacheConfig
 from hicache.testing.chat import multi_turn_chat, write_trace

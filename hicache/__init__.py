@@ -23,11 +23,12 @@ from hicache.results import (
     TierStats,
     UnknownRequest,
 )
-from hicache.runtime.errors import KernelClosed
+from hicache.runtime.errors import ActorSystemClosed, KernelClosed
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActorSystemClosed",
     "BackendUnavailable",
     "BookkeepingLeak",
     "CacheConfig",

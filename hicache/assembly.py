@@ -3,8 +3,8 @@ later one fails.
 
 `assemble` returns an `Assembly` whose `resources` (an `AsyncExitStack`) closes, in reverse
 order, everything the steps started: the transfer streams' threads, a backend the cache
-opened, the metrics exporter. The facade enters the kernel last and closes `resources` after
-the kernel has stopped; if any step raises, `assemble` closes what the earlier ones started
+opened, the metrics exporter. The facade enters the actor system last and closes `resources` after
+the actor system has stopped; if any step raises, `assemble` closes what the earlier ones started
 before the error propagates, so a failed open leaves no thread or connection behind.
 
 The uploader and prefetcher are built with or without storage, so that L3 can be attached at
@@ -25,7 +25,7 @@ import anyio.to_thread
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend
-from hicache.backends.sealed import seal_backend
+from hicache.backends.sealing.backend import seal_backend
 from hicache.components.allocator.actor import AllocatorActor
 from hicache.components.allocator.core import SlotLedger
 from hicache.components.loader.actor import LoaderActor
@@ -37,7 +37,7 @@ from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
 from hicache.messages import StorageAttachment, TreeInbox
@@ -45,7 +45,7 @@ from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree
-from hicache.runtime import Kernel, Mailbox
+from hicache.runtime import ActorSystem, Mailbox
 from hicache.secrets import redact_url
 from hicache.sizing import TierBytes, check_fits, cuda_free
 
@@ -69,7 +69,7 @@ class Parts:
 class Assembly:
     device_pool: DevicePool
     host_pool: HostPool
-    kernel: Kernel
+    system: ActorSystem
     streams: TransferStreams
     topology: Topology
     agreement: RankAgreement
@@ -81,7 +81,7 @@ class Assembly:
 
 
 async def assemble(cfg: CacheConfig, rewrites: Sequence[Rewrite], parts: Parts) -> Assembly:
-    """Build every piece of one cache (the kernel not yet entered). `cfg` is resolved."""
+    """Build every piece of one cache (the actor system not yet entered). `cfg` is resolved."""
     resources = AsyncExitStack()
     try:
         return await _assemble(cfg, rewrites, parts, resources)
@@ -103,9 +103,9 @@ async def _assemble(
             f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
         )
     host = HostPool(device, cfg.host_capacity, cfg.layout)
-    kernel = Kernel(log=parts.log, deterministic=cfg.deterministic, seed=cfg.seed)
+    system = ActorSystem(log=parts.log, deterministic=cfg.deterministic, seed=cfg.seed)
     for rw in rewrites:
-        kernel.log.emit(
+        system.log.emit(
             "config.rewritten",
             component="cache",
             level="warning",
@@ -115,7 +115,7 @@ async def _assemble(
             reason=rw.reason,
         )
     agreement = _agreement(cfg, parts.tp_group)
-    streams = await _streams(cfg, device, host, kernel, parts)
+    streams = await _streams(cfg, device, host, system, parts)
     resources.callback(streams.close)
 
     topo = Topology.for_capacity(cfg.channel_capacity)
@@ -159,10 +159,10 @@ async def _assemble(
     resources.push_async_callback(tree_actor.close_storage)  # what is attached at close
     storage: StorageAttachment | None = None
     if parts.backend is not None:
-        storage = adopt_storage(cfg, parts.backend, namespace=namespace, log=kernel.log)
+        storage = adopt_storage(cfg, parts.backend, namespace=namespace, log=system.log)
     elif cfg.storage:
         storage = await open_storage(
-            cfg, cfg.storage, cfg.extra, namespace=namespace, log=kernel.log, host=host
+            cfg, cfg.storage, cfg.extra, namespace=namespace, log=system.log, host=host
         )
     backend = None if storage is None else storage.backend
     uploader = UploaderActor(
@@ -195,11 +195,11 @@ async def _assemble(
     )
     actors: list[Any] = [tree_actor, allocator, writer, loader, uploader, prefetcher]
     for actor in actors:
-        kernel.add(actor)
+        system.add(actor)
     return Assembly(
         device_pool=device,
         host_pool=host,
-        kernel=kernel,
+        system=system,
         streams=streams,
         topology=topo,
         agreement=agreement,
@@ -227,7 +227,7 @@ def _agreement(cfg: CacheConfig, tp_group: ProcessGroup | None) -> RankAgreement
 
 
 async def _streams(
-    cfg: CacheConfig, device: DevicePool, host: HostPool, kernel: Kernel, parts: Parts
+    cfg: CacheConfig, device: DevicePool, host: HostPool, system: ActorSystem, parts: Parts
 ) -> TransferStreams:
     if parts.streams is not None:
         return parts.streams
@@ -242,7 +242,7 @@ async def _streams(
         host,
         io=cfg.io_backend,
         prefer="virtual" if cfg.deterministic else "inline" if inline else "auto",
-        schedule=kernel.call_later,
+        schedule=system.call_later,
         bandwidth=cfg.transfer_bandwidth if cfg.deterministic else float("inf"),
         fault=parts.transfer_faults,
         transfer_sms=cfg.transfer_sms,
@@ -258,7 +258,7 @@ async def _streams(
             if reason is None
             else {"copier": "numpy", "copier_reason": reason}
         )
-    kernel.log.emit(
+    system.log.emit(
         "streams.selected",
         component="cache",
         kind=selection.kind,

@@ -1,5 +1,5 @@
 """`HiCache`: the facade a serving loop calls. An async context manager that has
-`hicache.assembly` build the pools, cores and actors, starts the kernel, and on exit drains
+`hicache.assembly` build the pools, cores and actors, starts the actor system, and on exit drains
 in-flight work and checks that every ledger balances and every table is empty.
 
 Every call is a request to the tree actor; the batched forms (`*_many`) carry a whole scheduler
@@ -59,8 +59,8 @@ from hicache.results import (
     PrefetchOutcome,
     Retention,
 )
-from hicache.runtime import Kernel, Mailbox, Reply
-from hicache.runtime.errors import KernelClosed
+from hicache.runtime import ActorSystem, Mailbox, Reply
+from hicache.runtime.errors import ActorSystemClosed
 from hicache.types import RequestId
 
 if TYPE_CHECKING:
@@ -114,8 +114,8 @@ class HiCache:
         self._agreement: RankAgreement = SingleRank()
         self._attached: Callable[[], StorageAttachment | None] = lambda: None  # see `backend`
         self._namespace: Namespace | None = None  # L3's, for `attach_storage`
-        self._kernel: Kernel | None = None
-        self._closed = False  # set once `async with` has ended: calls raise KernelClosed
+        self._system: ActorSystem | None = None
+        self._closed = False  # set once `async with` has ended: calls raise ActorSystemClosed
         self._streams: TransferStreams | None = None
         self._resources = AsyncExitStack()
         self._metrics: CacheMetrics | None = None
@@ -126,8 +126,8 @@ class HiCache:
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> Self:
-        if self._kernel is not None:  # opened before: its pools and tables are gone
-            raise KernelClosed(
+        if self._system is not None:  # opened before: its pools and tables are gone
+            raise ActorSystemClosed(
                 "this HiCache was opened already (and is open or closed): a cache opens once; "
                 "make a new HiCache(config) for another run"
             )
@@ -143,7 +143,7 @@ class HiCache:
         self._resources = built.resources
         try:
             self.device_pool, self.host_pool = built.device_pool, built.host_pool
-            self._kernel, self._streams = built.kernel, built.streams
+            self._system, self._streams = built.system, built.streams
             self.topology, self._agreement = built.topology, built.agreement
             self._tree_inbox, self._attached = built.tree_inbox, built.attached
             self._namespace = built.namespace
@@ -155,10 +155,10 @@ class HiCache:
             if self.config.kv_events is not None:  # vLLM-format KV events (docs/kv-events.md)
                 from hicache.observability.kv_events import start_kv_events
 
-                self.kv_events = start_kv_events(self.config, built.tree, built.kernel.log)
+                self.kv_events = start_kv_events(self.config, built.tree, built.system.log)
                 if self.kv_events is not None:
                     self._resources.callback(self.kv_events.close)
-            await built.kernel.__aenter__()
+            await built.system.__aenter__()
         except BaseException:
             await self._resources.aclose()
             raise
@@ -170,14 +170,14 @@ class HiCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        kernel = self._kernel
-        assert kernel is not None
+        system = self._system
+        assert system is not None
         leak: LedgerImbalance | None = None
         try:
-            if exc_type is None and kernel.failure is None:
-                report, tables = await self._drain(kernel)
+            if exc_type is None and system.failure is None:
+                report, tables = await self._drain(system)
                 self.close_report, self.close_tables = report, tables
-                kernel.log.emit(
+                system.log.emit(
                     "cache.closed",
                     component="cache",
                     used={t: v["used"] for t, v in report.items()},
@@ -191,7 +191,7 @@ class HiCache:
                     leak = BookkeepingLeak(f"tables not empty after close: {left}")
         finally:
             try:
-                suppress = await kernel.__aexit__(exc_type, exc, tb)
+                suppress = await system.__aexit__(exc_type, exc, tb)
             finally:
                 self._closed = True
                 await self._resources.aclose()  # exporter, an owned backend, the streams
@@ -199,15 +199,15 @@ class HiCache:
             raise leak
         return suppress
 
-    async def _drain(self, kernel: Kernel) -> tuple[Ledgers, dict[str, int]]:
+    async def _drain(self, system: ActorSystem) -> tuple[Ledgers, dict[str, int]]:
         """Let in-flight work finish, for at most `close_timeout`; then abandon what is left
         (an event says what), so a hung backend cannot hold close forever."""
         timeout = self.config.close_timeout
-        with kernel.clock.move_on_after(timeout):
+        with system.clock.move_on_after(timeout):
             drained = await self._until(lambda r: Drain(reply=r, poll=self._polling))
             assert drained is not None  # answered once nothing is in flight
             return drained
-        kernel.log.emit("cache.close_timeout", component="cache", level="warning", timeout=timeout)
+        system.log.emit("cache.close_timeout", component="cache", level="warning", timeout=timeout)
         abandoned = await self._call(lambda r: Drain(reply=r, abandon=True))
         assert abandoned is not None  # `abandon` ends what is in flight, then answers
         return abandoned
@@ -216,11 +216,11 @@ class HiCache:
     async def _call(self, make: Callable[[Reply[T]], Asks[T]], timeout: float | None = None) -> T:
         """Send the tree the request `make(reply)` builds; its answer (typed by the message)."""
         if self._closed:
-            raise KernelClosed("this HiCache is closed (its `async with` block has ended)")
-        if self._kernel is None or self._tree_inbox is None:
+            raise ActorSystemClosed("this HiCache is closed (its `async with` block has ended)")
+        if self._system is None or self._tree_inbox is None:
             raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
         inbox: Mailbox[Any] = self._tree_inbox  # every `Asks` the facade builds is a TreeInbox
-        return await self._kernel.request(inbox, make, timeout=timeout)
+        return await self._system.request(inbox, make, timeout=timeout)
 
     @property
     def _polling(self) -> bool:
@@ -242,9 +242,12 @@ class HiCache:
         return value
 
     @property
-    def kernel(self) -> Kernel:
-        assert self._kernel is not None
-        return self._kernel
+    def system(self) -> ActorSystem:
+        """The actor system that runs this cache's actors (open caches only)."""
+        assert self._system is not None
+        return self._system
+
+    kernel = system  # the same property under the name docs/api.md lists
 
     # ------------------------------------------------------------------ the API
     async def match(
@@ -434,8 +437,8 @@ class HiCache:
         `ConfigError` for the default `model_id`), and `InvalidRequest` when a backend is
         attached already; either way nothing changed. `ConfigError` with `tp_size > 1`."""
         self._check_storage_switch("attach_storage")
-        assert self._kernel is not None and self._namespace is not None
-        log = self._kernel.log
+        assert self._system is not None and self._namespace is not None
+        log = self._system.log
         if isinstance(storage, str):
             replace(self.config, storage=storage).resolve()  # the spec's type, model_id
             opened = await open_storage(
@@ -489,7 +492,7 @@ class HiCache:
                 "have to open the backend and switch at the same call, and a failed open on one "
                 "rank would split them; open each rank's cache with storage= instead"
             )
-        if self._kernel is None:
+        if self._system is None:
             raise RuntimeError("HiCache is not open: use `async with HiCache(config) as cache`")
 
     async def flush(self) -> None:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
-from hicache.backends.seal import MIN_SECRET_BYTES, Seal, crypto_missing
+from hicache.backends.sealing.seal import MIN_SECRET_BYTES, Seal, crypto_missing
 
 # The names come from the registries that implement them (all four modules are torch-free).
 from hicache.kernels.names import DEFAULT_TRANSFER_SMS, IO_BACKENDS, LAYOUTS, MAX_TRANSFER_SMS
@@ -97,7 +97,7 @@ class CacheConfig:
     upload_retries: int = 3
     upload_backoff: float = 0.05  # seconds, doubled per retry
     # Every backend call (probe, read, upload, clear) ends within this many seconds of the
-    # kernel's clock; a call past it is a miss or a failed upload, with an event.
+    # actor system's clock; a call past it is a miss or a failed upload, with an event.
     storage_timeout: float = 30.0
     # Close waits this long for in-flight work (uploads, prefetches) before abandoning it.
     close_timeout: float = 60.0

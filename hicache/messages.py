@@ -34,7 +34,8 @@ _T = TypeVar("_T")
 
 class Asks(Protocol[_T]):
     """A request: a message carrying the reply its sender waits on. A sender that builds one
-    with `make(reply)` gets the reply's type from the message (`Kernel.request`, the facade)."""
+    with `make(reply)` gets the reply's type from the message (`ActorSystem.request`, the facade).
+    """
 
     @property
     def reply(self) -> Reply[_T]: ...

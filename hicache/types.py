@@ -14,7 +14,7 @@ RequestId = NewType("RequestId", str)
 """A serving-engine request, chosen by the engine."""
 
 OpId = NewType("OpId", int)
-"""One in-flight operation (a write, a load, a prefetch, an upload), unique per kernel."""
+"""One in-flight operation (a write, a load, a prefetch, an upload), unique per actor system."""
 
 PageHash = NewType("PageHash", str)
 """The chained SHA-256 of one page (hex), without namespace; the L3 key is namespace + hash."""

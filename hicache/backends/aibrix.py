@@ -33,11 +33,11 @@ from urllib.parse import parse_qsl
 
 import anyio
 
-from hicache.backends.base import BackendUnavailable, PageBuffer
+from hicache.backends.base import BackendUnavailable, EventSink, PageBuffer, no_events
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.framing import CorruptValue, header_size
 from hicache.backends.keys import Namespace
-from hicache.backends.simple import EventSink, _frame, _unframe_into
+from hicache.backends.simple import _frame, _unframe_into
 
 _OPTIONS = frozenset({"threads", "ttl"})
 
@@ -124,10 +124,6 @@ def _regions() -> tuple[type, type]:
     return Owned, Landing
 
 
-def _no_events(event: str, **fields: Any) -> None:
-    return None
-
-
 class AibrixBackend:
     """StorageBackend over AIBrix KVCache's RocksDB connector; see the module docstring."""
 
@@ -151,7 +147,7 @@ class AibrixBackend:
         self.namespace = namespace
         self.path = os.path.abspath(root)
         self._threads, self._ttl = threads, ttl
-        self._emit = emit or _no_events
+        self._emit = emit or no_events
         self._counters = Counters()
         self._conn: Any = None
         self._opening: anyio.Lock | None = None  # the first calls at once take one share

@@ -30,7 +30,7 @@ values then live until evicted), so `StorageBackend` itself is unchanged for out
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, cast, runtime_checkable
 
 
@@ -46,6 +46,13 @@ PageBuffer = Sequence[memoryview]
 pool hands pages out as `hicache.kernels.pools.PagePieces`, a list that may also say
 `header_room`, how many bytes right before the first piece a backend may write (read it with
 `getattr(page, "header_room", 0)`: other buffers have none)."""
+
+EventSink = Callable[..., None]
+"""Where a backend reports its events: `emit(event, **fields)`, the cache's event log."""
+
+
+def no_events(event: str, **fields: object) -> None:
+    """The sink of a backend built without one: its events are dropped."""
 
 
 @runtime_checkable

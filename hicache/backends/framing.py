@@ -9,8 +9,8 @@ no joined copy is made. It is computed by ISA-L (`isal`, the same CRC-32, about 
 speed with PCLMUL) when installed, else by zlib (about 5 GB/s), which would make verification
 the bottleneck of reads from the page cache.
 
-With a secret, the payload itself starts with a seal block (seal.py: an HMAC or AES-GCM tag
-over the header's fields and the page), added and checked by sealed.py around any backend.
+With a secret, the payload itself starts with a seal block (sealing/seal.py: an HMAC or AES-GCM tag
+over the header's fields and the page), added and checked by sealing/backend.py around any backend.
 """
 
 from __future__ import annotations

@@ -41,12 +41,19 @@ from urllib.parse import parse_qsl
 
 import anyio
 
-from hicache.backends.base import BackendUnavailable
+from hicache.backends.base import BackendUnavailable, EventSink
 from hicache.backends.framing import CorruptValue, checksum, decode_header, pack_header
 from hicache.backends.keys import Namespace
-from hicache.backends.page_files import PageFileBackend, ReadResult, WriteResult, os_error
-from hicache.backends.simple import EventSink
-from hicache.backends.value_files import create_temp, place, size_mismatch, unlink_all
+from hicache.backends.page_files import (
+    PageFileBackend,
+    ReadResult,
+    WriteResult,
+    create_temp,
+    os_error,
+    place,
+    size_mismatch,
+    unlink_all,
+)
 
 _OPTIONS = ("threads", "timeout", "fsync", "entries", "iov_mb", "mount")
 

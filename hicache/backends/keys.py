@@ -7,7 +7,7 @@ at different positions or after different prefixes therefore get different hashe
 
 A `Namespace` covers everything that shapes the stored bytes (model, attention kind, geometry,
 dtype, page size, host layout), a tenant salt, and for MHA the tensor-parallel rank and size, so
-no two of those ever share a key. With a `Seal` (seal.py: a secret), the digest and every
+no two of those ever share a key. With a `Seal` (sealing/seal.py: a secret), the digest and every
 page's key suffix are HMAC-SHA-256 under keys derived from the secret instead, so the store's
 names say nothing a reader without the secret can test. Pure functions and immutable values only.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicache.backends.seal import Seal
+from hicache.backends.sealing.seal import Seal
 from hicache.types import PageHash
 
 HASH_HEX_LEN = 64

@@ -24,8 +24,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hicache.backends.base import EventSink
 from hicache.backends.keys import Namespace
-from hicache.backends.simple import EventSink, SimpleStoreBackend
+from hicache.backends.simple import SimpleStoreBackend
 from hicache.sizing import available_memory
 
 DEFAULT_FRACTION = 0.5

@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl
 import anyio
 import numpy as np
 
-from hicache.backends.base import BackendUnavailable
+from hicache.backends.base import BackendUnavailable, EventSink
 from hicache.backends.framing import (
     CorruptValue,
     checksums,
@@ -46,10 +46,17 @@ from hicache.backends.framing import (
     pack_header,
 )
 from hicache.backends.keys import Namespace
-from hicache.backends.mooncake_memory import RegisteredRegions, address_of
-from hicache.backends.page_files import PageFileBackend, ReadResult, WriteResult, os_error
-from hicache.backends.simple import EventSink
-from hicache.backends.value_files import create_temp, place, size_mismatch, unlink_all
+from hicache.backends.page_files import (
+    PageFileBackend,
+    ReadResult,
+    WriteResult,
+    create_temp,
+    os_error,
+    place,
+    size_mismatch,
+    unlink_all,
+)
+from hicache.backends.registered import RegisteredRegions, address_of
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 """NIXL plugins that move memory to and from files; the backend runs over any of them."""

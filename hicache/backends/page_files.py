@@ -7,11 +7,13 @@ every batch in a worker thread while `aclose` waits for the batches in flight. A
 the bytes through two hooks, each called in a worker thread with no counters and no events:
 `_read_pages` (read the present prefix into the pages, checking each value) and `_write_pages`
 (write the pages to temporary files and place them); and `_release`, what `aclose` frees once
-nothing is in flight.
+nothing is in flight. The value files' format is the file store's: a framed value (framing.py)
+per file, written under a temporary name and renamed into place (`create_temp`, `place`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -21,14 +23,12 @@ from typing import Any
 
 import anyio
 
-from hicache.backends.base import PageBuffer
+from hicache.backends.base import EventSink, PageBuffer, no_events
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import value_path
-from hicache.backends.framing import header_size
+from hicache.backends.framing import FIXED_HEADER_SIZE, CorruptValue, decode_header, header_size
 from hicache.backends.keys import Namespace
-from hicache.backends.simple import EventSink, _no_events
-from hicache.backends.value_files import count_present, unlink_all
 
 
 @dataclass(slots=True)
@@ -42,6 +42,47 @@ class ReadResult:
 
 WriteResult = tuple[list[bool], list[tuple[str, str]]]
 """Per page whether it was stored, and the (key, error) failures."""
+
+
+def create_temp(tmp: str) -> int:
+    """A new temporary file (its directory made if missing), open for writing."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        return os.open(tmp, flags, 0o600)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
+        return os.open(tmp, flags, 0o600)
+
+
+def place(tmp: str, path: str) -> None:
+    """Rename a written temporary file into place (its shard directory made if missing)."""
+    try:
+        os.replace(tmp, path)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        os.replace(tmp, path)
+
+
+def size_mismatch(fd: int, key: str, size: int, want: int) -> str:
+    """Why a value file of `size` bytes cannot be a `want`-byte page: its header's reason."""
+    head = os.pread(fd, FIXED_HEADER_SIZE + 4096, 0)
+    try:
+        header = decode_header(head, key)
+    except CorruptValue as exc:
+        return exc.reason
+    return "length" if header.payload_len != want else "truncated"
+
+
+def count_present(paths: list[str]) -> int:
+    """How many leading paths exist (the consecutive prefix `exists` reports)."""
+    return prefix_count(os.path.exists(p) for p in paths)
+
+
+def unlink_all(paths: list[str]) -> None:
+    """Remove the files that exist among `paths`."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def os_error(exc: Exception) -> str:
@@ -62,7 +103,7 @@ class PageFileBackend:
             )
         self.namespace = namespace
         self.root = os.fspath(root)
-        self._emit = emit or _no_events
+        self._emit = emit or no_events
         self._runner = BlockingRunner(threads)
         self._counters = Counters()
         self._header_size = header_size(namespace.prefix + "0" * 64)

@@ -15,8 +15,8 @@ Every backend class offers `from_spec(spec, *, namespace, emit=None, **options)`
 spec string is passed through unchanged. `open_backend` builds the backend (no I/O for the
 shipped ones); `connect_backend` builds it and then awaits its optional `connect()` check
 (base.py), which is how the cache opens storage. When the namespace carries a `Seal` (a
-secret), the backend comes back wrapped by `sealed.seal_backend`: keyed names come from the
-namespace itself, sealed values from the wrapper, whatever the backend.
+secret), the backend comes back wrapped by `sealing.backend.seal_backend`: keyed names come
+from the namespace itself, sealed values from the wrapper, whatever the backend.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from typing import Any
 
 import anyio
 
-from hicache.backends.base import StorageBackend
+from hicache.backends.base import EventSink, StorageBackend
 from hicache.backends.keys import Namespace
-from hicache.backends.sealed import seal_backend
-from hicache.backends.simple import EventSink
+from hicache.backends.sealing.backend import seal_backend
 from hicache.secrets import redact_url
 
 _SCHEMES: tuple[tuple[str, str], ...] = (

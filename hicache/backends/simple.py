@@ -14,19 +14,13 @@ on write and copies out of the returned bytes on read.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from hicache.backends.base import PageBuffer, check_ttl
+from hicache.backends.base import EventSink, PageBuffer, check_ttl, no_events
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.framing import CorruptValue, decode_header, encode_header, verify_payload
 from hicache.backends.keys import Namespace
-
-EventSink = Callable[..., None]
-
-
-def _no_events(event: str, **fields: Any) -> None:
-    return None
 
 
 @runtime_checkable
@@ -62,7 +56,7 @@ class SimpleStoreBackend:
             )
         self.store = store
         self.namespace = namespace
-        self._emit = emit or _no_events
+        self._emit = emit or no_events
         self._runner = BlockingRunner(threads)
         self._counters = Counters()
 

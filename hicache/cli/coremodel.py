@@ -3,11 +3,10 @@ actors and no time.
 
 `replay_trace` runs a trace through an `InstantCache` (`hicache/testing/instant.py`: the tree
 actor's controller driven synchronously, its workers instant) in the scheduler steps
-`hicache replay` uses (`hicache/cli/replay.py`), making the same calls, with the same fallback
-on `CapacityError`, and tallies what the replay's summary reports. Every completion a worker
-would report is applied before the next frontend call; docs/benchmarks.md ("Sizing sweep")
-says where that gives the replay's numbers exactly.
-"""
+`hicache replay` uses (`hicache/cli/replay/command.py`), making the same calls, with the same
+fallback on `CapacityError`, and tallies what the replay's summary reports. Every completion a
+worker would report is applied before the next frontend call; docs/benchmarks.md ("Sizing sweep")
+says where that gives the replay's numbers exactly."""
 
 from __future__ import annotations
 

@@ -54,8 +54,9 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], i
 
 def _token_count(text: str) -> int:
     """An argparse type: a token count (65536, 100k, 1.5M) >= 1, as the sweep reads them;
-    rounded down to whole pages once the page size is known (`replay_args.cache_config`)."""
-    from hicache.cli.sweep_grid import parse_tokens
+    rounded down to whole pages once the page size is known (`cli/replay/args.py`'s `cache_config`).
+    """
+    from hicache.cli.sweep.grid import parse_tokens
 
     try:
         value = parse_tokens(text)
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:  # a bad flag (its one line is printed), or --help: the code
         return stop.code if isinstance(stop.code, int) else 2
     if args.command == "replay":
-        from hicache.cli.replay import run
+        from hicache.cli.replay.command import run
 
         try:
             return run(args)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hicache replay: error: {_one_line(redact_text(str(exc)))}", file=sys.stderr)
             return 2
     if args.command == "sweep":
-        from hicache.cli.sweep import run as run_sweep
+        from hicache.cli.sweep.command import run as run_sweep
 
         try:
             return run_sweep(args)
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hicache sweep: error: {_one_line(str(exc))}", file=sys.stderr)
             return 2
     if args.command == "check-log":
-        from hicache.cli.checklog import run as run_check
+        from hicache.cli.checklog.command import run as run_check
 
         return run_check(args)
     return 2

@@ -108,8 +108,3 @@ def scheduler_steps(
         firsts.add(first)
     if step:
         yield step
-
-
-def iter_batches(requests: list[TraceRequest], size: int) -> Iterator[list[TraceRequest]]:
-    for start in range(0, len(requests), size):
-        yield requests[start : start + size]

@@ -1,4 +1,6 @@
-"""The deadline of a worker's storage calls, one op at a time (uploader and prefetcher)."""
+"""The deadline of a worker's storage calls, one op at a time (uploader and prefetcher): past
+`storage_timeout` the call is cancelled and the worker told; what that means for the op's host
+pages is docs/decisions.md's "A storage deadline ends the wait, not the memory claim"."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import anyio
 
 from hicache.messages import IoDeadline
 from hicache.runtime import Mailbox, TimerHandle
-from hicache.runtime.actor import KernelServices
+from hicache.runtime.actor import SystemServices
 from hicache.types import OpId
 
 
@@ -23,14 +25,14 @@ class CallDeadline:
     timer: TimerHandle | None = None
 
     def arm(
-        self, kernel: KernelServices, inbox: Mailbox[Any], op: OpId, timeout: float
+        self, system: SystemServices, inbox: Mailbox[Any], op: OpId, timeout: float
     ) -> anyio.CancelScope:
         """Start a call: its scope, and a timer posting `IoDeadline` to the worker's inbox
         (reserved room: one pending deadline per op)."""
         self.call += 1
         self.scope = anyio.CancelScope()
         deliver, call = inbox.send_nowait, self.call
-        self.timer = kernel.call_later(timeout, lambda: deliver(IoDeadline(op=op, call=call)))
+        self.timer = system.call_later(timeout, lambda: deliver(IoDeadline(op=op, call=call)))
         return self.scope
 
     def disarm(self) -> None:

@@ -43,7 +43,9 @@ class StreamWorker(Actor[J | StreamDone]):
         self._tree = tree
         self._bytes_per_token = bytes_per_token
         self._inflight: dict[OpId, J] = {}  # owned here alone
-        self._started: dict[OpId, float] = {}  # when each job arrived (kernel clock): `seconds`
+        self._started: dict[
+            OpId, float
+        ] = {}  # when each job arrived (the actor system's clock): `seconds`
         self._deliver: Callable[[StreamDone], None] | None = None
 
     async def on_start(self) -> None:
@@ -54,7 +56,7 @@ class StreamWorker(Actor[J | StreamDone]):
             job = self._inflight.pop(msg.op)
             started = self._started.pop(msg.op, None)
             if started is not None:  # the log records (see below): an event per op
-                seconds = round(self.kernel.now() - started, 6)
+                seconds = round(self.system.now() - started, 6)
                 for op, tokens in self._parts(job):
                     self.log.info(
                         self.done_event,
@@ -69,7 +71,7 @@ class StreamWorker(Actor[J | StreamDone]):
         elif isinstance(msg, self.job_type):
             self._inflight[msg.op] = msg
             if self.log.recording:  # the done event is built only for a log that records
-                self._started[msg.op] = self.kernel.now()
+                self._started[msg.op] = self.system.now()
             deliver = self._deliver
             assert deliver is not None
             op = msg.op

@@ -1,5 +1,5 @@
 """The copy engine for host memory: a move is batched row copies (rows.py), through the
-compiled row copier where it builds (native.py), else numpy."""
+compiled row copier where it builds (native/rowcopy.py), else numpy."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hicache.kernels.cpu_plans import CpuPlans, PageSetup, Pairs, pair_row
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from hicache.kernels.pools import HostPool
 from hicache.kernels.rows import SCRATCH_BYTES, copy_rows, require_host_memory, split_rows
 
@@ -48,8 +48,8 @@ class CpuEngine:
         parallel_bytes: int = _PARALLEL_BYTES,
         native: bool | None = None,
     ) -> None:
-        """`native`: use the compiled row copier (native.py): None = where it builds, True =
-        required (RuntimeError naming why it is unavailable), False = numpy only.
+        """`native`: use the compiled row copier (native/rowcopy.py): None = where it builds,
+        True = required (RuntimeError naming why it is unavailable), False = numpy only.
         `threads`: copy threads per move of at least `parallel_bytes`. Default: two (one
         where the host has one core) with the compiled copier, whose scattered-row gathers
         are latency-bound and gain 1.3-1.7x from a second thread; one with numpy, where a

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.kernels.native import PageRuns
+from hicache.kernels.native.rowcopy import PageRuns
 from hicache.kernels.rows import (
     RowGrid,
     RowPlan,

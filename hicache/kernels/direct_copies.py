@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hicache.kernels.native_build import build_library, cached_library, disabled
+from hicache.kernels.native.build import build_library, cached_library, disabled
 
 ISSUERS = ("batch", "batch-python", "loop", "python")
 """What `HICACHE_DIRECT_COPIES` may name ("python": run-by-run copies from Python)."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hicache.kernels.geometry import Geometry
-from hicache.kernels.native import native_rows
+from hicache.kernels.native.rowcopy import native_rows
 
 SlotArray = np.ndarray | torch.Tensor
 """Slots as the data plane takes them: a 1-D int64 numpy array or torch tensor (any device)."""

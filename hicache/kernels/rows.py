@@ -3,13 +3,12 @@
 Every word view the transfers use is (pages, ..., row) with the last dim contiguous. Seen over
 its memory, such a view is a C-contiguous grid of rows of `row` words: page `p` owns rows
 `p * page_rows + inner` (`inner` in the view's element order). A page-to-page transfer is then
-a list of (source row, destination row) pairs. The compiled copier (native.py) moves any pair
-list in one call (`plan_pairs`). Without it numpy moves a batch of rows in one C loop (`take`:
-one memcpy per row; fancy assignment: one contiguous copy per row), releasing the GIL and using
-one core (torch's CPU index ops are element-wise or fork an OpenMP team per call); pairs are
-then ordered so that one side is sequential whenever possible, which makes the copy a single
-pass, and otherwise go through a cache-sized scratch buffer (gather, then scatter).
-"""
+a list of (source row, destination row) pairs. The compiled copier (native/rowcopy.py) moves any
+pair list in one call (`plan_pairs`). Without it numpy moves a batch of rows in one C loop (`take`:
+one memcpy per row; fancy assignment: one contiguous copy per row), releasing the GIL and using one
+core (torch's CPU index ops are element-wise or fork an OpenMP team per call); pairs are then
+ordered so that one side is sequential whenever possible, which makes the copy a single pass, and
+otherwise go through a cache-sized scratch buffer (gather, then scatter)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.kernels.native import NativeRows
+from hicache.kernels.native.rowcopy import NativeRows
 
 SCRATCH_BYTES = 1 << 20
 """Staged copies gather this many bytes at a time: small enough to stay in L2 between the
@@ -268,7 +267,7 @@ def plan_pairs(
     wherever they go (streamed, nothing waits for them). Loads measured 20-25 % faster sorted by
     the host side (their source) when host rows are short and strided (page_first, page_head);
     page_head backups 0.61-0.84 of a memcpy sorted by the host side (their destination), 0.76-1.03
-    sorted by the device side (2026-12-03). Pure."""
+    sorted by the device side. Pure."""
     d, s = _pairs(dst, dst_pages, src, src_pages, by_dst=by_dst)
     return RowPlan(d, s, "staged")
 

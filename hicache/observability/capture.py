@@ -17,7 +17,7 @@ def capture_events() -> Iterator[list[dict[str, Any]]]:
     """Collect every event any `EventLog` emits in this context (and tasks started inside it).
 
     Yields the list the events are appended to (copies of the event dicts, in emission order).
-    Enter it before starting the run or kernel: tasks inherit the context when they start.
+    Enter it before starting the run or actor system: tasks inherit the context when they start.
     """
     captured: list[dict[str, Any]] = []
     token = _CAPTURES.set(_CAPTURES.get() + (captured,))

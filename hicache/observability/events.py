@@ -65,7 +65,7 @@ def _default_clock() -> Callable[[], float]:
 
 
 class EventLog:
-    """A structlog-based event log. Owned by whoever created it (usually one kernel).
+    """A structlog-based event log. Owned by whoever created it (usually one actor system).
 
     `sink`: where JSON lines go (None: nowhere; events can still be captured).
     `capture=True` keeps every emitted event dict in `events` (for tests and replay tools).

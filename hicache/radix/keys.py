@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.kernels.native import native_rows
+from hicache.kernels.native.rowcopy import native_rows
 from hicache.radix.results import TreeError
 
 __all__ = ["KeyCodec"]

@@ -16,10 +16,10 @@ M = TypeVar("M")
 T = TypeVar("T")
 
 
-class KernelServices(Protocol):
-    """What an actor uses of the kernel that runs it (`Actor.kernel`; `Kernel` provides it).
-    Time, waits and concurrent work go through these, so deterministic mode can sequence them.
-    Declared here so that this module does not import the kernel, which imports it."""
+class SystemServices(Protocol):
+    """What an actor uses of the actor system that runs it (`Actor.system`; `ActorSystem` provides
+    it). Time, waits and concurrent work go through these, so deterministic mode can sequence them.
+    Declared here so that this module does not import the actor system, which imports it."""
 
     clock: Clock
     log: EventLog
@@ -47,10 +47,10 @@ class Actor(Generic[M]):
                 case Insert(): ...
                 case _: assert_never(msg)
 
-    The kernel runs one task per actor: `on_start`, then `handle` for each message in arrival
+    The actor system runs one task per actor: `on_start`, then `handle` for each message in arrival
     order (never two at once), then, after the inbox is closed and drained, `on_stop`. Whatever
     state the subclass keeps is touched only by that task. An exception escaping any of the three
-    stops the whole kernel (see `Kernel`).
+    stops the whole actor system (see `ActorSystem`).
     """
 
     def __init__(self, name: str, *, capacity: int, reserve: int = 0) -> None:
@@ -60,22 +60,22 @@ class Actor(Generic[M]):
             )
         self.name = name
         self.inbox: Mailbox[M] = Mailbox(name, capacity, reserve=reserve)
-        self._kernel: KernelServices | None = None
+        self._system: SystemServices | None = None
         self._log: BoundEvents | None = None
         self._busy = False  # inside `handle` (read by production-mode run_until_idle)
         self._handled = 0
 
     @property
-    def kernel(self) -> KernelServices:
-        if self._kernel is None:
-            raise RuntimeError(f"actor {self.name!r} has not been added to a kernel")
-        return self._kernel
+    def system(self) -> SystemServices:
+        if self._system is None:
+            raise RuntimeError(f"actor {self.name!r} has not been added to an actor system")
+        return self._system
 
     @property
     def log(self) -> BoundEvents:
         """Events stamped with `component=<actor name>`."""
         if self._log is None:
-            self._log = self.kernel.log.bind(self.name)
+            self._log = self.system.log.bind(self.name)
         return self._log
 
     @property

@@ -1,4 +1,4 @@
-"""The one source of time. Cores never read it; actors and the kernel pass `now` down."""
+"""The one source of time. Cores never read it; actors and the actor system pass `now` down."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import anyio
 
 @runtime_checkable
 class Clock(Protocol):
-    """Where the kernel gets time, sleeps and timeouts from. All three must agree."""
+    """Where the actor system gets time, sleeps and timeouts from. All three must agree."""
 
     def now(self) -> float:
         """Seconds on a monotonic scale (origin unspecified). Never goes backwards."""
@@ -58,7 +58,7 @@ class MonotonicClock:
 
 
 class Cancellable(Protocol):
-    """What a timer runs under: a task's cancel scope, or a loop timer (`Kernel.call_later`)."""
+    """What a timer runs under: a task's cancel scope or a loop timer (`ActorSystem.call_later`)."""
 
     def cancel(self) -> None: ...
 
@@ -67,7 +67,7 @@ class Cancellable(Protocol):
 
 
 class TimerHandle:
-    """Returned by `Kernel.call_later`; `cancel()` stops a callback that has not run yet."""
+    """Returned by `ActorSystem.call_later`; `cancel()` stops a callback that has not run yet."""
 
     __slots__ = ("_scope", "fired")
 

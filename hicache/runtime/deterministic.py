@@ -19,8 +19,8 @@ def run_deterministic(main: Callable[[], Awaitable[T]], *, seed: int = 0) -> T:
     """Run `main()` on anyio's trio backend under `trio.testing.MockClock(autojump_threshold=0)`.
 
     Time is virtual (starts at 0, jumps to the next deadline whenever every task is blocked; a
-    ten-minute timeout passes in microseconds). A `Kernel` created inside defaults to
-    deterministic mode with this `seed` (a kernel's own `seed=` argument wins). No threads or
+    ten-minute timeout passes in microseconds). An `ActorSystem` created inside defaults to
+    deterministic mode with this `seed` (an actor system's own `seed=` argument wins). No threads or
     real I/O may be used inside: they would make the run depend on the outside world.
     """
     if not isinstance(seed, int) or isinstance(seed, bool):

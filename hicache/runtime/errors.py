@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 
-class KernelError(Exception):
+class ActorSystemError(Exception):
     """Base of every error the runtime raises on its own account."""
 
 
-class ActorFailed(KernelError):
-    """An actor (or kernel helper task) raised; the kernel stopped.
+class ActorFailed(ActorSystemError):
+    """An actor (or helper task of the actor system) raised; the actor system stopped.
 
     Every reply still pending when the failure happened is failed with one of these, and the
-    kernel's `__aexit__` raises it. `cause` is the exception the actor raised (also `__cause__`).
-    """
+    actor system's `__aexit__` raises it. `cause` is the exception the actor raised (also
+    `__cause__`)."""
 
     def __init__(self, actor: str, cause: BaseException) -> None:
         super().__init__(f"actor {actor!r} failed: {type(cause).__name__}: {cause}")
@@ -28,8 +28,8 @@ class ActorFailed(KernelError):
         return (type(self), (self.actor, self.cause))
 
 
-class ReplyTimeout(KernelError, TimeoutError):
-    """A request got no reply within `timeout` seconds of the kernel's clock."""
+class ReplyTimeout(ActorSystemError, TimeoutError):
+    """A request got no reply within `timeout` seconds of the actor system's clock."""
 
     def __init__(self, target: str, timeout: float) -> None:
         super().__init__(f"no reply from {target!r} within {timeout:g} s")
@@ -40,5 +40,9 @@ class ReplyTimeout(KernelError, TimeoutError):
         return (type(self), (self.target, self.timeout))
 
 
-class KernelClosed(KernelError):
-    """The kernel (or the mailbox) was shut down; the message was not delivered."""
+class ActorSystemClosed(ActorSystemError):
+    """The actor system (or the mailbox) was shut down; the message was not delivered."""
+
+
+KernelClosed = ActorSystemClosed
+"""The same class under the name docs/api.md lists among the public errors."""

@@ -12,7 +12,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from hicache.runtime.errors import KernelClosed
+from hicache.runtime.errors import ActorSystemClosed
 
 M = TypeVar("M")
 
@@ -47,8 +47,8 @@ class Mailbox(Generic[M]):
     arrival order (a blocked sender is never overtaken by a later ordinary sender); `send_nowait`
     may also use the `reserve` (room that credit-holding senders of completions count on, so a
     completion never waits behind ordinary traffic); `used <= capacity + reserve` always.
-    Nothing is dropped: a send either delivers, waits, or raises (`KernelClosed`, `WouldBlock`).
-    """
+    Nothing is dropped: a send either delivers, waits, or raises (`ActorSystemClosed`,
+    `WouldBlock`)."""
 
     def __init__(self, name: str, capacity: int, *, reserve: int = 0) -> None:
         if not isinstance(name, str) or not name:
@@ -64,7 +64,7 @@ class Mailbox(Generic[M]):
         self._waiters: deque[_Waiter] = deque()
         self._used = 0
         self._closed = False
-        # Set by a deterministic kernel: awaited before a woken sender touches shared state.
+        # Set by a deterministic actor system: awaited before a woken sender touches shared state.
         self._turn: Callable[..., Awaitable[None]] | None = None
         self._delivered = 0
         self._blocked_sends = 0
@@ -73,12 +73,12 @@ class Mailbox(Generic[M]):
     # -- senders ---------------------------------------------------------------------------
 
     async def send(self, msg: M) -> None:
-        """Deliver `msg`, waiting while the mailbox is full. Raises `KernelClosed` once closed.
+        """Deliver `msg`, waiting while the mailbox is full. Raises `ActorSystemClosed` once closed.
 
         Cancellation-safe: a send cancelled while waiting has not delivered its message.
         """
         if self._closed:
-            raise KernelClosed(f"mailbox {self.name!r} is closed")
+            raise ActorSystemClosed(f"mailbox {self.name!r} is closed")
         if self._used < self.capacity and not self._waiters:
             self._put(msg)
             return
@@ -88,10 +88,10 @@ class Mailbox(Generic[M]):
         """Deliver `msg` now, using the reserve if needed.
 
         Raises `anyio.WouldBlock` when even the reserve is full: for a sender holding a credit
-        that is a credit-accounting bug, never a reason to drop. Raises `KernelClosed` once closed.
-        """
+        that is a credit-accounting bug, never a reason to drop. Raises `ActorSystemClosed` once
+        closed."""
         if self._closed:
-            raise KernelClosed(f"mailbox {self.name!r} is closed")
+            raise ActorSystemClosed(f"mailbox {self.name!r} is closed")
         if self._used >= self.capacity + self.reserve:
             raise anyio.WouldBlock(
                 f"mailbox {self.name!r} is full ({self._used}/{self.capacity}+{self.reserve})"
@@ -103,7 +103,7 @@ class Mailbox(Generic[M]):
 
         Must be created on the event loop that runs the owning actor. From a worker thread the
         call blocks that thread until the loop has accepted (or refused) the message, so errors
-        (`WouldBlock`, `KernelClosed`) reach the caller.
+        (`WouldBlock`, `ActorSystemClosed`) reach the caller.
         """
         token = anyio.lowlevel.current_token()
         loop_thread = threading.get_ident()
@@ -127,7 +127,7 @@ class Mailbox(Generic[M]):
                 if self._turn is not None:
                     await self._turn()
                 if self._closed:
-                    raise KernelClosed(f"mailbox {self.name!r} is closed")
+                    raise ActorSystemClosed(f"mailbox {self.name!r} is closed")
                 if self._used < self.capacity and self._waiters[0] is waiter:
                     break
                 waiter.event = anyio.Event()
@@ -176,7 +176,8 @@ class Mailbox(Generic[M]):
             waiter.event.set()
 
     def discard_receiver(self) -> None:
-        """The owner is gone (crash or cancel): release the buffer. Only the kernel calls this."""
+        """The owner is gone (crash or cancel): release the buffer. Only the actor system calls
+        this."""
         self.close()
         self._receive_end.close()
 

@@ -14,10 +14,10 @@ _PENDING, _SET, _FAILED = 0, 1, 2
 
 
 class Reply(Generic[T]):
-    """A one-shot answer slot. Create with `Kernel.reply()` so a crash can fail it.
+    """A one-shot answer slot. Create with `ActorSystem.reply()` so a crash can fail it.
 
     The first outcome wins. `set` on a reply already set is a bug and raises; `set` or `fail` on
-    a reply already failed (its requester timed out, or the kernel failed it after a crash) is
+    a reply already failed (its requester timed out, or the actor system failed it after a crash) is
     ignored, so a late answer never crashes the answering actor.
     """
 
@@ -30,7 +30,7 @@ class Reply(Generic[T]):
         turn: Callable[..., Awaitable[None]] | None = None,
         loop_event: bool = False,
     ) -> None:
-        """`loop_event`: wait on a plain `asyncio.Event` (the kernel asks for it on asyncio
+        """`loop_event`: wait on a plain `asyncio.Event` (the actor system asks for it on asyncio
         without the sequencer): anyio's wrapper finds the backend on every creation and
         yields once more on every wait, and a frontend call makes one reply."""
         self._event: anyio.Event | asyncio.Event = asyncio.Event() if loop_event else anyio.Event()

@@ -1,4 +1,4 @@
-"""Deterministic mode's turnstile: the kernel, not the event loop, decides who runs next.
+"""Deterministic mode's turnstile: the actor system, not the event loop, decides who runs next.
 
 trio shuffles the order in which ready tasks run. To make a run replayable, every task the
 kernel knows about resumes from a wait only through `turn()`: it files a request under a stable
@@ -8,11 +8,10 @@ depends only on the keys: the smallest key (seed 0), or a pick by `random.Random
 sorted keys (any other seed: the schedule perturbation). Between two grants exactly one task does
 observable work, so the event log is a function of (program, seed) alone.
 
-When everything is blocked, nothing asks for a turn, and the kernel says it is idle (every actor
-waits on an empty inbox, no sender waits), one `run_until_idle` waiter (oldest first) is released.
-Otherwise the sequencer sleeps on `_wake`, which lets trio's MockClock jump to the next deadline
-(an actor's sleep or reply timeout, a timer), whose task then asks for a turn.
-"""
+When everything is blocked, nothing asks for a turn, and the actor system says it is idle (every
+actor waits on an empty inbox, no sender waits), one `run_until_idle` waiter (oldest first) is
+released. Otherwise the sequencer sleeps on `_wake`, which lets trio's MockClock jump to the next
+deadline (an actor's sleep or reply timeout, a timer), whose task then asks for a turn."""
 
 from __future__ import annotations
 
@@ -25,11 +24,12 @@ import anyio
 import anyio.lowlevel
 
 TURN_KEY: contextvars.ContextVar[str] = contextvars.ContextVar("hicache_turn_key", default="~main")
-"""The stable name a task files its turn requests under. Set by the kernel in every task it starts."""
+"""The stable name a task files its turn requests under. Set by the actor system in every task it
+starts."""
 
 
 class Sequencer:
-    """Grants turns one at a time. Owned by one kernel; only meaningful on trio."""
+    """Grants turns one at a time. Owned by one actor system; only meaningful on trio."""
 
     def __init__(self, seed: int, is_idle: Callable[[], bool]) -> None:
         self.seed = seed
@@ -47,14 +47,14 @@ class Sequencer:
         `keep_result=True` (a task woken with a result in hand: a reply) shields the wait, so
         the result is not lost to a cancellation that arrives meanwhile; the cancellation lands
         at the task's next checkpoint. Otherwise a cancelled task raises here. Once the sequencer
-        has stopped (kernel teardown), turns are free: teardown is not sequenced.
+        has stopped (the actor system's teardown), turns are free: teardown is not sequenced.
         """
         if not self._stopped:
             key = TURN_KEY.get()
             if key in self._requests:
                 raise RuntimeError(
                     f"two tasks wait for a turn under the same key {key!r}; in deterministic mode "
-                    "start concurrent drivers with Kernel.start_soon so each has its own key"
+                    "start concurrent drivers with ActorSystem.start_soon so each has its own key"
                 )
             granted = anyio.Event()
             self._requests[key] = granted
@@ -90,7 +90,7 @@ class Sequencer:
         return keys[self._rng.randrange(len(keys))]
 
     async def run(self) -> None:
-        """The sequencer task: runs until cancelled by the kernel."""
+        """The sequencer task: runs until cancelled by the actor system."""
         from trio.testing import wait_all_tasks_blocked
 
         try:

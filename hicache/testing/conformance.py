@@ -56,8 +56,8 @@ import pytest
 
 from hicache.backends.base import StorageBackend, enforces_ttl, set_from_ttl
 from hicache.backends.keys import Namespace, chain_page_hashes
-from hicache.backends.seal import Seal
-from hicache.backends.sealed import seal_backend
+from hicache.backends.sealing.backend import seal_backend
+from hicache.backends.sealing.seal import Seal
 
 KV = "mha:2:2:8:bfloat16"
 MODEL = "conformance/model"

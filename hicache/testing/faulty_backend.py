@@ -22,10 +22,10 @@ class BackendFaults:
     """What to inject. Call counters are per method and start at 0; all faults are
     deterministic (no randomness) so a failing test replays exactly.
 
-    Order within one call: latency and `delays` first (on the kernel's clock), then a hang,
+    Order within one call: latency and `delays` first (on the actor system's clock), then a hang,
     then an outage (`down`, `outages`), then the per-call failures, then corruption."""
 
-    latency: float = 0.0  # seconds per call, on the kernel's clock (virtual in tests)
+    latency: float = 0.0  # seconds per call, on the actor system's clock (virtual in tests)
     down: bool = False  # every call fails as if the server were unreachable
     fail_sets: set[int] = field(default_factory=set)  # set_from call numbers that store nothing
     fail_gets: set[int] = field(default_factory=set)  # get_into call numbers that read nothing

@@ -135,7 +135,7 @@ class InstantCache:
     def call(self, make: Callable[[Any], TreeInbox]) -> Any:
         """One frontend call, after every completion owed has been applied: its answer, or
         the error it failed with, raised. `make(reply)` builds the message; the reply is a
-        plain object (`set` / `fail`), not a kernel's `Reply`: nothing here awaits."""
+        plain object (`set` / `fail`), not an actor system's `Reply`: nothing here awaits."""
         self.settle()
         reply = _Reply()
         core = self.core

@@ -29,7 +29,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from hicache.kernels.native import native_rows
+from hicache.kernels.native.rowcopy import native_rows
 from hicache.kernels.pools import DevicePool
 
 _PAGE_TABLE_MAX = 4 << 20
@@ -275,8 +275,9 @@ def _copy_pages(
     dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray
 ) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] for every i: whole (rows, bytes) uint8 rows (pages,
-    or single token rows), in range (checked by the caller). One call of the compiled row copier (kernels/native.py)
-    where it is built, streaming past the cache when large; numpy a run at a time otherwise."""
+    or single token rows), in range (checked by the caller). One call of the compiled row copier
+    (kernels/native/rowcopy.py) where it is built, streaming past the cache when large; numpy a run
+    at a time otherwise."""
     native = native_rows()
     n = len(src_rows)
     if native is not None:

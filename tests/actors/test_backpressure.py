@@ -1,8 +1,8 @@
-"""Backpressure through a kernel, on virtual time: a full inbox holds the sender back."""
+"""Backpressure through an actor system, on virtual time: a full inbox holds the sender back."""
 
 from dataclasses import dataclass
 
-from hicache.runtime import Actor, Kernel, run_deterministic
+from hicache.runtime import Actor, ActorSystem, run_deterministic
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +18,8 @@ class SlowConsumer(Actor[Item]):
         self.got: list[tuple[int, float]] = []
 
     async def handle(self, msg: Item) -> None:
-        await self.kernel.sleep(1.0)
-        self.got.append((msg.n, self.kernel.now()))
+        await self.system.sleep(1.0)
+        self.got.append((msg.n, self.system.now()))
 
 
 class Producer(Actor[int]):
@@ -33,19 +33,19 @@ class Producer(Actor[int]):
     async def handle(self, msg: int) -> None:
         for n in range(msg):
             await self.consumer.inbox.send(Item(n))
-            self.sent_at.append(self.kernel.now())
+            self.sent_at.append(self.system.now())
 
 
 def test_full_inbox_blocks_the_sender_and_delivers_in_order():
     async def main() -> tuple[SlowConsumer, Producer]:
-        kernel = Kernel()
+        system = ActorSystem()
         consumer = SlowConsumer()
         producer = Producer(consumer)
-        kernel.add(consumer)
-        kernel.add(producer)
-        async with kernel:
+        system.add(consumer)
+        system.add(producer)
+        async with system:
             await producer.inbox.send(10)
-            await kernel.run_until_idle()
+            await system.run_until_idle()
             stats = consumer.inbox.statistics()
             # items 3..9 each waited (item 3 only until the consumer picked up item 0)
             assert stats.high_water == 3 and stats.blocked_sends == 7

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 import pytest
 
-from hicache.runtime import Actor, ActorFailed, Kernel, Reply, run_deterministic
+from hicache.runtime import Actor, ActorFailed, ActorSystem, Reply, run_deterministic
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class Hub(Actor[Job | Done]):
     async def handle(self, msg: Job | Done) -> None:
         match msg:
             case Job():
-                await self.kernel.sleep(
+                await self.system.sleep(
                     0.1
                 )  # admitting a job takes time: the front keeps up the pressure
                 self.waiting.append(msg)
@@ -88,7 +88,7 @@ class Worker(Actor[Cmd]):
 
     async def handle(self, msg: Cmd) -> None:
         assert self.hub is not None
-        await self.kernel.sleep(0.25 * (1 + msg.n % 3))
+        await self.system.sleep(0.25 * (1 + msg.n % 3))
         await self.auditor.inbox.send(Progress(msg.n))  # backpressure from a slow leaf
         if self.credited:
             self.hub.inbox.send_nowait(Done(msg.n))  # the credit guarantees room
@@ -102,25 +102,25 @@ class Auditor(Actor[Progress]):
         self.seen = 0
 
     async def handle(self, msg: Progress) -> None:
-        await self.kernel.sleep(1.0)
+        await self.system.sleep(1.0)
         self.seen += 1
 
 
-def build(kernel: Kernel, *, credited: bool, reserve: int) -> tuple[Hub, Worker, Auditor]:
+def build(system: ActorSystem, *, credited: bool, reserve: int) -> tuple[Hub, Worker, Auditor]:
     auditor = Auditor()
     worker = Worker(auditor, credited=credited)
     hub = Hub(worker, credited=credited, reserve=reserve)
     worker.hub = hub
     for actor in (hub, worker, auditor):
-        kernel.add(actor)
+        system.add(actor)
     return hub, worker, auditor
 
 
-async def drive(kernel: Kernel, hub: Hub) -> list[int]:
+async def drive(system: ActorSystem, hub: Hub) -> list[int]:
     """The front: floods the hub with blocking sends, then collects every answer."""
     replies = []
     for n in range(JOBS):
-        reply = kernel.reply()
+        reply = system.reply()
         replies.append(reply)
         await hub.inbox.send(Job(n, reply))
     return [await reply.wait() for reply in replies]
@@ -128,11 +128,11 @@ async def drive(kernel: Kernel, hub: Hub) -> list[int]:
 
 def run(seed: int, *, credited: bool, reserve: int) -> dict[str, object]:
     async def main() -> dict[str, object]:
-        kernel = Kernel()
-        hub, worker, auditor = build(kernel, credited=credited, reserve=reserve)
+        system = ActorSystem()
+        hub, worker, auditor = build(system, credited=credited, reserve=reserve)
         with anyio.fail_after(10_000):  # virtual seconds: a deadlock surfaces as TimeoutError
-            async with kernel:
-                answers = await drive(kernel, hub)
+            async with system:
+                answers = await drive(system, hub)
                 stats = {a.name: a.inbox.statistics() for a in (hub, worker, auditor)}
         return {
             "answers": answers,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.observability import EventLog
-from hicache.runtime import Actor, Kernel, Reply, run_deterministic
+from hicache.runtime import Actor, ActorSystem, Reply, run_deterministic
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +67,8 @@ class Worker(Actor[Work]):
         self.done = 0
 
     async def handle(self, msg: Work) -> None:
-        await self.kernel.sleep(msg.cost)  # equal costs make timers tie: the schedule decides
-        ticket = await self.kernel.request(self.ledger.inbox, lambda r: Take(amount=1, reply=r))
+        await self.system.sleep(msg.cost)  # equal costs make timers tie: the schedule decides
+        ticket = await self.system.request(self.ledger.inbox, lambda r: Take(amount=1, reply=r))
         self.done += 1
         self.log.info("worker.done", job=msg.job, ticket=ticket)
         await self.sink.inbox.send(Result(worker=self.name, job=msg.job, ticket=ticket))
@@ -92,22 +92,22 @@ def scenario(seed: int) -> tuple[str, dict[str, object]]:
 
     async def main() -> tuple[str, dict[str, object]]:
         sink = io.StringIO()
-        kernel = Kernel(log=EventLog(sink=sink))
+        system = ActorSystem(log=EventLog(sink=sink))
         ledger, collector = Ledger(), Collector()
         left, right = Worker("left", ledger, collector), Worker("right", ledger, collector)
         router = Router([left, right])
         for actor in (router, ledger, left, right, collector):
-            kernel.add(actor)
-        async with kernel:
+            system.add(actor)
+        async with system:
             for job in range(JOBS):
                 await router.inbox.send(Job(job))
-            await kernel.run_until_idle()
+            await system.run_until_idle()
             state = {
                 "issued": ledger.issued,
                 "left": left.done,
                 "right": right.done,
                 "results": sorted(collector.arrivals),
-                "now": kernel.now(),
+                "now": system.now(),
             }
         return sink.getvalue(), {**state, "order": collector.arrivals}
 
@@ -158,16 +158,16 @@ def test_control_without_the_sequencer_trio_reorders_the_log():
 
     async def main() -> str:
         sink = io.StringIO()
-        kernel = Kernel(log=EventLog(sink=sink), deterministic=False)
+        system = ActorSystem(log=EventLog(sink=sink), deterministic=False)
         ledger, collector = Ledger(), Collector()
         left, right = Worker("left", ledger, collector), Worker("right", ledger, collector)
         router = Router([left, right])
         for actor in (router, ledger, left, right, collector):
-            kernel.add(actor)
-        async with kernel:
+            system.add(actor)
+        async with system:
             for job in range(JOBS):
                 await router.inbox.send(Job(job))
-            await kernel.run_until_idle()
+            await system.run_until_idle()
         return sink.getvalue()
 
     assert len({run_deterministic(main) for _ in range(4)}) > 1

@@ -1,4 +1,4 @@
-"""`Kernel.call_later` on asyncio without the sequencer runs on the loop's own timers (no task
+"""`ActorSystem.call_later` on asyncio without the sequencer runs on the loop's own timers (no task
 per timer): the same contract as the task-based timers trio and deterministic mode use."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from hicache.runtime import ActorFailed, Kernel
+from hicache.runtime import ActorFailed, ActorSystem
 
 
 @pytest.fixture
@@ -24,28 +24,28 @@ async def test_timers_fire_in_order_and_cancel() -> None:
         last.set()
 
     with anyio.fail_after(10):
-        async with Kernel() as kernel:
-            assert kernel._loop is not None
-            kernel.call_later(0.02, late)
-            kernel.call_later(0, lambda: fired.append("soon"))
-            dropped = kernel.call_later(0.01, lambda: fired.append("dropped"))
+        async with ActorSystem() as system:
+            assert system._loop is not None
+            system.call_later(0.02, late)
+            system.call_later(0, lambda: fired.append("soon"))
+            dropped = system.call_later(0.01, lambda: fired.append("dropped"))
             dropped.cancel()
             assert dropped.cancelled
-            first = kernel.call_later(0, lambda: fired.append("first"))
+            first = system.call_later(0, lambda: fired.append("first"))
             await last.wait()  # the latest timer: every earlier one has had its turn
             assert first.fired and not first.cancelled
     assert fired == ["soon", "first", "late"]
-    assert not kernel._loop_timers
+    assert not system._loop_timers
 
 
 @pytest.mark.anyio
 async def test_pending_timers_are_cancelled_at_close() -> None:
     fired: list[int] = []
     with anyio.fail_after(10):
-        async with Kernel() as kernel:
-            handle = kernel.call_later(60, lambda: fired.append(1))
+        async with ActorSystem() as system:
+            handle = system.call_later(60, lambda: fired.append(1))
     assert handle.cancelled and not fired
-    assert not kernel._loop_timers
+    assert not system._loop_timers
 
 
 @pytest.mark.anyio
@@ -54,9 +54,9 @@ async def test_a_raising_timer_stops_the_kernel_under_its_name() -> None:
         raise OSError("copy lost")
 
     with anyio.fail_after(10), pytest.raises(ActorFailed) as info:
-        async with Kernel() as kernel:
-            kernel.call_later(0, broken)
-            later = kernel.call_later(0.5, lambda: None)
+        async with ActorSystem() as system:
+            system.call_later(0, broken)
+            later = system.call_later(0.5, lambda: None)
             await anyio.sleep_forever()
     assert isinstance(info.value.cause, OSError) and info.value.actor.startswith("timer:")
     assert later.cancelled

@@ -6,7 +6,14 @@ import anyio
 import pytest
 
 from hicache.observability import EventLog
-from hicache.runtime import Actor, ActorFailed, Kernel, KernelClosed, Reply, run_deterministic
+from hicache.runtime import (
+    Actor,
+    ActorFailed,
+    ActorSystem,
+    ActorSystemClosed,
+    Reply,
+    run_deterministic,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +54,19 @@ class Bomb(Actor[Crash]):
         raise ValueError(msg.why)
 
 
-async def crash_scenario() -> tuple[Kernel, EventLog, Hoarder, list[BaseException]]:
+async def crash_scenario() -> tuple[ActorSystem, EventLog, Hoarder, list[BaseException]]:
     log = EventLog(capture=True)
-    kernel = Kernel(log=log)
+    system = ActorSystem(log=log)
     hoarder, bomb = Hoarder(), Bomb()
-    kernel.add(hoarder)
-    kernel.add(bomb)
+    system.add(hoarder)
+    system.add(bomb)
     outcomes: list[BaseException] = []
     with anyio.fail_after(30):  # a hang guard only; the scenario itself never waits on time
         try:
-            async with kernel:
-                first = kernel.reply()
+            async with system:
+                first = system.reply()
                 await hoarder.inbox.send(Hold(first))
-                second = kernel.reply()
+                second = system.reply()
                 await hoarder.inbox.send(Hold(second))
                 await bomb.inbox.send(Crash("boom"))
                 try:
@@ -70,23 +77,23 @@ async def crash_scenario() -> tuple[Kernel, EventLog, Hoarder, list[BaseExceptio
                     first.result()  # already failed too; waiting would just see the cancellation
                 except ActorFailed as exc:
                     outcomes.append(exc)
-                await anyio.sleep_forever()  # the kernel must cancel the body too
+                await anyio.sleep_forever()  # the actor system must cancel the body too
         except ActorFailed as exc:
             outcomes.append(exc)
-    return kernel, log, hoarder, outcomes
+    return system, log, hoarder, outcomes
 
 
 def check_crash(
-    kernel: Kernel, log: EventLog, hoarder: Hoarder, outcomes: list[BaseException]
+    system: ActorSystem, log: EventLog, hoarder: Hoarder, outcomes: list[BaseException]
 ) -> None:
     assert len(outcomes) == 3
     for exc in outcomes:
         assert isinstance(exc, ActorFailed)
         assert exc.actor == "bomb" and isinstance(exc.cause, ValueError)
         assert str(exc) == "actor 'bomb' failed: ValueError: boom"
-    assert outcomes[-1] is kernel.failure
-    assert kernel.pending_replies == 0 and all(r.done for r in hoarder.held)
-    assert not hoarder.stopped  # a crashed kernel cancels; on_stop is for clean stops
+    assert outcomes[-1] is system.failure
+    assert system.pending_replies == 0 and all(r.done for r in hoarder.held)
+    assert not hoarder.stopped  # a crashed actor system cancels; on_stop is for clean stops
     failed = [e for e in log.events if e["event"] == "kernel.actor_failed"]
     assert len(failed) == 1
     assert (failed[0]["actor"], failed[0]["error"], failed[0]["message"]) == (
@@ -116,23 +123,23 @@ class Stuck(Actor[Hold]):
 
 @pytest.mark.anyio
 async def test_blocked_sender_is_released_when_the_kernel_fails():
-    kernel = Kernel()
+    system = ActorSystem()
     hoarder, bomb = Stuck("stuck", capacity=1), Bomb()
-    kernel.add(hoarder)
-    kernel.add(bomb)
+    system.add(hoarder)
+    system.add(bomb)
     released: list[str] = []
 
-    async def outsider() -> None:  # a task outside the kernel's group, stuck on a full inbox
+    async def outsider() -> None:  # a task outside the actor system's group, stuck on a full inbox
         try:
             while True:
                 await hoarder.inbox.send(Hold(Reply()))
-        except KernelClosed:
+        except ActorSystemClosed:
             released.append("closed")
 
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             with pytest.raises(ActorFailed):
-                async with kernel:
+                async with system:
                     tg.start_soon(outsider)
                     await anyio.wait_all_tasks_blocked()
                     await bomb.inbox.send(Crash("x"))
@@ -142,13 +149,13 @@ async def test_blocked_sender_is_released_when_the_kernel_fails():
 
 @pytest.mark.anyio
 async def test_failure_in_on_start_is_named():
-    kernel = Kernel()
-    kernel.add(Bomb(crash_on_start=True))
+    system = ActorSystem()
+    system.add(Bomb(crash_on_start=True))
     with (
         anyio.fail_after(30),
         pytest.raises(ActorFailed, match="actor 'bomb' failed: RuntimeError: no fuel"),
     ):
-        async with kernel:
+        async with system:
             await anyio.sleep_forever()
 
 
@@ -158,8 +165,8 @@ async def test_failure_in_helper_task_is_named():
         raise OSError("stream lost")
 
     with anyio.fail_after(30), pytest.raises(ActorFailed) as info:
-        async with Kernel() as kernel:
-            kernel.start_soon(broken, name="transfer-stream")
+        async with ActorSystem() as system:
+            system.start_soon(broken, name="transfer-stream")
             await anyio.sleep_forever()
     assert info.value.actor == "transfer-stream" and isinstance(info.value.cause, OSError)
 
@@ -168,9 +175,9 @@ def test_failure_in_timer_callback_and_only_first_failure_counts():
     async def main() -> ActorFailed:
         log = EventLog(capture=True)
         try:
-            async with Kernel(log=log) as kernel:
-                kernel.call_later(5, lambda: 1 / 0)
-                kernel.call_later(5, lambda: {}["k"])  # same instant, runs second
+            async with ActorSystem(log=log) as system:
+                system.call_later(5, lambda: 1 / 0)
+                system.call_later(5, lambda: {}["k"])  # same instant, runs second
                 await anyio.sleep_forever()
         except ActorFailed as exc:
             failed = [e for e in log.events if e["event"] == "kernel.actor_failed"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from hicache.observability import EventLog
-from hicache.runtime import Actor, Kernel, Reply, ReplyTimeout, run_deterministic
+from hicache.runtime import Actor, ActorSystem, Reply, ReplyTimeout, run_deterministic
 
 TEN_MINUTES = 600.0
 
@@ -30,13 +30,13 @@ class Silent(Actor[Ask]):
 def test_ten_minute_timer_fires_once_and_instantly():
     async def main() -> tuple[list[float], float]:
         fired: list[float] = []
-        async with Kernel() as kernel:
-            kernel.call_later(TEN_MINUTES, lambda: fired.append(kernel.now()))
-            cancelled = kernel.call_later(TEN_MINUTES / 2, lambda: fired.append(-1.0))
+        async with ActorSystem() as system:
+            system.call_later(TEN_MINUTES, lambda: fired.append(system.now()))
+            cancelled = system.call_later(TEN_MINUTES / 2, lambda: fired.append(-1.0))
             cancelled.cancel()
-            await kernel.sleep(3 * TEN_MINUTES)
+            await system.sleep(3 * TEN_MINUTES)
             assert cancelled.cancelled
-            return fired, kernel.now()
+            return fired, system.now()
 
     wall = time.perf_counter()
     fired, end = run_deterministic(main)
@@ -50,14 +50,14 @@ def test_ten_minute_reply_timeout_raises_once_at_the_deadline():
     async def main() -> tuple[ReplyTimeout, float, list[dict], Silent]:
         log = EventLog(capture=True)
         silent = Silent()
-        kernel = Kernel(log=log)
-        kernel.add(silent)
-        async with kernel:
+        system = ActorSystem(log=log)
+        system.add(silent)
+        async with system:
             with pytest.raises(ReplyTimeout) as info:
-                await kernel.request(silent.inbox, Ask, timeout=TEN_MINUTES)
-            at = kernel.now()
+                await system.request(silent.inbox, Ask, timeout=TEN_MINUTES)
+            at = system.now()
             silent.held[0].set("too late")  # ignored: the requester gave up
-            await kernel.sleep(TEN_MINUTES)
+            await system.sleep(TEN_MINUTES)
         return info.value, at, log.events, silent
 
     error, at, events, silent = run_deterministic(main)

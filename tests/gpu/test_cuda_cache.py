@@ -124,7 +124,7 @@ def test_production_mode_backup_waits_for_the_compute_that_wrote():
 
 
 def test_the_replays_link_reference_is_a_pinned_copy_to_the_gpu():
-    from hicache.cli.replay_link import measure_link
+    from hicache.cli.replay.link import measure_link
 
     ref = measure_link("auto", nbytes=64 << 20)
     assert "pinned copy" in ref.what and ref.rate > 1e9, ref

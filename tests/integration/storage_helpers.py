@@ -82,7 +82,7 @@ async def fetch(cache: HiCache, rid: str, tokens: np.ndarray, *, queued: float =
     m = await cache.match(rid, tokens)
     await cache.prefetch(rid, tokens)
     if queued:
-        await cache.kernel.sleep(queued)
+        await cache.system.sleep(queued)
     out = await cache.prefetch_wait(rid)
     lb = await cache.load_back(rid)
     if lb.handle is not None:

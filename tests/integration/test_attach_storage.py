@@ -16,7 +16,7 @@ from hicache import CacheConfig, HiCache
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.cli.checklog import check_events
 from hicache.cli.main import main
-from hicache.cli.replay import replay
+from hicache.cli.replay.command import replay
 from hicache.cli.trace import read_trace
 from hicache.config import ConfigError
 from hicache.observability import EventLog
@@ -111,26 +111,26 @@ def test_detach_drains_uploads_and_prefetches_while_requests_go_on(upload, seed)
             await cache_request(cache, "b", B)  # its backup, then its upload (3 s or hung)
             await cache.match("a", A)
             started = await cache.prefetch("a", A)
-            await cache.kernel.sleep(4 * LATENCY + 1.5 * LATENCY)  # probed, one batch read
+            await cache.system.sleep(4 * LATENCY + 1.5 * LATENCY)  # probed, one batch read
             inflight = (await cache.stats()).inflight
             calls = dict(backend.calls)
-            asked = cache.kernel.now()
+            asked = cache.system.now()
             mark = len(log.events)
 
-            done = cache.kernel.reply()
+            done = cache.system.reply()
 
             async def detacher():
                 out = await cache.detach_storage()
-                done.set((out, cache.kernel.now()))
+                done.set((out, cache.system.now()))
 
-            cache.kernel.start_soon(detacher, name="detacher")
+            cache.system.start_soon(detacher, name="detacher")
             # Requests go on while the detach waits: "a" gets what had arrived, verified.
             got = await fetch(cache, "a", A)
             await cache.match("c", C)
             late = await cache.prefetch("c", C)  # storage is off for it
             await cache.release("c")
             await cache_request(cache, "c2", C)  # cached while detaching: never uploaded
-            request_done = cache.kernel.now()
+            request_done = cache.system.now()
             detached, detached_at = await done.wait()
             after = dict(
                 backend=cache.backend,
@@ -191,7 +191,7 @@ def test_detach_drops_the_upload_backlog_and_counts_it():
         async with HiCache(cfg, backend=backend, log=log) as cache:
             for k in range(4):
                 await cache_request(cache, f"w{k}", tokens_from(1000 * k, 16))
-            await cache.kernel.sleep(0.01)  # backups landed: one upload, the rest queued
+            await cache.system.sleep(0.01)  # backups landed: one upload, the rest queued
             assert await cache.detach_storage()
             await cache.flush()
             return len(store), cache

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli.checklog import Violation, check_events, check_file
+from hicache.cli.checklog import Violation, check_events
+from hicache.cli.checklog.command import check_file
 from hicache.cli.main import main
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_trace_400.jsonl"
@@ -281,8 +282,8 @@ def test_the_rederived_l1_count_is_the_cache_s(write_policy, exclusive, storage)
     import anyio
 
     from hicache import CacheConfig, HiCache
-    from hicache.cli.checklog import LogChecker
-    from hicache.cli.replay_step import Timer, run_step
+    from hicache.cli.checklog.command import LogChecker
+    from hicache.cli.replay.step import Timer, run_step
     from hicache.cli.tally import Tally
     from hicache.cli.trace import read_trace, scheduler_steps
     from hicache.observability import EventLog

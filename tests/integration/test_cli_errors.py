@@ -151,7 +151,7 @@ def test_replay_and_sweep_round_sizes_to_whole_pages_alike(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["config"]["device_tokens"] == 100_000 // 64 * 64
-    from hicache.cli.sweep_grid import grid
+    from hicache.cli.sweep.grid import grid
 
     assert grid("100000", "2x", "0", page_size=64)[0].device_tokens == 100_000 // 64 * 64
 
@@ -177,7 +177,7 @@ def test_replay_help_shows_the_defaults(tmp_path):
 
 def test_summary_shows_rejections_storage_problems_and_what_its_terms_mean(tmp_path, capsys):
     from hicache.cli.main import main
-    from hicache.cli.replay_report import storage_problems
+    from hicache.cli.replay.report import storage_problems
 
     out = tmp_path / "s.json"
     argv = ["replay", *SMALL, "--limit", "50", "--device-tokens", "6400", "--host-tokens"]

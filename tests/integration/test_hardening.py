@@ -156,7 +156,7 @@ def test_a_request_whose_load_failed_cannot_cache_the_freed_slots():
             lb = await cache.load_back("x")
             with pytest.raises(Exception, match="load failed"):
                 await lb.handle.wait_async(1)
-            await cache.kernel.run_until_idle()
+            await cache.system.run_until_idle()
             with pytest.raises(InvalidRequest, match="load its prefix depends on failed"):
                 await cache.cache_finished("x", a, lb.device_slots)
             await cache.release("x")
@@ -179,10 +179,10 @@ def test_a_hung_probe_ends_a_wait_complete_prefetch_at_the_storage_deadline():
         async with cache:
             t = tokens(0, 32)
             await cache.match("r", t)
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             await cache.prefetch("r", t)
             out = await cache.prefetch_wait("r")
-            assert cache.kernel.now() - t0 == pytest.approx(2.0)
+            assert cache.system.now() - t0 == pytest.approx(2.0)
             assert out.ready and out.done_tokens == 0
             await cache.release("r")
         assert backend.returned["exists"] == 1  # the call was cancelled, not left running
@@ -197,9 +197,9 @@ def test_a_hung_upload_holds_no_flush_and_no_close():
         cfg = storage_config(storage_timeout=3.0, upload_retries=5)
         cache, _backend = hung_cache(cfg, hang={"set_from"}, log=log)
         async with cache:
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             await write(cache, "w", tokens(0, 32))  # computes, caches, flushes
-            assert cache.kernel.now() - t0 == pytest.approx(3.0)
+            assert cache.system.now() - t0 == pytest.approx(3.0)
         assert cache.close_tables is not None and not any(cache.close_tables.values())
 
     run_virtual(main)
@@ -246,10 +246,10 @@ def test_a_timed_out_upload_keeps_its_host_pages_until_the_call_returns():
             lambda e: e["event"] in ("uploader.stored", "uploader.failed") and ended.set()
         )
         async with HiCache(cfg, backend=backend, log=log) as cache:
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             await write(cache, "w", tokens(0, 32))  # the flush ends at the deadline
-            assert cache.kernel.now() - t0 == pytest.approx(2.0)
-            tree = cache.kernel.actors["tree"]
+            assert cache.system.now() - t0 == pytest.approx(2.0)
+            tree = cache.system.actors["tree"]
             assert tree.bookkeeping()["uploads"] == 1  # still protected
             assert [n["host_ref"] for n in await cache.dump()][1:] == [1]
             backend.release.set()
@@ -270,8 +270,8 @@ def test_close_abandons_work_past_its_deadline_with_an_event():
             await ScriptedScheduler(
                 cache, compute=synthetic_compute(cache), wait_prefetch=False
             ).run([[("w", tokens(0, 16))]])
-            t0 = cache.kernel.now()
-        assert cache.kernel.now() - t0 == pytest.approx(5.0)
+            t0 = cache.system.now()
+        assert cache.system.now() - t0 == pytest.approx(5.0)
         return cache.close_report
 
     report = run_virtual(main)
@@ -322,7 +322,7 @@ def test_batches_are_all_or_nothing():
 def test_an_internal_fault_after_a_partial_change_stops_the_cache_not_the_caller():
     async def main():
         async with HiCache(virtual_config()) as cache:
-            tree = cache.kernel.actors["tree"]._tree
+            tree = cache.system.actors["tree"]._tree
 
             def broken_insert(*args, **kw):
                 raise ValueError("internal: an invariant broke mid-insert")
@@ -359,8 +359,8 @@ def test_every_table_is_empty_at_close(write_policy, prefetch_policy):
             convs = [tokens(1000 * c, 24) for c in range(5)]
             for turn in range(3):
                 await sched.run([[(f"c{c}t{turn}", t)] for c, t in enumerate(convs)])
-            await cache.kernel.sleep(1.0)  # let every prefetch timer come due
-            tree = cache.kernel.actors["tree"]
+            await cache.system.sleep(1.0)  # let every prefetch timer come due
+            tree = cache.system.actors["tree"]
             assert tree.bookkeeping()["timers_fired"] == 0
         return cache.close_tables
 
@@ -382,8 +382,8 @@ def test_the_upload_backlog_is_bounded():
         async with HiCache(cfg, backend=slow, log=log) as cache:
             sched = ScriptedScheduler(cache, compute=synthetic_compute(cache), wait_prefetch=False)
             await sched.run([[(f"r{i}", tokens(100 * i, 8)) for i in range(8)]])
-            await cache.kernel.sleep(0.1)  # virtual: every backup lands, uploads queue
-            tree = cache.kernel.actors["tree"]
+            await cache.system.sleep(0.1)  # virtual: every backup lands, uploads queue
+            tree = cache.system.actors["tree"]
             assert tree.bookkeeping()["upload_backlog"] <= 2
             assert tree.counters.skipped_uploads >= 1
 
@@ -412,9 +412,9 @@ def test_an_upload_evicted_from_l2_while_it_waits_is_counted_as_skipped():
                 slots = await cache.allocate(f"r{i}", len(t))
                 compute(f"r{i}", t, slots, 0)
                 await cache.cache_finished(f"r{i}", t, slots)
-                await cache.kernel.sleep(0.01)  # virtual: its backup lands, its upload queues
+                await cache.system.sleep(0.01)  # virtual: its backup lands, its upload queues
             await cache.flush()
-            return cache.kernel.actors["tree"].counters.skipped_uploads
+            return cache.system.actors["tree"].counters.skipped_uploads
 
     skipped = run_virtual(main)
     evicted = [

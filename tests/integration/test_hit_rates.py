@@ -11,7 +11,7 @@ import pytest
 
 from hicache import CacheConfig
 from hicache.cli.coremodel import replay_trace
-from hicache.cli.replay import replay
+from hicache.cli.replay.command import replay
 from hicache.cli.trace import bound_hit_rate, read_trace
 from hicache.components.allocator.core import SlotLedger
 from hicache.policies.eviction import make_strategy

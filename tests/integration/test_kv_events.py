@@ -263,8 +263,8 @@ async def serve(cache: HiCache, requests) -> None:
 
 def tree_of(cache: HiCache):
     # Until the facade wires kv_events itself, the test reaches the tree core through the
-    # kernel's tree actor, between calls (nothing runs in the tree then).
-    return cache.kernel.actors["tree"]._tree
+    # actor system's tree actor, between calls (nothing runs in the tree then).
+    return cache.system.actors["tree"]._tree
 
 
 @pytest.mark.parametrize("mode", ["write_through", "exclusive"])
@@ -293,7 +293,7 @@ def test_trace_slice_events_over_zmq(mode):
             tree = tree_of(cache)
             kv = getattr(cache, "kv_events", None)  # the cache's own, once the facade wires it
             if kv is None:
-                kv = result["own"] = start_kv_events(cache.config, tree, cache.kernel.log)
+                kv = result["own"] = start_kv_events(cache.config, tree, cache.system.log)
             assert kv is not None
             result["kv"] = kv
             pub = kv.publisher

@@ -13,7 +13,8 @@ import pytest
 
 from hicache import CacheConfig, ConfigError
 from hicache.cli.main import main
-from hicache.cli.replay import replay, summarize
+from hicache.cli.replay.command import replay
+from hicache.cli.replay.report import summarize
 from hicache.cli.trace import read_trace
 from hicache.observability import EventLog
 

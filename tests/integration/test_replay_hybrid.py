@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache.cli.hybrid_replay import hybrid_kv, parse_hybrid, prefix_states
 from hicache.cli.main import main
+from hicache.cli.replay.hybrid import hybrid_kv, parse_hybrid, prefix_states
 from hicache.hybrid import FullAttention, HybridCache, Recurrent, SlidingWindow
 
 BLOCK = 256

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.cli.replay_exit import PREFIX, owned_scratch, sweep_stale
+from hicache.cli.replay.exit import PREFIX, owned_scratch, sweep_stale
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "data" / "mooncake_synthetic_trace.jsonl"
@@ -126,7 +126,7 @@ def test_sweep_removes_only_stores_no_process_owns(tmp_path):
 def test_a_sweep_while_a_replay_claims_its_store_leaves_it(tmp_path, monkeypatch):
     """The worst moment for a concurrent sweep: the new store's owner file is open but not yet
     locked. The sweep must not take that store for an ended replay's."""
-    import hicache.cli.replay_exit as replay_exit
+    import hicache.cli.replay.exit as replay_exit
 
     real_flock, swept = replay_exit.fcntl.flock, []
 

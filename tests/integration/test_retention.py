@@ -63,7 +63,7 @@ def test_a_high_priority_range_outlives_lru_then_falls_back(policy, exclusive):
             await run(cache, "sys", SYSTEM, [Retention(0, None, priority=90, duration=100.0)])
             await sweep(cache, "a")
             kept = await where(cache, SYSTEM)
-            await cache.kernel.sleep(100.0)  # virtual: the range's duration passes
+            await cache.system.sleep(100.0)  # virtual: the range's duration passes
             await sweep(cache, "b")
             gone = await where(cache, SYSTEM)
             return kept, gone
@@ -135,9 +135,9 @@ def test_a_pin_with_a_ttl_expires_on_the_cache_clock():
             out = await cache.pin(SYSTEM, ttl=50.0)
             await sweep(cache, "a")
             held = await where(cache, SYSTEM)
-            await cache.kernel.sleep(50.0)  # virtual
+            await cache.system.sleep(50.0)  # virtual
             await sweep(cache, "b")
-            stats = cache.kernel.actors["tree"].core.bookkeeping()
+            stats = cache.system.actors["tree"].core.bookkeeping()
             return out, held, await where(cache, SYSTEM), stats
 
     out, held, after, tables = run_virtual(main)
@@ -224,7 +224,7 @@ def test_bad_pins_and_ranges_are_refused_and_change_nothing():
                 with pytest.raises(InvalidRequest) as err:
                     await call()
                 errors.append(str(err.value))
-            tables = cache.kernel.actors["tree"].core.bookkeeping()
+            tables = cache.system.actors["tree"].core.bookkeeping()
             return errors, tables, await where(cache, SYSTEM)
 
     errors, tables, found = run_virtual(main)
@@ -246,12 +246,12 @@ def test_a_range_duration_reaches_storage_as_an_expiry():
         async with HiCache(
             cfg, backend=MemoryBackend(namespace=namespace_of(cfg), store=store)
         ) as c:
-            clock[0] = c.kernel.now()
+            clock[0] = c.system.now()
             await run(c, "sys", SYSTEM, [Retention(0, None, priority=90, duration=30.0)])
             await run(c, "other", other)  # no range: stored without an expiry
             stored = len(store)
             await c.clear(("device", "host"))
-            clock[0] = c.kernel.now() + 31.0  # the store's clock passes the range's end
+            clock[0] = c.system.now() + 31.0  # the store's clock passes the range's end
             sys_back = await fetch(c, "a", SYSTEM)
             other_back = await fetch(c, "b", other)
             return stored, sys_back, other_back

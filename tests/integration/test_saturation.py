@@ -41,9 +41,9 @@ def test_all_channels_at_capacity_no_deadlock(mode):
         # Slow storage keeps uploads and prefetches in flight while the frontend floods the tree.
         backend = FaultyBackend(MemoryBackend(namespace=ns), BackendFaults(latency=0.01))
         async with HiCache(cfg, backend=backend) as cache:
-            # In deterministic mode concurrent drivers run as kernel tasks, each with its own
-            # turn key; the last one to finish answers `all_done`.
-            all_done = cache.kernel.reply()
+            # In deterministic mode concurrent drivers run as tasks of the actor system, each with
+            # its own turn key; the last one to finish answers `all_done`.
+            all_done = cache.system.reply()
             left = [12]
 
             async def client(worker: int) -> None:
@@ -53,10 +53,10 @@ def test_all_channels_at_capacity_no_deadlock(mode):
                     all_done.set(None)
 
             for worker in range(12):
-                cache.kernel.start_soon(client, worker, name=f"client{worker:02d}")
+                cache.system.start_soon(client, worker, name=f"client{worker:02d}")
             with anyio.fail_after(3600):  # virtual seconds: a deadlock fails, it does not hang
                 await all_done.wait()
-            stats = {name: actor.inbox.statistics() for name, actor in cache.kernel.actors.items()}
+            stats = {name: actor.inbox.statistics() for name, actor in cache.system.actors.items()}
         return stats, cache.close_report
 
     if deterministic:

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from hicache.cli.main import main
-from hicache.cli.replay import Tally, summarize
+from hicache.cli.replay.report import summarize
+from hicache.cli.tally import Tally
 from hicache.config import CacheConfig
 
 PLANT = "Plant3d-S3cr3t-Valu3-9f8e7d"

@@ -59,10 +59,10 @@ def test_wait_complete_returns_when_every_hit_page_arrived():
         store = await stored(TOKENS)
         async with reader(store, prefetch_policy="wait_complete") as cache:
             await cache.match("r", TOKENS)
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             started = await cache.prefetch("r", TOKENS)
             out = await cache.prefetch_wait("r")
-            waited = cache.kernel.now() - t0
+            waited = cache.system.now() - t0
             m = await cache.match("r", TOKENS)
             await cache.release("r")
             return started, out, waited, m.host_len
@@ -80,14 +80,14 @@ def test_best_effort_returns_at_once_with_what_arrived_and_ends_the_op():
         async with reader(store, prefetch_policy="best_effort") as cache:
             backend = cache.backend
             await cache.match("r", TOKENS)
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             await cache.prefetch("r", TOKENS)
             # The scheduler comes back between the first and the second batch.
-            await cache.kernel.sleep(BATCH_ENDS[0] + LATENCY / 2)
-            asked = cache.kernel.now() - t0
+            await cache.system.sleep(BATCH_ENDS[0] + LATENCY / 2)
+            asked = cache.system.now() - t0
             out = await cache.prefetch_wait("r")
-            answered = cache.kernel.now() - t0
-            await cache.kernel.sleep(2.0)  # long after the whole prefetch would have finished
+            answered = cache.system.now() - t0
+            await cache.system.sleep(2.0)  # long after the whole prefetch would have finished
             m = await cache.match("r", TOKENS)
             reads = backend.calls["get_into"]
             await cache.release("r")
@@ -137,10 +137,10 @@ def test_timeout_returns_at_base_plus_per_ki_token_times_tokens(base, per_ki, ar
             prefetch_timeout_per_ki_token=per_ki,
         ) as cache:
             await cache.match("r", TOKENS)
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             await cache.prefetch("r", TOKENS)
             out = await cache.prefetch_wait("r")
-            waited = cache.kernel.now() - t0
+            waited = cache.system.now() - t0
             m = await cache.match("r", TOKENS)
             await cache.release("r")
             return out, waited, m.host_len, cache.config.prefetch_timeout(64)
@@ -158,10 +158,10 @@ def test_hung_storage_holds_no_request_past_its_deadline():
         hung = slow_memory(cfg, store, latency=100.0)
         async with HiCache(cfg, backend=hung) as cache:
             await cache.match("r", TOKENS)
-            t0 = cache.kernel.now()
+            t0 = cache.system.now()
             await cache.prefetch("r", TOKENS)
             out = await cache.prefetch_wait("r")
-            waited = cache.kernel.now() - t0
+            waited = cache.system.now() - t0
             lb = await cache.load_back("r")
             new = await cache.allocate("r", 64)  # the request goes on: computes it all
             await cache.cache_finished("r", TOKENS, new)
@@ -178,7 +178,7 @@ def test_closing_with_prefetches_in_flight_balances_the_ledgers():
         async with reader(store, prefetch_policy="wait_complete") as cache:
             await cache.match("r", TOKENS)
             await cache.prefetch("r", TOKENS)
-            await cache.kernel.sleep(BATCH_ENDS[1])  # mid-way
+            await cache.system.sleep(BATCH_ENDS[1])  # mid-way
         return cache.close_report
 
     report = run_virtual(main)
@@ -192,7 +192,7 @@ def test_what_arrives_after_the_request_left_still_lands_in_l2():
             await cache.match("gone", TOKENS)
             await cache.prefetch("gone", TOKENS)
             await cache.release("gone")
-            await cache.kernel.sleep(2.0)
+            await cache.system.sleep(2.0)
             got = await fetch(cache, "next", TOKENS)
             return got, await cache.stats()
 
@@ -225,7 +225,7 @@ def test_revoke_below_threshold_returns_the_host_slots():
             started = await cache.prefetch("r", TOKENS)
             during = await cache.stats()
             out = await cache.prefetch_wait("r")
-            await cache.kernel.sleep(1.0)  # any read in flight at the revoke has returned
+            await cache.system.sleep(1.0)  # any read in flight at the revoke has returned
             after = await cache.stats()
             m = await cache.match("r", TOKENS)
             await cache.release("r")
@@ -255,7 +255,7 @@ def test_rate_limit_bounds_prefetch_tokens_in_flight():
             first = await cache.prefetch_many(zip(rids, sequences))
             inflight = sum(o.wanted_tokens for o in first if o.state == "running")
             outs = [await cache.prefetch_wait(rid) for rid in rids]
-            await cache.kernel.sleep(1.0)  # every read is over: the window is empty again
+            await cache.system.sleep(1.0)  # every read is over: the window is empty again
             again = await cache.prefetch("r2", sequences[2])
             last = await cache.prefetch_wait("r2")
             await cache.release_many(rids)

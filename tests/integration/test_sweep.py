@@ -10,7 +10,8 @@ import pytest
 
 from hicache.cli.coremodel import replay_trace
 from hicache.cli.main import main
-from hicache.cli.sweep import CSV_FIELDS, grid, parse_tokens, read_csv
+from hicache.cli.sweep.grid import grid, parse_tokens
+from hicache.cli.sweep.table import CSV_FIELDS, read_csv
 from hicache.cli.trace import bound_hit_rate, read_trace
 from hicache.config import CacheConfig
 

@@ -1,5 +1,5 @@
 """The storage faults the simulation injects (`hicache.testing.FaultyBackend`): each does what
-it says, on the kernel's (here virtual) clock, and says how often it was applied."""
+it says, on the actor system's (here virtual) clock, and says how often it was applied."""
 
 from __future__ import annotations
 

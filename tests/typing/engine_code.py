@@ -1,5 +1,6 @@
-"""Code an engine author writes against hicache's public API. `test_public_api.py` type-checks
-it strictly: every line must pass, so the annotations say what the API really takes and gives."""
+"""Code an engine author writes against hicache's public API.
+`tests/unit/test_public_api_types.py` type-checks it strictly: every line must pass, so the
+annotations say what the API really takes and gives."""
 
 from __future__ import annotations
 

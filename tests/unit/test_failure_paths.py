@@ -9,12 +9,12 @@ import pytest
 
 import hicache
 from hicache import (
+    ActorSystemClosed,
     BackendUnavailable,
     CacheConfig,
     ConfigError,
     HiCache,
     InvalidRequest,
-    KernelClosed,
 )
 from hicache.backends import memory as memory_mod
 from hicache.backends.file import FileBackend
@@ -32,7 +32,7 @@ def toks(n: int, start: int = 0) -> np.ndarray:
 
 
 def test_kernel_closed_is_public():
-    assert hicache.KernelClosed is KernelClosed and "KernelClosed" in hicache.__all__
+    assert hicache.ActorSystemClosed is ActorSystemClosed and "ActorSystemClosed" in hicache.__all__
 
 
 def test_counts_tokens_and_slots_must_be_integers():
@@ -83,9 +83,9 @@ def test_closed_cache_raises_kernel_closed_and_does_not_reopen():
         async with cache:
             await cache.match("r", toks(8))
             await cache.release("r")
-        with pytest.raises(KernelClosed, match="closed"):
+        with pytest.raises(ActorSystemClosed, match="closed"):
             await cache.match("r", toks(8))
-        with pytest.raises(KernelClosed, match="opens once"):
+        with pytest.raises(ActorSystemClosed, match="opens once"):
             async with cache:
                 pytest.fail("a closed cache opened again")
 
@@ -181,7 +181,7 @@ async def test_file_store_whose_directory_vanishes_makes_it_again(tmp_path, anyi
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_mooncake_without_its_client_library_fails_at_open(anyio_backend):
     from hicache.backends.mooncake import MooncakeBackend
-    from hicache.backends.mooncake_spec import parse_spec
+    from hicache.backends.mooncake.spec import parse_spec
 
     def no_library(spec: object) -> object:
         raise ModuleNotFoundError("No module named 'mooncake'")

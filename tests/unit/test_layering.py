@@ -149,7 +149,7 @@ def _within(name: str, package: str) -> bool:
 def test_the_parser_sees_the_package():
     assert "hicache.config" in MODULES and "hicache.radix.tree" in MODULES
     assert "hicache.radix.structure" in _edges("hicache.radix.tree", ("module",))
-    assert "hicache.runtime.actor" in _edges("hicache.runtime.kernel", ("module",))
+    assert "hicache.runtime.actor" in _edges("hicache.runtime.actor_system", ("module",))
 
 
 def test_no_import_cycles():
@@ -191,8 +191,8 @@ def test_nothing_below_the_cache_imports_the_hybrid_layer(below):
 
 
 def test_config_imports_no_torch():
-    """config.py validates names that the policy and kernel registries own; reading them must not
-    load torch (hicache/kernels/names.py, the policies) so the configuration stays cheap."""
+    """config.py validates names that the policy and data-plane registries own; reading them must
+    not load torch (hicache/kernels/names.py, the policies) so the configuration stays cheap."""
     seen: set[str] = set()
     todo = ["hicache.config"]
     while todo:

@@ -1,8 +1,8 @@
-"""The replay's link reference and utilization (hicache/cli/replay_link.py)."""
+"""The replay's link reference and utilization (hicache/cli/replay/link.py)."""
 
 from __future__ import annotations
 
-from hicache.cli.replay_link import LinkReference, link_utilization, measure_link
+from hicache.cli.replay.link import LinkReference, link_utilization, measure_link
 
 
 def test_a_host_reference_says_what_it_copied():

@@ -18,7 +18,7 @@ def test_every_inbox_has_its_declared_bounds(storage, capacity):
         async with HiCache(cfg) as cache:
             return {
                 name: (actor.inbox.capacity, actor.inbox.reserve)
-                for name, actor in cache.kernel.actors.items()
+                for name, actor in cache.system.actors.items()
             }
 
     edges = Topology.for_capacity(capacity).edges()  # every worker, with or without storage

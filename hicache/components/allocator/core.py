@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from hicache.kernels.native import native_rows
+from hicache.kernels.native.rowcopy import native_rows
 
 __all__ = ["LedgerError", "SlotLedger"]
 

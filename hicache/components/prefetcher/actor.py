@@ -10,10 +10,10 @@ op sends at most three reports: probe, stop, end. The I/O runs in a helper task 
 stops and new ops are never stuck behind a slow read; what arrived is a consecutive prefix,
 checked page by page by the backend.
 
-Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
-op is stopped as if the tree had asked (the stop report settles the request with what had
-arrived); the end report, which returns the op's host slots, still waits until the call has
-really returned, since a call in a thread may still be writing into them.
+Every storage call has a deadline (`storage_timeout`, components/deadline.py; why it ends the
+wait but not the hold on the host slots: docs/decisions.md). Past it the op is stopped as if
+the tree had asked; the end report, which returns the op's host slots, comes when the call has
+really returned.
 
 The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
 run time); the tree switches only while no prefetch is in flight. A `StartPrefetch` with none
@@ -137,8 +137,8 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
     def _spawn(self, op: OpId) -> None:
         state = self._ops[op]
         state.busy = True
-        scope = state.deadline.arm(self.kernel, self.inbox, op, self._timeout)
-        self.kernel.start_soon(self._io, op, scope, name=f"prefetch-{op}")
+        scope = state.deadline.arm(self.system, self.inbox, op, self._timeout)
+        self.system.start_soon(self._io, op, scope, name=f"prefetch-{op}")
 
     async def _io_done(self, op: OpId, pages: int, error: str) -> None:
         state = self._ops[op]

@@ -8,7 +8,7 @@ close, the lease's return. Every decision is the controller's; what is here is I
 
 The storage attached now (`storage`) is this driver's: it hands the backend to the uploader and
 prefetcher (`UseBackend`) when the controller switches, clears it for `clear_storage`, and
-closes it at close if the cache opened it (`close_storage`, run after the kernel stopped). A
+closes it at close if the cache opened it (`close_storage`, run after the actor system stopped). A
 detached backend is handed to the facade in the detach's answer, which closes it if owned.
 """
 
@@ -110,7 +110,7 @@ class TreeActor(Actor[TreeInbox]):
         self.storage = storage
 
     async def close_storage(self) -> None:
-        """At close, after the kernel stopped: close the attached backend if the cache opened
+        """At close, after the actor system stopped: close the attached backend if the cache opened
         it (a caller's backend is the caller's)."""
         storage, self.storage = self.storage, None
         if storage is not None and storage.owned:
@@ -135,14 +135,14 @@ class TreeActor(Actor[TreeInbox]):
         allocates and frees on its own ledgers, with no round trip per step (the allocator
         keeps the record of what is leased and takes it back at close)."""
         for tier, led in self.core.space.ledgers.items():
-            lease = await self.kernel.request(self._allocator, _lease(tier, led.size))
+            lease = await self.system.request(self._allocator, _lease(tier, led.size))
             if lease is None or not np.array_equal(lease, np.arange(led.size)):
                 raise RuntimeError(f"the allocator did not lease the whole {tier} tier")
 
     def _now(self) -> float:
-        """The controller's clock for recency and order: the kernel's clock on one rank; on TP
+        """The controller's clock for recency and order: the actor system's clock on one rank; on TP
         ranks the count of frontend calls, the same on every rank (wall clocks are not)."""
-        return self.kernel.now() if self._agreement.trivial else float(self._tick)
+        return self.system.now() if self._agreement.trivial else float(self._tick)
 
     # ------------------------------------------------------------------ the loop
     async def handle(self, msg: TreeInbox) -> None:
@@ -200,7 +200,7 @@ class TreeActor(Actor[TreeInbox]):
                     await self._workers[to].send(msg)
                 case SubmitLoad(op=op, host_slots=host, device_slots=device):
                     assert self._loader is not None
-                    self._handles[op] = await self.kernel.request(
+                    self._handles[op] = await self.system.request(
                         self._loader, _load(op, host, device)
                     )
                 case LoadEnded(op=op):
@@ -209,7 +209,7 @@ class TreeActor(Actor[TreeInbox]):
                     reply.fail(error)
                 case StartTimer(op=op, delay=delay):
                     # a reserved slot per op: the send never blocks
-                    self._timers[op] = self.kernel.call_later(
+                    self._timers[op] = self.system.call_later(
                         delay, functools.partial(self.inbox.send_nowait, TimerFired(op=op))
                     )
                 case CancelTimer(op=op):
@@ -221,7 +221,7 @@ class TreeActor(Actor[TreeInbox]):
                 case Drained(replies=replies, lease=lease, tables=tables):
                     for tier, slots in lease.items():
                         await self._allocator.send(Free(tier=tier, slots=slots))
-                    ledgers: dict[str, dict[str, int]] = await self.kernel.request(
+                    ledgers: dict[str, dict[str, int]] = await self.system.request(
                         self._allocator, lambda r: LedgerStats(reply=r)
                     )
                     report = (
@@ -260,13 +260,13 @@ class TreeActor(Actor[TreeInbox]):
         for worker in ("uploader", "prefetcher"):
             await self._workers[worker].send(UseBackend(backend=backend))
         if storage is not None:
-            self.kernel.log.emit(
+            self.system.log.emit(
                 "storage.attached", component="cache", spec=storage.spec, owned=storage.owned
             )
             reply.set(True)
         else:
             assert old is not None  # the controller detaches only what it attached
-            self.kernel.log.emit(
+            self.system.log.emit(
                 "storage.detached", component="cache", spec=old.spec, owned=old.owned, **fields
             )
             reply.set(old)
@@ -274,7 +274,7 @@ class TreeActor(Actor[TreeInbox]):
     async def _clear(self, reply: Any, answer: Any) -> None:
         assert self.storage is not None
         timeout = self._cfg.storage_timeout
-        with self.kernel.clock.move_on_after(timeout) as scope:
+        with self.system.clock.move_on_after(timeout) as scope:
             await self.storage.backend.clear()
         if scope.cancelled_caught:
             self.log.warning("tree.storage_timeout", call="clear", timeout=timeout)

@@ -375,7 +375,7 @@ class Controller:
     def _abandon_in_flight(self) -> None:
         """Close's last resort past its deadline: end every op still in flight as if it had
         failed, so its slots go back. Its worker may still be inside a storage call; the
-        kernel stops right after, and nothing reuses the slots."""
+        actor system stops right after, and nothing reuses the slots."""
         w = self.writes
         counts = {
             "writes": len(w.writes),

@@ -2,14 +2,13 @@
 
 Each completed L1 -> L2 write with storage on becomes an `Upload` (the tree keeps the host pages
 protected until `UploadDone`). The storage call runs in a helper task so the inbox keeps
-moving; a failed upload is retried with exponential backoff on the kernel's clock, and after
+moving; a failed upload is retried with exponential backoff on the actor system's clock, and after
 the last try it is an event and a later miss, never an error for any request.
 
-Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
-tree is told at once (`UploadTimedOut`), so neither a flush nor a
-host allocation waits on a hung store. The op's one `UploadDone` still comes only when the
-call has really returned: a call running in a thread may still be reading the host pages, and
-they stay protected until then. A timed-out upload is not retried.
+Every storage call has a deadline (`storage_timeout`, components/deadline.py; why it ends the
+wait but not the hold on the host pages, and why a timed-out upload is not retried:
+docs/decisions.md). Past it the tree is told at once (`UploadTimedOut`); the op's one
+`UploadDone` comes when the call has really returned.
 
 The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
 run time; at open, the one it was built with). The tree switches only while no upload is in
@@ -49,7 +48,9 @@ class _Job:
     attempt: int = 0
     deadline: CallDeadline = field(default_factory=CallDeadline)  # of the call in flight
     timed_out: bool = False
-    started: float = 0.0  # when the Upload arrived (kernel clock), for the events' `seconds`
+    started: float = (
+        0.0  # when the Upload arrived (the actor system's clock), for the events' `seconds`
+    )
 
 
 class UploaderActor(Actor[UploaderInbox]):
@@ -82,7 +83,7 @@ class UploaderActor(Actor[UploaderInbox]):
                 assert not self._jobs, "storage switched with uploads in flight"
                 self._backend = backend
             case Upload(op=op):
-                self._jobs[op] = _Job(msg, started=self.kernel.now())
+                self._jobs[op] = _Job(msg, started=self.system.now())
                 self._start(op)
             case IoDeadline(op=op, call=call):
                 job = self._jobs.get(op)
@@ -109,11 +110,11 @@ class UploaderActor(Actor[UploaderInbox]):
                         delay=delay,
                         error=error or None,
                     )
-                    self.kernel.call_later(delay, functools.partial(self._start, op))
+                    self.system.call_later(delay, functools.partial(self._start, op))
                     return
                 del self._jobs[op]
                 nbytes = pages * self._host.page_nbytes if self._ns.writes else 0
-                seconds = round(self.kernel.now() - job.started, 6)
+                seconds = round(self.system.now() - job.started, 6)
                 if pages < wanted:
                     self.log.error(
                         "uploader.failed",
@@ -138,8 +139,8 @@ class UploaderActor(Actor[UploaderInbox]):
                 assert_never(msg)
 
     def _start(self, op: OpId) -> None:
-        scope = self._jobs[op].deadline.arm(self.kernel, self.inbox, op, self._timeout)
-        self.kernel.start_soon(self._upload, op, scope, name=f"upload-{op}")
+        scope = self._jobs[op].deadline.arm(self.system, self.inbox, op, self._timeout)
+        self.system.start_soon(self._upload, op, scope, name=f"upload-{op}")
 
     async def _upload(self, op: OpId, scope: anyio.CancelScope) -> None:
         job = self._jobs[op].msg

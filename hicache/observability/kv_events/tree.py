@@ -273,8 +273,8 @@ def start_kv_events(
 ) -> TreeKVEvents | None:
     """Publish `tree`'s tier changes as `config` says (`kv_events`, `kv_events_replay`,
     `kv_events_topic`, `kv_events_buffer`, `kv_events_format`), with STORAGE events taken from
-    `log` (the cache's kernel log). None when `kv_events` is unset, and on TP ranks other than
-    0 (every rank's tree is the same: one publishes). `close()` the result after the kernel
+    `log` (the cache's event log). None when `kv_events` is unset, and on TP ranks other than
+    0 (every rank's tree is the same: one publishes). `close()` the result after the actor system
     has stopped; binding an endpoint that is taken raises `zmq.ZMQError` here."""
     if config.kv_events is None or config.tp_rank != 0:
         return None

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class CacheMetrics(MetricSet):
     """The metrics of one cache instance, in a registry of their own.
 
-    `log`: the event log to listen to (the cache's `kernel.log`). `cache`: the `HiCache` whose
+    `log`: the event log to listen to (the cache's `system.log`). `cache`: the `HiCache` whose
     ledgers, tree tables and mailboxes the gauges read on scrape (None: no gauges).
     `instance`: the value of the `cache` label every metric carries (named `cache`, not
     `instance`, so it does not clash with the target label Prometheus adds).
@@ -97,11 +97,11 @@ class CacheMetrics(MetricSet):
 
 
 def serve_cache_metrics(cache: Any, port: int, addr: str = "0.0.0.0") -> CacheMetrics:
-    """The exporter `HiCache` starts for `metrics_port`: listens to the cache's kernel log,
+    """The exporter `HiCache` starts for `metrics_port`: listens to the cache's event log,
     reads its gauges, serves `/metrics`."""
     cfg = cache.config
     metrics = CacheMetrics(
-        log=cache.kernel.log, cache=cache, instance=f"{cfg.model_id}/rank{cfg.tp_rank}"
+        log=cache.system.log, cache=cache, instance=f"{cfg.model_id}/rank{cfg.tp_rank}"
     )
     try:
         metrics.serve(port, addr=addr)

@@ -26,10 +26,10 @@ class ScrapeCollector:
 
         i = self._m.instance
         cache = self._cache
-        kernel = getattr(cache, "_kernel", None)
-        if kernel is None:
+        system = getattr(cache, "_system", None)
+        if system is None:
             return
-        actors = kernel.actors
+        actors = system.actors
         used = GaugeMetricFamily(
             "hicache_used_tokens",
             "Token slots held in a tier (by the tree, running requests and transfers in flight)",

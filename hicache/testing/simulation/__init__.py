@@ -7,7 +7,7 @@ clients sharing prefixes drawn from a small token alphabet, multi-turn, chunked 
 through `cache_unfinished`, decode steps, releases mid-prefetch and mid-load, abandoned
 requests) and the faults (failed and slow copies, storage latency, slow, failed, hung and
 corrupted calls, outages). In deterministic mode (`mode="virtual"`, the default) the run is on
-virtual time and the kernel's turnstile, so the same seed replays the same run exactly.
+virtual time and the actor system's turnstile, so the same seed replays the same run exactly.
 `mode="thread"` runs the same workload on asyncio with real CPU transfer threads
 (`cpu_transfers="thread"`): interleavings are then whatever the threads make of it.
 

@@ -150,9 +150,9 @@ async def _squeeze(ctx: SimContext, released: Any, handle: LoadHandle | None) ->
 
 
 async def builtin_clients(ctx: SimContext) -> None:
-    """The default driver: one kernel task per client, each running its requests in order."""
+    """The default driver: one actor system task per client, each running its requests in order."""
     cache = ctx.cache
-    done = cache.kernel.reply()
+    done = cache.system.reply()
     left = [len(ctx.workload.clients)]
 
     async def client(requests: tuple[RequestSpec, ...]) -> None:
@@ -178,5 +178,5 @@ async def builtin_clients(ctx: SimContext) -> None:
                 done.set(None)
 
     for i, requests in enumerate(ctx.workload.clients):
-        cache.kernel.start_soon(client, requests, name=f"sim-client{i}")
+        cache.system.start_soon(client, requests, name=f"sim-client{i}")
     await done.wait()

@@ -33,10 +33,11 @@ def _owners(actor: Any) -> list[tuple[str, Any]]:
 
 def leftover_tables(cache: HiCache) -> list[str]:
     """After close: every dict, set, list or deque an actor keeps that is not empty (a dict of
-    lists counts as empty when its lists are), and the kernel's pending replies and helpers."""
+    lists counts as empty when its lists are), and the actor system's pending replies and helpers.
+    """
     out = []
-    kernel = cache.kernel
-    for name, actor in kernel.actors.items():
+    system = cache.system
+    for name, actor in system.actors.items():
         for prefix, owner in _owners(actor):
             for attr, value in vars(owner).items():
                 if attr in _NOT_TABLES or not isinstance(value, (dict, set, list, deque)):
@@ -50,10 +51,10 @@ def leftover_tables(cache: HiCache) -> list[str]:
                         out.append(f"{name}.{prefix}{attr}")
                 elif len(value):
                     out.append(f"{name}.{prefix}{attr}={_describe(value)}")
-    if kernel.pending_replies:
-        out.append(f"kernel: {kernel.pending_replies} pending replies")
-    if kernel._helpers:
-        out.append(f"kernel: {len(kernel._helpers)} helper tasks")
+    if system.pending_replies:
+        out.append(f"actor system: {system.pending_replies} pending replies")
+    if system._helpers:
+        out.append(f"actor system: {len(system._helpers)} helper tasks")
     return out
 
 
@@ -84,7 +85,7 @@ async def quiesce(ctx: SimContext) -> None:
         while True:
             await ctx.call("flush()", cache.flush)
             if ctx.virtual:
-                await cache.kernel.run_until_idle()
+                await cache.system.run_until_idle()
             stats = await ctx.call("stats()", cache.stats)
             flying = {k: v for k, v in stats.inflight.items() if k != "requests" and v}
             if not flying:
@@ -95,17 +96,17 @@ async def quiesce(ctx: SimContext) -> None:
                     f"(every load landed, flushed): {flying}"
                 )
             if ctx.virtual:
-                await cache.kernel.sleep(0.05)
+                await cache.system.sleep(0.05)
             else:
                 await anyio.sleep(0.01)
         if ctx.virtual:
             # Past every prefetch deadline: a timer left running for an op that ended would
             # fire now, and what it leaves behind shows in the tables at close.
             c = ctx.sim.cache
-            await cache.kernel.sleep(
+            await cache.system.sleep(
                 c["prefetch_timeout_base"] + c["prefetch_timeout_per_ki_token"] + 1.0
             )
-            await cache.kernel.run_until_idle()
+            await cache.system.run_until_idle()
             stats = await ctx.call("stats()", cache.stats)
             flying = {k: v for k, v in stats.inflight.items() if k != "requests" and v}
             if flying:
@@ -113,7 +114,7 @@ async def quiesce(ctx: SimContext) -> None:
         ctx.counts["l1_evicted_tokens"] += stats.device.evictions
         ctx.counts["l2_evicted_tokens"] += stats.host.evictions
         ctx.counts["l3_hit_tokens"] += stats.storage_hit_tokens
-        tree = cache.kernel.actors.get("tree")
+        tree = cache.system.actors.get("tree")
         counters = getattr(getattr(tree, "core", None), "counters", None)  # looked at if there
         if counters is not None:
             ctx.counts["evict_backups"] += counters.evict_backups

@@ -148,7 +148,7 @@ class SimContext:
     def check_live(self, where: str) -> None:
         """Every page every live request verified so far still holds its KV; the upload
         backlog stays within `max_upload_backlog`."""
-        tree = self._cache.kernel.actors.get("tree") if self._cache is not None else None
+        tree = self._cache.system.actors.get("tree") if self._cache is not None else None
         backlog = getattr(tree, "_upload_backlog", None)  # private: looked at when present
         bound = self.sim.cache.get("max_upload_backlog")
         if backlog is not None and bound is not None and len(backlog) > bound:
@@ -278,4 +278,4 @@ class SimContext:
 
     async def sleep(self, seconds: float) -> None:
         if seconds > 0:
-            await self.cache.kernel.sleep(seconds if self.virtual else min(seconds, 0.002))
+            await self.cache.system.sleep(seconds if self.virtual else min(seconds, 0.002))

@@ -19,7 +19,7 @@ class LateLandingStreams:
     """Deterministic transfer streams whose bytes move when each layer *lands* (as real
     streams do: a copy runs some time after it was queued), not at submit like the default
     virtual streams. Timing and faults as `VirtualStreams`. Built unbound: `bind(cache)` once
-    the cache is open (the pools and the kernel's timers exist only then)."""
+    the cache is open (the pools and the actor system's timers exist only then)."""
 
     kind = "virtual"
 
@@ -48,7 +48,7 @@ class LateLandingStreams:
             cache.device_pool,
             cache.host_pool,
             io=cache.config.io_backend,
-            schedule=cache.kernel.call_later,
+            schedule=cache.system.call_later,
             bandwidth=self._bandwidth,
             fault=self._fault,
         )

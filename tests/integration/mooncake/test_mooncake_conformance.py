@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mooncake
 
 
 class MooncakeHarness:
-    keys_name_content = True  # an existing key counts as stored (mooncake_io.put_chunk)
+    keys_name_content = True  # an existing key counts as stored (mooncake/io.py's put_chunk)
 
     def __init__(self, store: Any, raw: Any) -> None:
         self.store = store

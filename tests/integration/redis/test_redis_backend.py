@@ -15,7 +15,7 @@ from redis_helpers import Pages, namespace, page_keys
 from hicache.backends.base import StorageBackend, enforces_ttl, set_from_ttl
 from hicache.backends.framing import encode_header
 from hicache.backends.redis import RedisBackend
-from hicache.backends.redis_spec import DEFAULT_PIPELINE_BYTES
+from hicache.backends.redis.spec import DEFAULT_PIPELINE_BYTES
 
 pytestmark = [pytest.mark.redis, pytest.mark.anyio]
 

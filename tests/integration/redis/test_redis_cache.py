@@ -13,11 +13,11 @@ import anyio
 import pytest
 import redis
 
-import hicache.cli.replay as replay_module
+import hicache.cli.replay.command as replay_module
 from hicache import HiCache
 from hicache.cli.main import _REPO_TRACE
 from hicache.cli.main import main as hicache_main
-from hicache.cli.replay import replay
+from hicache.cli.replay.command import replay
 from hicache.cli.trace import read_trace
 from hicache.config import CacheConfig
 from hicache.observability import EventLog

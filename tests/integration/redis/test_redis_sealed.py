@@ -13,7 +13,7 @@ from redis_helpers import Events
 from hicache.backends.framing import encode_header
 from hicache.backends.keys import chain_page_hashes
 from hicache.backends.registry import connect_backend
-from hicache.backends.seal import Seal
+from hicache.backends.sealing.seal import Seal
 
 pytestmark = pytest.mark.anyio
 PASSWORD = "Plant3d-Redis-Passw0rd"

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from hicache.backends import file_io as file_mod
 from hicache.backends.file import FileBackend, value_path
+from hicache.backends.file import io as file_mod
 from hicache.backends.registry import open_backend
 
 from .conftest import FakeHostPool, page_keys

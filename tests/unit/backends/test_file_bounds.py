@@ -14,10 +14,10 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from hicache.backends import file as file_backend
 from hicache.backends.base import enforces_ttl, set_from_ttl
 from hicache.backends.file import FileBackend, value_path
-from hicache.backends.file_index import default_cap
+from hicache.backends.file import backend as file_backend
+from hicache.backends.file.index import default_cap
 from hicache.backends.framing import header_size
 from hicache.backends.keys import Namespace
 

@@ -1,6 +1,6 @@
-"""The compiled file-store loops (file_native.py) against file_io.py's Python loops: for every
-case each way gets the same file state, and must give the same result and leave the same
-files (bytes, timestamps)."""
+"""The compiled file-store loops (backends/file/native.py) against backends/file/io.py's Python
+loops: for every case each way gets the same file state, and must give the same result and leave
+the same files (bytes, timestamps)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import struct
 
 import pytest
 
-from hicache.backends import file_io
-from hicache.backends.file_index import expiry_to_atime_ns
-from hicache.backends.file_native import expire_le, native_file_io, unavailable_reason
+from hicache.backends.file import io as file_io
+from hicache.backends.file.index import expiry_to_atime_ns
+from hicache.backends.file.native import expire_le, native_file_io, unavailable_reason
 from hicache.backends.framing import FIXED_HEADER_SIZE, CorruptValue
 
 native = native_file_io()

@@ -59,7 +59,7 @@ def test_checksum_continues_and_matches_zlib():
 
 
 def test_chunks_regroup_without_copying():
-    from hicache.backends.file_io import _chunks
+    from hicache.backends.file.io import _chunks
 
     buf = bytearray(range(250))
     pieces = [memoryview(buf)[0:100], memoryview(buf)[100:130], memoryview(buf)[130:250]]

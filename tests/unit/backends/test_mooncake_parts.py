@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from hicache.backends import framing
-from hicache.backends.mooncake_io import get_chunk, put_chunk, split_chunks
-from hicache.backends.mooncake_memory import Arena, RegisteredRegions, address_of
-from hicache.backends.mooncake_spec import parse_size, parse_spec
+from hicache.backends.mooncake.io import get_chunk, put_chunk, split_chunks
+from hicache.backends.mooncake.memory import Arena
+from hicache.backends.mooncake.spec import parse_size, parse_spec
+from hicache.backends.registered import RegisteredRegions, address_of
 from hicache.kernels.pools import PagePieces
 
 

@@ -1,4 +1,4 @@
-"""The in-place RESP reply reader (redis_direct._Replies), fed byte streams cut at arbitrary
+"""The in-place RESP reply reader (redis/direct.py's `_Replies`), fed byte streams cut at arbitrary
 points, with no server: replies in order, page bodies landing in their pieces, wrong-length
 values drained without touching the page, and protocol surprises aborting the connection."""
 
@@ -12,8 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from hicache.backends.framing import CorruptValue, encode_header, header_size
-from hicache.backends.redis_direct import Landed, ProtocolFailure, Target, WrongLength, _Replies
-from hicache.backends.redis_values import explain_wrong_length, verify_landed
+from hicache.backends.redis.direct import Landed, ProtocolFailure, Target, WrongLength, _Replies
+from hicache.backends.redis.values import explain_wrong_length, verify_landed
 
 
 class FakeTransport:
@@ -168,7 +168,7 @@ def test_a_connection_lost_mid_body_stops_writing_into_the_page(loop, replies):
 def test_error_replies_keep_redis_py_exception_classes():
     from redis.exceptions import OutOfMemoryError
 
-    from hicache.backends.redis_direct import error_reply
+    from hicache.backends.redis.direct import error_reply
 
     assert isinstance(
         error_reply("OOM command not allowed when used memory > 'maxmemory'."), OutOfMemoryError

@@ -11,7 +11,7 @@ pytest.importorskip("redis")
 
 from hicache import CacheConfig, HiCache
 from hicache.backends.base import BackendUnavailable
-from hicache.backends.redis_spec import parse_redis_spec
+from hicache.backends.redis.spec import parse_redis_spec
 from hicache.backends.registry import connect_backend, open_backend
 from hicache.testing.redis_server import free_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.backends.redis_spec import DEFAULT_POOL, DEFAULT_TIMEOUT_S, parse_redis_spec
+from hicache.backends.redis.spec import DEFAULT_POOL, DEFAULT_TIMEOUT_S, parse_redis_spec
 
 
 def test_plain_tcp_defaults():

@@ -1,4 +1,4 @@
-"""Framed page values (redis_values) and the RESP packing that writes them (redis_wire)."""
+"""Framed page values (redis/values.py) and the RESP packing that writes them (redis/wire.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.backends.framing import CorruptValue, encode_header
-from hicache.backends.redis_values import byte_views, encode_value, read_value_into
-from hicache.backends.redis_wire import Parts, joined, pack
+from hicache.backends.redis.values import byte_views, read_value_into
+from hicache.backends.redis.wire import Parts, joined, pack
 
 KEY = "hicache:ns:" + "ab" * 32
+
+
+def encode_value(key: str, pieces: list[memoryview]) -> bytes:
+    """A stored value as the backend writes it (header, then the pieces), joined in one bytes."""
+    return b"".join([encode_header(key, pieces), *pieces])
 
 
 def _pieces(sizes: list[int], seed: int = 0) -> list[memoryview]:

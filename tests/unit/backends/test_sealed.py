@@ -10,8 +10,8 @@ import pytest
 
 from hicache.backends.framing import decode_header, encode_header
 from hicache.backends.registry import connect_backend, open_backend
-from hicache.backends.seal import MODE_TAG, SEAL_MAGIC, SEAL_SIZE, Seal
-from hicache.backends.sealed import SealedBackend, seal_backend
+from hicache.backends.sealing.backend import SealedBackend, seal_backend
+from hicache.backends.sealing.seal import MODE_TAG, SEAL_MAGIC, SEAL_SIZE, Seal
 
 from .conftest import FakeHostPool, page_keys
 from .harness import Events, FileHarness, MemoryHarness

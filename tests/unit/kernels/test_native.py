@@ -1,4 +1,5 @@
-"""The compiled row copier (native.py, rowcopy.c), its fallbacks, and huge-page pool memory."""
+"""The compiled row copier (kernels/native/rowcopy.py, rowcopy.c), its fallbacks, and huge-page
+pool memory."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from hicache.kernels import DevicePool, HostPool, MHAGeometry, backup, load_layer
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.huge_pages import HUGE_PAGE, cpu_bytes
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from tests.unit.kernels.reference import randomize
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -193,7 +194,7 @@ _FALLBACK_PROBE = """
 import numpy as np, torch
 from hicache.kernels import DevicePool, HostPool, MHAGeometry, backup
 from hicache.kernels.engines import CpuEngine
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 assert native_rows() is None
 print("reason:", unavailable_reason())
 try:
@@ -230,7 +231,7 @@ def test_failing_compiler_falls_back_with_its_error(tmp_path):
 
 @needs_native
 def test_built_library_is_cached_per_source_and_reused(tmp_path):
-    probe = "from hicache.kernels.native import native_rows; print(native_rows().path)"
+    probe = "from hicache.kernels.native.rowcopy import native_rows; print(native_rows().path)"
     first = _python(probe, HICACHE_CACHE_DIR=str(tmp_path))
     assert first.returncode == 0, first.stderr
     built = Path(first.stdout.strip())

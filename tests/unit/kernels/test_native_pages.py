@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hicache.kernels.indices import check_pages
-from hicache.kernels.native import PageRuns, data_address, native_rows, unavailable_reason
+from hicache.kernels.native.addresses import data_address
+from hicache.kernels.native.rowcopy import PageRuns, native_rows, unavailable_reason
 
 needs_native = pytest.mark.skipif(
     native_rows() is None, reason=f"compiled row copier unavailable: {unavailable_reason()}"

@@ -23,7 +23,7 @@ from hicache.kernels import (
 )
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.layouts import row_unit
-from hicache.kernels.native import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from tests.unit.kernels.reference import naive_backup, naive_load, random_page_slots, randomize
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]

@@ -4,7 +4,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from hicache.runtime import KernelClosed, Mailbox
+from hicache.runtime import ActorSystemClosed, Mailbox
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -133,7 +133,7 @@ async def test_close_wakes_blocked_senders_and_receiver_drains():
     async def blocked() -> None:
         try:
             await box.send(2)
-        except KernelClosed as exc:
+        except ActorSystemClosed as exc:
             errors.append(exc)
 
     async with anyio.create_task_group() as tg:
@@ -141,9 +141,9 @@ async def test_close_wakes_blocked_senders_and_receiver_drains():
         await anyio.wait_all_tasks_blocked()
         box.close()
     assert len(errors) == 1 and "'m' is closed" in str(errors[0])
-    with pytest.raises(KernelClosed):
+    with pytest.raises(ActorSystemClosed):
         await box.send(3)
-    with pytest.raises(KernelClosed):
+    with pytest.raises(ActorSystemClosed):
         box.send_nowait(3)
     assert await box.receive() == 1  # buffered messages survive the close
     with pytest.raises(anyio.EndOfStream):

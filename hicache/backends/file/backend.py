@@ -1,0 +1,506 @@
+"""`file:DIR`: the embedded default L3, one file per page value on a local or shared filesystem.
+
+Layout: `DIR/<namespace digest>/<h[0:2]>/<h[2]>/<h>` holds the value of page hash `h`
+(framing.py's header, then the payload); `DIR/<namespace digest>/tmp/` holds writes in
+progress. Values are created 0600, directories 0700. Guarantees:
+- Atomic: a value is written to a temporary file (optionally fsynced) and renamed into place,
+  so a reader sees the whole old value, the whole new one, or none. A crash leaves at most a
+  temporary file, which readers never look at and which opening a backend removes once it is
+  older than `stale_temp_s`.
+- Verified: every read checks the header (version, key, length) and the CRC-32; a value that
+  fails is a miss, a `storage.corrupt` event, and is deleted.
+- Zero-copy: reads `readv` straight into the page's pieces, writes `writev` from them.
+- Bounded (per namespace directory): `max_bytes`, by default what the directory holds at open
+  plus `free_fraction` (0.9) of the filesystem's free space at open. Opening scans the
+  directory into an LRU index (mtime order: a restart keeps what was there); reads and writes
+  move a value to the recent end, and touch its mtime so other processes see the recency.
+  Room is reserved before a batch is written: when it would take the total over the cap the
+  backend rescans the directory (counting other writers' values) and removes expired values,
+  then the least recently used, down to 0.9 x the cap (batches wait for a running eviction,
+  or for writes in flight to land when those alone fill the cap). It also rescans after
+  writing 0.1 x cap since its last scan, so P processes sharing a directory keep it within
+  cap + (P - 1) x (0.1 x cap + one batch) (docs/backends.md).
+- Expiry: `set_from(..., ttl=s)` values are misses `s` seconds later on `clock`, and removed by
+  the next read, rescan or `sweep()`; the deadline lives in the file's atime (index.py).
+- Self-healing directories: a write whose temporary directory (or the namespace directory)
+  has been deleted under it recreates it and goes on; shard directories likewise.
+- Failing writes are loud once: each failed write is a `storage.error` event; after
+  `failure_streak` consecutive failed page writes the backend also emits
+  `storage.writes_failing` (once per streak), and on the next success `storage.writes_recovered`.
+
+Blocking calls run in worker threads under a limiter of `threads` (or inline with threads=0),
+a batch's pages in runs of at least `_STRIPE_PAGES` per thread call; io.py holds them.
+Where the compiled loops build (native.py: the same calls and results, a whole run per
+call without the GIL), reads, writes and `exists` go through them; io.py's Python loops
+otherwise, and whenever a test has replaced one of the calls they stand for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import anyio
+
+import hicache.backends.file.io as file_io
+from hicache.backends.base import BackendUnavailable, EventSink, PageBuffer, check_ttl, no_events
+from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
+from hicache.backends.blocking import BlockingRunner
+from hicache.backends.file.index import (
+    TMP_DIR,
+    FileIndex,
+    check_options,
+    default_cap,
+    expiry_to_atime_ns,
+    marks_survive,
+    plain_atime_ns,
+    scan,
+    seconds_to_ns,
+)
+from hicache.backends.file.io import (
+    Expired,
+    Read,
+    clean_temps,
+    clear_values,
+    count_present,
+    make_dirs,
+    python_io_untouched,
+    read_value,
+    unlink_all,
+    write_value,
+)
+from hicache.backends.file.native import NativeFileIO, native_file_io
+from hicache.backends.framing import CorruptValue, header_size
+from hicache.backends.keys import Namespace
+
+_LOW_WATER = 0.9  # eviction goes down to this share of the cap; 1 - it is the rescan period
+_OPTIONS = {
+    "fsync",
+    "max_bytes",
+    "free_fraction",
+    "threads",
+    "stale_temp_s",
+    "failure_streak",
+    "clock",
+}
+
+
+def value_path(root: str | os.PathLike[str], namespace_digest: str, page_hash: str) -> str:
+    """Where the value of `page_hash` lives under `root` for one namespace."""
+    # 256 x 16 leaf directories: few enough that a young store does not create one per page.
+    return os.path.join(root, namespace_digest, page_hash[:2], page_hash[2:3], page_hash)
+
+
+class StoreDirectoryUnavailable(BackendUnavailable, ValueError):
+    """The store's directory cannot be created or written at open (a `BackendUnavailable`;
+    also a ValueError, as a bad `file:DIR` spec is)."""
+
+
+class FileBackend:
+    """StorageBackend over a directory. Owns its counters, its LRU index and its temporary
+    files; shares value files with any other instance over the same directory."""
+
+    # Under a virtual clock (deterministic caches) its file calls run inline, not in threads.
+    VIRTUAL_TIME_OPTIONS: ClassVar[Mapping[str, object]] = {"threads": 0}
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        namespace: Namespace,
+        emit: EventSink | None = None,
+        fsync: bool = False,
+        max_bytes: int | None = None,
+        free_fraction: float = 0.9,
+        threads: int = 4,
+        stale_temp_s: float = 600.0,
+        failure_streak: int = 8,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not isinstance(namespace, Namespace):
+            raise TypeError(
+                f"namespace must be a hicache.backends.keys.Namespace, got {type(namespace).__name__}"
+            )
+        check_options(max_bytes, free_fraction, stale_temp_s, failure_streak, clock)
+        self.namespace = namespace
+        self.root = os.fspath(root)
+        self.fsync = bool(fsync)
+        self._emit = emit or no_events
+        self._clock = clock
+        self._runner = BlockingRunner(threads)
+        self._temp_seq = itertools.count()
+        self._counters = Counters()
+        self._expired = 0  # values found or swept expired
+        # Consecutive failed page writes (loop side); the streak is reported once it reaches
+        # `failure_streak`, and its end once a write succeeds again.
+        self.failure_streak = failure_streak
+        self._failed_writes = 0
+        self._streaks = 0
+        self._dir = os.path.join(self.root, namespace.digest)
+        self._tmp = os.path.join(self._dir, TMP_DIR)
+        try:
+            make_dirs(self._tmp)
+        except OSError as exc:
+            raise StoreDirectoryUnavailable(
+                f"file backend cannot create directory {self._tmp!r}: {exc}"
+            ) from exc
+        clean_temps(self._tmp, stale_temp_s)
+        # Expiry marks need nanosecond atimes: where they do not survive, a ttl is not enforced.
+        self.enforces_ttl = marks_survive(self._tmp)
+        self._index = FileIndex()
+        self._evicting: anyio.Event | None = None  # set while an eviction runs
+        self._landed: anyio.Event | None = None  # set when a batch's writes end (if awaited)
+        self.max_bytes = 1  # set below, once the scan knows what the directory holds
+        self._rescan_bytes = 1
+        self._expired += self._sweep_sync(None)[1]
+        self.max_bytes = (
+            max_bytes
+            if max_bytes is not None
+            else default_cap(self._dir, self._index.stored, free_fraction)
+        )
+        self._rescan_bytes = max(1, int(self.max_bytes * (1 - _LOW_WATER)))
+
+    @classmethod
+    def from_spec(
+        cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
+    ) -> FileBackend:
+        """Spec `file:DIR`. Options: fsync, max_bytes, free_fraction, threads (0 = inline),
+        stale_temp_s, failure_streak, clock."""
+        if not isinstance(spec, str) or not spec.startswith("file:") or len(spec) == len("file:"):
+            raise ValueError(f"file backend spec must be file:DIR, got {spec!r}")
+        if set(options) - _OPTIONS:
+            raise TypeError(
+                f"unknown file backend options {sorted(set(options) - _OPTIONS)}; "
+                f"known: {sorted(_OPTIONS)}"
+            )
+        return cls(spec[len("file:") :], namespace=namespace, emit=emit, **options)
+
+    # -- protocol ------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        check_keys(self.namespace, keys)
+        paths = self._locate(keys)[1]
+        self._counters.exists_calls += 1
+        return await self._runner.run(_count_present, paths, self._clock())
+
+    async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
+        pages = check_buffers(self.namespace, keys, targets, writable=True)
+        now = self._clock()
+        now_ns = seconds_to_ns(now)
+        hashes, paths = self._locate(keys)
+        jobs = [(k, path, p, now, now_ns) for k, path, p in zip(keys, paths, pages)]
+        self._counters.gets += len(jobs)
+        results = await self._map(_read_all, jobs)
+        oks = []
+        read = []  # (page hash, file size, expiry) of the values read, for the index
+        payload = 0
+        for key, page_hash, result in zip(keys, hashes, results):
+            if isinstance(result, Read):
+                payload += result.payload
+                read.append((page_hash, result.file_size, result.expiry))
+            elif isinstance(result, Expired):
+                self._expired += 1
+                self._index.put_many(read)  # in order: a value read before is put first
+                read.clear()
+                self._index.forget(page_hash)
+            elif isinstance(result, CorruptValue):
+                self._counters.corrupt += 1
+                self._emit("storage.corrupt", key=key, reason=result.reason)
+                self._index.put_many(read)
+                read.clear()
+                self._index.forget(page_hash)
+            elif isinstance(result, Exception):
+                self._error("get", key, result)
+            oks.append(isinstance(result, Read))
+        self._counters.bytes_read += payload
+        self._index.put_many(read)
+        hits = prefix_count(oks)
+        self._counters.get_hits += hits
+        return hits
+
+    async def set_from(
+        self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None
+    ) -> int:
+        """Store each page (expiring `ttl` seconds from now, if given); the stored prefix."""
+        pages = check_buffers(self.namespace, keys, sources, writable=False)
+        check_ttl(ttl)
+        self._counters.sets += len(keys)
+        now = self._clock()
+        if ttl is not None and ttl <= 0:  # expired on arrival: nothing to keep, nor the old one
+            hashes, paths = self._locate(keys)
+            for page_hash in hashes:
+                self._index.forget(page_hash)
+            for path, exc in await self._runner.run(unlink_all, paths):
+                self._error("set", path, exc)
+            self._counters.set_ok += len(keys)
+            return len(keys)
+        sizes = [header_size(k) + _nbytes(page) for k, page in zip(keys, pages)]
+        need = sum(sizes)
+        fit = len(sizes)
+        if need > self.max_bytes:  # a batch larger than the whole cap stores the prefix that fits
+            fit = prefix_count(total <= self.max_bytes for total in itertools.accumulate(sizes))
+            need = sum(sizes[:fit])
+        await self._make_room(need)
+        expiry = None if ttl is None else now + ttl
+        now_ns = seconds_to_ns(now)
+        times = (
+            expiry_to_atime_ns(expiry) if expiry is not None else plain_atime_ns(now_ns),
+            now_ns,
+        )
+        hashes, paths = self._locate(keys[:fit])
+        temps = self._temp_paths(hashes)
+        fsync = self.fsync
+        jobs = [
+            (k, path, temp, p, fsync, times)
+            for k, path, temp, p in zip(keys[:fit], paths, temps, pages[:fit])
+        ]
+        self._index.reserve(hashes, need)  # counted from now: the cap holds while they are written
+        try:
+            results = await self._map(_write_all, jobs)
+        finally:
+            self._index.release(hashes, need)
+            if self._landed is not None:
+                self._landed.set()
+                self._landed = None
+        oks = []
+        stored = []  # (page hash, file size, expiry) of the values written, for the index
+        written = 0
+        for key, page_hash, result in zip(keys, hashes, results):
+            if isinstance(result, Exception):
+                self._error("set", key, result)
+                self._write_failed(result)
+                oks.append(False)
+                continue
+            if self._failed_writes:
+                self._write_succeeded()
+            size, payload = result
+            written += payload
+            stored.append((page_hash, size, expiry))
+            oks.append(True)
+        self._counters.set_ok += len(stored)
+        self._counters.bytes_written += written
+        self._index.put_many(stored)
+        return prefix_count(oks)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        check_keys(self.namespace, keys)
+        self._counters.deletes += len(keys)
+        hashes, paths = self._locate(keys)
+        for page_hash in hashes:
+            self._index.forget(page_hash)
+        for path, exc in await self._runner.run(unlink_all, paths):
+            self._error("delete", path, exc)
+
+    async def clear(self) -> None:
+        """Remove this namespace's values (and stale temporary files); other namespaces
+        under the same directory are untouched."""
+        await self._runner.run(clear_values, self._dir)
+        self._index.clear()
+
+    async def sweep(self) -> int:
+        """Rescan the directory now, remove expired values (and least recently used ones if
+        the directory is over the cap); how many values were removed."""
+        while self._evicting is not None:
+            await self._evicting.wait()
+        return await self._evict(0)
+
+    def stats(self) -> Mapping[str, int | float]:
+        out: dict[str, int | float] = dict(self._counters.as_dict())
+        out["write_failure_streaks"] = self._streaks
+        out["stored_bytes"] = self._index.stored
+        out["peak_stored_bytes"] = self._index.peak
+        out["max_bytes"] = self.max_bytes
+        out["expired"] = self._expired
+        return out
+
+    async def aclose(self) -> None:
+        return None  # no open handles between calls
+
+    # -- the cap -------------------------------------------------------------------------
+
+    async def _make_room(self, need: int) -> None:
+        """Before writing `need` bytes: wait out a running eviction (its victims may still be
+        on disk), then evict if the bytes would take the total over the cap, or rescan if this
+        instance has written a rescan period's worth since its last scan."""
+        index = self._index
+        while True:
+            while self._evicting is not None:  # its victims may still be on disk: let it finish
+                await self._evicting.wait()
+            if (
+                index.total + need <= self.max_bytes
+                and index.unscanned + need <= self._rescan_bytes
+            ):
+                return
+            await self._evict(need)  # down to the low-water mark, counting writes in flight
+            if index.total + need <= self.max_bytes:
+                return
+            if index.reserved:
+                # Writes in flight fill the cap: once one lands, its values can be evicted.
+                self._landed = self._landed or anyio.Event()
+                await self._landed.wait()
+            # Otherwise the writes that were in flight when the eviction chose its victims
+            # landed while it ran: their values count as stored, not reserved, so they can be
+            # evicted. Evict again rather than return over the cap.
+
+    async def _evict(self, need: int) -> int:
+        self._evicting = done = anyio.Event()
+        try:
+            removed, expired = await self._runner.run(self._sweep_sync, need)
+        finally:
+            self._evicting = None
+            done.set()
+        self._counters.evictions += removed
+        self._expired += expired
+        if removed:
+            self._emit(
+                "storage.evicted",
+                values=removed,
+                expired=expired,
+                stored_bytes=self._index.stored,
+            )
+        return removed
+
+    def _sweep_sync(self, need: int | None) -> tuple[int, int]:
+        """Worker thread (or the constructor, with need=None: no cap yet): rebuild the index
+        from the directory, drop expired values and, if `need` more bytes would pass the cap,
+        the least recently used down to the low-water mark. Returns (removed, of which
+        expired)."""
+        index = self._index
+        index.begin_scan()
+        index.replace(scan(self._dir))
+        limit = None
+        if need is not None and index.total + need > self.max_bytes:
+            limit = max(0, int(self.max_bytes * _LOW_WATER) - need)
+        victims, expired = index.take_victims(self._clock(), limit)
+        digest = self.namespace.digest
+        unlink_all([value_path(self.root, digest, h) for h in victims])
+        return len(victims), expired
+
+    # -- helpers (loop side unless noted) ---------------------------------------------------
+
+    async def _map(
+        self, run_all: Callable[[list[_Job]], list[_Result]], jobs: list[_Job]
+    ) -> list[_Result]:
+        """`run_all` over `jobs` cut into runs of at least `_STRIPE_PAGES` (one worker-thread
+        call each, at most `threads` at once); the results in order."""
+        runs = max(1, min(self._runner.threads, len(jobs) // _STRIPE_PAGES))
+        bounds = [len(jobs) * i // runs for i in range(runs + 1)]
+        parts = await self._runner.map(run_all, [jobs[a:b] for a, b in itertools.pairwise(bounds)])
+        return [result for part in parts for result in part]
+
+    def _path(self, key: str) -> str:
+        return value_path(self.root, self.namespace.digest, self.namespace.page_hash_of(key))
+
+    def _locate(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The page hash and `_path` of each key (keys already checked to be in the
+        namespace), the path built by concatenation (`value_path`'s result); a suffix that
+        is not a page hash goes through `page_hash_of`, which raises."""
+        start = len(self.namespace.prefix)
+        base = self._dir + os.sep
+        sep = os.sep
+        hashes, paths = [], []
+        for key in keys:
+            h = key[start:]
+            if len(h) != 64 or h.strip(_HEX):
+                self.namespace.page_hash_of(key)  # raises ValueError for a non-hash suffix
+            hashes.append(h)
+            paths.append(f"{base}{h[:2]}{sep}{h[2]}{sep}{h}")
+        return hashes, paths
+
+    def _temp_paths(self, hashes: Sequence[str]) -> list[str]:
+        # unique without a syscall per page: pid, this instance, a counter (next() is atomic
+        # under the GIL)
+        head = f"{self._tmp}{os.sep}"
+        tail = f".{os.getpid()}.{id(self):x}."
+        seq = self._temp_seq
+        return [f"{head}{h}{tail}{next(seq)}.tmp" for h in hashes]
+
+    def _error(self, op: str, key: str, exc: Exception) -> None:
+        self._counters.errors += 1
+        self._emit("storage.error", op=op, key=key, error=f"{type(exc).__name__}: {exc}")
+
+    def _write_failed(self, exc: Exception) -> None:
+        self._failed_writes += 1
+        if self._failed_writes == self.failure_streak:
+            self._streaks += 1
+            self._emit(
+                "storage.writes_failing",
+                directory=self._dir,
+                failures=self._failed_writes,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+
+    def _write_succeeded(self) -> None:
+        if self._failed_writes >= self.failure_streak:
+            self._emit(
+                "storage.writes_recovered", directory=self._dir, failures=self._failed_writes
+            )
+        self._failed_writes = 0
+
+
+_HEX = "0123456789abcdef"  # a page hash is 64 of these (keys.py)
+_STRIPE_PAGES = 128
+"""Fewest pages per worker-thread call of a batch (a batch of 128 pages, a prefetch's, is one
+call; 512 or more go out as `threads` calls). Handing a call to a worker thread costs the event
+loop tens of microseconds, and the batches in flight at once already spread over the threads:
+`hicache replay --limit 2500` used 13-16 % less CPU than with runs of 32 (docs/benchmarks.md)."""
+
+_Job = tuple[Any, ...]
+_Result = Any
+
+
+def _nbytes(pieces: list[memoryview]) -> int:
+    n = 0
+    for piece in pieces:
+        n += piece.nbytes
+    return n
+
+
+def _native() -> NativeFileIO | None:
+    """The compiled loops (native.py), where built and while nothing they stand for has
+    been replaced (tests wrap `write_value` here, or system calls in io.py)."""
+    if write_value is not file_io.write_value or read_value is not file_io.read_value:
+        return None
+    if count_present is not file_io.count_present or not python_io_untouched():
+        return None
+    return native_file_io()
+
+
+def _read_all(jobs: list[_Job]) -> list[_Result]:
+    """Worker thread: `read_value` of each job (one compiled call where built)."""
+    native = _native()
+    if native is not None:
+        try:
+            return native.read_values(jobs)
+        except UnicodeEncodeError:  # a path with undecodable bytes: os.fsencode's job
+            pass
+    return [read_value(job) for job in jobs]
+
+
+def _write_all(jobs: list[_Job]) -> list[_Result]:
+    """Worker thread: `write_value` of each job (one compiled call where built; looked up per
+    call, so tests can wrap it)."""
+    native = _native()
+    if native is not None:
+        try:
+            return native.write_values(jobs)
+        except UnicodeEncodeError:
+            pass
+    return [write_value(job) for job in jobs]
+
+
+def _count_present(paths: list[str], now: float) -> int:
+    """Worker thread: `count_present` (compiled where built)."""
+    native = _native()
+    if native is not None:
+        try:
+            return native.count_present(paths, now)
+        except UnicodeEncodeError:
+            pass
+    return count_present(paths, now)
+
+
+__all__ = ["FileBackend", "value_path"]

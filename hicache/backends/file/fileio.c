@@ -1,0 +1,741 @@
+/* The file store's per-page I/O loops (native.py builds this as an extension module).
+   Each call takes a batch, holds the GIL only to read its arguments and build its results,
+   and makes every system call of the batch with the GIL released. Semantics: io.py's
+   write_value, read_value and count_present, page for page; results are raw codes that
+   native.py turns into the same objects. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef O_NOATIME
+#define O_NOATIME 0
+#endif
+
+#define ABI 1
+#define FIXED 24 /* "<4sHHQII": magic, version, key length, payload length, crc32, reserved */
+#define VERSION 1
+#define MARK_NS 424242LL
+#define CHUNK (512 * 1024)
+
+typedef uint32_t (*crc_fn)(uint32_t, const unsigned char *, uint64_t);
+static crc_fn crc32_of = NULL;
+static int iov_max = 1024;
+
+typedef struct {
+    char *ptr;
+    Py_ssize_t len;
+} piece_t;
+
+/* ------------------------------------------------------------------ helpers (no GIL) */
+
+static int make_dirs(const char *path) {
+    /* mkdir -p, every directory made 0700; 0 or -1 with errno */
+    if (mkdir(path, 0700) == 0 || errno == EEXIST) return 0;
+    if (errno != ENOENT) return -1;
+    size_t n = strlen(path);
+    char *parent = malloc(n + 1);
+    if (!parent) return -1;
+    memcpy(parent, path, n + 1);
+    char *slash = strrchr(parent, '/');
+    if (!slash || slash == parent) {
+        free(parent);
+        errno = ENOENT;
+        return -1;
+    }
+    *slash = 0;
+    int rc = make_dirs(parent);
+    free(parent);
+    if (rc != 0) return -1;
+    if (mkdir(path, 0700) == 0 || errno == EEXIST) return 0;
+    return -1;
+}
+
+static int make_parent(const char *path) {
+    size_t n = strlen(path);
+    char *dir = malloc(n + 1);
+    if (!dir) return -1;
+    memcpy(dir, path, n + 1);
+    char *slash = strrchr(dir, '/');
+    int rc;
+    if (!slash) {
+        errno = ENOENT;
+        rc = -1;
+    } else {
+        if (slash == dir) slash[1] = 0; else *slash = 0;
+        rc = make_dirs(dir);
+    }
+    free(dir);
+    return rc;
+}
+
+static int fsync_parent(const char *path) {
+    size_t n = strlen(path);
+    char *dir = malloc(n + 2);
+    if (!dir) return -1;
+    memcpy(dir, path, n + 1);
+    char *slash = strrchr(dir, '/');
+    if (!slash) strcpy(dir, ".");
+    else if (slash == dir) slash[1] = 0;
+    else *slash = 0;
+    int fd = open(dir, O_RDONLY | O_CLOEXEC);
+    free(dir);
+    if (fd < 0) return -1;
+    int rc = fsync(fd);
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return rc;
+}
+
+/* readv/writev of `iov` (cnt entries, consumed as they move) until all moved; for reads
+   stops at end of file. Returns bytes moved, or -1 with errno. */
+static int64_t vector_io(int fd, struct iovec *iov, int cnt, int reading) {
+    int64_t total = 0;
+    int i = 0;
+    while (i < cnt && iov[i].iov_len == 0) i++;
+    while (i < cnt) {
+        int batch = cnt - i < iov_max ? cnt - i : iov_max;
+        ssize_t n = reading ? readv(fd, iov + i, batch) : writev(fd, iov + i, batch);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (n == 0) {
+            if (reading) break;
+            errno = EIO;
+            return -1;
+        }
+        total += n;
+        while (n > 0 && i < cnt) {
+            if ((size_t)n >= iov[i].iov_len) {
+                n -= iov[i].iov_len;
+                i++;
+            } else {
+                iov[i].iov_base = (char *)iov[i].iov_base + n;
+                iov[i].iov_len -= n;
+                n = 0;
+            }
+        }
+        while (i < cnt && iov[i].iov_len == 0) i++;
+    }
+    return total;
+}
+
+/* The pieces' bytes [from, from + len) as iovecs appended at `out` (returns how many). */
+static int iov_range(const piece_t *p, int np, int64_t from, int64_t len, struct iovec *out) {
+    int k = 0;
+    int64_t at = 0;
+    for (int j = 0; j < np && len > 0; j++) {
+        int64_t end = at + p[j].len;
+        if (end > from) {
+            int64_t off = from > at ? from - at : 0;
+            int64_t take = p[j].len - off;
+            if (take > len) take = len;
+            out[k].iov_base = p[j].ptr + off;
+            out[k].iov_len = (size_t)take;
+            k++;
+            from += take;
+            len -= take;
+        }
+        at = end;
+    }
+    return k;
+}
+
+static uint32_t crc_range(const piece_t *p, int np, int64_t from, int64_t len, uint32_t crc) {
+    int64_t at = 0;
+    for (int j = 0; j < np && len > 0; j++) {
+        int64_t end = at + p[j].len;
+        if (end > from) {
+            int64_t off = from > at ? from - at : 0;
+            int64_t take = p[j].len - off;
+            if (take > len) take = len;
+            crc = crc32_of(crc, (const unsigned char *)p[j].ptr + off, (uint64_t)take);
+            from += take;
+            len -= take;
+        }
+        at = end;
+    }
+    return crc;
+}
+
+static void put_le(unsigned char *at, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) at[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t get_le(const unsigned char *at, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = (v << 8) | at[i];
+    return v;
+}
+
+static void pack_header(unsigned char *h, const char *key, Py_ssize_t klen, uint64_t payload,
+                        uint32_t crc) {
+    memcpy(h, "HKV\0", 4);
+    put_le(h + 4, VERSION, 2);
+    put_le(h + 6, (uint64_t)klen, 2);
+    put_le(h + 8, payload, 8);
+    put_le(h + 16, crc, 4);
+    put_le(h + 20, 0, 4);
+    memcpy(h + FIXED, key, (size_t)klen);
+}
+
+/* ------------------------------------------------------------------ writes */
+
+typedef struct {
+    const char *key;
+    Py_ssize_t klen;
+    const char *path;
+    const char *temp;
+    piece_t *pieces;
+    int npieces;
+    int fsync;
+    int64_t atime_ns, mtime_ns;
+    /* results */
+    int64_t size, payload;
+    int err;       /* 0, or the errno */
+    int err_file;  /* 0 none, 1 temp, 2 temp -> path */
+} wjob_t;
+
+static void write_one(wjob_t *w, struct iovec *iov) {
+    int64_t want = 0;
+    for (int j = 0; j < w->npieces; j++) want += w->pieces[j].len;
+    int64_t hsize = FIXED + w->klen;
+    unsigned char *head = malloc((size_t)hsize);
+    if (!head) {
+        w->err = ENOMEM;
+        return;
+    }
+    int fd = open(w->temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == ENOENT) {  /* the temporary directory was deleted: make it again */
+        if (make_parent(w->temp) != 0) {
+            w->err = errno;
+            w->err_file = 1;
+            free(head);
+            return;
+        }
+        fd = open(w->temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    }
+    if (fd < 0) {
+        w->err = errno;
+        w->err_file = 1;
+        free(head);
+        return;
+    }
+    int failed = 0;
+    if (want <= CHUNK) {  /* one chunk: checksum it, then header and payload in one call */
+        uint32_t crc = crc_range(w->pieces, w->npieces, 0, want, 0);
+        pack_header(head, w->key, w->klen, (uint64_t)want, crc);
+        iov[0].iov_base = head;
+        iov[0].iov_len = (size_t)hsize;
+        int k = 1 + iov_range(w->pieces, w->npieces, 0, want, iov + 1);
+        if (vector_io(fd, iov, k, 0) < 0) failed = 1;
+    } else {  /* payload a chunk at a time right after checksumming it; the header last */
+        uint32_t crc = 0;
+        if (lseek(fd, hsize, SEEK_SET) < 0) failed = 1;
+        for (int64_t at = 0; !failed && at < want; at += CHUNK) {
+            int64_t len = want - at < CHUNK ? want - at : CHUNK;
+            crc = crc_range(w->pieces, w->npieces, at, len, crc);
+            int k = iov_range(w->pieces, w->npieces, at, len, iov);
+            if (vector_io(fd, iov, k, 0) < 0) failed = 1;
+        }
+        if (!failed) {
+            pack_header(head, w->key, w->klen, (uint64_t)want, crc);
+            ssize_t n = pwrite(fd, head, (size_t)hsize, 0);
+            if (n != hsize) {
+                if (n >= 0) errno = EIO;
+                failed = 1;
+            }
+        }
+    }
+    if (!failed) {
+        struct timespec times[2];
+        times[0].tv_sec = w->atime_ns / 1000000000LL;
+        times[0].tv_nsec = w->atime_ns % 1000000000LL;
+        times[1].tv_sec = w->mtime_ns / 1000000000LL;
+        times[1].tv_nsec = w->mtime_ns % 1000000000LL;
+        if (futimens(fd, times) != 0) failed = 1;  /* after the last write, which moves mtime */
+    }
+    if (!failed && w->fsync && fsync(fd) != 0) failed = 1;
+    int saved = errno;
+    if (close(fd) != 0 && !failed) {
+        failed = 1;
+        saved = errno;
+    }
+    free(head);
+    if (!failed) {
+        if (rename(w->temp, w->path) != 0) {
+            if (errno == ENOENT && make_parent(w->path) == 0) {  /* shard directory not made yet */
+                if (rename(w->temp, w->path) != 0) {
+                    failed = 1;
+                    w->err_file = 2;
+                }
+            } else {
+                failed = 1;
+                w->err_file = 2;
+            }
+            saved = errno;
+        }
+    }
+    if (!failed && w->fsync && fsync_parent(w->path) != 0) {
+        failed = 1;
+        saved = errno;
+    }
+    if (failed) {
+        w->err = saved ? saved : EIO;
+        unlink(w->temp);
+        return;
+    }
+    w->size = hsize + want;
+    w->payload = want;
+}
+
+/* ------------------------------------------------------------------ reads */
+
+enum { R_READ = 0, R_ABSENT, R_EXPIRED, R_HEADER, R_TRUNC_SIZE, R_LENGTH, R_TRUNC_READ,
+       R_CHECKSUM, R_ERROR };
+
+typedef struct {
+    const char *key;
+    Py_ssize_t klen;
+    const char *path;
+    piece_t *pieces;
+    int npieces;
+    int64_t now_ns;
+    /* results */
+    int code;
+    int err;
+    int64_t a, b;  /* R_READ: payload, file size; R_EXPIRED: file size; else detail numbers */
+    int64_t atime_ns;
+    unsigned char *head;  /* R_HEADER: the header bytes read (hlen of them) */
+    int64_t hlen;
+} rjob_t;
+
+static int64_t mod_ns(int64_t t) {
+    int64_t m = t % 1000000LL;
+    return m < 0 ? m + 1000000LL : m;
+}
+
+/* An atime with the expiry mark whose deadline (atime - MARK_NS ns) is at most `expire_le`
+   ns: expired (native.py computes `expire_le` from `now` exactly as Python compares). */
+static int expired(int64_t atime, int64_t expire_le) {
+    return mod_ns(atime) == MARK_NS && atime - MARK_NS <= expire_le;
+}
+
+static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
+    int fd = open(r->path, O_RDONLY | O_CLOEXEC | O_NOATIME);
+    if (fd < 0 && errno == EPERM) fd = open(r->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT) r->code = R_ABSENT;
+        else {
+            r->code = R_ERROR;
+            r->err = errno;
+            r->a = 1;  /* the open failed: the error names the file */
+        }
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        r->code = R_ERROR;
+        r->err = errno;
+        close(fd);
+        return;
+    }
+    int64_t atime = (int64_t)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec;
+    r->atime_ns = atime;
+    if (expired(atime, expire_le)) {
+        unlink(r->path);
+        r->code = R_EXPIRED;
+        r->a = (int64_t)st.st_size;
+        close(fd);
+        return;
+    }
+    int64_t want = 0;
+    for (int j = 0; j < r->npieces; j++) want += r->pieces[j].len;
+    int64_t hsize = FIXED + r->klen;
+    unsigned char *head = malloc((size_t)hsize);
+    if (!head) {
+        r->code = R_ERROR;
+        r->err = ENOMEM;
+        close(fd);
+        return;
+    }
+    int64_t first = want < CHUNK ? want : CHUNK;
+    iov[0].iov_base = head;
+    iov[0].iov_len = (size_t)hsize;
+    int k = 1 + iov_range(r->pieces, r->npieces, 0, first, iov + 1);
+    int64_t got = vector_io(fd, iov, k, 1);
+    int corrupt = 0;
+    if (got < 0) {
+        r->code = R_ERROR;
+        r->err = errno;
+        goto done;
+    }
+    int64_t avail = got < hsize ? got : hsize;
+    if (avail < FIXED || memcmp(head, "HKV\0", 4) != 0 || get_le(head + 4, 2) != VERSION ||
+        avail < FIXED + (int64_t)get_le(head + 6, 2) || (int64_t)get_le(head + 6, 2) != r->klen ||
+        memcmp(head + FIXED, r->key, (size_t)r->klen) != 0) {
+        r->code = R_HEADER;  /* framing.decode_header says which (it raises) */
+        r->head = head;
+        r->hlen = avail;
+        head = NULL;
+        corrupt = 1;
+        goto done;
+    }
+    int64_t payload_len = (int64_t)get_le(head + 8, 8);
+    uint32_t want_crc = (uint32_t)get_le(head + 16, 4);
+    if ((int64_t)st.st_size - hsize != payload_len) {
+        r->code = R_TRUNC_SIZE;
+        r->a = (int64_t)st.st_size - hsize;
+        r->b = payload_len;
+        corrupt = 1;
+        goto done;
+    }
+    if (payload_len != want) {
+        r->code = R_LENGTH;
+        r->a = payload_len;
+        r->b = want;
+        corrupt = 1;
+        goto done;
+    }
+    uint32_t crc = crc_range(r->pieces, r->npieces, 0, first, 0);
+    for (int64_t at = first; at < want; at += CHUNK) {
+        int64_t len = want - at < CHUNK ? want - at : CHUNK;
+        int n = iov_range(r->pieces, r->npieces, at, len, iov);
+        int64_t more = vector_io(fd, iov, n, 1);
+        if (more < 0) {
+            r->code = R_ERROR;
+            r->err = errno;
+            goto done;
+        }
+        got += more;
+        crc = crc_range(r->pieces, r->npieces, at, len, crc);
+    }
+    if (got != hsize + want) {
+        r->code = R_TRUNC_READ;
+        r->a = got - hsize;
+        r->b = want;
+        corrupt = 1;
+        goto done;
+    }
+    if (crc != want_crc) {
+        r->code = R_CHECKSUM;
+        corrupt = 1;
+        goto done;
+    }
+    {
+        struct timespec times[2];  /* recency for every process sharing the directory */
+        times[0] = st.st_atim;
+        times[1].tv_sec = r->now_ns / 1000000000LL;
+        times[1].tv_nsec = r->now_ns % 1000000000LL;
+        (void)futimens(fd, times);  /* a read-only store still serves reads */
+    }
+    r->code = R_READ;
+    r->a = want;
+    r->b = (int64_t)st.st_size;
+done:
+    if (corrupt) unlink(r->path);
+    free(head);
+    close(fd);
+}
+
+/* ------------------------------------------------------------------ argument handling */
+
+static int get_pieces(PyObject *seq, int writable, Py_buffer **views, int *nviews,
+                      piece_t **pieces, int *npieces) {
+    PyObject *fast = PySequence_Fast(seq, "pieces must be a sequence");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    *pieces = PyMem_Calloc(n ? n : 1, sizeof(piece_t));
+    *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    *npieces = 0;
+    *nviews = 0;
+    if (!*pieces || !*views) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, j);
+        if (PyObject_GetBuffer(item, &(*views)[j], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) != 0) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        (*nviews)++;
+        (*pieces)[j].ptr = (*views)[j].buf;
+        (*pieces)[j].len = (*views)[j].len;
+        (*npieces)++;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static void free_pieces(Py_buffer *views, int nviews, piece_t *pieces) {
+    if (views) {
+        for (int j = 0; j < nviews; j++) PyBuffer_Release(&views[j]);
+        PyMem_Free(views);
+    }
+    PyMem_Free(pieces);
+}
+
+static const char *utf8(PyObject *s, Py_ssize_t *len) {
+    if (!PyUnicode_Check(s)) {
+        PyErr_SetString(PyExc_TypeError, "expected str");
+        return NULL;
+    }
+    return PyUnicode_AsUTF8AndSize(s, len);
+}
+
+static struct iovec *alloc_iov(Py_ssize_t most_pieces) {
+    /* a chunk or the whole value: at most every piece, plus the header */
+    return malloc(sizeof(struct iovec) * (size_t)(most_pieces + 2));
+}
+
+/* A batch's per-job tables: the jobs, and the buffer views each job's pieces hold. */
+typedef struct {
+    void *jobs;
+    Py_buffer **views;
+    int *nviews;
+} batch_t;
+
+static int batch_alloc(batch_t *b, Py_ssize_t n, size_t job_size) {
+    if (!crc32_of) {
+        PyErr_SetString(PyExc_RuntimeError, "no checksum function set");
+        return -1;
+    }
+    b->jobs = PyMem_Calloc(n ? n : 1, job_size);
+    b->views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer *));
+    b->nviews = PyMem_Calloc(n ? n : 1, sizeof(int));
+    if (!b->jobs || !b->views || !b->nviews) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void batch_free(batch_t *b) {
+    PyMem_Free(b->jobs);
+    PyMem_Free(b->views);
+    PyMem_Free(b->nviews);
+}
+
+/* write_values(jobs) -> list of (size, payload) or (errno, which) */
+static PyObject *write_values(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &jobs)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    batch_t batch = {0};
+    PyObject *out = NULL;
+    Py_ssize_t ready = 0, most = 0;
+    int failed = batch_alloc(&batch, n, sizeof(wjob_t));
+    wjob_t *w = batch.jobs;
+    Py_buffer **views = batch.views;
+    int *nviews = batch.nviews;
+    if (failed) goto cleanup;
+    for (; ready < n; ready++) {
+        PyObject *job = PyList_GET_ITEM(jobs, ready);
+        PyObject *key, *path, *temp, *pieces, *fsync, *times;
+        long long at, mt;
+        if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 6) {
+            PyErr_SetString(PyExc_TypeError, "a write job is a 6-tuple");
+            goto cleanup;
+        }
+        key = PyTuple_GET_ITEM(job, 0);
+        path = PyTuple_GET_ITEM(job, 1);
+        temp = PyTuple_GET_ITEM(job, 2);
+        pieces = PyTuple_GET_ITEM(job, 3);
+        fsync = PyTuple_GET_ITEM(job, 4);
+        times = PyTuple_GET_ITEM(job, 5);
+        wjob_t *wj = &w[ready];
+        if (!(wj->key = utf8(key, &wj->klen)) || !(wj->path = utf8(path, NULL)) ||
+            !(wj->temp = utf8(temp, NULL)))
+            goto cleanup;
+        if (wj->klen > 0xFFFF) {
+            PyErr_Format(PyExc_ValueError, "key of %zd bytes is longer than 65535", wj->klen);
+            goto cleanup;
+        }
+        if (!PyArg_ParseTuple(times, "LL", &at, &mt)) goto cleanup;
+        wj->atime_ns = at;
+        wj->mtime_ns = mt;
+        wj->fsync = PyObject_IsTrue(fsync);
+        if (wj->fsync < 0) goto cleanup;
+        if (get_pieces(pieces, 0, &views[ready], &nviews[ready], &wj->pieces, &wj->npieces) != 0) {
+            ready++;
+            goto cleanup;
+        }
+        if (wj->npieces > most) most = wj->npieces;
+    }
+    {
+        struct iovec *iov = alloc_iov(most);
+        if (!iov) {
+            PyErr_NoMemory();
+            goto cleanup;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) write_one(&w[i], iov);
+        Py_END_ALLOW_THREADS
+        free(iov);
+    }
+    out = PyList_New(n);
+    if (!out) goto cleanup;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = w[i].err ? Py_BuildValue("(ii)", -w[i].err, w[i].err_file)
+                                  : Py_BuildValue("(LL)", (long long)w[i].size, (long long)w[i].payload);
+        if (!item) {
+            Py_CLEAR(out);
+            goto cleanup;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+cleanup:
+    if (!failed) {
+        for (Py_ssize_t i = 0; i < ready; i++) free_pieces(views[i], nviews[i], w[i].pieces);
+    }
+    batch_free(&batch);
+    return out;
+}
+
+/* read_values(jobs, expire_le) -> list of result tuples (see R_*) */
+static PyObject *read_values(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    long long expire_le;
+    if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &jobs, &expire_le)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(jobs);
+    batch_t batch = {0};
+    PyObject *out = NULL;
+    Py_ssize_t ready = 0, most = 0;
+    int failed = batch_alloc(&batch, n, sizeof(rjob_t));
+    rjob_t *r = batch.jobs;
+    Py_buffer **views = batch.views;
+    int *nviews = batch.nviews;
+    if (failed) goto cleanup;
+    for (; ready < n; ready++) {
+        PyObject *job = PyList_GET_ITEM(jobs, ready);
+        if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 5) {
+            PyErr_SetString(PyExc_TypeError, "a read job is a 5-tuple");
+            goto cleanup;
+        }
+        rjob_t *rj = &r[ready];
+        long long now_ns;
+        if (!(rj->key = utf8(PyTuple_GET_ITEM(job, 0), &rj->klen)) ||
+            !(rj->path = utf8(PyTuple_GET_ITEM(job, 1), NULL)))
+            goto cleanup;
+        now_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(job, 4));
+        if (now_ns == -1 && PyErr_Occurred()) goto cleanup;
+        rj->now_ns = now_ns;
+        if (get_pieces(PyTuple_GET_ITEM(job, 2), 1, &views[ready], &nviews[ready], &rj->pieces,
+                       &rj->npieces) != 0) {
+            ready++;
+            goto cleanup;
+        }
+        if (rj->npieces > most) most = rj->npieces;
+    }
+    {
+        struct iovec *iov = alloc_iov(most);
+        if (!iov) {
+            PyErr_NoMemory();
+            goto cleanup;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) read_one(&r[i], iov, (int64_t)expire_le);
+        Py_END_ALLOW_THREADS
+        free(iov);
+    }
+    out = PyList_New(n);
+    if (!out) goto cleanup;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        rjob_t *rj = &r[i];
+        PyObject *item;
+        switch (rj->code) {
+        case R_ABSENT:
+            item = Py_NewRef(Py_None);
+            break;
+        case R_HEADER:
+            item = Py_BuildValue("(iy#)", rj->code, (const char *)rj->head, (Py_ssize_t)rj->hlen);
+            break;
+        case R_ERROR:
+            item = Py_BuildValue("(iiL)", rj->code, rj->err, (long long)rj->a);
+            break;
+        default:
+            item = Py_BuildValue("(iLLL)", rj->code, (long long)rj->a, (long long)rj->b,
+                                 (long long)rj->atime_ns);
+        }
+        if (!item) {
+            Py_CLEAR(out);
+            goto cleanup;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+cleanup:
+    if (!failed) {
+        for (Py_ssize_t i = 0; i < n; i++) free(r[i].head);
+        for (Py_ssize_t i = 0; i < ready; i++) free_pieces(views[i], nviews[i], r[i].pieces);
+    }
+    batch_free(&batch);
+    return out;
+}
+
+/* count_present(paths, expire_le) -> how many from the first exist and have not expired */
+static PyObject *count_present(PyObject *self, PyObject *args) {
+    PyObject *paths;
+    long long expire_le;
+    if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &paths, &expire_le)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(paths);
+    const char **p = PyMem_Calloc(n ? n : 1, sizeof(char *));
+    if (!p) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(p[i] = utf8(PyList_GET_ITEM(paths, i), NULL))) {
+            PyMem_Free(p);
+            return NULL;
+        }
+    }
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; count < n; count++) {
+        struct stat st;
+        if (stat(p[count], &st) != 0) break;
+        int64_t atime = (int64_t)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec;
+        if (expired(atime, (int64_t)expire_le)) break;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(p);
+    return PyLong_FromSsize_t(count);
+}
+
+static PyObject *set_crc(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "K", &addr)) return NULL;
+    crc32_of = (crc_fn)(uintptr_t)addr;
+    Py_RETURN_NONE;
+}
+
+static PyObject *abi(PyObject *self, PyObject *args) {
+    return Py_BuildValue("(iii)", ABI, FIXED, CHUNK);
+}
+
+static PyMethodDef methods[] = {
+    {"write_values", write_values, METH_VARARGS, NULL},
+    {"read_values", read_values, METH_VARARGS, NULL},
+    {"count_present", count_present, METH_VARARGS, NULL},
+    {"set_crc", set_crc, METH_VARARGS, NULL},
+    {"abi", abi, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hicache_file_io", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__hicache_file_io(void) {
+    long most = sysconf(_SC_IOV_MAX);
+    iov_max = most > 0 && most < 1024 ? (int)most : 1024;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,143 @@
+"""Running `hicache sweep`'s points: each one a replay of the trace, as a CSV row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+from hicache.cli.coremodel import replay_trace
+from hicache.cli.replay.command import replay
+from hicache.cli.sweep.grid import Point
+from hicache.cli.sweep.table import HYBRID_FIELDS, csv_row
+from hicache.cli.trace import TraceRequest
+from hicache.config import CacheConfig
+from hicache.hybrid import HybridModel
+
+__all__ = ["run_hybrid_point", "run_point"]
+
+
+def run_point(
+    point: Point,
+    requests: list[TraceRequest],
+    *,
+    page_size: int,
+    block_tokens: int,
+    batch: int,
+    write_policy: str,
+    eviction: str,
+    exclusive: bool,
+    bound: float,
+    tokens_of: Callable[[TraceRequest], np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """One point through the control plane alone (`coremodel.replay_trace`): its CSV row."""
+    cfg = CacheConfig(
+        page_size=page_size,
+        device_tokens=point.device_tokens,
+        host_tokens=point.host_tokens,
+        write_policy=write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        prefetch_policy="wait_complete",
+    )
+    t0 = time.perf_counter()
+    tally = replay_trace(
+        cfg,
+        requests,
+        storage=point.storage,
+        block_tokens=block_tokens,
+        batch=batch,
+        tokens_of=tokens_of,
+    )
+    seconds = time.perf_counter() - t0
+    s = tally.summary()
+    hits = s["hit_tokens"]
+    resolved, _ = cfg.resolve()
+    return csv_row(
+        point,
+        write_policy=resolved.write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        page_size=page_size,
+        requests=s["requests"],
+        input_tokens=s["input_tokens"],
+        hits=(hits["device"], hits["host"], hits["storage"]),
+        bound=bound,
+        evictions=(s["evictions"]["device"], s["evictions"]["host"]),
+        rejected=s["rejected_requests"],
+        seconds=seconds,
+    )
+
+
+def run_hybrid_point(
+    point: Point,
+    requests: list[TraceRequest],
+    model: HybridModel,
+    *,
+    spec: str,
+    kv: str,
+    block_tokens: int,
+    batch: int,
+    write_policy: str,
+    eviction: str,
+    exclusive: bool,
+    bound: float,
+    state_snapshots: tuple[int | None, int | None] | None = None,
+) -> dict[str, Any]:
+    """One point as `hicache replay --hybrid` (verified, in-memory L3): the row's fields.
+    `state_snapshots` as replay's (a states cache; (None, None): sized for each point)."""
+    cfg = CacheConfig(
+        kv=kv,
+        page_size=model.page_size,
+        device_tokens=point.device_tokens,
+        host_tokens=point.host_tokens,
+        write_policy=write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        storage="memory" if point.storage else None,
+        model_id="sweep",
+        prefetch_policy="wait_complete",
+    )
+    t0 = time.perf_counter()
+
+    async def main() -> tuple[Any, dict[str, Any]]:
+        return await replay(
+            cfg,
+            requests,
+            block_tokens=block_tokens,
+            batch=batch,
+            verify=True,
+            log=None,
+            progress=lambda done: None,
+            hybrid=model,
+            state_snapshots=state_snapshots,
+        )
+
+    tally, extra = anyio.run(main)
+    hy = extra["hybrid"]
+    resolved, _ = cfg.resolve()
+    row = csv_row(
+        point,
+        write_policy=resolved.write_policy,
+        eviction=eviction,
+        exclusive=exclusive,
+        page_size=model.page_size,
+        requests=tally.requests,
+        input_tokens=tally.input_tokens,
+        hits=(tally.device_hit, tally.host_hit - tally.storage_hit, tally.storage_hit),
+        bound=bound,
+        evictions=(extra["evictions"]["device"], extra["evictions"]["host"]),
+        rejected=tally.rejected,
+        seconds=time.perf_counter() - t0,
+    )
+    more = {
+        **hy,
+        "hybrid": spec,
+        "kv": kv,
+        "verified_pages": tally.verified_pages,
+        "corrupt_pages": tally.corrupt_pages,
+    }
+    return {**row, **{k: more.get(k, 0) for k in HYBRID_FIELDS}}

@@ -1,0 +1,193 @@
+/* Row copies for the CPU engine (hicache/kernels/native/rowcopy.py builds this on first use).
+ *
+ * One call moves a batch of equally long rows between two row grids: row i goes from
+ * src + src_row(i) * row_bytes to dst + dst_row(i) * row_bytes, where a NULL row table means
+ * consecutive rows from `first`. Rows outside [0, limit) are skipped and counted (the caller
+ * raises): a planning bug must not become a write to foreign memory. Why not memcpy per row: glibc switches to `rep movsb` at
+ * 2 KiB, which some CPUs (and VMs) run at a third of their bandwidth, and a transfer's rows
+ * are typically 256 B - 32 KiB. With `streaming`, aligned destinations take non-temporal
+ * stores: a large transfer's destination is not read back soon, and skipping the
+ * read-for-ownership is what lets a gather keep up with a plain memcpy of the same bytes.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+int64_t hicache_rowcopy_abi(void) { return 3; }
+
+static inline void copy_row(char *d, const char *s, int64_t n, int streaming) {
+    int64_t j = 0;
+#if defined(__SSE2__)
+    if (streaming && (((uintptr_t)d) & 15) == 0) {
+        for (; j + 64 <= n; j += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + j));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + j + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + j + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + j + 48));
+            _mm_stream_si128((__m128i *)(d + j), a);
+            _mm_stream_si128((__m128i *)(d + j + 16), b);
+            _mm_stream_si128((__m128i *)(d + j + 32), c);
+            _mm_stream_si128((__m128i *)(d + j + 48), e);
+        }
+    }
+#endif
+    for (; j + 64 <= n; j += 64) __builtin_memcpy(d + j, s + j, 64);
+    if (j < n) memcpy(d + j, s + j, (size_t)(n - j));
+}
+
+int64_t hicache_copy_rows(char *dst, int64_t dst_limit, const char *src, int64_t src_limit,
+                          const int64_t *dst_rows, int64_t dst_first,
+                          const int64_t *src_rows, int64_t src_first,
+                          int64_t n, int64_t row_bytes, int streaming) {
+    int64_t skipped = 0;
+    if (row_bytes <= 0) return 0; /* nothing to move */
+    /* Scattered rows are latency-bound: each starts a fresh 4 KiB page, where hardware
+       prefetchers stop. Ask for the whole source row (up to 4 KiB) about 8 KiB ahead, into
+       L2 (prefetcht1): measured best over nta, shorter rows and other distances here. */
+    const int64_t lines = row_bytes < 4096 ? row_bytes : 4096;
+    const int64_t ahead = row_bytes >= 4096 ? 2 : (8192 / row_bytes > 16 ? 16 : 8192 / row_bytes);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + ahead < n) {
+            int64_t p = src_rows ? src_rows[i + ahead] : src_first + i + ahead;
+            if (p >= 0 && p < src_limit)
+                for (int64_t j = 0; j < lines; j += 64) __builtin_prefetch(src + p * row_bytes + j, 0, 2);
+        }
+        int64_t d = dst_rows ? dst_rows[i] : dst_first + i;
+        int64_t s = src_rows ? src_rows[i] : src_first + i;
+        if (d < 0 || d >= dst_limit || s < 0 || s >= src_limit) {
+            skipped++;
+            continue;
+        }
+        copy_row(dst + d * row_bytes, src + s * row_bytes, row_bytes, streaming);
+    }
+#if defined(__SSE2__)
+    if (streaming) _mm_sfence(); /* streamed stores visible before the caller reports the copy done */
+#endif
+    return skipped;
+}
+
+
+/* Page-structured copies: page pair i moves rows `dst_pages[i] * dst_page_rows + run_dst[r] + k`
+ * <- `src_pages[i] * src_page_rows + run_src[r] + k` for every run r and k < run_len[r]. The runs
+ * (one page's row pattern, the same for every page) are computed once per pair of row grids, so
+ * a transfer needs no per-row table: planning is O(pages) and the loop reads no index per row.
+ * A page any of whose rows would fall outside [0, limit) on either side is skipped whole and
+ * its rows counted (the caller raises). `prefetch` (byte offsets of source lines within a page,
+ * `nprefetch` of them) is touched for the page `ahead` pairs further on: each page starts at a
+ * fresh, unpredictable address. */
+static inline void copy_small(char *d, const char *s, int64_t n, int streaming) {
+    switch (n) {
+    case 8: __builtin_memcpy(d, s, 8); return;
+    case 16: __builtin_memcpy(d, s, 16); return;
+    case 32: __builtin_memcpy(d, s, 32); return;
+    case 64: __builtin_memcpy(d, s, 64); return;
+    default: copy_row(d, s, n, streaming);
+    }
+}
+
+int64_t hicache_copy_pages(char *dst, int64_t dst_limit, const char *src, int64_t src_limit,
+                           const int64_t *dst_pages, int64_t dst_page_rows,
+                           const int64_t *src_pages, int64_t src_page_rows, int64_t npages,
+                           const int64_t *run_dst, const int64_t *run_src, const int64_t *run_len,
+                           int64_t nruns, int64_t row_bytes, const int64_t *prefetch,
+                           int64_t nprefetch, int streaming) {
+    int64_t skipped = 0, rows = 0;
+    int64_t dlo = INT64_MAX, dhi = INT64_MIN, slo = INT64_MAX, shi = INT64_MIN;
+    if (row_bytes <= 0 || nruns <= 0) return 0;
+    for (int64_t r = 0; r < nruns; r++) {
+        rows += run_len[r];
+        if (run_dst[r] < dlo) dlo = run_dst[r];
+        if (run_dst[r] + run_len[r] > dhi) dhi = run_dst[r] + run_len[r];
+        if (run_src[r] < slo) slo = run_src[r];
+        if (run_src[r] + run_len[r] > shi) shi = run_src[r] + run_len[r];
+    }
+    const int64_t ahead = 2;
+    int64_t uniform = run_len[0] * row_bytes; /* the bytes of every run, or 0 if they differ */
+    for (int64_t r = 1; r < nruns; r++)
+        if (run_len[r] * row_bytes != uniform) uniform = 0;
+    if (streaming && uniform >= 64) uniform = 0; /* copy_row streams those */
+    for (int64_t i = 0; i < npages; i++) {
+        if (nprefetch && i + ahead < npages) {
+            int64_t q = src_pages[i + ahead];
+            if (q >= 0 && q * src_page_rows + shi <= src_limit) {
+                const char *base = src + q * src_page_rows * row_bytes;
+                for (int64_t j = 0; j < nprefetch; j++) __builtin_prefetch(base + prefetch[j], 0, 2);
+            }
+        }
+        int64_t d0 = dst_pages[i] * dst_page_rows, s0 = src_pages[i] * src_page_rows;
+        if (dst_pages[i] < 0 || src_pages[i] < 0 || d0 + dlo < 0 || d0 + dhi > dst_limit ||
+            s0 + slo < 0 || s0 + shi > src_limit) {
+            skipped += rows;
+            continue;
+        }
+        char *d = dst + d0 * row_bytes;
+        const char *s = src + s0 * row_bytes;
+        /* Runs of one short fixed length (page_first's per-token K and V rows: 16 B) copy with
+           a constant-size move each: the generic switch per run cost more than the bytes. */
+        switch (uniform) {
+#define FIXED(N) \
+        case N: \
+            for (int64_t r = 0; r < nruns; r++) \
+                __builtin_memcpy(d + run_dst[r] * row_bytes, s + run_src[r] * row_bytes, N); \
+            break;
+        FIXED(8) FIXED(16) FIXED(32) FIXED(64)
+#undef FIXED
+        default:
+            for (int64_t r = 0; r < nruns; r++)
+                copy_small(d + run_dst[r] * row_bytes, s + run_src[r] * row_bytes,
+                           run_len[r] * row_bytes, streaming);
+        }
+    }
+#if defined(__SSE2__)
+    if (streaming) _mm_sfence();
+#endif
+    return skipped;
+}
+
+/* The page numbers of a slot array, or an error: slots must be whole pages (`page_size`
+ * consecutive slots from a multiple of `page_size`), inside [0, size), no page twice. `seen`
+ * is zeroed scratch of size / page_size bytes, left zeroed. Returns 0 with `pages` filled, or
+ * 1 at the first problem (the caller finds and names it). */
+int64_t hicache_slot_pages(const int64_t *slots, int64_t n, int64_t page_size, int64_t size,
+                           unsigned char *seen, int64_t *pages) {
+    if (page_size <= 0 || n % page_size) return 1;
+    int64_t count = n / page_size, done = 0, bad = 0;
+    for (; done < count; done++) {
+        const int64_t *run = slots + done * page_size;
+        int64_t first = run[0], diff = 0;
+        if (first < 0 || first % page_size || first > size - page_size) { bad = 1; break; }
+        for (int64_t j = 1; j < page_size; j++) diff |= run[j] ^ (first + j); /* vectorizes */
+        int64_t page = first / page_size;
+        if (diff || seen[page]) { bad = 1; break; }
+        seen[page] = 1;
+        pages[done] = page;
+    }
+    for (int64_t i = 0; i < done; i++) seen[pages[i]] = 0;
+    return bad;
+}
+
+/* Slots of whole pages: out[i * page_size + j] = pages[i] * page_size + j. */
+void hicache_page_slots(const int64_t *pages, int64_t count, int64_t page_size, int64_t *out) {
+    for (int64_t i = 0; i < count; i++) {
+        int64_t first = pages[i] * page_size;
+        int64_t *o = out + i * page_size;
+        for (int64_t j = 0; j < page_size; j++) o[j] = first + j;
+    }
+}
+
+/* Token ids as uint32: dst[i] = src[i] for n int64 ids, all of which must be in [0, 2**32).
+ * Returns -1, or the index of the first id out of range (dst is then partly written). One pass
+ * where numpy takes three (min, max, astype). */
+int64_t hicache_u32_ids(const int64_t *src, int64_t n, uint32_t *dst) {
+    uint64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        bad |= (uint64_t)src[i] >> 32; /* a negative id has its top bits set */
+        dst[i] = (uint32_t)src[i];
+    }
+    if (!bad) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)src[i] >> 32) return i;
+    return -1;
+}
