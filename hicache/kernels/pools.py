@@ -261,8 +261,8 @@ class HostPool:
 
     @property
     def pinning(self) -> str:
-        """"registered" (cudaHostRegister, range by range), "torch[: why not registered]"
-        (torch's pinned allocator) or "none"."""
+        """How the memory was made: "registered" (cudaHostRegister, range by range),
+        "torch[: why not registered]" (torch's pinned allocator) or "none"."""
         return self.memory.pinning
 
     @property

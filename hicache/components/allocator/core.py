@@ -46,9 +46,7 @@ class SlotLedger:
         "_mark",
     )
 
-    def __init__(
-        self, *, size: int, page_size: int, tier: str, leased: int | None = None
-    ) -> None:
+    def __init__(self, *, size: int, page_size: int, tier: str, leased: int | None = None) -> None:
         """`size` slots in all; the first `leased` of them (None: all) usable now, the rest
         once `lease` adds them."""
         if page_size < 1:
