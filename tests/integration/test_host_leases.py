@@ -127,6 +127,22 @@ def test_production_mode_prepares_the_chunks_on_a_thread(cpu_transfers):
     assert report["host"]["size"] == HOST and report["host"]["used"] == 0
 
 
+def test_production_mode_closes_cleanly_while_chunks_are_being_prepared():
+    """Close while the preparing thread is mid-way: its last chunk finds the inboxes closed
+    and is dropped (not an actor failure); the pool is whole and nothing stays pinned."""
+
+    async def main():
+        cfg = chunked_config(deterministic=False, host_chunk_bytes=4096)  # 1024 chunks
+        for _ in range(3):
+            async with HiCache(cfg) as cache:
+                assert (await cache.stats()).host.size >= 16
+            allocator = cache.kernel.actors["allocator"]
+            assert cache.close_report is not None and cache.close_report["host"]["used"] == 0
+            assert allocator.tables()["pinned_ranges"] == 0
+
+    anyio.run(main, backend="asyncio")
+
+
 # ---------------------------------------------------------------- the allocator actor alone
 class FailingRuntime:
     """Stands in for cuda.bindings.runtime; fails the registrations numbered in `fail`."""

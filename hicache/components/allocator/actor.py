@@ -28,7 +28,7 @@ import anyio.to_thread
 from hicache.components.allocator.core import chunk_plan
 from hicache.kernels.pools import HostPool
 from hicache.messages import AllocatorInbox, ChunkPrepared, HostSlotsReady, TreeInbox
-from hicache.runtime import Actor, Mailbox
+from hicache.runtime import Actor, KernelClosed, Mailbox
 
 
 class AllocatorActor(Actor[AllocatorInbox]):
@@ -104,12 +104,19 @@ class AllocatorActor(Actor[AllocatorInbox]):
             why = await self._prepare(start, stop)
             self._plan.popleft()
             seconds = self.kernel.now() - began
-            await self.inbox.send(ChunkPrepared(start=start, stop=stop, seconds=seconds, error=why))
+            report = ChunkPrepared(start=start, stop=stop, seconds=seconds, error=why)
+            try:
+                await self.inbox.send(report)
+            except KernelClosed:  # stopping while the chunk was prepared: `release` undoes it
+                return
 
     async def handle(self, msg: AllocatorInbox) -> None:
         start, stop = msg.start, msg.stop
         if msg.error is None:
-            await self._tree.send(HostSlotsReady(start=start, stop=stop))
+            try:
+                await self._tree.send(HostSlotsReady(start=start, stop=stop))
+            except KernelClosed:  # stopping (the tree's inbox is closed): nothing to lease to
+                return
             self.leased += stop - start
             self.log.info(
                 "allocator.host_leased",
