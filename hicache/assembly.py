@@ -27,7 +27,6 @@ from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend
 from hicache.backends.sealing.backend import seal_backend
 from hicache.components.allocator.actor import AllocatorActor
-from hicache.components.allocator.core import SlotLedger
 from hicache.components.loader.actor import LoaderActor
 from hicache.components.prefetcher.actor import PrefetcherActor
 from hicache.components.topology import Topology
@@ -102,7 +101,8 @@ async def _assemble(
         raise ValueError(
             f"device pool holds {device.size} tokens but device_tokens={cfg.device_tokens}"
         )
-    host = HostPool(device, cfg.host_capacity, cfg.layout)
+    # Mapped only: the allocator prepares it (faults in, pins with CUDA) chunk by chunk.
+    host = HostPool(device, cfg.host_capacity, cfg.layout, prepare=False)
     system = ActorSystem(log=parts.log, deterministic=cfg.deterministic, seed=cfg.seed)
     for rw in rewrites:
         system.log.emit(
@@ -115,9 +115,6 @@ async def _assemble(
             reason=rw.reason,
         )
     agreement = _agreement(cfg, parts.tp_group)
-    streams = await _streams(cfg, device, host, system, parts)
-    resources.callback(streams.close)
-
     topo = Topology.for_capacity(cfg.channel_capacity)
     edges = topo.edges()  # every inbox's bounds, declared in one place
     bpt = geometry.bytes_per_token
@@ -127,20 +124,27 @@ async def _assemble(
         write_policy=write_policy(cfg.write_policy),
         default_priority=cfg.default_priority,
     )
-    allocator = AllocatorActor(
-        device=SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
-        host=SlotLedger(size=cfg.host_capacity, page_size=cfg.page_size, tier="host"),
-        capacity=edges["allocator"].capacity,
-    )
     tree_actor = TreeActor(
         config=cfg,
         tree=tree,
-        allocator=allocator.inbox,
         bytes_per_token=bpt,
         topology=topo,
         agreement=agreement,
         storage_on=parts.backend is not None or bool(cfg.storage),
     )
+    allocator = AllocatorActor(
+        host=host,
+        tree=tree_actor.inbox,
+        chunk_bytes=cfg.host_chunk_bytes,
+        modelled_rate=cfg.transfer_bandwidth if cfg.deterministic else None,
+        capacity=edges["allocator"].capacity,
+    )
+    # The first chunk is ready (or the pool has fallen back whole) before anything uses the
+    # buffer; the pool is taken back after the streams have stopped (callbacks run in reverse).
+    await allocator.open()
+    resources.callback(allocator.release)
+    streams = await _streams(cfg, device, host, system, parts)
+    resources.callback(streams.close)
     writer = WriterActor(
         streams=streams,
         tree=tree_actor.inbox,

@@ -52,6 +52,10 @@ class CacheConfig:
     page_size: int = 64
     device_tokens: int = 65_536
     host_tokens: int | None = None  # default: 2 x device_tokens (the seed's hicache_ratio)
+    # The allocator prepares (faults in, pins with CUDA) the host pool in chunks of about this
+    # many bytes (whole pages, at least one) and leases each to the tree once ready: the cache
+    # serves from the first chunk on. 0: the whole pool before open returns.
+    host_chunk_bytes: int = 256 << 20
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] = "page_first"
     # Without CUDA: copy on the event loop at submit ("inline": no thread hand-offs, every
@@ -185,6 +189,7 @@ class CacheConfig:
                 "the SMs kernel io's copy kernel may occupy on CUDA"
             )
         _check_positive("device_tokens", self.device_tokens)
+        _check_int("host_chunk_bytes", self.host_chunk_bytes, minimum=0)
         if self.host_tokens is not None:
             _check_positive("host_tokens", self.host_tokens)
         _check_positive("channel_capacity", self.channel_capacity)

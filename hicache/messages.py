@@ -2,7 +2,7 @@
 
 Messages are frozen, slotted, keyword-only dataclasses carrying ids, slot arrays and plain
 values, never a reference to another actor's objects. A message that carries a `reply` is a
-request (it flows downward: frontend -> tree -> allocator/loader); everything flowing back up
+request (it flows downward: frontend -> tree -> loader); everything flowing back up
 is a fire-and-forget completion that the sender's credits guarantee room for.
 """
 
@@ -249,6 +249,16 @@ class UploadTimedOut:
     op: OpId
 
 
+# ---------------------------------------------------------------- allocator -> tree (leases)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostSlotsReady:
+    """Host slots [start, stop) (whole pages) are prepared: faulted in, and pinned where CUDA
+    is. The tree's host ledger may hand them out from now on."""
+
+    start: int
+    stop: int
+
+
 TreeInbox = (
     MatchBatch
     | LoadBackBatch
@@ -274,29 +284,23 @@ TreeInbox = (
     | UploadTimedOut
     | PrefetchProgress
     | TimerFired
+    | HostSlotsReady
 )
 
 
-# ---------------------------------------------------------------- tree -> allocator (requests)
+# ---------------------------------------------------------------- allocator -> allocator
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Alloc:
-    tier: str  # "device" | "host"
-    num_tokens: int
-    reply: Reply[np.ndarray | None]
+class ChunkPrepared:
+    """The allocator's preparing task is done with host slots [start, stop): ready, or (with
+    `error`) their registration failed and they must not be used."""
+
+    start: int
+    stop: int
+    seconds: float  # the kernel's clock, spent preparing this chunk
+    error: str | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Free:
-    tier: str
-    slots: np.ndarray
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LedgerStats:
-    reply: Reply[dict[str, dict[str, int]]]  # tier -> size, used, available
-
-
-AllocatorInbox = Alloc | Free | LedgerStats
+AllocatorInbox = ChunkPrepared
 
 
 # ---------------------------------------------------------------- tree -> writer / loader

@@ -136,7 +136,7 @@ class ClearOutcome:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierStats:
-    size: int  # slots (tokens) in the tier
+    size: int  # slots (tokens) usable now (L2: leased so far by the allocator)
     used: int  # slots held: by the tree, by running requests, by transfers in flight
     cached_tokens: int  # tokens the tree holds in this tier
     evictable_tokens: int  # of those, what eviction could free now (unlocked, unprotected)

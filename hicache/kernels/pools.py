@@ -26,7 +26,7 @@ from hicache.kernels.layouts import (
     word_dtype,
 )
 from hicache.kernels.layouts import header_room as header_room_of
-from hicache.kernels.pinning import host_memory
+from hicache.kernels.pinning import LazyHostMemory
 
 
 class PagePieces(list[memoryview]):
@@ -210,7 +210,12 @@ class HostPool:
     `buffer` is the uint8 tensor; `page_buffers` hands out zero-copy memoryviews of it. In a
     page-contiguous layout each page may be preceded by `header_room` bytes that hold no KV,
     for storage backends to put a value header next to the page (layouts.py, "Header room");
-    None picks it (512 bytes where that is at most 1/64 of a page), 0 turns it off."""
+    None picks it (512 bytes where that is at most 1/64 of a page), 0 turns it off.
+
+    With `prepare` (the default) every slot's memory is faulted in (and pinned) now. Without
+    it the memory is only mapped, and a slot may be used only once `prepare_slots` has made
+    its pages ready: the allocator actor does that chunk by chunk and leases each chunk to the
+    tree when it is. `runtime`: a stand-in for cuda-python's runtime (tests)."""
 
     def __init__(
         self,
@@ -220,6 +225,8 @@ class HostPool:
         *,
         pin_memory: bool | None = None,
         header_room: int | None = None,
+        prepare: bool = True,
+        runtime: Any = None,
     ):
         geometry, page_size = device_pool.geometry, device_pool.page_size
         check_layout(layout, geometry)
@@ -237,13 +244,67 @@ class HostPool:
         self.pinned = pin
         self.header_room = header_room_of(layout, geometry, page_size, header_room)
         self.nbytes = size * geometry.bytes_per_token + (size // page_size) * self.header_room
-        memory = host_memory(self.nbytes, pin=pin)
-        self.buffer: torch.Tensor = memory.buffer
-        self.pinning = memory.pinning  # "registered", "torch[: why not registered]" or "none"
-        self._bytes = self.buffer.numpy()  # shares memory with `buffer`
-        self._whole = self._bytes.data  # a byte memoryview, sliced per page by `page_buffers`
+        self.memory = LazyHostMemory(self.nbytes, pin=pin, runtime=runtime)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self.word: torch.dtype = word_dtype(geometry.row_dim * geometry.itemsize)
+        self._adopt_buffer()
+        if prepare:
+            why = self.prepare_slots(0, size)
+            if why is not None:
+                self.fall_back(why)
+
+    def _adopt_buffer(self) -> None:
+        self.buffer: torch.Tensor = self.memory.buffer
+        self._bytes = self.buffer.numpy()  # shares memory with `buffer`
+        self._whole = self._bytes.data  # a byte memoryview, sliced per page by `page_buffers`
+        self._views.clear()
+
+    @property
+    def pinning(self) -> str:
+        """How the memory was made: "registered" (cudaHostRegister, range by range),
+        "torch[: why not registered]" (torch's pinned allocator) or "none"."""
+        return self.memory.pinning
+
+    @property
+    def lazy(self) -> bool:
+        """Whether slots need `prepare_slots` before use (False: all usable now)."""
+        return self.memory.lazy
+
+    def slot_bytes(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Byte ranges `[lo, hi)` of the buffer that hold slots `[start, stop)` (whole pages)
+        and, in a page-contiguous layout, their pages' header room: one range there, one per
+        (layer, component) in `layer_first`. Pure."""
+        ps = self.page_size
+        if not (0 <= start < stop <= self.size) or start % ps or stop % ps:
+            raise ValueError(
+                f"slots [{start}, {stop}) are not whole pages inside the host pool [0, {self.size})"
+            )
+        args = (self.layout, self.geometry, self.size, ps)
+        first = page_pieces(*args, start // ps, self.header_room)
+        last = page_pieces(*args, stop // ps - 1, self.header_room)
+        room = self.header_room  # in front of each page's first piece
+        return [(lo - room, hi + n) for (lo, _), (hi, n) in zip(first, last, strict=True)]
+
+    def prepare_slots(self, start: int, stop: int) -> str | None:
+        """Fault in (and, pinned, register) the memory of slots `[start, stop)`, skipping what
+        is ready already. None when they are usable; else why registering failed (the slots
+        are then not to be used while the pool is pinned: a copy engine may read them through
+        the device mapping). Mutates; may take long (run it off the event loop)."""
+        if not self.memory.lazy:
+            return None
+        return self.memory.prepare(self.slot_bytes(start, stop))
+
+    def fall_back(self, why: str) -> None:
+        """Registering failed from the first slots on: take the whole buffer from torch's
+        pinned allocator, every slot usable at once (`pinning` says why). Only before
+        anything has used the buffer."""
+        self.memory.fall_back(why)
+        self._adopt_buffer()
+
+    def unpin(self) -> int:
+        """Undo every registration of the buffer (the memory stays usable, unpinned); how
+        many ranges were registered. Idempotent. Only once no copy uses the pool."""
+        return self.memory.unpin()
 
     @property
     def page_nbytes(self) -> int:

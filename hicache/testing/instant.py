@@ -121,6 +121,7 @@ class InstantCache:
             credits=Topology.for_capacity(cfg.channel_capacity).credits,
             storage_on=storage,
         )
+        self.core.space.lease_host(0, cfg.host_capacity)  # no allocator: all of L2 at once
         self.storage = storage
         self.stored: set[PageHash] = set()  # L3: every page uploaded
         self._probed: dict[OpId, int] = {}  # the prefetcher's ops: op -> pages storage has

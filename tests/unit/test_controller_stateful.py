@@ -140,6 +140,7 @@ class ControllerMachine(RuleBasedStateMachine):
             credits=Topology.for_capacity(16).credits,
             storage_on=storage,
         )
+        self.core.space.lease_host(0, cfg.host_capacity)  # the allocator's part
         self.tree = tree
         self.now = 0.0
         self.device: dict[int, int] = {}  # slot -> content
@@ -487,8 +488,8 @@ class ControllerMachine(RuleBasedStateMachine):
             assert any(self.step_worker(w) for w in self.queues), "drain waits on nothing"
         assert reply.done and self.drained is not None
         assert not any(reply.value.values()), reply.value
-        for tier, slots in self.drained.lease.items():
-            assert len(slots) == self.core.space.ledgers[tier].size, f"{tier} slots leaked"
+        for tier, led in self.core.space.ledgers.items():
+            assert led.used == 0 and led.size == led.capacity, f"{tier} slots leaked"
         assert not self.timers
 
 

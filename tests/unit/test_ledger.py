@@ -111,3 +111,80 @@ def test_integrity_check_catches_a_corrupted_ledger():
     ledger._held[3] = True  # a page both free and held
     with pytest.raises(AssertionError):
         ledger.check_integrity()
+
+
+# ---------------------------------------------------------------- leasing: the ledger grows
+
+
+def test_a_ledger_starts_with_what_is_leased_and_grows_by_lease():
+    ledger = SlotLedger(size=16, page_size=4, tier="host", leased=4)
+    assert (ledger.size, ledger.capacity, ledger.available, ledger.used) == (4, 16, 4, 0)
+    a = ledger.alloc(4)
+    assert a.tolist() == [0, 1, 2, 3]
+    assert ledger.alloc(4) is None  # slots 4.. exist but are not leased yet
+    ledger.lease(8, 16)
+    ledger.check_integrity()
+    assert (ledger.size, ledger.available, ledger.used) == (12, 8, 4)
+    assert ledger.alloc(8).tolist() == list(range(8, 16))  # the lowest new page first
+    ledger.lease(4, 8)
+    assert ledger.alloc(4).tolist() == [4, 5, 6, 7]
+    assert (ledger.size, ledger.available, ledger.used) == (16, 0, 16)
+    ledger.free(a)
+    ledger.check_integrity()
+    assert ledger.available == 4
+
+
+def test_slots_not_leased_cannot_be_freed():
+    ledger = SlotLedger(size=16, page_size=4, tier="host", leased=4)
+    with pytest.raises(LedgerError, match="not held"):
+        ledger.free(np.arange(8, 12))
+    ledger.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "message"),
+    [
+        (2, 8, "misaligned"),  # not a page boundary
+        (4, 6, "misaligned"),
+        (8, 4, "misaligned"),  # backwards
+        (-4, 4, "out of range"),
+        (12, 20, "out of range"),  # past the capacity
+        (0, 8, "overlap"),  # [0, 4) is leased already
+        (4, 12, "overlap"),  # [8, 12) too
+    ],
+)
+def test_bad_lease_raises_and_changes_nothing(start, stop, message):
+    ledger = SlotLedger(size=16, page_size=4, tier="host", leased=4)
+    ledger.lease(8, 12)
+    held = ledger.alloc(4)
+    before = (snapshot(ledger), ledger._leased.tolist(), ledger.size)
+    with pytest.raises(LedgerError, match=message):
+        ledger.lease(start, stop)
+    assert (snapshot(ledger), ledger._leased.tolist(), ledger.size) == before
+    ledger.check_integrity()
+    ledger.free(held)
+
+
+def test_an_empty_lease_changes_nothing():
+    ledger = SlotLedger(size=8, page_size=4, tier="host", leased=0)
+    ledger.lease(4, 4)
+    assert (ledger.size, ledger.available) == (0, 0)
+    ledger.check_integrity()
+
+
+def test_integrity_check_catches_a_free_page_that_is_not_leased():
+    ledger = SlotLedger(size=8, page_size=2, tier="host", leased=4)
+    ledger._free_pages[ledger._num_free] = 3  # pushed without a lease
+    ledger._num_free += 1
+    with pytest.raises(AssertionError):
+        ledger.check_integrity()
+
+
+def test_chunk_plan_covers_the_pool_in_whole_page_chunks():
+    from hicache.components.allocator.core import chunk_plan
+
+    assert chunk_plan(40, 4, 3) == [(0, 12), (12, 24), (24, 36), (36, 40)]
+    assert chunk_plan(8, 4, 5) == [(0, 8)]
+    assert chunk_plan(0, 4, 1) == []
+    with pytest.raises(ValueError, match="chunk_pages"):
+        chunk_plan(8, 4, 0)

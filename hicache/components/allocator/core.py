@@ -1,9 +1,11 @@
-"""Slot ledgers: which token slots of one KV pool (device or host) are free.
+"""Slot ledgers: which token slots of one KV pool (device or host) are free, and how the
+allocator cuts the host pool into the chunks it prepares and leases.
 
 A ledger knows nothing about what a slot holds; it only records ownership. Slots are ints in
-``[0, size)``, handed out and taken back in whole pages (``page_size`` consecutive slots starting at a
-multiple of ``page_size``). Every slot is either free (on the ledger's free stack) or held by a caller,
-never both: ``available + used == size`` at all times.
+``[0, capacity)``, handed out and taken back in whole pages (``page_size`` consecutive slots
+starting at a multiple of ``page_size``). A slot is usable once it is *leased* (`lease`: the
+allocator has prepared its memory); a leased slot is either free (on the ledger's free stack) or
+held by a caller, never both: ``available + used == size`` (the leased slots) at all times.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy.typing as npt
 
 from hicache.kernels.native.rowcopy import native_rows
 
-__all__ = ["LedgerError", "SlotLedger"]
+__all__ = ["LedgerError", "SlotLedger", "chunk_plan"]
 
 
 class LedgerError(ValueError):
@@ -24,39 +26,72 @@ class SlotLedger:
     """Page-granular slot ownership for one tier. Deterministic: the same calls give the same slots.
 
     Invariants (checked by :meth:`check_integrity`):
-    - each page is either on the free stack exactly once, or marked held;
-    - ``available`` (free tokens) + ``used`` (held tokens) == ``size``.
-    Owner: exactly one actor (the allocator); everyone else holds the slot arrays it returned.
+    - each leased page is either on the free stack exactly once, or marked held; a page not
+      leased is neither;
+    - ``available`` (free tokens) + ``used`` (held tokens) == ``size`` (leased tokens).
+    Owner: exactly one actor (the tree's controller); everyone else holds the slot arrays it
+    returned.
     """
 
     __slots__ = (
         "size",
+        "capacity",
         "page_size",
         "tier",
         "_free_pages",
         "_num_free",
         "_held",
+        "_leased",
         "_page_offsets",
         "_mark",
     )
 
-    def __init__(self, *, size: int, page_size: int, tier: str) -> None:
+    def __init__(self, *, size: int, page_size: int, tier: str, leased: int | None = None) -> None:
+        """`size` slots in all; the first `leased` of them (None: all) usable now, the rest
+        once `lease` adds them."""
         if page_size < 1:
             raise LedgerError(f"{tier} ledger: page_size must be >= 1, got {page_size}")
         if size < 0 or size % page_size:
             raise LedgerError(
                 f"{tier} ledger: size must be a non-negative multiple of page_size={page_size}, got {size}"
             )
-        self.size = size
+        self.capacity = size
+        self.size = 0  # leased tokens: grows with `lease`
         self.page_size = page_size
         self.tier = tier
         num_pages = size // page_size
-        # Stack of free page numbers; the top is the end. Reversed so a fresh ledger hands out 0, 1, ...
-        self._free_pages: npt.NDArray[np.int64] = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
-        self._num_free = num_pages
+        # Stack of free page numbers; the top is the end.
+        self._free_pages: npt.NDArray[np.int64] = np.zeros(num_pages, dtype=np.int64)
+        self._num_free = 0
         self._held = np.zeros(num_pages, dtype=bool)
+        self._leased = np.zeros(num_pages, dtype=bool)
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         self._mark = np.zeros(num_pages, dtype=np.int64)  # scratch for the duplicate check in free
+        self.lease(0, size if leased is None else leased)
+
+    def lease(self, start: int, stop: int) -> None:
+        """Make slots ``[start, stop)`` usable: whole pages, none leased before, inside the
+        capacity. They go on top of the free stack, so the next alloc hands out ``start`` first.
+        Mutates; raises LedgerError, changing nothing, on bad input."""
+        ps = self.page_size
+        if not (0 <= start <= stop <= self.capacity) or start % ps or stop % ps:
+            raise LedgerError(
+                f"{self.tier} ledger: lease of [{start}, {stop}) is not a range of whole pages "
+                f"(page_size={ps}) inside [0, {self.capacity}) (misaligned or out of range)"
+            )
+        first, last = start // ps, stop // ps
+        if self._leased[first:last].any():
+            page = first + int(np.argmax(self._leased[first:last]))
+            raise LedgerError(
+                f"{self.tier} ledger: lease of [{start}, {stop}) overlaps slot {page * ps}, "
+                "leased already (overlap)"
+            )
+        self._leased[first:last] = True
+        top = self._num_free
+        # Reversed so the lowest new page is on top: a fresh ledger hands out 0, 1, ...
+        self._free_pages[top : top + last - first] = np.arange(last - 1, first - 1, -1)
+        self._num_free = top + last - first
+        self.size += stop - start
 
     @property
     def available(self) -> int:
@@ -123,7 +158,7 @@ class SlotLedger:
         # Range, whole aligned pages and no page twice, in one compiled pass (the numpy checks
         # below make a temporary as large as the slots per check); only a failing call goes
         # on to them, to name the problem.
-        pages = native.slot_pages(np.ascontiguousarray(arr), ps, self.size) if native else None
+        pages = native.slot_pages(np.ascontiguousarray(arr), ps, self.capacity) if native else None
         if pages is None:
             pages = self._checked_pages(arr)
         held = self._held[pages]
@@ -143,10 +178,10 @@ class SlotLedger:
         why it is not a valid free: a slot out of range, a misaligned page, a page twice."""
         ps = self.page_size
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self.size:
+        if lo < 0 or hi >= self.capacity:
             bad = lo if lo < 0 else hi
             raise LedgerError(
-                f"{self.tier} ledger: slot {bad} is outside [0, {self.size}) (foreign slot)"
+                f"{self.tier} ledger: slot {bad} is outside [0, {self.capacity}) (foreign slot)"
             )
         if ps == 1:
             pages = arr
@@ -184,18 +219,38 @@ class SlotLedger:
         arr = np.asarray(slots, dtype=np.int64)
         if arr.size == 0:
             return True
-        if arr.min() < 0 or arr.max() >= self.size:
+        if arr.min() < 0 or arr.max() >= self.capacity:
             return False
         return bool(self._held[arr // self.page_size].all())
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the free stack and the held marks disagree. Does not mutate."""
+        """Raise AssertionError if the free stack, the held marks and the leased pages disagree.
+        Does not mutate."""
         free = self._free_pages[: self._num_free]
-        num_pages = self._held.size
-        assert 0 <= self._num_free <= num_pages, "free count out of range"
+        leased = int(self._leased.sum())
+        assert leased * self.page_size == self.size, "leased pages != size"
+        assert 0 <= self._num_free <= leased, "free count out of range"
         assert np.unique(free).size == free.size, "a page is on the free stack twice"
         assert not self._held[free].any(), "a page is both free and held"
-        assert int(self._held.sum()) + self._num_free == num_pages, "free + held != total"
+        assert self._leased[free].all(), "a page not leased is free"
+        assert not (self._held & ~self._leased).any(), "a page not leased is held"
+        assert int(self._held.sum()) + self._num_free == leased, "free + held != leased"
 
     def __repr__(self) -> str:
-        return f"SlotLedger(tier={self.tier!r}, size={self.size}, page_size={self.page_size}, used={self.used})"
+        return (
+            f"SlotLedger(tier={self.tier!r}, size={self.size}, capacity={self.capacity}, "
+            f"page_size={self.page_size}, used={self.used})"
+        )
+
+
+def chunk_plan(size: int, page_size: int, chunk_pages: int) -> list[tuple[int, int]]:
+    """The slot ranges ``[start, stop)`` the allocator prepares and leases the host pool in, in
+    order: `chunk_pages` whole pages each (the last one what is left), covering ``[0, size)``.
+    Pure."""
+    if page_size < 1 or chunk_pages < 1 or size < 0 or size % page_size:
+        raise ValueError(
+            f"chunk_plan needs size a multiple of page_size >= 1 and chunk_pages >= 1, got "
+            f"size={size}, page_size={page_size}, chunk_pages={chunk_pages}"
+        )
+    step = chunk_pages * page_size
+    return [(start, min(size, start + step)) for start in range(0, size, step)]

@@ -1,10 +1,10 @@
 """The tree actor: the task that drives the controller (`controller.py`).
 
-It leases both tiers from the allocator at start, feeds the controller each message with the
-time, runs the sync points with the other TP ranks (`agreement.py`), and carries out the
-effects the controller returns: commands to the workers, answers, events, timers, the loads'
-handles, the backend's clear, the switch of L3 backends (attach / detach at run time) and, at
-close, the lease's return. Every decision is the controller's; what is here is I/O.
+It feeds the controller each message with the time (and the host slots the allocator leases
+to its L2 ledger), runs the sync points with the other TP ranks (`agreement.py`), and carries
+out the effects the controller returns: commands to the workers, answers, events, timers, the
+loads' handles, the backend's clear and the switch of L3 backends (attach / detach at run
+time). Every decision is the controller's; what is here is I/O.
 
 The storage attached now (`storage`) is this driver's: it hands the backend to the uploader and
 prefetcher (`UseBackend`) when the controller switches, clears it for `clear_storage`, and
@@ -43,11 +43,9 @@ from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads, LoadHandle
 from hicache.messages import (
-    Alloc,
     Backup,
     Backups,
-    Free,
-    LedgerStats,
+    HostSlotsReady,
     Load,
     StorageAttachment,
     TimerFired,
@@ -68,7 +66,6 @@ class TreeActor(Actor[TreeInbox]):
         *,
         config: CacheConfig,
         tree: RadixTree,
-        allocator: Mailbox[Any],
         bytes_per_token: int,
         topology: Topology,
         agreement: RankAgreement | None = None,
@@ -78,7 +75,6 @@ class TreeActor(Actor[TreeInbox]):
         super().__init__("tree", capacity=bounds.capacity, reserve=bounds.reserve)
         self._cfg = config
         self._tree = tree
-        self._allocator = allocator
         self._agreement = agreement or SingleRank()
         self.core = Controller(
             config=config,
@@ -130,15 +126,6 @@ class TreeActor(Actor[TreeInbox]):
             "timers": len(self._timers),
         }
 
-    async def on_start(self) -> None:
-        """Lease every slot of both tiers from the allocator, once: from then on the controller
-        allocates and frees on its own ledgers, with no round trip per step (the allocator
-        keeps the record of what is leased and takes it back at close)."""
-        for tier, led in self.core.space.ledgers.items():
-            lease = await self.system.request(self._allocator, _lease(tier, led.size))
-            if lease is None or not np.array_equal(lease, np.arange(led.size)):
-                raise RuntimeError(f"the allocator did not lease the whole {tier} tier")
-
     def _now(self) -> float:
         """The controller's clock for recency and order: the actor system's clock on one rank; on TP
         ranks the count of frontend calls, the same on every rank (wall clocks are not)."""
@@ -147,6 +134,9 @@ class TreeActor(Actor[TreeInbox]):
     # ------------------------------------------------------------------ the loop
     async def handle(self, msg: TreeInbox) -> None:
         core = self.core
+        if isinstance(msg, HostSlotsReady):  # the allocator leases a prepared chunk of L2
+            core.space.lease_host(msg.start, msg.stop)
+            return
         # Every slot the ledgers hand out or take back is an event (what `hicache check-log`
         # re-derives slot ownership from), built only while the log goes somewhere; so is
         # every other event (several per request, each a dict and a structlog pass to drop).
@@ -218,14 +208,9 @@ class TreeActor(Actor[TreeInbox]):
                     await self._clear(reply, answer)
                 case SwitchStorage(reply=reply, storage=storage, fields=extra):
                     await self._switch(reply, storage, extra or {})
-                case Drained(replies=replies, lease=lease, tables=tables):
-                    for tier, slots in lease.items():
-                        await self._allocator.send(Free(tier=tier, slots=slots))
-                    ledgers: dict[str, dict[str, int]] = await self.system.request(
-                        self._allocator, lambda r: LedgerStats(reply=r)
-                    )
+                case Drained(replies=replies, tables=tables):
                     report = (
-                        ledgers,
+                        self.core.space.view(),
                         tables | {"load_handles": len(self._handles), "timers": len(self._timers)},
                     )
                     for reply in replies:
@@ -282,13 +267,6 @@ class TreeActor(Actor[TreeInbox]):
         else:
             self.log.info("tree.storage_cleared")
             reply.set(True if answer is None else replace(answer, storage=True))
-
-
-def _lease(tier: str, n: int) -> Callable[[Reply[np.ndarray | None]], Alloc]:
-    def make(reply: Reply[np.ndarray | None]) -> Alloc:
-        return Alloc(tier=tier, num_tokens=n, reply=reply)
-
-    return make
 
 
 def _load(op: OpId, host: np.ndarray, device: np.ndarray) -> Callable[[Reply[LoadHandle]], Load]:

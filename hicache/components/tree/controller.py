@@ -44,6 +44,7 @@ from hicache.messages import (
     DumpTree,
     Flush,
     GetStats,
+    HostSlotsReady,
     LoadBackBatch,
     LoadDone,
     MatchBatch,
@@ -109,7 +110,6 @@ class Controller:
         # LoadEnded of loads a parked load-back has already started: the driver keeps their
         # handles until that call answers (its answer names them).
         self._held_ends: list[LoadEnded] = []
-        self._lease_returned = False
 
     @property
     def counters(self) -> Counters:
@@ -276,6 +276,8 @@ class Controller:
                 | TimerFired()
             ):
                 raise AssertionError("completions are recorded, not run")
+            case HostSlotsReady():
+                raise AssertionError("host leases go to the space (`Space.lease_host`), not run")
             case _:
                 assert_never(msg)
         return None
@@ -358,19 +360,15 @@ class Controller:
         )
 
     def _drain(self, replies: tuple[Any, ...]) -> None:
-        """Release every request and free every slot the tree holds; the driver returns the
-        lease and answers with the ledgers and the bookkeeping tables (all empty now)."""
+        """Release every request and free every slot the tree holds; the driver answers with
+        the ledgers and the bookkeeping tables (all empty now)."""
         self.storage.step()  # nothing in flight: a detach still queued goes through first
         self.requests.release_all()
         self.pins.clear()
         freed = self.ctx.tree.clear()
         self.space.free("device", freed.device)
         self.space.free("host", freed.host)
-        lease = {}
-        if not self._lease_returned:
-            self._lease_returned = True
-            lease = {tier: led.free_slots() for tier, led in self.space.ledgers.items()}
-        self.ctx.out.add(Drained(replies, lease, self.bookkeeping()))
+        self.ctx.out.add(Drained(replies, self.bookkeeping()))
 
     def _abandon_in_flight(self) -> None:
         """Close's last resort past its deadline: end every op still in flight as if it had

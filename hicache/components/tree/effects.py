@@ -96,12 +96,10 @@ class SwitchStorage:
 
 @dataclass(frozen=True, slots=True)
 class Drained:
-    """Everything is released and the tree is empty: give the allocator back `lease` (tier ->
-    the free slots of the controller's ledger), then answer each reply with the allocator's
+    """Everything is released and the tree is empty: answer each reply with the controller's
     ledgers and the bookkeeping tables (`tables`, to which the driver adds its own)."""
 
     replies: tuple[Any, ...]
-    lease: dict[str, np.ndarray]
     tables: dict[str, int]
 
 

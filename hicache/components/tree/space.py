@@ -1,5 +1,6 @@
-"""Where the controller's slots come from: its two ledgers (both tiers, leased whole from the
-allocator at start) and eviction, L1 then L2.
+"""Where the controller's slots come from: its two ledgers, one per tier (L1 whole from the
+start; L2 as the allocator leases it, chunk by chunk while it prepares the host pool), and
+eviction, L1 then L2.
 
 An allocation either succeeds, is impossible now (None: everything left is locked by running
 requests), or must wait for an op in flight (`Wait`): an eviction backup that will free device
@@ -39,12 +40,20 @@ class Space:
     def __init__(self, ctx: Context) -> None:
         cfg = ctx.cfg
         self._ctx = ctx
+        # The ledgers of record, one per tier. L2 holds only what the allocator has leased.
         self.ledgers = {
-            tier: SlotLedger(size=size, page_size=cfg.page_size, tier=tier)
-            for tier, size in (("device", cfg.device_tokens), ("host", cfg.host_capacity))
+            "device": SlotLedger(size=cfg.device_tokens, page_size=cfg.page_size, tier="device"),
+            "host": SlotLedger(
+                size=cfg.host_capacity, page_size=cfg.page_size, tier="host", leased=0
+            ),
         }
         self.writes: Writes | None = None  # set once the write flows exist (they use this)
         self.loads: Loads | None = None  # likewise the load flows
+
+    def lease_host(self, start: int, stop: int) -> None:
+        """Host slots [start, stop), prepared by the allocator, join L2 (LedgerError for a
+        range that is misaligned or leased already)."""
+        self.ledgers["host"].lease(start, stop)
 
     def alloc(self, tier: str, n: int) -> np.ndarray | None:
         slots = self.ledgers[tier].alloc(n)

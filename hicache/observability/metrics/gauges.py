@@ -9,7 +9,7 @@ from hicache.observability.metrics.instruments import MetricSet
 
 
 class ScrapeCollector:
-    """Gauges read when Prometheus scrapes: tier use from the allocator's ledgers, ops in
+    """Gauges read when Prometheus scrapes: tier use from the tree's ledgers, ops in
     flight from the tree's tables, mailbox depth and counters from every actor's inbox. Read
     from the server's thread without stopping the loop: each value is one the cache had (ints
     read whole), the set of them need not be one instant."""

@@ -182,3 +182,119 @@ def test_host_pool_says_how_its_memory_was_made():
     device = DevicePool.allocate(MHAGeometry(2, 2, 64, torch.float16), 4096, 16)
     host = HostPool(device, 8192, "page_first", pin_memory=False)
     assert host.pinning == "none" and host.buffer.numel() == host.nbytes
+
+
+# ---------------------------------------------------------------- the host pool, chunk by chunk
+class FailingRuntime(RecordingRuntime):
+    """Fails the registrations whose number (0, 1, ...) is in `fail`."""
+
+    def __init__(self, fail: set[int]) -> None:
+        super().__init__()
+        self.fail = fail
+        self.calls = 0
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> tuple[int]:
+        number, self.calls = self.calls, self.calls + 1
+        if number in self.fail:
+            return (2,)
+        return super().cudaHostRegister(ptr, size, flags)
+
+
+def lazy_pool(layout, *, pin=False, runtime=None, tokens=16384, page=16):
+    from hicache.kernels import DevicePool, HostPool, MHAGeometry
+
+    # 3 * 2 * 2 * 24 * 2 bytes a token: pages of 9 KiB, not a multiple of 4 KiB, so chunks
+    # share 4 KiB pages at their edges.
+    device = DevicePool.allocate(MHAGeometry(3, 2, 24, torch.float16), 2048, page)
+    return HostPool(
+        device, tokens, layout, pin_memory=pin, prepare=False, runtime=runtime, header_room=0
+    )
+
+
+def chunks_of(host, count):
+    from hicache.components.allocator.core import chunk_plan
+
+    pages = host.size // host.page_size
+    return chunk_plan(host.size, host.page_size, -(-pages // count))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
+def test_slot_bytes_cover_each_page_of_a_chunk_and_nothing_of_the_others(layout):
+    host = lazy_pool(layout)
+    for start, stop in [(0, 16), (32, 96), (host.size - 16, host.size)]:
+        mask = np.zeros(host.nbytes, dtype=bool)
+        for lo, hi in host.slot_bytes(start, stop):
+            mask[lo:hi] = True
+        mine = host.page_buffers(np.arange(start, stop))
+        theirs = host.page_buffers(np.setdiff1d(np.arange(host.size), np.arange(start, stop)))
+        base = host.buffer.data_ptr()
+        for pieces, want in ((mine, True), (theirs, False)):
+            for page in pieces:
+                for piece in page:
+                    lo = np.frombuffer(piece, dtype=np.uint8).ctypes.data - base
+                    assert mask[lo : lo + len(piece)].all() == want
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_preparing_a_chunk_never_writes_into_one_prepared_before(layout):
+    host = lazy_pool(layout)
+    assert host.lazy
+    chunks = chunks_of(host, 8)
+    for k, (start, stop) in enumerate(chunks):
+        assert not host.memory.prepared(host.slot_bytes(start, stop))
+        assert host.prepare_slots(start, stop) is None
+        assert host.memory.prepared(host.slot_bytes(start, stop))
+        for page in host.page_buffers(np.arange(start, stop)):  # the chunk's KV: all 0xAB
+            for piece in page:
+                np.frombuffer(piece, dtype=np.uint8)[:] = 0xAB
+        for earlier in chunks[: k + 1]:
+            for page in host.page_buffers(np.arange(*earlier)):
+                assert all((np.frombuffer(p, dtype=np.uint8) == 0xAB).all() for p in page)
+    assert host.memory._touched.all()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pinned_chunks_register_disjoint_ranges_and_unpin_undoes_them_all(layout):
+    runtime = RecordingRuntime()
+    host = lazy_pool(layout, pin=True, runtime=runtime)
+    for start, stop in chunks_of(host, 4):
+        assert host.prepare_slots(start, stop) is None
+    base, spans = host.buffer.data_ptr(), []
+    for ptr, size, flags in runtime.registered:
+        assert flags == 3 and (ptr - base) % SMALL_PAGE == 0
+        spans.append((ptr - base, ptr - base + size))
+    spans.sort()
+    assert spans[0][0] == 0 and spans[-1][1] == host.nbytes
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no page twice
+    assert sum(b - a for a, b in spans) == host.nbytes
+    assert len(host.memory.registered) == len(spans)
+    assert host.unpin() == len(spans)
+    assert sorted(runtime.unregistered) == sorted(p for p, _, _ in runtime.registered)
+    assert host.memory.registered == {} and host.unpin() == 0
+
+
+def test_a_chunk_whose_registration_fails_says_why_and_can_be_tried_again():
+    runtime = FailingRuntime(fail={1})
+    host = lazy_pool("page_first", pin=True, runtime=runtime)
+    first, second, third = chunks_of(host, 3)
+    assert host.prepare_slots(*first) is None
+    assert host.prepare_slots(*second) == "cudaHostRegister failed: 2"
+    assert not host.memory.prepared(host.slot_bytes(*second))
+    assert host.prepare_slots(*third) is None  # the next chunks go on
+    assert host.prepare_slots(*second) is None  # and the failed one may be tried again
+    assert host.memory.prepared(host.slot_bytes(0, host.size))
+    assert host.unpin() == 3
+
+
+def test_a_pool_whose_first_registration_fails_falls_back_whole(monkeypatch):
+    runtime = FailingRuntime(fail={0})
+    host = lazy_pool("page_first", pin=True, runtime=runtime)
+    why = host.prepare_slots(0, 1024)
+    assert why is not None
+    monkeypatch.setattr(
+        pinning.torch, "zeros", lambda n, *, dtype, pin_memory: torch.ones(n, dtype=dtype)
+    )
+    host.fall_back(why)
+    assert host.pinning == f"torch: {why}" and not host.lazy
+    assert host.prepare_slots(0, host.size) is None and host.buffer.numel() == host.nbytes
+    assert len(host.page_buffers(np.arange(16))[0][0]) == 16 * host.geometry.bytes_per_token
