@@ -1,11 +1,10 @@
 """What every part of the controller shares: the configuration, the radix tree, the effects of
-the step being taken, its time, the counters and the op ids. One object, passed to each part,
-so that each part still owns its own tables alone."""
+the step being taken, its time, the counters and the op ids."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Protocol
 
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import Effects
@@ -19,7 +18,6 @@ class Context:
     cfg: CacheConfig
     tree: RadixTree
     bytes_per_token: int
-    storage_on: bool
     out: Effects = field(default_factory=Effects)
     counters: Counters = field(default_factory=Counters)
     now: float = 0.0  # the step's time: given by the driver with each call
@@ -31,11 +29,29 @@ class Context:
         return OpId(self.last_op)
 
 
+class Awaited(Protocol):
+    """A flow whose ops a parked call can wait on."""
+
+    def ended(self, op: OpId) -> bool:
+        """The op no longer holds up a waiter (it ended, or it is no longer waited for)."""
+        ...
+
+    def arrived(self, op: OpId) -> bool:
+        """Its completion has arrived here (not applied yet: the ranks agree first)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Wait:
     """An allocation that can go on only once this op has ended (its backup frees device
     slots, its upload unprotects host pages, its load unlocks the pages it filled): the
     caller parks, and is retried then."""
 
-    kind: Literal["write", "upload", "load"]
+    flow: Awaited
     op: OpId
+
+    def ended(self) -> bool:
+        return self.flow.ended(self.op)
+
+    def arrived(self) -> bool:
+        return self.flow.arrived(self.op)

@@ -27,11 +27,12 @@ from hicache.components.tree.effects import Drained, Effect, LoadEnded
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
+from hicache.components.tree.progress import Progress
 from hicache.components.tree.records import Counters
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
 from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.sync import Completion, Progress
+from hicache.components.tree.sync import Completion
 from hicache.components.tree.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
@@ -87,20 +88,16 @@ class Controller:
         credits: int,
         storage_on: bool,
     ) -> None:
-        self.ctx = ctx = Context(
-            cfg=config, tree=tree, bytes_per_token=bytes_per_token, storage_on=storage_on
-        )
+        self.ctx = ctx = Context(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
         self.space = Space(ctx)
-        self.writes = WriteFlows(ctx, self.space, credits)
-        self.space.writes = self.writes
-        self.loads = LoadFlows(ctx, self.space, credits)
-        self.space.loads = self.loads
+        self.storage = StorageSwitch(ctx, storage_on)  # attach / detach L3
+        self.writes = WriteFlows(ctx, self.space, self.storage, credits)
+        self.loads = LoadFlows(ctx, self.space, self.writes, credits)
         self.pins = PinTable(ctx)
         self.requests = Requests(ctx, self.space, self.writes, self.loads, self.pins)
         self.prefetches = PrefetchFlows(
-            ctx, self.space, self.writes, self.requests, self.pins, credits
+            ctx, self.space, self.writes, self.requests, self.pins, self.storage, credits
         )
-        self.storage = StorageSwitch(ctx, self.writes, self.prefetches)  # attach / detach L3
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
         self._flush_waiters: list[Any] = []  # answered when no write is pending
@@ -138,27 +135,13 @@ class Controller:
         parked = self._parked
         if parked is None:
             return True
-        wait = parked.wait
-        if wait.kind == "write":
-            return None if wait.op in self.writes.writes else False
-        if wait.kind == "load":
-            return None if wait.op in self.loads.loads else False
-        job = self.writes.uploads.get(wait.op)
-        return None if job is not None and not job.timed_out else False
+        return False if parked.wait.ended() else None
 
     def wants_sync(self) -> bool:
         """TP ranks: the op the parked call waits for has arrived here, so meet the other ranks
         now (they do the same once it arrives there) rather than at the next frontend call."""
         parked = self._parked
-        if parked is None:
-            return False
-        wait = parked.wait
-        if wait.kind == "write":
-            return wait.op in self.writes.arrived_writes
-        if wait.kind == "load":
-            return wait.op in self.loads.arrived
-        job = self.writes.uploads.get(wait.op)
-        return wait.op in self.writes.arrived_uploads or (job is not None and job.timed_out)
+        return parked is not None and parked.wait.arrived()
 
     def run(self, now: float) -> list[Effect]:
         """Run the next call (see `ready`): a new one, or the parked one from where it stopped."""
@@ -263,7 +246,7 @@ class Controller:
             case Unpin(tokens=tokens, salt=salt, reply=reply):
                 out.answer(reply, self.pins.unpin(tokens, salt))
             case ClearStorage(reply=reply):
-                if self.ctx.storage_on:
+                if self.storage.on:
                     out.add(ClearStorageEffect(reply))
                 else:
                     out.answer(reply, False)
@@ -295,7 +278,7 @@ class Controller:
         """Apply what every rank has got (for one rank: `seen.mins`, `seen.maxes`)."""
         self.ctx.now = now
         sync.apply(
-            seen, agreed, agreed_max, self.writes, self.loads, self.prefetches, self.requests
+            seen.agreed(agreed, agreed_max), self.writes, self.loads, self.prefetches, self.requests
         )
         self._settle()
         return self._take()
@@ -326,14 +309,16 @@ class Controller:
         host = reset.drop_host(ctx, self.space) if "host" in msg.tiers else 0
         outcome = ClearOutcome(device_tokens=device, host_tokens=host)
         ctx.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
-        if "storage" in msg.tiers and ctx.storage_on:
+        if "storage" in msg.tiers and self.storage.on:
             ctx.out.add(ClearStorageEffect(msg.reply, outcome))
         else:
             ctx.out.answer(msg.reply, outcome)
 
     def _settle(self) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
-        self.storage.step()  # a detach waits for the uploads and prefetches in flight
+        self.storage.step(
+            self.writes, self.prefetches
+        )  # a detach waits for the uploads and prefetches in flight
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
                 self.ctx.out.answer(reply, None)
@@ -347,20 +332,18 @@ class Controller:
             self._drain(tuple(waiters))
 
     def in_flight(self) -> bool:
-        w = self.writes
         return bool(
-            w.writes
-            or w.write_backlog
-            or w.uploads
-            or w.upload_backlog
-            or self.loads.loads
-            or self.prefetches.ops
+            self.writes.busy()
+            or self.loads.in_flight()["loads"]
+            or self.prefetches.in_flight()["prefetches"]
         )
 
     def _drain(self, replies: tuple[Any, ...]) -> None:
         """Release every request and free every slot the tree holds; the driver returns the
         lease and answers with the ledgers and the bookkeeping tables (all empty now)."""
-        self.storage.step()  # nothing in flight: a detach still queued goes through first
+        self.storage.step(
+            self.writes, self.prefetches
+        )  # nothing in flight: a detach still queued goes through first
         self.requests.release_all()
         self.pins.clear()
         freed = self.ctx.tree.clear()
@@ -376,17 +359,14 @@ class Controller:
         """Close's last resort past its deadline: end every op still in flight as if it had
         failed, so its slots go back. Its worker may still be inside a storage call; the
         kernel stops right after, and nothing reuses the slots."""
-        w = self.writes
         counts = {
-            "writes": len(w.writes),
-            "loads": len(self.loads.loads),
-            "uploads": len(w.uploads) + len(w.upload_backlog),
-            "prefetches": len(self.prefetches.ops),
+            "writes": self.writes.in_flight()["writes"],
+            "loads": self.loads.in_flight()["loads"],
+            "uploads": self.writes.in_flight()["uploads"] + len(self.writes.upload_backlog),
+            "prefetches": self.prefetches.in_flight()["prefetches"],
         }
-        w.abandon()
-        for op in list(self.loads.loads):
-            self.loads.arrived.pop(op, None)
-            self.loads.finish(op, False, "abandoned at close")
+        self.writes.abandon()
+        for op in self.loads.abandon():
             self.requests.load_failed(op)
         self.prefetches.abandon()
         self.ctx.counters.abandoned_ops += sum(counts.values())
@@ -409,12 +389,10 @@ class Controller:
         }
 
     def stats(self) -> CacheStats:
-        w = self.writes
         inflight = {
-            "writes": len(w.writes),
-            "loads": len(self.loads.loads),
-            "uploads": len(w.uploads),
-            "prefetches": len(self.prefetches.ops),
+            **self.writes.in_flight(),
+            **self.loads.in_flight(),
+            **self.prefetches.in_flight(),
             "requests": len(self.requests.table),
         }
         return self.space.stats(inflight)

@@ -14,25 +14,81 @@ import numpy as np
 
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.effects import LoadEnded, SubmitLoad
+from hicache.components.tree.progress import Section
 from hicache.components.tree.records import LoadOp, RequestState
 from hicache.components.tree.space import Space
+from hicache.components.tree.writes import WriteFlows
+from hicache.messages import LoadDone
 from hicache.types import NodeId, OpId, RequestId
 
 
 class LoadFlows:
-    def __init__(self, ctx: Context, space: Space, credits: int) -> None:
+    def __init__(self, ctx: Context, space: Space, writes: WriteFlows, credits: int) -> None:
         self._ctx = ctx
         self._space = space
+        self._writes = writes
         self.loads: dict[OpId, LoadOp] = {}
         self.credits = credits
-        self.arrived: dict[OpId, tuple[bool, str]] = {}
+        self._arrived: dict[OpId, tuple[bool, str]] = {}  # not applied yet (sync points)
 
     def tables(self) -> dict[str, int]:
-        return {"loads": len(self.loads), "arrived_loads": len(self.arrived)}
+        return {"loads": len(self.loads), "arrived_loads": len(self._arrived)}
 
-    def oldest(self) -> OpId | None:
-        """The load in flight started first (its lock is the next to go)."""
-        return next(iter(self.loads), None)
+    def in_flight(self) -> dict[str, int]:
+        return {"loads": len(self.loads)}
+
+    def live(self, ops: list[OpId]) -> tuple[OpId, ...]:
+        """Those of `ops` still in flight."""
+        return tuple(op for op in ops if op in self.loads)
+
+    def oldest(self) -> Wait | None:
+        """A wait for the load in flight started first (its lock is the next to go)."""
+        op = next(iter(self.loads), None)
+        return None if op is None else Wait(self, op)
+
+    def device(self, n: int) -> np.ndarray | Wait | None:
+        """Device slots, evicting (`WriteFlows.device`); with nothing else to wait for, the
+        oldest load in flight."""
+        return self._writes.device(n, self.oldest())
+
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: LoadDone) -> None:
+        if msg.op in self.loads:  # else stale: the load was abandoned at close
+            self._arrived.setdefault(msg.op, (msg.ok, msg.error))
+
+    def progress(self) -> Section:
+        """Per load in flight, MIN of (arrived, succeeded so far)."""
+        rows = []
+        for op in self.loads:
+            got = self._arrived.get(op)
+            rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
+        return Section.of(rows, 2)
+
+    def apply(self, agreed: Section) -> list[OpId]:
+        """End the loads every rank has got, in issue order. The loads that failed (the
+        caller marks the requests that counted on them)."""
+        failed = []
+        for op, (arrived, ok), _ in agreed.rows():
+            if not arrived:
+                break
+            self.finish(op, bool(ok), self._arrived.pop(op)[1])
+            if not ok:
+                failed.append(op)
+        return failed
+
+    def ended(self, op: OpId) -> bool:
+        return op not in self.loads
+
+    def arrived(self, op: OpId) -> bool:
+        return op in self._arrived
+
+    def abandon(self) -> list[OpId]:
+        """End every load as failed (close past its deadline); the ops ended."""
+        ops = list(self.loads)
+        for op in ops:
+            self._arrived.pop(op, None)
+            self.finish(op, False, "abandoned at close")
+        return ops
 
     def under(self, node: NodeId | None) -> list[OpId]:
         """The loads still landing on the path root..node (wait before reading). A load fills
@@ -79,7 +135,7 @@ class LoadFlows:
                 "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="above_loading"
             )
             return 0
-        device_slots = self._space.device(plan.num_tokens)
+        device_slots = self.device(plan.num_tokens)
         if isinstance(device_slots, Wait):
             return device_slots
         if device_slots is None:

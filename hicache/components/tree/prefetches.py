@@ -18,12 +18,20 @@ from hicache.backends.keys import chain_page_hashes
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.pins import PinTable
+from hicache.components.tree.progress import Section
 from hicache.components.tree.records import PrefetchOp, RequestState
 from hicache.components.tree.requests import Requests
 from hicache.components.tree.space import Space
+from hicache.components.tree.storage import StorageSwitch
 from hicache.components.tree.structure import salt_seed
 from hicache.components.tree.writes import WriteFlows
-from hicache.messages import PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch
+from hicache.messages import (
+    PrefetchProgress,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
+    TimerFired,
+)
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
@@ -36,9 +44,11 @@ class PrefetchFlows:
         writes: WriteFlows,
         requests: Requests,
         pins: PinTable,
+        storage: StorageSwitch,
         credits: int,
     ) -> None:
         self._ctx = ctx
+        self._storage = storage
         self._pins = pins
         self._space = space
         self._writes = writes
@@ -47,18 +57,65 @@ class PrefetchFlows:
         self.by_rid: dict[RequestId, OpId] = {}
         self.credits = credits
         self.tokens = 0  # in flight, for the rate limit
-        self.reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
-        self.timers_fired: set[OpId] = set()
+        self._reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
+        self._timers_fired: set[OpId] = set()
         self.host_waiting: list[OpId] = []  # probed, waiting for host room to read into
 
     def tables(self) -> dict[str, int]:
         return {
             "prefetches": len(self.ops),
             "prefetch_by_rid": len(self.by_rid),
-            "prefetch_reports": len(self.reports),
-            "timers_fired": len(self.timers_fired),
+            "prefetch_reports": len(self._reports),
+            "timers_fired": len(self._timers_fired),
             "prefetch_host_waiting": len(self.host_waiting),
         }
+
+    def in_flight(self) -> dict[str, int]:
+        return {"prefetches": len(self.ops)}
+
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: PrefetchProgress | TimerFired) -> None:
+        """Note a report (later ones supersede earlier ones) or a timer firing. One for an op
+        that already ended (a timer that fired as its prefetch ended) is stale and dropped."""
+        if msg.op not in self.ops:
+            return
+        if isinstance(msg, PrefetchProgress):
+            self._reports[msg.op] = msg
+        else:
+            self._timers_fired.add(msg.op)
+
+    def progress(self) -> Section:
+        """Per prefetch in flight, MIN of (hit pages, -1 before the probe; pages read;
+        finished; stopped) and MAX of (its timer fired)."""
+        rows = []
+        for op in self.ops:
+            report = self._reports.get(op)
+            if report is None:
+                mins: tuple[int, ...] = (-1, 0, 0, 0)
+            else:
+                mins = (
+                    report.hit_pages,
+                    report.done_pages,
+                    int(report.finished),
+                    int(report.stopped),
+                )
+            rows.append((op, mins, (int(op in self._timers_fired),)))
+        return Section.of(rows, 4, 1)
+
+    def apply(self, agreed: Section, *, host_freed: bool) -> None:
+        """Take each prefetch's next step on what every rank agreed; then, when an upload's
+        end may have made host room (`host_freed`), retry the reads that waited for it."""
+        for op, (hit, done, finished, stopped), (timed_out,) in agreed.rows():
+            self.agreed(
+                op,
+                hit=hit,
+                done=done,
+                finished=bool(finished),
+                stopped=bool(stopped),
+                timed_out=bool(timed_out),
+            )
+        if host_freed and self.host_waiting:
+            self.retry_reads()
 
     def start(
         self, state: RequestState, rid: RequestId, tokens: Any, threshold: int | None = None
@@ -69,7 +126,7 @@ class PrefetchFlows:
         cfg = ctx.cfg
         if threshold is None:
             threshold = cfg.effective_prefetch_threshold
-        if not ctx.storage_on or rid in self.by_rid:
+        if not self._storage.on or rid in self.by_rid:
             return self.outcome(rid, self.by_rid.get(rid))
         page = cfg.page_size
         matched = len(state.prefix_slots) + state.host_len
@@ -159,10 +216,14 @@ class PrefetchFlows:
             op.stopping = True
             self._ctx.out.send("prefetcher", StopPrefetch(op=op_id))
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> int:
+        """Stop every running prefetch; how many were running."""
+        running = 0
         for op_id, op in self.ops.items():
             if op.state == "running":
+                running += 1
                 self.stop(op_id)
+        return running
 
     def agreed(
         self, op_id: OpId, *, hit: int, done: int, finished: bool, stopped: bool, timed_out: bool
@@ -225,7 +286,7 @@ class PrefetchFlows:
         op = self.ops[op_id]
         if op.state != "running" or op.stopping:
             return
-        host = self._space.host(op.hit_pages * ctx.cfg.page_size)
+        host = self._writes.host(op.hit_pages * ctx.cfg.page_size)
         if isinstance(host, Wait):
             self.host_waiting.append(op_id)
             return
@@ -291,8 +352,8 @@ class PrefetchFlows:
     def _end(self, op_id: OpId) -> None:
         """The prefetcher is done with the op: free the slots the tree did not take."""
         op = self.ops.pop(op_id)
-        self.reports.pop(op_id, None)
-        self.timers_fired.discard(op_id)
+        self._reports.pop(op_id, None)
+        self._timers_fired.discard(op_id)
         if op_id in self.host_waiting:
             self.host_waiting.remove(op_id)
         if op.timer:

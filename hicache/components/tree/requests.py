@@ -200,7 +200,7 @@ class Requests:
                 if isinstance(got, Wait):
                     return got
                 loaded = got
-            ops = tuple(op for op in state.loads if op in self._loads.loads)
+            ops = self._loads.live(state.loads)
             done.append(
                 (
                     LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=loaded),
@@ -220,7 +220,7 @@ class Requests:
                 raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
         page = self._ctx.cfg.page_size
         wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
-        pooled = self._space.device(sum(wanted))  # one allocation, evicting, for the step
+        pooled = self._loads.device(sum(wanted))  # one allocation, evicting, for the step
         if isinstance(pooled, Wait):
             return pooled
         if pooled is None:

@@ -1,38 +1,27 @@
-"""Where the controller's slots come from: its two ledgers (both tiers, leased whole from the
-allocator at start) and eviction, L1 then L2.
+"""The controller's two tiers of slots: their ledgers (both tiers, leased whole from the
+allocator at start), allocation and eviction, L1 then L2.
 
-An allocation either succeeds, is impossible now (None: everything left is locked by running
-requests), or must wait for an op in flight (`Wait`): an eviction backup that will free device
-slots, an upload that holds the only evictable host pages. The caller parks on a `Wait` and is
-retried once that op has ended; nothing here blocks.
+Eviction returns what it could not do alone as data: the L1 nodes that need an L2 copy before
+they may leave. The write flows (`writes.py`) start those backups and turn "nothing to evict
+now" into a wait for an op in flight; nothing here knows of ops.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 import numpy as np
 
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.context import Context
 from hicache.results import CacheStats, TierStats
-from hicache.types import EMPTY_SLOTS, NodeId, OpId
+from hicache.types import NodeId
 
 
-class Writes(Protocol):
-    """What eviction needs of the write flows (`writes.py`), which allocate from here."""
-
-    def evicting_tokens(self) -> int: ...
-
-    def oldest_write(self) -> OpId | None: ...
-
-    def oldest_live_upload(self) -> OpId | None: ...
-
-    def start_backup(self, node: NodeId, *, evicting: bool) -> bool | Wait: ...
-
-
-class Loads(Protocol):
-    def oldest(self) -> OpId | None: ...
+@dataclass(frozen=True, slots=True)
+class DeviceEviction:
+    freed: int  # device tokens freed
+    needs_backup: tuple[NodeId, ...]  # left on L1 until copied to L2 (the caller's to start)
 
 
 class Space:
@@ -43,8 +32,6 @@ class Space:
             tier: SlotLedger(size=size, page_size=cfg.page_size, tier=tier)
             for tier, size in (("device", cfg.device_tokens), ("host", cfg.host_capacity))
         }
-        self.writes: Writes | None = None  # set once the write flows exist (they use this)
-        self.loads: Loads | None = None  # likewise the load flows
 
     def alloc(self, tier: str, n: int) -> np.ndarray | None:
         slots = self.ledgers[tier].alloc(n)
@@ -90,42 +77,12 @@ class Space:
             inflight=inflight,
         )
 
-    def device(self, n: int) -> np.ndarray | Wait | None:
-        """Device slots for n tokens, evicting L1 (backing up first where the policy says so)."""
-        if n == 0:
-            return EMPTY_SLOTS
-        writes = self.writes
-        assert writes is not None
-        while True:
-            slots = self.alloc("device", n)
-            if slots is not None:
-                return slots
-            # Evict what is missing, less what eviction backups in flight will free: asking for
-            # all of n each time round would back up (and keep in both tiers) more leaves.
-            short = n - self.ledgers["device"].available - writes.evicting_tokens()
-            if short > 0:
-                freed = self._evict_device(short)
-                if freed is True:
-                    continue
-                if isinstance(freed, Wait):
-                    return freed
-            oldest = writes.oldest_write()
-            if oldest is not None:
-                return Wait("write", oldest)
-            # A load in flight locks the pages it fills until it ends: wait for it, rather
-            # than call L1 full while they are about to become evictable.
-            load = self.loads.oldest() if self.loads is not None else None
-            return None if load is None else Wait("load", load)
-
-    def _evict_device(self, n: int) -> bool | Wait:
-        """Evict about n tokens from L1 and start the backups the policy wants first. True when
-        a device slot was freed; else the first wait met (no write credit, no host room)."""
-        ctx, tree, writes = self._ctx, self._ctx.tree, self.writes
-        assert writes is not None
-        exclusive = ctx.cfg.exclusive
-        # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
-        back_up = ctx.storage_on and ctx.cfg.evict_to_storage
-        ev = tree.evict_device(n, now=ctx.now, require_host_copy=exclusive, back_up=back_up)
+    def evict_device(self, n: int, *, back_up: bool) -> DeviceEviction:
+        """Evict about n tokens from L1. The nodes the policy wants copied to L2 first
+        (write_back, exclusive, `back_up`: L3 on) stay on L1 and are returned: the caller
+        starts their backups (or drops them, `discard`)."""
+        ctx, tree = self._ctx, self._ctx.tree
+        ev = tree.evict_device(n, now=ctx.now, require_host_copy=ctx.cfg.exclusive, back_up=back_up)
         self.free("device", ev.freed)
         self.free("host", ev.freed_host)
         freed = len(ev.freed)
@@ -134,25 +91,9 @@ class Space:
             ctx.out.info(
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
-        wait: Wait | None = None
-        for node in ev.needs_backup:  # write_back, exclusive, L3 on: copy to L2, then evict
-            if exclusive and not tree.outranks_host(node, now=ctx.now):
-                # Older than everything L2 could give up: drop it rather than displace hotter
-                # pages, so the two tiers together evict like one LRU of their total size.
-                freed += self._discard(node, "older_than_l2")
-            elif wait is None:
-                started = writes.start_backup(node, evicting=True)
-                if isinstance(started, Wait):
-                    wait = started  # the rest stay on L1, found again by the next eviction
-                elif not started and back_up and tree.needs_backup(node):
-                    # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
-                    # L3 attached it leaves L1 as without L3, rather than fail the allocation.
-                    freed += self._discard(node, "no_l2_room")
-        if freed:
-            return True
-        return wait if wait is not None else False
+        return DeviceEviction(freed, tuple(ev.needs_backup))
 
-    def _discard(self, node: NodeId, reason: str) -> int:
+    def discard(self, node: NodeId, reason: str) -> int:
         """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
         ctx = self._ctx
         gone = ctx.tree.discard_device(node)
@@ -168,8 +109,9 @@ class Space:
         )
         return len(gone.freed)
 
-    def host(self, n: int) -> np.ndarray | Wait | None:
-        """Host slots for n tokens, evicting L2."""
+    def host(self, n: int) -> np.ndarray | None:
+        """Host slots for n tokens, evicting L2; None when what is left is protected (by an
+        upload or a prefetch in flight, or by a copy still landing)."""
         ctx = self._ctx
         while True:
             slots = self.alloc("host", n)
@@ -180,12 +122,8 @@ class Space:
                 now=ctx.now,
                 by_pages=ctx.cfg.exclusive,
             )
-            if len(ev.freed):
-                ctx.counters.host_evictions += len(ev.freed)
-                ctx.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
-                self.free("host", ev.freed)
-                continue
-            # An upload pins the candidates: wait for it, never for one past its deadline.
-            assert self.writes is not None
-            upload = self.writes.oldest_live_upload()
-            return None if upload is None else Wait("upload", upload)
+            if not len(ev.freed):
+                return None
+            ctx.counters.host_evictions += len(ev.freed)
+            ctx.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
+            self.free("host", ev.freed)

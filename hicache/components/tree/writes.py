@@ -16,24 +16,27 @@ import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.progress import Section
 from hicache.components.tree.records import UploadOp, WriteOp
 from hicache.components.tree.space import Space
-from hicache.messages import Backup, Upload
+from hicache.components.tree.storage import StorageSwitch
+from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
 
 class WriteFlows:
-    def __init__(self, ctx: Context, space: Space, credits: int) -> None:
+    def __init__(self, ctx: Context, space: Space, storage: StorageSwitch, credits: int) -> None:
         self._ctx = ctx
         self._space = space
+        self._storage = storage
         self.writes: dict[OpId, WriteOp] = {}
         self.uploads: dict[OpId, UploadOp] = {}
         self.write_backlog: deque[NodeId] = deque()  # waiting for a write credit or host room
         self.upload_backlog: deque[tuple[NodeId, ...]] = deque()  # waiting for an upload credit
         self.write_credits = self.upload_credits = credits
         # completions that arrived and are not applied yet (applied at sync points)
-        self.arrived_writes: dict[OpId, tuple[bool, str]] = {}
-        self.arrived_uploads: dict[OpId, int] = {}
+        self._arrived_writes: dict[OpId, tuple[bool, str]] = {}
+        self._arrived_uploads: dict[OpId, int] = {}
 
     def tables(self) -> dict[str, int]:
         return {
@@ -41,19 +44,144 @@ class WriteFlows:
             "uploads": len(self.uploads),
             "write_backlog": len(self.write_backlog),
             "upload_backlog": len(self.upload_backlog),
-            "arrived_writes": len(self.arrived_writes),
-            "arrived_uploads": len(self.arrived_uploads),
+            "arrived_writes": len(self._arrived_writes),
+            "arrived_uploads": len(self._arrived_uploads),
         }
 
-    # ------------------------------------------------------------------ what eviction asks
-    def evicting_tokens(self) -> int:
-        return sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
+    def in_flight(self) -> dict[str, int]:
+        return {"writes": len(self.writes), "uploads": len(self.uploads)}
 
-    def oldest_write(self) -> OpId | None:
-        return next(iter(self.writes), None)
+    def busy(self) -> bool:
+        """Anything in flight or waiting for a credit (a drain or clear waits for none)."""
+        return bool(self.writes or self.write_backlog or self.uploads or self.upload_backlog)
 
-    def oldest_live_upload(self) -> OpId | None:
-        return next((op for op, job in self.uploads.items() if not job.timed_out), None)
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: WriteDone | UploadDone | UploadTimedOut) -> None:
+        """Note a completion. One for an op that already ended (work abandoned at close) is
+        stale and dropped."""
+        match msg:
+            case WriteDone(ops=ops, ok=ok, error=error):
+                for op in ops:
+                    if op in self.writes:
+                        self._arrived_writes.setdefault(op, (ok, error))
+            case UploadDone(op=op, stored_pages=stored):
+                if op in self.uploads:
+                    self._arrived_uploads.setdefault(op, stored)
+            case UploadTimedOut(op=op):
+                self.upload_timed_out(op)
+
+    def backup_progress(self) -> Section:
+        """Per backup in flight, MIN of (arrived, succeeded so far)."""
+        arrived = self._arrived_writes
+        rows = []
+        for op in self.writes:
+            got = arrived.get(op)
+            rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
+        return Section.of(rows, 2)
+
+    def upload_progress(self) -> Section:
+        """Per upload in flight, MIN of (arrived)."""
+        return Section.of([(op, (int(op in self._arrived_uploads),), ()) for op in self.uploads], 1)
+
+    def apply_backups(self, agreed: Section) -> None:
+        """End the backups every rank has got, in issue order: the first one some rank has
+        not got holds up the later ones."""
+        for op, (arrived, ok), _ in agreed.rows():
+            if not arrived:
+                break
+            self.finish_write(op, bool(ok), self._arrived_writes.pop(op)[1])
+
+    def apply_uploads(self, agreed: Section) -> bool:
+        """End the uploads every rank has got, each on its own. Whether any ended (an
+        upload's end may make host room)."""
+        ended = False
+        for op, (arrived,), _ in agreed.rows():
+            if arrived:
+                self._arrived_uploads.pop(op, None)
+                self.finish_upload(op)
+                ended = True
+        return ended
+
+    # ------------------------------------------------------------------ waits (`Awaited`)
+    def ended(self, op: OpId) -> bool:
+        """A backup has ended; an upload has ended or passed its deadline (op ids are unique
+        across flows, so one test serves both tables)."""
+        if op in self.writes:
+            return False
+        job = self.uploads.get(op)
+        return job is None or job.timed_out
+
+    def arrived(self, op: OpId) -> bool:
+        if op in self._arrived_writes or op in self._arrived_uploads:
+            return True
+        job = self.uploads.get(op)
+        return job is not None and job.timed_out
+
+    def _oldest_write(self) -> Wait | None:
+        op = next(iter(self.writes), None)
+        return None if op is None else Wait(self, op)
+
+    # ------------------------------------------------------------------ allocation
+    def device(self, n: int, load: Wait | None) -> np.ndarray | Wait | None:
+        """Device slots for n tokens, evicting L1 and starting the backups eviction asks for
+        first (write_back, exclusive, L3 on). A Wait for an op whose end frees slots: the
+        oldest backup, else `load` (a load in flight locks the pages it fills until it ends:
+        wait for it, rather than call L1 full while they are about to become evictable)."""
+        if n == 0:
+            return EMPTY_SLOTS
+        space = self._space
+        while True:
+            slots = space.alloc("device", n)
+            if slots is not None:
+                return slots
+            # Evict what is missing, less what eviction backups in flight will free: asking for
+            # all of n each time round would back up (and keep in both tiers) more leaves.
+            evicting = sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
+            short = n - space.ledgers["device"].available - evicting
+            if short > 0:
+                freed = self._evict_device(short)
+                if freed is True:
+                    continue
+                if isinstance(freed, Wait):
+                    return freed
+            return self._oldest_write() or load
+
+    def _evict_device(self, n: int) -> bool | Wait:
+        """Evict about n tokens from L1, then back up or drop what eviction left for a copy
+        first. True when a device slot was freed; else the first wait met (no write credit,
+        no host room)."""
+        ctx, tree, space = self._ctx, self._ctx.tree, self._space
+        exclusive = ctx.cfg.exclusive
+        # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
+        back_up = self._storage.on and ctx.cfg.evict_to_storage
+        eviction = space.evict_device(n, back_up=back_up)
+        freed = eviction.freed
+        wait: Wait | None = None
+        for node in eviction.needs_backup:  # write_back, exclusive, L3 on: copy, then evict
+            if exclusive and not tree.outranks_host(node, now=ctx.now):
+                # Older than everything L2 could give up: drop it rather than displace hotter
+                # pages, so the two tiers together evict like one LRU of their total size.
+                freed += space.discard(node, "older_than_l2")
+            elif wait is None:
+                started = self.start_backup(node, evicting=True)
+                if isinstance(started, Wait):
+                    wait = started  # the rest stay on L1, found again by the next eviction
+                elif not started and back_up and tree.needs_backup(node):
+                    # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
+                    # L3 attached it leaves L1 as without L3, rather than fail the allocation.
+                    freed += space.discard(node, "no_l2_room")
+        if freed:
+            return True
+        return wait if wait is not None else False
+
+    def host(self, n: int) -> np.ndarray | Wait | None:
+        """Host slots for n tokens, evicting L2; when what is left is pinned by uploads, a
+        Wait for the oldest (never for one past its deadline)."""
+        slots = self._space.host(n)
+        if slots is not None:
+            return slots
+        upload = next((op for op, job in self.uploads.items() if not job.timed_out), None)
+        return None if upload is None else Wait(self, upload)
 
     def pending(self) -> bool:
         """What a flush waits for: uploads past their deadline no longer count."""
@@ -70,15 +198,15 @@ class WriteFlows:
         credit or no host room goes to the backlog (False); an eviction's returns the `Wait`."""
         tree = self._ctx.tree
         if self.write_credits == 0:
-            oldest = self.oldest_write()
+            oldest = self._oldest_write()
             if evicting and oldest is not None:
-                return Wait("write", oldest)
+                return oldest
             self.write_backlog.append(node)
             return False
         if not tree.needs_backup(node):
             return False
         length = tree.num_tokens(node)
-        host = self._space.host(length)
+        host = self.host(length)
         if isinstance(host, Wait):
             if evicting:
                 return host
@@ -132,7 +260,7 @@ class WriteFlows:
         self._space.free("host", ctx.tree.end_backup(op.node, ok=ok))
         if not ok:
             ctx.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
-        elif ctx.storage_on:
+        elif self._storage.on:
             self._upload(pieces)
         self.retry_backlog()
 
@@ -231,8 +359,8 @@ class WriteFlows:
         self.write_backlog.clear()
         self.upload_backlog.clear()
         for op_id in list(self.writes):
-            self.arrived_writes.pop(op_id, None)
+            self._arrived_writes.pop(op_id, None)
             self.finish_write(op_id, False, "abandoned at close")
         for op_id in list(self.uploads):
-            self.arrived_uploads.pop(op_id, None)
+            self._arrived_uploads.pop(op_id, None)
             self.finish_upload(op_id)

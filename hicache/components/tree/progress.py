@@ -1,0 +1,90 @@
+"""The vectors the TP ranks agree on at a sync point, as one layout: a section per flow, a row
+per op in flight, the same columns in every row of a section. Flows build their section from
+rows and read the agreed values back by row; only `Progress.agreed` knows the flat order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from hicache.types import OpId
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One flow's part of the vectors: per op, `mins` (agreed by MIN) and `maxes` (by MAX),
+    each row of the same width for every op of the section."""
+
+    ops: tuple[OpId, ...]
+    mins: tuple[tuple[int, ...], ...]
+    maxes: tuple[tuple[int, ...], ...]
+    min_width: int
+    max_width: int
+
+    @classmethod
+    def of(
+        cls,
+        rows: Sequence[tuple[OpId, tuple[int, ...], tuple[int, ...]]],
+        min_width: int,
+        max_width: int = 0,
+    ) -> Section:
+        """A section from (op, min values, max values) rows."""
+        assert all(len(a) == min_width and len(b) == max_width for _, a, b in rows)
+        return cls(
+            tuple(op for op, _, _ in rows),
+            tuple(a for _, a, _ in rows),
+            tuple(b for _, _, b in rows),
+            min_width,
+            max_width,
+        )
+
+    def rows(self) -> Iterator[tuple[OpId, tuple[int, ...], tuple[int, ...]]]:
+        return zip(self.ops, self.mins, self.maxes, strict=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What this rank has seen of every op in flight: the flows' sections, in apply order."""
+
+    backups: Section
+    loads: Section
+    uploads: Section
+    prefetches: Section
+
+    def sections(self) -> tuple[Section, ...]:
+        return (self.backups, self.loads, self.uploads, self.prefetches)
+
+    @property
+    def mins(self) -> list[int]:
+        return [v for s in self.sections() for row in s.mins for v in row]
+
+    @property
+    def maxes(self) -> list[int]:
+        return [v for s in self.sections() for row in s.maxes for v in row]
+
+    def agreed(self, mins: Sequence[int], maxes: Sequence[int]) -> Progress:
+        """The same layout holding the values the ranks agreed on."""
+        at_min = at_max = 0
+        out = []
+        for s in self.sections():
+            n = len(s.ops)
+            flat_min = mins[at_min : at_min + n * s.min_width]
+            flat_max = maxes[at_max : at_max + n * s.max_width]
+            at_min += n * s.min_width
+            at_max += n * s.max_width
+            out.append(
+                Section(
+                    s.ops,
+                    tuple(_chunks(flat_min, s.min_width, n)),
+                    tuple(_chunks(flat_max, s.max_width, n)),
+                    s.min_width,
+                    s.max_width,
+                )
+            )
+        assert at_min == len(mins) and at_max == len(maxes), "vectors of another layout"
+        return Progress(*out)
+
+
+def _chunks(values: Sequence[int], width: int, n: int) -> Iterator[tuple[int, ...]]:
+    for i in range(n):
+        yield tuple(int(v) for v in values[i * width : (i + 1) * width])
