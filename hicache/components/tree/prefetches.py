@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
+from hicache.components.prefetch_state import RUNNING, Phase, caller_state
 from hicache.components.tree.context import Context, Wait
 from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.pins import PinTable
@@ -189,8 +190,8 @@ class PrefetchFlows:
         page = self._ctx.cfg.page_size
         return PrefetchOutcome(
             rid=rid,
-            state=op.state,
-            hit_tokens=max(op.hit_pages, 0) * page,
+            state=caller_state(op.phase),
+            hit_tokens=op.hit_pages * page,
             done_tokens=op.done_pages * page,
             wanted_tokens=len(op.hashes) * page,
         )
@@ -200,7 +201,7 @@ class PrefetchFlows:
         arrived, or park the reply until the policy lets it end. With `poll` (TP ranks, which
         may only change state at sync points) the current outcome is answered at once."""
         op_id = self.by_rid.get(rid)
-        if op_id is None or self.ops[op_id].state != "running":
+        if op_id is None or self.ops[op_id].phase not in RUNNING:
             self._ctx.out.answer(reply, self.outcome(rid, op_id))
             return
         if self._ctx.cfg.prefetch_policy == "best_effort":
@@ -212,15 +213,15 @@ class PrefetchFlows:
 
     def stop(self, op_id: OpId) -> None:
         op = self.ops[op_id]
-        if not op.stopping:
-            op.stopping = True
+        if op.phase is not Phase.STOPPING:
+            op.to(op_id, Phase.STOPPING)
             self._ctx.out.send("prefetcher", StopPrefetch(op=op_id))
 
     def stop_all(self) -> int:
         """Stop every running prefetch; how many were running."""
         running = 0
         for op_id, op in self.ops.items():
-            if op.state == "running":
+            if op.phase in RUNNING:
                 running += 1
                 self.stop(op_id)
         return running
@@ -233,19 +234,18 @@ class PrefetchFlows:
         everywhere, `stopped` acknowledged everywhere, `timed_out` somewhere."""
         ctx = self._ctx
         op = self.ops[op_id]
-        if op.state == "running":
-            if timed_out and not op.stopping:
+        if op.phase in RUNNING:
+            if timed_out and op.phase is not Phase.STOPPING:
                 ctx.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
                 self.stop(op_id)
-            op.hit_pages, op.done_pages = hit, done
+            op.hit_pages, op.done_pages = max(hit, 0), done
             if hit >= 0 and hit * ctx.cfg.page_size < op.threshold:
                 self.stop(op_id)  # not worth it: revoke
                 self._settle(op_id, revoked=True)
             elif finished or stopped:  # stopped: asked for, or its storage call timed out
-                op.stopping = True
                 self._settle(op_id, revoked=False)
-            elif hit >= 0 and not op.reading and not op.stopping:
-                op.reading = True
+            elif hit >= 0 and op.phase is Phase.PROBING:
+                op.to(op_id, Phase.WAITING_HOST)
                 self._back_up_anchor(op)
                 self._read(op_id)
         if finished:
@@ -284,7 +284,7 @@ class PrefetchFlows:
         """After the probe: host slots for exactly the pages storage has, then the reads."""
         ctx = self._ctx
         op = self.ops[op_id]
-        if op.state != "running" or op.stopping:
+        if op.phase is not Phase.WAITING_HOST:
             return
         host = self._writes.host(op.hit_pages * ctx.cfg.page_size)
         if isinstance(host, Wait):
@@ -301,6 +301,7 @@ class PrefetchFlows:
             self._settle(op_id, revoked=True)
             return
         op.host_slots = host
+        op.to(op_id, Phase.READING)
         ctx.out.send("prefetcher", ReadPrefetch(op=op_id, host_slots=host))
 
     def _settle(self, op_id: OpId, *, revoked: bool) -> None:
@@ -325,13 +326,13 @@ class PrefetchFlows:
             self._space.free("host", inserted.duplicate_slots)
             self._pins.after_insert(op.prefix, op.salt)  # pins hold for pages back from L3
         tree.release_host(op.anchor)
-        op.state = "revoked" if revoked else "done"
+        op.to(op_id, Phase.REVOKED if revoked else Phase.DONE)
         ctx.out.info(
             "tree.prefetch_done",
             rid=op.rid,
             op=op_id,
-            state=op.state,
-            hit=max(op.hit_pages, 0) * page,
+            state=caller_state(op.phase),
+            hit=op.hit_pages * page,
             read=used_tokens,
         )
         outcome = self.outcome(op.rid, op_id)
@@ -352,6 +353,7 @@ class PrefetchFlows:
     def _end(self, op_id: OpId) -> None:
         """The prefetcher is done with the op: free the slots the tree did not take."""
         op = self.ops.pop(op_id)
+        op.to(op_id, Phase.ENDED)
         self._reports.pop(op_id, None)
         self._timers_fired.discard(op_id)
         if op_id in self.host_waiting:
@@ -365,6 +367,6 @@ class PrefetchFlows:
 
     def abandon(self) -> None:
         for op_id, op in list(self.ops.items()):
-            if op.state == "running":
+            if op.phase in RUNNING:
                 self._settle(op_id, revoked=True)
             self._end(op_id)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.prefetch_state import Phase, advance
 from hicache.components.tree.retention import Range
 from hicache.components.tree.returns import LoadPlan
 from hicache.results import PrefetchOutcome
@@ -60,12 +61,13 @@ class PrefetchOp:
     host_slots: np.ndarray
     timer: bool = False  # the timeout policy's timer is running (cancelled when the op ends)
     threshold: int = 0  # fewest tokens worth fetching (the config's, or the request's own)
-    hit_pages: int = -1  # unknown until the prefetcher's probe reports
+    phase: Phase = Phase.PROBING  # where it stands (`prefetch_state.py`)
+    hit_pages: int = 0  # pages storage has, as agreed (known from WAITING_HOST on)
     done_pages: int = 0
-    stopping: bool = False
-    reading: bool = False  # ReadPrefetch sent (host slots taken for the agreed hit pages)
-    state: str = "running"  # running | done | revoked
     waiters: list[Any] = field(default_factory=list)  # replies of prefetch waits
+
+    def to(self, op: OpId, phase: Phase) -> None:
+        self.phase = advance(op, self.phase, phase)
 
 
 @dataclass(slots=True)
