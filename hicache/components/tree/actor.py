@@ -93,6 +93,7 @@ class TreeActor(Actor[TreeInbox]):
         self._handles: dict[OpId, LoadHandle] = {}  # loads in flight (until LoadEnded)
         self._timers: dict[OpId, TimerHandle] = {}  # prefetch timeouts (until CancelTimer)
         self._tick = 0  # frontend calls run so far: the tree's clock across TP ranks
+        self._recording = True  # the log goes somewhere (as of the message being handled)
 
     def connect(
         self,
@@ -150,9 +151,7 @@ class TreeActor(Actor[TreeInbox]):
         # Every slot the ledgers hand out or take back is an event (what `hicache check-log`
         # re-derives slot ownership from), built only while the log goes somewhere; so is
         # every other event (several per request, each a dict and a structlog pass to drop).
-        recording = self.log.recording
-        core.ctx.detail = recording
-        core.ctx.out.quiet = not recording
+        self._recording = self.log.recording
         if isinstance(msg, COMPLETIONS):
             core.record(msg)
             if self._agreement.trivial or core.wants_sync():
@@ -164,17 +163,37 @@ class TreeActor(Actor[TreeInbox]):
                 self._tick += 1
             if not self._agreement.trivial:  # one rank applied every completion on arrival
                 await self._sync()  # frontend calls reach every rank in the same order
-            await self._execute(core.run(self._now()))
+            await self._execute(
+                core.run(self._now(), events=self._recording, detail=self._recording)
+            )
 
     async def _sync(self) -> None:
         """Agree with the other ranks how far every op has got, and apply that."""
         seen = self.core.progress()
         if self._agreement.trivial:
             if seen.mins or seen.maxes:
-                await self._execute(self.core.apply(seen, seen.mins, seen.maxes, self._now()))
+                await self._execute(
+                    self.core.apply(
+                        seen,
+                        seen.mins,
+                        seen.maxes,
+                        self._now(),
+                        events=self._recording,
+                        detail=self._recording,
+                    )
+                )
             return
         agreed, agreed_max = await self._agreement.agree(seen.mins, seen.maxes)
-        await self._execute(self.core.apply(seen, agreed, agreed_max, self._now()))
+        await self._execute(
+            self.core.apply(
+                seen,
+                agreed,
+                agreed_max,
+                self._now(),
+                events=self._recording,
+                detail=self._recording,
+            )
+        )
 
     async def _execute(self, effects: list[Effect]) -> None:
         log = self.log

@@ -1,5 +1,6 @@
-"""What every part of the controller shares: the configuration, the radix tree, the effects of
-the step being taken, its time, the counters and the op ids."""
+"""What the parts of the controller share: the configuration, the radix tree, the counters and
+the op ids (`Context`, for the controller's life); the time and the effects of the step being
+taken (`Step`, made for each call and passed down); and what a parked call waits on (`Wait`)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ class Context:
     cfg: CacheConfig
     tree: RadixTree
     bytes_per_token: int
-    out: Effects = field(default_factory=Effects)
     counters: Counters = field(default_factory=Counters)
-    now: float = 0.0  # the step's time: given by the driver with each call
-    detail: bool = False  # build detail events (`tree.slots`): the driver's log records
     last_op: int = 0
 
     def op(self) -> OpId:
         self.last_op += 1
         return OpId(self.last_op)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One controller step: its time (given by the driver) and the effects it returns."""
+
+    now: float
+    out: Effects
 
 
 class Awaited(Protocol):

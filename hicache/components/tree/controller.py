@@ -20,10 +20,10 @@ from typing import Any
 from typing_extensions import assert_never
 
 from hicache.components.tree import reset, sync
-from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
-from hicache.components.tree.effects import Drained, Effect, LoadEnded
+from hicache.components.tree.effects import Drained, Effect, Effects, Fail, LoadEnded
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
@@ -90,7 +90,7 @@ class Controller:
     ) -> None:
         self.ctx = ctx = Context(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
         self.space = Space(ctx)
-        self.storage = StorageSwitch(ctx, storage_on)  # attach / detach L3
+        self.storage = StorageSwitch(storage_on)  # attach / detach L3
         self.writes = WriteFlows(ctx, self.space, self.storage, credits)
         self.loads = LoadFlows(ctx, self.space, self.writes, credits)
         self.pins = PinTable(ctx)
@@ -107,6 +107,7 @@ class Controller:
         # handles until that call answers (its answer names them).
         self._held_ends: list[LoadEnded] = []
         self._lease_returned = False
+        self._between: list[Effect] = []  # what `accept` said, for the next step to return
 
     @property
     def counters(self) -> Counters:
@@ -119,9 +120,11 @@ class Controller:
         if isinstance(msg, Drain) and msg.abandon:
             if self._parked is not None:
                 self._parked = None
-                self.ctx.out.fail(
-                    self._calls.popleft().reply,  # type: ignore[union-attr]
-                    CacheError("the cache closed while this call waited"),
+                self._between.append(
+                    Fail(
+                        self._calls.popleft().reply,  # type: ignore[union-attr]
+                        CacheError("the cache closed while this call waited"),
+                    )
                 )
             self._calls.appendleft(msg)
         else:
@@ -143,46 +146,47 @@ class Controller:
         parked = self._parked
         return parked is not None and parked.wait.arrived()
 
-    def run(self, now: float) -> list[Effect]:
-        """Run the next call (see `ready`): a new one, or the parked one from where it stopped."""
-        ctx = self.ctx
-        ctx.now = now
+    def run(self, now: float, *, events: bool = True, detail: bool = False) -> list[Effect]:
+        """Run the next call (see `ready`): a new one, or the parked one from where it stopped.
+        `events`: build events at all (the driver's log goes somewhere); `detail`: also the
+        slot events (`tree.slots`, what `hicache check-log` re-derives ownership from)."""
+        step = self._step(now, events, detail)
         msg = self._calls.popleft()
         parked, self._parked = self._parked, None
         try:
-            wait = self._dispatch(msg, parked)
+            wait = self._dispatch(step, msg, parked)
         except CacheError as exc:  # a caller's mistake, found before anything changed
-            ctx.out.fail(msg.reply, exc)  # type: ignore[union-attr]
+            step.out.fail(msg.reply, exc)  # type: ignore[union-attr]
         else:
             if wait is not None:
                 self._parked = wait
                 self._calls.appendleft(msg)
-        self._settle()
-        return self._take()
+        self._settle(step)
+        return self._take(step)
 
-    def _dispatch(self, msg: TreeInbox, parked: Parked | None) -> Parked | None:
-        out, requests, prefetches = self.ctx.out, self.requests, self.prefetches
+    def _dispatch(self, step: Step, msg: TreeInbox, parked: Parked | None) -> Parked | None:
+        out, requests, prefetches = step.out, self.requests, self.prefetches
         match msg:
             case MatchBatch(items=items, reply=reply):
-                matched, match_loads = requests.match_batch(items)
+                matched, match_loads = requests.match_batch(step, items)
                 out.answer(reply, matched, tuple(match_loads) if any(match_loads) else None)
             case LoadBackBatch(rids=rids, reply=reply, threshold=threshold):
                 done = parked.done if parked is not None else []
-                wait = requests.load_back_batch(rids, done, threshold)
+                wait = requests.load_back_batch(step, rids, done, threshold)
                 if wait is not None:
                     return Parked(wait, done)
                 waits = tuple(ops for _, ops in done)
                 out.answer(reply, tuple(o for o, _ in done), waits if any(waits) else None)
             case AllocBatch(sizes=sizes, reply=reply):
-                slots = requests.alloc_batch(sizes)
+                slots = requests.alloc_batch(step, sizes)
                 if isinstance(slots, Wait):
                     return Parked(slots)
                 out.answer(reply, slots)
             case CacheBatch(items=items, reply=reply):
-                cached, cache_loads = requests.cache_batch(items)
+                cached, cache_loads = requests.cache_batch(step, items)
                 out.answer(reply, cached, tuple(cache_loads) if any(cache_loads) else None)
             case ReleaseBatch(rids=rids, reply=reply):
-                requests.release_batch(rids)
+                requests.release_batch(step, rids)
                 out.answer(reply, None)
             case Flush(reply=reply, poll=poll):
                 if poll:
@@ -196,15 +200,15 @@ class Controller:
             case DumpTree(reply=reply):
                 out.answer(reply, self.ctx.tree.dump())
             case Drain(reply=reply, poll=poll, abandon=abandon):
-                prefetches.stop_all()
+                prefetches.stop_all(step)
                 if abandon:
-                    self._abandon_in_flight()
+                    self._abandon_in_flight(step)
                 if not (poll or abandon):
                     self._drain_waiters.append(reply)
                 elif self.in_flight():
                     out.answer(reply, None)
                 else:
-                    self._drain((reply,))
+                    self._drain(step, (reply,))
             case PrefetchBatch(items=items, reply=reply):
                 requests.check_rids([item.rid for item in items], "prefetch")
                 keys = []
@@ -218,13 +222,17 @@ class Controller:
                     reply,
                     tuple(
                         prefetches.start(
-                            requests.state(item.rid, "prefetch"), item.rid, key, item.threshold
+                            step,
+                            requests.state(item.rid, "prefetch"),
+                            item.rid,
+                            key,
+                            item.threshold,
                         )
                         for item, key in zip(items, keys, strict=True)
                     ),
                 )
             case PrefetchWait(rid=rid, reply=reply, poll=poll):
-                prefetches.wait(rid, reply, poll=poll)
+                prefetches.wait(step, rid, reply, poll=poll)
             case PrefetchPoll(rid=rid, reply=reply):
                 out.answer(reply, prefetches.outcome(rid, prefetches.by_rid.get(rid)))
             case Clear(tiers=tiers, reply=reply, poll=poll):
@@ -234,7 +242,7 @@ class Controller:
                         f"clear: tiers must be some of {reset.TIERS}, got {tiers!r}"
                     )
                 if not self.in_flight():
-                    self._clear(msg)
+                    self._clear(step, msg)
                 elif poll:
                     out.answer(reply, None)
                 else:
@@ -242,9 +250,9 @@ class Controller:
             case AttachStorage() | DetachStorage():
                 self.storage.accept(msg)  # applied in order, as in-flight work allows (_settle)
             case Pin(tokens=tokens, salt=salt, tiers=tiers, ttl=ttl, reply=reply):
-                out.answer(reply, self.pins.pin(tokens, salt, tiers, ttl))
+                out.answer(reply, self.pins.pin(step, tokens, salt, tiers, ttl))
             case Unpin(tokens=tokens, salt=salt, reply=reply):
-                out.answer(reply, self.pins.unpin(tokens, salt))
+                out.answer(reply, self.pins.unpin(step, tokens, salt))
             case ClearStorage(reply=reply):
                 if self.storage.on:
                     out.add(ClearStorageEffect(reply))
@@ -273,19 +281,39 @@ class Controller:
         return sync.progress(self.writes, self.loads, self.prefetches)
 
     def apply(
-        self, seen: Progress, agreed: list[int], agreed_max: list[int], now: float
+        self,
+        seen: Progress,
+        agreed: list[int],
+        agreed_max: list[int],
+        now: float,
+        *,
+        events: bool = True,
+        detail: bool = False,
     ) -> list[Effect]:
         """Apply what every rank has got (for one rank: `seen.mins`, `seen.maxes`)."""
-        self.ctx.now = now
+        step = self._step(now, events, detail)
         sync.apply(
-            seen.agreed(agreed, agreed_max), self.writes, self.loads, self.prefetches, self.requests
+            step,
+            seen.agreed(agreed, agreed_max),
+            self.writes,
+            self.loads,
+            self.prefetches,
+            self.requests,
         )
-        self._settle()
-        return self._take()
+        self._settle(step)
+        return self._take(step)
 
-    def _take(self) -> list[Effect]:
+    def _step(self, now: float, events: bool, detail: bool) -> Step:
+        """A fresh step, starting with what `accept` had to say between steps."""
+        out = Effects(events=events, detail=detail)
+        if self._between:
+            out.items.extend(self._between)
+            self._between.clear()
+        return Step(now, out)
+
+    def _take(self, step: Step) -> list[Effect]:
         """The step's effects, holding back the end of any load a parked call will name."""
-        effects = self.ctx.out.take()
+        effects = step.out.take()
         parked = self._parked
         named = {op for _, ops in parked.done for op in ops} if parked is not None else set()
         if named:
@@ -302,34 +330,33 @@ class Controller:
         return effects
 
     # ------------------------------------------------------------------ flush, close, stats
-    def _clear(self, msg: Clear) -> None:
+    def _clear(self, step: Step, msg: Clear) -> None:
         """Drop every unlocked page of the tiers asked (nothing is in flight now)."""
         ctx = self.ctx
-        device = reset.drop_device(ctx, self.space) if "device" in msg.tiers else 0
-        host = reset.drop_host(ctx, self.space) if "host" in msg.tiers else 0
+        device = reset.drop_device(step, ctx, self.space) if "device" in msg.tiers else 0
+        host = reset.drop_host(step, ctx, self.space) if "host" in msg.tiers else 0
         outcome = ClearOutcome(device_tokens=device, host_tokens=host)
-        ctx.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
+        step.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
         if "storage" in msg.tiers and self.storage.on:
-            ctx.out.add(ClearStorageEffect(msg.reply, outcome))
+            step.out.add(ClearStorageEffect(msg.reply, outcome))
         else:
-            ctx.out.answer(msg.reply, outcome)
+            step.out.answer(msg.reply, outcome)
 
-    def _settle(self) -> None:
+    def _settle(self, step: Step) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
-        self.storage.step(
-            self.writes, self.prefetches
-        )  # a detach waits for the uploads and prefetches in flight
+        # a detach waits for the uploads and prefetches in flight
+        self.storage.settle(step, self.writes, self.prefetches)
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
-                self.ctx.out.answer(reply, None)
+                step.out.answer(reply, None)
             self._flush_waiters.clear()
         if self._clear_waiters and not self.in_flight():
             waiting, self._clear_waiters = self._clear_waiters, []
             for msg in waiting:
-                self._clear(msg)
+                self._clear(step, msg)
         if self._drain_waiters and not self.in_flight():
             waiters, self._drain_waiters = self._drain_waiters, []
-            self._drain(tuple(waiters))
+            self._drain(step, tuple(waiters))
 
     def in_flight(self) -> bool:
         return bool(
@@ -338,24 +365,23 @@ class Controller:
             or self.prefetches.in_flight()["prefetches"]
         )
 
-    def _drain(self, replies: tuple[Any, ...]) -> None:
+    def _drain(self, step: Step, replies: tuple[Any, ...]) -> None:
         """Release every request and free every slot the tree holds; the driver returns the
         lease and answers with the ledgers and the bookkeeping tables (all empty now)."""
-        self.storage.step(
-            self.writes, self.prefetches
-        )  # nothing in flight: a detach still queued goes through first
-        self.requests.release_all()
+        # nothing in flight: a detach still queued goes through first
+        self.storage.settle(step, self.writes, self.prefetches)
+        self.requests.release_all(step)
         self.pins.clear()
         freed = self.ctx.tree.clear()
-        self.space.free("device", freed.device)
-        self.space.free("host", freed.host)
+        self.space.free(step, "device", freed.device)
+        self.space.free(step, "host", freed.host)
         lease = {}
         if not self._lease_returned:
             self._lease_returned = True
             lease = {tier: led.free_slots() for tier, led in self.space.ledgers.items()}
-        self.ctx.out.add(Drained(replies, lease, self.bookkeeping()))
+        step.out.add(Drained(replies, lease, self.bookkeeping()))
 
-    def _abandon_in_flight(self) -> None:
+    def _abandon_in_flight(self, step: Step) -> None:
         """Close's last resort past its deadline: end every op still in flight as if it had
         failed, so its slots go back. Its worker may still be inside a storage call; the
         kernel stops right after, and nothing reuses the slots."""
@@ -365,12 +391,12 @@ class Controller:
             "uploads": self.writes.in_flight()["uploads"] + len(self.writes.upload_backlog),
             "prefetches": self.prefetches.in_flight()["prefetches"],
         }
-        self.writes.abandon()
-        for op in self.loads.abandon():
+        self.writes.abandon(step)
+        for op in self.loads.abandon(step):
             self.requests.load_failed(op)
-        self.prefetches.abandon()
+        self.prefetches.abandon(step)
         self.ctx.counters.abandoned_ops += sum(counts.values())
-        self.ctx.out.warning("tree.abandoned", **counts)
+        step.out.warning("tree.abandoned", **counts)
 
     def bookkeeping(self) -> dict[str, int]:
         """Sizes of every table that grows with requests or ops: all 0 after a drain."""

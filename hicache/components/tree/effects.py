@@ -121,14 +121,16 @@ Effect = (
 
 
 class Effects:
-    """The list one controller step fills, with a method per kind of effect. With `quiet`
-    (set by the driver while its log goes nowhere) events are not built at all."""
+    """The list one controller step fills, with a method per kind of effect. Without `events`
+    (the driver's log goes nowhere) events are not built at all; `detail` asks for the slot
+    events too (`tree.slots`)."""
 
-    __slots__ = ("items", "quiet")
+    __slots__ = ("detail", "items", "quiet")
 
-    def __init__(self) -> None:
+    def __init__(self, *, events: bool = True, detail: bool = False) -> None:
         self.items: list[Effect] = []
-        self.quiet = False
+        self.quiet = not events
+        self.detail = detail and events
 
     def take(self) -> list[Effect]:
         items, self.items = self.items, []

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.effects import LoadEnded, SubmitLoad
 from hicache.components.tree.progress import Section
 from hicache.components.tree.records import LoadOp, RequestState
@@ -46,10 +46,10 @@ class LoadFlows:
         op = next(iter(self.loads), None)
         return None if op is None else Wait(self, op)
 
-    def device(self, n: int) -> np.ndarray | Wait | None:
+    def device(self, step: Step, n: int) -> np.ndarray | Wait | None:
         """Device slots, evicting (`WriteFlows.device`); with nothing else to wait for, the
         oldest load in flight."""
-        return self._writes.device(n, self.oldest())
+        return self._writes.device(step, n, self.oldest())
 
     # ------------------------------------------------------------------ completions
     def record(self, msg: LoadDone) -> None:
@@ -64,14 +64,14 @@ class LoadFlows:
             rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
         return Section.of(rows, 2)
 
-    def apply(self, agreed: Section) -> list[OpId]:
+    def apply(self, step: Step, agreed: Section) -> list[OpId]:
         """End the loads every rank has got, in issue order. The loads that failed (the
         caller marks the requests that counted on them)."""
         failed = []
         for op, (arrived, ok), _ in agreed.rows():
             if not arrived:
                 break
-            self.finish(op, bool(ok), self._arrived.pop(op)[1])
+            self.finish(step, op, bool(ok), self._arrived.pop(op)[1])
             if not ok:
                 failed.append(op)
         return failed
@@ -82,12 +82,12 @@ class LoadFlows:
     def arrived(self, op: OpId) -> bool:
         return op in self._arrived
 
-    def abandon(self) -> list[OpId]:
+    def abandon(self, step: Step) -> list[OpId]:
         """End every load as failed (close past its deadline); the ops ended."""
         ops = list(self.loads)
         for op in ops:
             self._arrived.pop(op, None)
-            self.finish(op, False, "abandoned at close")
+            self.finish(step, op, False, "abandoned at close")
         return ops
 
     def under(self, node: NodeId | None) -> list[OpId]:
@@ -113,7 +113,7 @@ class LoadFlows:
         return pending
 
     def load_back(
-        self, rid: RequestId, state: RequestState, threshold: int | None = None
+        self, step: Step, rid: RequestId, state: RequestState, threshold: int | None = None
     ) -> int | Wait:
         """Load the request's L2-only stretch into L1 when it is worth it: the tokens loaded
         (0 when below the threshold, out of credits or out of room), or the wait it needs.
@@ -123,7 +123,7 @@ class LoadFlows:
         if state.host_len < max(1, least) or state.last_node is None:
             return 0
         if self.credits == 0:
-            ctx.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
+            step.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
             return 0
         plan = tree.plan_load_back(state.last_node)
         anchor = tree.parent(plan.nodes[0])
@@ -131,29 +131,31 @@ class LoadFlows:
             # The pages above are still landing: if that load failed, pages loaded below them
             # would keep its nodes on L1 with KV that never arrived. The request computes the
             # rest itself (or loads it on a later match, once the load above has ended).
-            ctx.out.warning(
+            step.out.warning(
                 "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="above_loading"
             )
             return 0
-        device_slots = self.device(plan.num_tokens)
+        device_slots = self.device(step, plan.num_tokens)
         if isinstance(device_slots, Wait):
             return device_slots
         if device_slots is None:
-            ctx.out.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
+            step.out.warning(
+                "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity"
+            )
             return 0
         assert anchor is not None
         tree.commit_load_back(plan, device_slots)
         tree.lock(plan.nodes[-1])
         op = ctx.op()
         self.credits -= 1
-        ctx.out.add(SubmitLoad(op, plan.host_slots, device_slots))
+        step.out.add(SubmitLoad(op, plan.host_slots, device_slots))
         self.loads[op] = LoadOp(plan=plan, lock=plan.nodes[-1], anchor=anchor)
         state.loads.append(op)
         state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
         state.host_len = 0
         ctx.counters.host_hit_tokens += plan.num_tokens
         ctx.counters.h2d_bytes += plan.num_tokens * ctx.bytes_per_token
-        ctx.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
+        step.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
         return plan.num_tokens
 
     def _filled(self, op: LoadOp) -> tuple[NodeId, ...]:
@@ -165,21 +167,21 @@ class LoadFlows:
             y = tree.parent(y)
         return tuple(reversed(nodes))
 
-    def finish(self, op_id: OpId, ok: bool, error: str) -> None:
+    def finish(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
         the requests that counted on it)."""
         ctx, tree = self._ctx, self._ctx.tree
         op = self.loads.pop(op_id)
         self.credits += 1
         tree.unlock(op.lock)
-        ctx.out.add(LoadEnded(op_id))
+        step.out.add(LoadEnded(op_id))
         # The nodes it filled now: a match or insert may have split them since the plan (a
         # split's upper piece is a new node), and every piece must go back or give up its copy.
         filled = replace(op.plan, nodes=self._filled(op))
         if not ok:
             freed, kept = tree.revert_load_back(filled)
-            self._space.free("device", freed)
-            ctx.out.error(
+            self._space.free(step, "device", freed)
+            step.out.error(
                 "tree.load_failed",
                 op=op_id,
                 error=error or None,
@@ -187,4 +189,4 @@ class LoadFlows:
                 kept_nodes=list(kept),
             )
         elif ctx.cfg.exclusive:
-            self._space.free("host", tree.drop_host(filled))
+            self._space.free(step, "host", tree.drop_host(filled))

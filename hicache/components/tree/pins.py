@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.context import Context
+from hicache.components.tree.context import Context, Step
 from hicache.components.tree.node import INF
 from hicache.components.tree.returns import TreeError
 from hicache.results import InvalidRequest, PinLimitError, PinOutcome
@@ -61,7 +61,7 @@ class PinTable:
 
     # ------------------------------------------------------------------ calls
     def pin(
-        self, tokens: Any, salt: bytes, tiers: tuple[str, ...], ttl: float | None
+        self, step: Step, tokens: Any, salt: bytes, tiers: tuple[str, ...], ttl: float | None
     ) -> PinOutcome:
         ctx = self._ctx
         bad = [t for t in tiers if t not in PIN_TIERS]
@@ -72,33 +72,35 @@ class PinTable:
             raise InvalidRequest(
                 f"pin: {len(tokens)} tokens hold no whole page (page_size={ctx.cfg.page_size})"
             )
-        until = INF if ttl is None else ctx.now + ttl
+        until = INF if ttl is None else step.now + ttl
         entry = PinEntry(
             tokens,
             device_until=until if "device" in tiers else -INF,
             host_until=until if "host" in tiers else -INF,
         )
         key = (salt, encoded.tobytes())
-        self._purge()
+        self._purge(step)
         for tier in tiers:
             cap = ctx.cfg.pin_cap(tier)
-            total = self._pinned(tier, {**self.entries, key: entry})
+            total = self._pinned(step, tier, {**self.entries, key: entry})
             if total > cap:
-                raise PinLimitError(tier, total - self._pinned(tier, self.entries), total, cap)
+                raise PinLimitError(
+                    tier, total - self._pinned(step, tier, self.entries), total, cap
+                )
         replaced = self.entries.get(key)
         self.entries[key] = entry
         self._next_expiry = min(self._next_expiry, max(entry.device_until, entry.host_until))
         self._by_head.setdefault(self._head(key), set()).add(key[1])
         if replaced is not None:  # a pin of the same prefix: its marks give way to this one
-            ctx.tree.unmark_pins(replaced.tokens, now=ctx.now, salt=salt)
-            self._mark_around(key)
-        cached = self._mark(key, entry)
-        ctx.out.info("tree.pin", tokens=len(encoded), cached=cached, tiers=list(tiers), ttl=ttl)
+            ctx.tree.unmark_pins(replaced.tokens, now=step.now, salt=salt)
+            self._mark_around(step, key)
+        cached = self._mark(step, key, entry)
+        step.out.info("tree.pin", tokens=len(encoded), cached=cached, tiers=list(tiers), ttl=ttl)
         return PinOutcome(
             tokens=len(encoded), cached_tokens=cached, until=None if ttl is None else until
         )
 
-    def unpin(self, tokens: Any, salt: bytes) -> bool:
+    def unpin(self, step: Step, tokens: Any, salt: bytes) -> bool:
         ctx = self._ctx
         tokens, encoded = self._aligned(tokens, "unpin")
         key = (salt, encoded.tobytes())
@@ -106,23 +108,23 @@ class PinTable:
         if entry is None:
             return False
         self._drop(key)
-        ctx.tree.unmark_pins(entry.tokens, now=ctx.now, salt=salt)
-        self._mark_around(key)
-        ctx.out.info("tree.unpin", tokens=len(encoded))
+        ctx.tree.unmark_pins(entry.tokens, now=step.now, salt=salt)
+        self._mark_around(step, key)
+        step.out.info("tree.unpin", tokens=len(encoded))
         return True
 
-    def after_insert(self, tokens: Any, salt: bytes) -> None:
+    def after_insert(self, step: Step, tokens: Any, salt: bytes) -> None:
         """Pages of `tokens` were just cached: mark those under a pinned prefix."""
         if not self.entries:
             return
         ctx = self._ctx
-        if ctx.now >= self._next_expiry:
-            self._purge()
+        if step.now >= self._next_expiry:
+            self._purge(step)
         page = ctx.cfg.page_size
         if len(tokens) < page:
             return
         head = (salt, ctx.tree.check_key(tokens[:page]).tobytes())
-        self._mark_around(head, whole=False)
+        self._mark_around(step, head, whole=False)
 
     # ------------------------------------------------------------------ helpers
     def _aligned(self, tokens: Any, action: str) -> tuple[Any, np.ndarray]:
@@ -137,28 +139,28 @@ class PinTable:
     def _head(self, key: Key) -> Key:
         return key[0], key[1][: self._ctx.tree.page_bytes]
 
-    def _mark(self, key: Key, entry: PinEntry) -> int:
+    def _mark(self, step: Step, key: Key, entry: PinEntry) -> int:
         ctx = self._ctx
         return ctx.tree.mark_pins(
             entry.tokens,
             device_until=entry.device_until,
             host_until=entry.host_until,
-            now=ctx.now,
+            now=step.now,
             salt=key[0],
         )
 
-    def _mark_around(self, key: Key, *, whole: bool = True) -> None:
+    def _mark_around(self, step: Step, key: Key, *, whole: bool = True) -> None:
         """Mark again every live pin sharing `key`'s first page (dropping expired ones)."""
         head = self._head(key) if whole else key
         prefixes = self._by_head.get(head)
         if not prefixes:
             return
-        now = self._ctx.now
+        now = step.now
         for raw in list(prefixes):
             other = (head[0], raw)
             entry = self.entries[other]
             if entry.live(now):
-                self._mark(other, entry)
+                self._mark(step, other, entry)
             else:
                 self._drop(other)
 
@@ -170,18 +172,18 @@ class PinTable:
         if not prefixes:
             del self._by_head[head]
 
-    def _purge(self) -> None:
+    def _purge(self, step: Step) -> None:
         """Drop the pins that have ended (their marks ended with them)."""
-        now = self._ctx.now
+        now = step.now
         for key in [k for k, e in self.entries.items() if not e.live(now)]:
             self._drop(key)
         ends = (max(e.device_until, e.host_until) for e in self.entries.values())
         self._next_expiry = min(ends, default=INF)
 
-    def _pinned(self, tier: str, entries: dict[Key, PinEntry]) -> int:
+    def _pinned(self, step: Step, tier: str, entries: dict[Key, PinEntry]) -> int:
         """Tokens pinned in `tier`: the union of the live prefixes (sorted, each one's pages
         less those it shares with its neighbour)."""
-        now = self._ctx.now
+        now = step.now
         page_bytes = self._ctx.tree.page_bytes
         total = 0
         by_salt: dict[bytes, list[bytes]] = {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.components.prefetch_state import RUNNING, Phase, caller_state
-from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.progress import Section
@@ -103,11 +103,12 @@ class PrefetchFlows:
             rows.append((op, mins, (int(op in self._timers_fired),)))
         return Section.of(rows, 4, 1)
 
-    def apply(self, agreed: Section, *, host_freed: bool) -> None:
+    def apply(self, step: Step, agreed: Section, *, host_freed: bool) -> None:
         """Take each prefetch's next step on what every rank agreed; then, when an upload's
         end may have made host room (`host_freed`), retry the reads that waited for it."""
         for op, (hit, done, finished, stopped), (timed_out,) in agreed.rows():
             self.agreed(
+                step,
                 op,
                 hit=hit,
                 done=done,
@@ -116,10 +117,15 @@ class PrefetchFlows:
                 timed_out=bool(timed_out),
             )
         if host_freed and self.host_waiting:
-            self.retry_reads()
+            self.retry_reads(step)
 
     def start(
-        self, state: RequestState, rid: RequestId, tokens: Any, threshold: int | None = None
+        self,
+        step: Step,
+        state: RequestState,
+        rid: RequestId,
+        tokens: Any,
+        threshold: int | None = None,
     ) -> PrefetchOutcome:
         """Admit and start a prefetch of `tokens` past the request's match. `threshold`:
         fewest tokens worth it for this request (None: the config's)."""
@@ -141,7 +147,7 @@ class PrefetchFlows:
         elif self.tokens + length > self._rate_limit() or self.credits == 0:
             reason = "rate_limited"
         if reason is not None:
-            ctx.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
+            step.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
             state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
             return state.prefetch  # what a later wait or poll reports too
         if anchor == tree.root:  # nothing matched: the salt's chain starts at its seed
@@ -153,7 +159,7 @@ class PrefetchFlows:
         op_id = ctx.op()
         timed = cfg.prefetch_policy == "timeout"
         if timed:
-            ctx.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
+            step.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
         # The anchor stays in the tree until the op settles. Without an L2 copy (it is only on
         # L1: a hot prefix under write_back or selective) it gets one if storage has enough
         # below it (`_back_up_anchor`), so what lands outlives the anchor's stay in L1.
@@ -172,8 +178,8 @@ class PrefetchFlows:
         self.by_rid[rid] = op_id
         self.credits -= 1
         self.tokens += length
-        ctx.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
-        ctx.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
+        step.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
+        step.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
         return self.outcome(rid, op_id)
 
     def _rate_limit(self) -> int:
@@ -196,38 +202,46 @@ class PrefetchFlows:
             wanted_tokens=len(op.hashes) * page,
         )
 
-    def wait(self, rid: RequestId, reply: Any, *, poll: bool) -> None:
+    def wait(self, step: Step, rid: RequestId, reply: Any, *, poll: bool) -> None:
         """Answer now if the prefetch is over; else (best_effort) stop it and take what has
         arrived, or park the reply until the policy lets it end. With `poll` (TP ranks, which
         may only change state at sync points) the current outcome is answered at once."""
         op_id = self.by_rid.get(rid)
         if op_id is None or self.ops[op_id].phase not in RUNNING:
-            self._ctx.out.answer(reply, self.outcome(rid, op_id))
+            step.out.answer(reply, self.outcome(rid, op_id))
             return
         if self._ctx.cfg.prefetch_policy == "best_effort":
-            self.stop(op_id)  # take what has arrived; the stop report answers
+            self.stop(step, op_id)  # take what has arrived; the stop report answers
         if poll:
-            self._ctx.out.answer(reply, self.outcome(rid, op_id))
+            step.out.answer(reply, self.outcome(rid, op_id))
         else:
             self.ops[op_id].waiters.append(reply)
 
-    def stop(self, op_id: OpId) -> None:
+    def stop(self, step: Step, op_id: OpId) -> None:
         op = self.ops[op_id]
         if op.phase is not Phase.STOPPING:
             op.to(op_id, Phase.STOPPING)
-            self._ctx.out.send("prefetcher", StopPrefetch(op=op_id))
+            step.out.send("prefetcher", StopPrefetch(op=op_id))
 
-    def stop_all(self) -> int:
+    def stop_all(self, step: Step) -> int:
         """Stop every running prefetch; how many were running."""
         running = 0
         for op_id, op in self.ops.items():
             if op.phase in RUNNING:
                 running += 1
-                self.stop(op_id)
+                self.stop(step, op_id)
         return running
 
     def agreed(
-        self, op_id: OpId, *, hit: int, done: int, finished: bool, stopped: bool, timed_out: bool
+        self,
+        step: Step,
+        op_id: OpId,
+        *,
+        hit: int,
+        done: int,
+        finished: bool,
+        stopped: bool,
+        timed_out: bool,
     ) -> None:
         """Take the next steps of a prefetch on values every rank agreed on: `hit` pages in
         storage (-1: not probed everywhere yet), `done` pages read everywhere, `finished`
@@ -236,22 +250,22 @@ class PrefetchFlows:
         op = self.ops[op_id]
         if op.phase in RUNNING:
             if timed_out and op.phase is not Phase.STOPPING:
-                ctx.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
-                self.stop(op_id)
+                step.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
+                self.stop(step, op_id)
             op.hit_pages, op.done_pages = max(hit, 0), done
             if hit >= 0 and hit * ctx.cfg.page_size < op.threshold:
-                self.stop(op_id)  # not worth it: revoke
-                self._settle(op_id, revoked=True)
+                self.stop(step, op_id)  # not worth it: revoke
+                self._settle(step, op_id, revoked=True)
             elif finished or stopped:  # stopped: asked for, or its storage call timed out
-                self._settle(op_id, revoked=False)
+                self._settle(step, op_id, revoked=False)
             elif hit >= 0 and op.phase is Phase.PROBING:
                 op.to(op_id, Phase.WAITING_HOST)
-                self._back_up_anchor(op)
-                self._read(op_id)
+                self._back_up_anchor(step, op)
+                self._read(step, op_id)
         if finished:
-            self._end(op_id)
+            self._end(step, op_id)
 
-    def _back_up_anchor(self, op: PrefetchOp) -> None:
+    def _back_up_anchor(self, step: Step, op: PrefetchOp) -> None:
         """Storage holds enough below an anchor whose path is only on L1: give it the L2 copy
         write_through would have made (what is not backed up yet, root first), so that the
         pages about to hang below it are not dropped with it when L1 evicts it. Not in
@@ -270,41 +284,41 @@ class PrefetchFlows:
         if path:
             tokens = sum(tree.num_tokens(n) for n in path)
             ctx.counters.anchor_backups += len(path)
-            ctx.out.info("tree.anchor_backup", rid=op.rid, nodes=len(path), tokens=tokens)
-            self._writes.start_backups(reversed(path))
+            step.out.info("tree.anchor_backup", rid=op.rid, nodes=len(path), tokens=tokens)
+            self._writes.start_backups(step, reversed(path))
 
-    def retry_reads(self) -> None:
+    def retry_reads(self, step: Step) -> None:
         """Probed ops that waited for host room: try again (an upload has ended)."""
         waiting, self.host_waiting = self.host_waiting, []
         for op_id in waiting:
             if op_id in self.ops:
-                self._read(op_id)
+                self._read(step, op_id)
 
-    def _read(self, op_id: OpId) -> None:
+    def _read(self, step: Step, op_id: OpId) -> None:
         """After the probe: host slots for exactly the pages storage has, then the reads."""
         ctx = self._ctx
         op = self.ops[op_id]
         if op.phase is not Phase.WAITING_HOST:
             return
-        host = self._writes.host(op.hit_pages * ctx.cfg.page_size)
+        host = self._writes.host(step, op.hit_pages * ctx.cfg.page_size)
         if isinstance(host, Wait):
             self.host_waiting.append(op_id)
             return
         if host is None:
-            ctx.out.info(
+            step.out.info(
                 "tree.prefetch_skipped",
                 rid=op.rid,
                 reason="host_full",
                 tokens=op.hit_pages * ctx.cfg.page_size,
             )
-            self.stop(op_id)
-            self._settle(op_id, revoked=True)
+            self.stop(step, op_id)
+            self._settle(step, op_id, revoked=True)
             return
         op.host_slots = host
         op.to(op_id, Phase.READING)
-        ctx.out.send("prefetcher", ReadPrefetch(op=op_id, host_slots=host))
+        step.out.send("prefetcher", ReadPrefetch(op=op_id, host_slots=host))
 
-    def _settle(self, op_id: OpId, *, revoked: bool) -> None:
+    def _settle(self, step: Step, op_id: OpId, *, revoked: bool) -> None:
         """Hand the request what has arrived: insert it as host-only nodes below the anchor,
         answer the waiters. The slots of those pages become the tree's; the rest stay the op's
         until it ends."""
@@ -320,14 +334,14 @@ class PrefetchFlows:
                 op.tokens[:used_tokens],
                 op.host_slots[:used_tokens],
                 op.hashes[:done],
-                now=ctx.now,
+                now=step.now,
                 salt=op.salt,
             )
-            self._space.free("host", inserted.duplicate_slots)
-            self._pins.after_insert(op.prefix, op.salt)  # pins hold for pages back from L3
+            self._space.free(step, "host", inserted.duplicate_slots)
+            self._pins.after_insert(step, op.prefix, op.salt)  # pins hold for pages back from L3
         tree.release_host(op.anchor)
         op.to(op_id, Phase.REVOKED if revoked else Phase.DONE)
-        ctx.out.info(
+        step.out.info(
             "tree.prefetch_done",
             rid=op.rid,
             op=op_id,
@@ -344,13 +358,13 @@ class PrefetchFlows:
             # Lock what arrived for the request, unless it is past load_back (or allocated):
             # then its prefix is fixed, and moving it would misalign what it holds.
             if done and not state.loaded_back and not state.owned:
-                self._requests.rematch(state)
+                self._requests.rematch(step, state)
         for reply in op.waiters:
-            ctx.out.answer(reply, outcome)
+            step.out.answer(reply, outcome)
         op.waiters.clear()
         del self.by_rid[op.rid]
 
-    def _end(self, op_id: OpId) -> None:
+    def _end(self, step: Step, op_id: OpId) -> None:
         """The prefetcher is done with the op: free the slots the tree did not take."""
         op = self.ops.pop(op_id)
         op.to(op_id, Phase.ENDED)
@@ -359,14 +373,14 @@ class PrefetchFlows:
         if op_id in self.host_waiting:
             self.host_waiting.remove(op_id)
         if op.timer:
-            self._ctx.out.add(CancelTimer(op_id))
+            step.out.add(CancelTimer(op_id))
         page = self._ctx.cfg.page_size
-        self._space.free("host", op.host_slots[op.done_pages * page :])
+        self._space.free(step, "host", op.host_slots[op.done_pages * page :])
         self.tokens -= len(op.hashes) * page
         self.credits += 1
 
-    def abandon(self) -> None:
+    def abandon(self, step: Step) -> None:
         for op_id, op in list(self.ops.items()):
             if op.phase in RUNNING:
-                self._settle(op_id, revoked=True)
-            self._end(op_id)
+                self._settle(step, op_id, revoked=True)
+            self._end(step, op_id)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.records import RequestState
@@ -93,22 +93,22 @@ class Requests:
             tree.unlock(state.lock)
         state.lock = node
 
-    def _view(self, state: RequestState, tokens: Any) -> None:
+    def _view(self, step: Step, state: RequestState, tokens: Any) -> None:
         """Point the request at the tree's current prefix for `tokens` (locked for it)."""
-        result = self._ctx.tree.match(tokens, now=self._ctx.now, salt=state.salt)
+        result = self._ctx.tree.match(tokens, now=step.now, salt=state.salt)
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
         state.host_len = result.host_len
         state.loads = self._loads.under(result.last_node)
 
-    def rematch(self, state: RequestState) -> None:
+    def rematch(self, step: Step, state: RequestState) -> None:
         """Refresh a request's view from the tree: its prefix may have grown since its match
         (a prefetch landed, another request loaded or cached part of it)."""
-        self._view(state, state.tokens)
+        self._view(step, state, state.tokens)
 
-    def release_all(self) -> None:
-        self.release_batch(tuple(self.table), reason="close")
+    def release_all(self, step: Step) -> None:
+        self.release_batch(step, tuple(self.table), reason="close")
 
     def load_failed(self, op: OpId) -> None:
         """Requests that counted on this load may not cache what they hold: their prefix slots
@@ -119,7 +119,7 @@ class Requests:
 
     # ------------------------------------------------------------------ match
     def match_batch(
-        self, items: Sequence[MatchItem]
+        self, step: Step, items: Sequence[MatchItem]
     ) -> tuple[tuple[MatchOutcome, ...], list[Loads]]:
         self.check_rids([item.rid for item in items], "match")
         keys = [self.check_tokens(item.tokens) for item in items]  # all, before any lock moves
@@ -130,15 +130,15 @@ class Requests:
             if state is None:
                 state = self.table[rid] = RequestState()
             state.salt = item.salt
-            self._view(state, tokens)
+            self._view(step, state, tokens)
             state.tokens = tokens
-            state.retention = self._ranges(item.retention)
+            state.retention = self._ranges(step, item.retention)
             if state.retention:  # the matched pages take the request's ranges now
-                self._ctx.tree.retain(tokens, state.retention, now=self._ctx.now, salt=state.salt)
+                self._ctx.tree.retain(tokens, state.retention, now=step.now, salt=state.salt)
             state.failed_load = False
             state.loaded_back = False
             self._ctx.counters.device_hit_tokens += len(state.prefix_slots)
-            self._ctx.out.info(
+            step.out.info(
                 "tree.match",
                 rid=rid,
                 tokens=len(tokens),
@@ -165,9 +165,11 @@ class Requests:
             pieces.extend(reversed(above))
         return pieces
 
-    def _ranges(self, retention: tuple[tuple[int, float, int, float], ...]) -> tuple[Range, ...]:
+    def _ranges(
+        self, step: Step, retention: tuple[tuple[int, float, int, float], ...]
+    ) -> tuple[Range, ...]:
         """A match's retention ranges with their ends on the cache clock."""
-        now = self._ctx.now
+        now = step.now
         return tuple(
             (start, int(min(end, 2**62)), priority, now + duration)
             for start, end, priority, duration in retention
@@ -176,6 +178,7 @@ class Requests:
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def load_back_batch(
         self,
+        step: Step,
         rids: Sequence[RequestId],
         done: list[tuple[LoadBackOutcome, Loads]],
         threshold: int | None = None,
@@ -194,9 +197,9 @@ class Requests:
                 if state.host_len and not state.loaded_back and not state.owned:
                     # What the match saw of its L2-only stretch may be stale: another request
                     # may have loaded or cached part of it since. Take the tree's prefix now.
-                    self.rematch(state)
+                    self.rematch(step, state)
                 state.loaded_back = True
-                got = self._loads.load_back(rid, state, threshold)
+                got = self._loads.load_back(step, rid, state, threshold)
                 if isinstance(got, Wait):
                     return got
                 loaded = got
@@ -210,7 +213,9 @@ class Requests:
         return None
 
     # ------------------------------------------------------------------ allocation
-    def alloc_batch(self, sizes: Sequence[tuple[RequestId, int]]) -> tuple[np.ndarray, ...] | Wait:
+    def alloc_batch(
+        self, step: Step, sizes: Sequence[tuple[RequestId, int]]
+    ) -> tuple[np.ndarray, ...] | Wait:
         """Slots for every request of the step, or none (a CapacityError naming the first
         request that does not fit)."""
         self.check_rids([rid for rid, _ in sizes], "allocate")
@@ -220,7 +225,7 @@ class Requests:
                 raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
         page = self._ctx.cfg.page_size
         wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
-        pooled = self._loads.device(sum(wanted))  # one allocation, evicting, for the step
+        pooled = self._loads.device(step, sum(wanted))  # one allocation, evicting, for the step
         if isinstance(pooled, Wait):
             return pooled
         if pooled is None:
@@ -250,17 +255,19 @@ class Requests:
 
     # ------------------------------------------------------------------ insert
     def cache_batch(
-        self, items: Sequence[CacheItem]
+        self, step: Step, items: Sequence[CacheItem]
     ) -> tuple[tuple[CacheOutcome, ...], list[Loads]]:
         self.check_rids([item.rid for item in items], "cache")
         checked = [self._check_cache(item) for item in items]  # the whole batch, first
         candidates: list[NodeId] = []
         outcomes, loads = [], []
         for item, (tokens, slots) in zip(items, checked, strict=True):
-            outcome, ops = self._cache(item, tokens, slots, candidates)
+            outcome, ops = self._cache(step, item, tokens, slots, candidates)
             outcomes.append(outcome)
             loads.append(ops)
-        self._writes.start_backups(candidates)  # what was inserted, for the whole step at once
+        self._writes.start_backups(
+            step, candidates
+        )  # what was inserted, for the whole step at once
         return tuple(outcomes), loads
 
     def _check_cache(self, item: CacheItem) -> tuple[Any, np.ndarray]:
@@ -310,7 +317,7 @@ class Requests:
         return tokens, slots
 
     def _cache(
-        self, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
+        self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
     ) -> tuple[CacheOutcome, Loads]:
         ctx, tree = self._ctx, self._ctx.tree
         state = self.table[item.rid]
@@ -319,31 +326,31 @@ class Requests:
         result = tree.insert(
             tokens[:aligned],
             slots[:aligned],
-            now=ctx.now,
+            now=step.now,
             chunked=not item.finished,
             salt=state.salt,
             backup=item.backup,
         )
         if state.retention or self._pins.entries:
             if state.retention:
-                tree.retain(tokens[:aligned], state.retention, now=ctx.now, salt=state.salt)
-            self._pins.after_insert(tokens[:aligned], state.salt)
+                tree.retain(tokens[:aligned], state.retention, now=step.now, salt=state.salt)
+            self._pins.after_insert(step, tokens[:aligned], state.salt)
             candidates.extend(self._split_pieces(result.backup_candidates))
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
         # cached meanwhile are duplicates and go back to the ledger.
-        self._space.free("device", slots[own : max(own, result.prefix_len)])
+        self._space.free(step, "device", slots[own : max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
         candidates.extend(result.backup_candidates)
         ops: Loads = ()
         if item.finished:
-            self._space.free("device", np.concatenate([slots[aligned:], state.padding]))
+            self._space.free(step, "device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self.table[item.rid]
             prefix = slots[:aligned]
             if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
-                prefix = tree.match(tokens[:aligned], now=ctx.now, salt=state.salt).device_slots
+                prefix = tree.match(tokens[:aligned], now=step.now, salt=state.salt).device_slots
         else:
-            self._view(state, tokens[:aligned])
+            self._view(step, state, tokens[:aligned])
             state.host_len = 0
             state.tokens = tokens
             state.owned = [slots[aligned:]] if len(tokens) > aligned else []
@@ -351,7 +358,7 @@ class Requests:
             # Tokens the tree already held may still be landing (another request's load):
             # the request must wait for those before reading its prefix.
             ops = tuple(state.loads)
-        ctx.out.info(
+        step.out.info(
             "tree.insert",
             rid=item.rid,
             tokens=aligned,
@@ -361,12 +368,12 @@ class Requests:
         )
         return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens), ops
 
-    def release_batch(self, rids: Sequence[RequestId], reason: str = "caller") -> None:
+    def release_batch(self, step: Step, rids: Sequence[RequestId], reason: str = "caller") -> None:
         self.check_rids(rids, "release")
         for rid in rids:
             self.state(rid, "release")
         for rid in rids:
             state = self.table.pop(rid)
             self._relock(state, None)
-            self._space.free("device", np.concatenate([*state.owned, state.padding]))
-            self._ctx.out.info("tree.release", rid=rid, reason=reason)
+            self._space.free(step, "device", np.concatenate([*state.owned, state.padding]))
+            step.out.info("tree.release", rid=rid, reason=reason)

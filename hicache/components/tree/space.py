@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.context import Context
+from hicache.components.tree.context import Context, Step
 from hicache.results import CacheStats, TierStats
 from hicache.types import NodeId
 
@@ -33,17 +33,17 @@ class Space:
             for tier, size in (("device", cfg.device_tokens), ("host", cfg.host_capacity))
         }
 
-    def alloc(self, tier: str, n: int) -> np.ndarray | None:
+    def alloc(self, step: Step, tier: str, n: int) -> np.ndarray | None:
         slots = self.ledgers[tier].alloc(n)
-        if slots is not None and len(slots) and self._ctx.detail:  # for `hicache check-log`
-            self._ctx.out.info("tree.slots", tier=tier, op="alloc", slots=slots)
+        if slots is not None and len(slots) and step.out.detail:  # for `hicache check-log`
+            step.out.info("tree.slots", tier=tier, op="alloc", slots=slots)
         return slots
 
-    def free(self, tier: str, slots: np.ndarray) -> None:
+    def free(self, step: Step, tier: str, slots: np.ndarray) -> None:
         if len(slots):
             self.ledgers[tier].free(slots)
-            if self._ctx.detail:
-                self._ctx.out.info("tree.slots", tier=tier, op="free", slots=slots)
+            if step.out.detail:
+                step.out.info("tree.slots", tier=tier, op="free", slots=slots)
 
     def view(self) -> dict[str, dict[str, int]]:
         """Each tier's size, used and available tokens."""
@@ -77,30 +77,32 @@ class Space:
             inflight=inflight,
         )
 
-    def evict_device(self, n: int, *, back_up: bool) -> DeviceEviction:
+    def evict_device(self, step: Step, n: int, *, back_up: bool) -> DeviceEviction:
         """Evict about n tokens from L1. The nodes the policy wants copied to L2 first
         (write_back, exclusive, `back_up`: L3 on) stay on L1 and are returned: the caller
         starts their backups (or drops them, `discard`)."""
         ctx, tree = self._ctx, self._ctx.tree
-        ev = tree.evict_device(n, now=ctx.now, require_host_copy=ctx.cfg.exclusive, back_up=back_up)
-        self.free("device", ev.freed)
-        self.free("host", ev.freed_host)
+        ev = tree.evict_device(
+            n, now=step.now, require_host_copy=ctx.cfg.exclusive, back_up=back_up
+        )
+        self.free(step, "device", ev.freed)
+        self.free(step, "host", ev.freed_host)
         freed = len(ev.freed)
         if freed:
             ctx.counters.device_evictions += freed
-            ctx.out.info(
+            step.out.info(
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
         return DeviceEviction(freed, tuple(ev.needs_backup))
 
-    def discard(self, node: NodeId, reason: str) -> int:
+    def discard(self, step: Step, node: NodeId, reason: str) -> int:
         """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
         ctx = self._ctx
         gone = ctx.tree.discard_device(node)
-        self.free("device", gone.freed)
-        self.free("host", gone.freed_host)
+        self.free(step, "device", gone.freed)
+        self.free(step, "host", gone.freed_host)
         ctx.counters.device_evictions += len(gone.freed)
-        ctx.out.info(
+        step.out.info(
             "tree.evict_device",
             tokens=len(gone.freed),
             demoted=0,
@@ -109,21 +111,21 @@ class Space:
         )
         return len(gone.freed)
 
-    def host(self, n: int) -> np.ndarray | None:
+    def host(self, step: Step, n: int) -> np.ndarray | None:
         """Host slots for n tokens, evicting L2; None when what is left is protected (by an
         upload or a prefetch in flight, or by a copy still landing)."""
         ctx = self._ctx
         while True:
-            slots = self.alloc("host", n)
+            slots = self.alloc(step, "host", n)
             if slots is not None:
                 return slots
             ev = ctx.tree.evict_host(
                 n - self.ledgers["host"].available,  # the shortfall
-                now=ctx.now,
+                now=step.now,
                 by_pages=ctx.cfg.exclusive,
             )
             if not len(ev.freed):
                 return None
             ctx.counters.host_evictions += len(ev.freed)
-            ctx.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
-            self.free("host", ev.freed)
+            step.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
+            self.free(step, "host", ev.freed)

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from hicache.components.tree.context import Context
+from hicache.components.tree.context import Step
 from hicache.components.tree.effects import SwitchStorage
 from hicache.messages import AttachStorage, DetachStorage
 
@@ -42,7 +42,7 @@ class Uploads(Protocol):
 class Prefetches(Protocol):
     """What a detach asks of the prefetch flow (`prefetches.py`, which asks this switch)."""
 
-    def stop_all(self) -> int: ...
+    def stop_all(self, step: Step) -> int: ...
 
     def in_flight(self) -> dict[str, int]: ...
 
@@ -58,8 +58,7 @@ class _Detaching:
 
 
 class StorageSwitch:
-    def __init__(self, ctx: Context, on: bool) -> None:
-        self._ctx = ctx
+    def __init__(self, on: bool) -> None:
         self.on = on  # storage attached and in use: uploads and prefetches may start
         self.calls: deque[AttachStorage | DetachStorage] = deque()  # in call order
         self._detaching: _Detaching | None = None
@@ -70,30 +69,29 @@ class StorageSwitch:
     def accept(self, msg: AttachStorage | DetachStorage) -> None:
         self.calls.append(msg)
 
-    def step(self, writes: Uploads, prefetches: Prefetches) -> None:
+    def settle(self, step: Step, writes: Uploads, prefetches: Prefetches) -> None:
         """Apply the queued switches that can be applied now, in order."""
-        ctx = self._ctx
         while self.calls:
             msg = self.calls[0]
             if isinstance(msg, AttachStorage):
                 self.calls.popleft()
                 if self.on:
-                    ctx.out.answer(msg.reply, False)
+                    step.out.answer(msg.reply, False)
                 else:
                     self.on = True
-                    ctx.out.add(SwitchStorage(msg.reply, msg.storage))
+                    step.out.add(SwitchStorage(msg.reply, msg.storage))
                 continue
             if self._detaching is None:
                 if not self.on:
                     self.calls.popleft()
-                    ctx.out.answer(msg.reply, None)
+                    step.out.answer(msg.reply, None)
                     continue
-                self._detaching = self._start_detach(writes, prefetches)
+                self._detaching = self._start_detach(step, writes, prefetches)
             if writes.in_flight()["uploads"] or prefetches.in_flight()["prefetches"]:
                 return  # retried after every completion applied (`Controller._settle`)
             self.calls.popleft()
             done, self._detaching = self._detaching, None
-            ctx.out.add(
+            step.out.add(
                 SwitchStorage(
                     msg.reply,
                     None,
@@ -101,18 +99,18 @@ class StorageSwitch:
                         "uploads": done.uploads,
                         "prefetches": done.prefetches,
                         "skipped_uploads": done.skipped_uploads,
-                        "seconds": round(ctx.now - done.started, 6),
+                        "seconds": round(step.now - done.started, 6),
                     },
                 )
             )
 
-    def _start_detach(self, writes: Uploads, prefetches: Prefetches) -> _Detaching:
+    def _start_detach(self, step: Step, writes: Uploads, prefetches: Prefetches) -> _Detaching:
         """Storage off for new work; stop what would still start storage calls."""
         self.on = False
         skipped = writes.drop_upload_backlog()
-        running = prefetches.stop_all()
+        running = prefetches.stop_all(step)
         return _Detaching(
-            started=self._ctx.now,
+            started=step.now,
             uploads=writes.in_flight()["uploads"],
             prefetches=running,
             skipped_uploads=skipped,

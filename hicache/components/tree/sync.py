@@ -8,6 +8,7 @@ on its own: a hung one holds up no other) and each prefetch's next step.
 
 from __future__ import annotations
 
+from hicache.components.tree.context import Step
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.prefetches import PrefetchFlows
 from hicache.components.tree.progress import Progress
@@ -49,6 +50,7 @@ def progress(writes: WriteFlows, loads: LoadFlows, prefetches: PrefetchFlows) ->
 
 
 def apply(
+    step: Step,
     agreed: Progress,
     writes: WriteFlows,
     loads: LoadFlows,
@@ -56,8 +58,8 @@ def apply(
     requests: Requests,
 ) -> None:
     """Apply what every rank has got, flow by flow in issue order."""
-    writes.apply_backups(agreed.backups)
-    for op in loads.apply(agreed.loads):
+    writes.apply_backups(step, agreed.backups)
+    for op in loads.apply(step, agreed.loads):
         requests.load_failed(op)
-    uploaded = writes.apply_uploads(agreed.uploads)
-    prefetches.apply(agreed.prefetches, host_freed=uploaded)
+    uploaded = writes.apply_uploads(step, agreed.uploads)
+    prefetches.apply(step, agreed.prefetches, host_freed=uploaded)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.context import Context, Wait
+from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.progress import Section
 from hicache.components.tree.records import UploadOp, WriteOp
 from hicache.components.tree.space import Space
@@ -83,22 +83,22 @@ class WriteFlows:
         """Per upload in flight, MIN of (arrived)."""
         return Section.of([(op, (int(op in self._arrived_uploads),), ()) for op in self.uploads], 1)
 
-    def apply_backups(self, agreed: Section) -> None:
+    def apply_backups(self, step: Step, agreed: Section) -> None:
         """End the backups every rank has got, in issue order: the first one some rank has
         not got holds up the later ones."""
         for op, (arrived, ok), _ in agreed.rows():
             if not arrived:
                 break
-            self.finish_write(op, bool(ok), self._arrived_writes.pop(op)[1])
+            self.finish_write(step, op, bool(ok), self._arrived_writes.pop(op)[1])
 
-    def apply_uploads(self, agreed: Section) -> bool:
+    def apply_uploads(self, step: Step, agreed: Section) -> bool:
         """End the uploads every rank has got, each on its own. Whether any ended (an
         upload's end may make host room)."""
         ended = False
         for op, (arrived,), _ in agreed.rows():
             if arrived:
                 self._arrived_uploads.pop(op, None)
-                self.finish_upload(op)
+                self.finish_upload(step, op)
                 ended = True
         return ended
 
@@ -122,7 +122,7 @@ class WriteFlows:
         return None if op is None else Wait(self, op)
 
     # ------------------------------------------------------------------ allocation
-    def device(self, n: int, load: Wait | None) -> np.ndarray | Wait | None:
+    def device(self, step: Step, n: int, load: Wait | None) -> np.ndarray | Wait | None:
         """Device slots for n tokens, evicting L1 and starting the backups eviction asks for
         first (write_back, exclusive, L3 on). A Wait for an op whose end frees slots: the
         oldest backup, else `load` (a load in flight locks the pages it fills until it ends:
@@ -131,7 +131,7 @@ class WriteFlows:
             return EMPTY_SLOTS
         space = self._space
         while True:
-            slots = space.alloc("device", n)
+            slots = space.alloc(step, "device", n)
             if slots is not None:
                 return slots
             # Evict what is missing, less what eviction backups in flight will free: asking for
@@ -139,14 +139,14 @@ class WriteFlows:
             evicting = sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
             short = n - space.ledgers["device"].available - evicting
             if short > 0:
-                freed = self._evict_device(short)
+                freed = self._evict_device(step, short)
                 if freed is True:
                     continue
                 if isinstance(freed, Wait):
                     return freed
             return self._oldest_write() or load
 
-    def _evict_device(self, n: int) -> bool | Wait:
+    def _evict_device(self, step: Step, n: int) -> bool | Wait:
         """Evict about n tokens from L1, then back up or drop what eviction left for a copy
         first. True when a device slot was freed; else the first wait met (no write credit,
         no host room)."""
@@ -154,30 +154,30 @@ class WriteFlows:
         exclusive = ctx.cfg.exclusive
         # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
         back_up = self._storage.on and ctx.cfg.evict_to_storage
-        eviction = space.evict_device(n, back_up=back_up)
+        eviction = space.evict_device(step, n, back_up=back_up)
         freed = eviction.freed
         wait: Wait | None = None
         for node in eviction.needs_backup:  # write_back, exclusive, L3 on: copy, then evict
-            if exclusive and not tree.outranks_host(node, now=ctx.now):
+            if exclusive and not tree.outranks_host(node, now=step.now):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
-                freed += space.discard(node, "older_than_l2")
+                freed += space.discard(step, node, "older_than_l2")
             elif wait is None:
-                started = self.start_backup(node, evicting=True)
+                started = self.start_backup(step, node, evicting=True)
                 if isinstance(started, Wait):
                     wait = started  # the rest stay on L1, found again by the next eviction
                 elif not started and back_up and tree.needs_backup(node):
                     # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
                     # L3 attached it leaves L1 as without L3, rather than fail the allocation.
-                    freed += space.discard(node, "no_l2_room")
+                    freed += space.discard(step, node, "no_l2_room")
         if freed:
             return True
         return wait if wait is not None else False
 
-    def host(self, n: int) -> np.ndarray | Wait | None:
+    def host(self, step: Step, n: int) -> np.ndarray | Wait | None:
         """Host slots for n tokens, evicting L2; when what is left is pinned by uploads, a
         Wait for the oldest (never for one past its deadline)."""
-        slots = self._space.host(n)
+        slots = self._space.host(step, n)
         if slots is not None:
             return slots
         upload = next((op for op, job in self.uploads.items() if not job.timed_out), None)
@@ -193,7 +193,7 @@ class WriteFlows:
         )
 
     # ------------------------------------------------------------------ L1 -> L2
-    def start_backup(self, node: NodeId, *, evicting: bool) -> bool | Wait:
+    def start_backup(self, step: Step, node: NodeId, *, evicting: bool) -> bool | Wait:
         """Copy a device-only node to L2. True when started. A write-through backup with no
         credit or no host room goes to the backlog (False); an eviction's returns the `Wait`."""
         tree = self._ctx.tree
@@ -206,23 +206,23 @@ class WriteFlows:
         if not tree.needs_backup(node):
             return False
         length = tree.num_tokens(node)
-        host = self.host(length)
+        host = self.host(step, length)
         if isinstance(host, Wait):
             if evicting:
                 return host
             self.write_backlog.append(node)
             return False
         if host is None or not tree.needs_backup(node):
-            self._space.free("host", EMPTY_SLOTS if host is None else host)
+            self._space.free(step, "host", EMPTY_SLOTS if host is None else host)
             if host is None:
-                self._ctx.out.warning(
+                step.out.warning(
                     "tree.backup_skipped", node=node, tokens=length, reason="host_full"
                 )
             return False
-        self._issue_backup(node, host, evicting=evicting)
+        self._issue_backup(step, node, host, evicting=evicting)
         return True
 
-    def start_backups(self, nodes: Iterable[NodeId]) -> None:
+    def start_backups(self, step: Step, nodes: Iterable[NodeId]) -> None:
         """Write-through backups for a whole step: one host allocation for all of them when
         credits and free slots allow, else one by one."""
         tree = self._ctx.tree
@@ -230,17 +230,19 @@ class WriteFlows:
         lengths = [tree.num_tokens(n) for n in todo]
         pooled = None
         if 1 < len(todo) <= self.write_credits:
-            pooled = self._space.alloc("host", sum(lengths))
+            pooled = self._space.alloc(step, "host", sum(lengths))
         if pooled is None:
             for node in todo:
-                self.start_backup(node, evicting=False)
+                self.start_backup(step, node, evicting=False)
             return
         offset = 0
         for node, length in zip(todo, lengths, strict=True):
-            self._issue_backup(node, pooled[offset : offset + length])
+            self._issue_backup(step, node, pooled[offset : offset + length])
             offset += length
 
-    def _issue_backup(self, node: NodeId, host: np.ndarray, *, evicting: bool = False) -> None:
+    def _issue_backup(
+        self, step: Step, node: NodeId, host: np.ndarray, *, evicting: bool = False
+    ) -> None:
         ctx = self._ctx
         ctx.tree.begin_backup(node, host)
         op = ctx.op()
@@ -248,35 +250,35 @@ class WriteFlows:
         self.writes[op] = WriteOp(node=node, host_slots=host, evicting=evicting)
         device = ctx.tree.device_slots(node)
         assert device is not None
-        ctx.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
+        step.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
         ctx.counters.d2h_bytes += len(host) * ctx.bytes_per_token
         ctx.counters.evict_backups += evicting
 
-    def finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
+    def finish_write(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         ctx = self._ctx
         op = self.writes.pop(op_id)
         self.write_credits += 1
         pieces = ctx.tree.backup_pieces(op.node)  # the node may have been split meanwhile
-        self._space.free("host", ctx.tree.end_backup(op.node, ok=ok))
+        self._space.free(step, "host", ctx.tree.end_backup(op.node, ok=ok))
         if not ok:
-            ctx.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
+            step.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._storage.on:
-            self._upload(pieces)
-        self.retry_backlog()
+            self._upload(step, pieces)
+        self.retry_backlog(step)
 
-    def retry_backlog(self) -> None:
+    def retry_backlog(self, step: Step) -> None:
         """Start what the write backlog holds while credits last; stop at the first that
         still finds no host room (it goes back in front)."""
         while self.write_backlog and self.write_credits:
             node = self.write_backlog.popleft()
             before = len(self.write_backlog)
-            self.start_backup(node, evicting=False)
+            self.start_backup(step, node, evicting=False)
             if len(self.write_backlog) > before:  # requeued at the back: keep its place
                 self.write_backlog.appendleft(self.write_backlog.pop())
                 break
 
     # ------------------------------------------------------------------ L2 -> L3
-    def _upload(self, pieces: tuple[NodeId, ...]) -> None:
+    def _upload(self, step: Step, pieces: tuple[NodeId, ...]) -> None:
         """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
         their host pages stay protected until the upload is done."""
         ctx, tree = self._ctx, self._ctx.tree
@@ -287,7 +289,7 @@ class WriteFlows:
             if len(self.upload_backlog) >= ctx.cfg.max_upload_backlog:
                 # Storage is slower than the writes: skip rather than queue without bound.
                 ctx.counters.skipped_uploads += 1
-                ctx.out.warning(
+                step.out.warning(
                     "tree.upload_skipped",
                     node=node,
                     reason="backlog_full",
@@ -302,8 +304,8 @@ class WriteFlows:
         self.upload_credits -= 1
         tree.protect_host(node)
         self.uploads[op] = UploadOp(node=node, pages=len(hashes))
-        ttl = tree.retained_for(pieces, now=ctx.now)  # a range's duration reaches storage
-        ctx.out.send(
+        ttl = tree.retained_for(pieces, now=step.now)  # a range's duration reaches storage
+        step.out.send(
             "uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots, ttl=ttl)
         )
 
@@ -321,7 +323,7 @@ class WriteFlows:
             job.timed_out = True
             self._ctx.counters.upload_timeouts += 1
 
-    def finish_upload(self, op_id: OpId) -> None:
+    def finish_upload(self, step: Step, op_id: OpId) -> None:
         tree = self._ctx.tree
         job = self.uploads.pop(op_id)
         self.upload_credits += 1
@@ -329,16 +331,16 @@ class WriteFlows:
         while self.upload_backlog and self.upload_credits:
             pieces = self.upload_backlog.popleft()
             if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
-                self._upload(pieces)
+                self._upload(step, pieces)
             else:  # L2 evicted it while it waited (a backlog does not protect): never stored
                 self._ctx.counters.skipped_uploads += 1
-                self._ctx.out.warning(
+                step.out.warning(
                     "tree.upload_skipped",
                     node=pieces[-1],
                     reason="evicted",
                     backlog=len(self.upload_backlog),
                 )
-        self.retry_backlog()  # host pages may be evictable again
+        self.retry_backlog(step)  # host pages may be evictable again
 
     def node_hashes(self, node: NodeId) -> tuple[PageHash, ...]:
         """The node's chained page hashes, computed on first use from its parent's last one."""
@@ -353,14 +355,14 @@ class WriteFlows:
         return hashes
 
     # ------------------------------------------------------------------ close
-    def abandon(self) -> None:
+    def abandon(self, step: Step) -> None:
         """End every write and upload as failed (close past its deadline). With the backlogs
         emptied first, nothing ending here starts new work (a failed write uploads nothing)."""
         self.write_backlog.clear()
         self.upload_backlog.clear()
         for op_id in list(self.writes):
             self._arrived_writes.pop(op_id, None)
-            self.finish_write(op_id, False, "abandoned at close")
+            self.finish_write(step, op_id, False, "abandoned at close")
         for op_id in list(self.uploads):
             self._arrived_uploads.pop(op_id, None)
-            self.finish_upload(op_id)
+            self.finish_upload(step, op_id)
