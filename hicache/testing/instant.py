@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from hicache.components.topology import Topology
@@ -51,7 +50,6 @@ from hicache.messages import (
 )
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
-from hicache.results import LoadBackOutcome
 from hicache.types import OpId, PageHash
 
 __all__ = ["InstantCache"]
@@ -209,15 +207,10 @@ class InstantCache:
                     raise AssertionError(f"no instant worker takes {effect.msg!r}")
                 self._owed.append(effect.msg)
             elif isinstance(effect, SubmitLoad):
+                effect.ticket.bind(_LANDED)  # lands at once, as the loader's handle would say
                 self._owed.append(effect)
             elif isinstance(effect, Answer):
-                value = effect.value
-                if effect.loads is not None:
-                    value = tuple(
-                        _with_handles(outcome, len(ops)) if ops else outcome
-                        for outcome, ops in zip(value, effect.loads, strict=True)
-                    )
-                effect.reply.set(value)
+                effect.reply.set(effect.value)
             elif isinstance(effect, Fail):
                 effect.reply.fail(effect.error)
             elif isinstance(effect, ClearStorage):
@@ -235,10 +228,3 @@ class InstantCache:
             lambda r: Drain(reply=r)
         )
         return drained
-
-
-def _with_handles(outcome: Any, loads: int) -> Any:
-    """An outcome that waits for loads, with their handles (`actor._with_handles`)."""
-    if isinstance(outcome, LoadBackOutcome):
-        return replace(outcome, handle=_LANDED)
-    return replace(outcome, pending=(_LANDED,) * loads)

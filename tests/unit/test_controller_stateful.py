@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hicache.components.loader.ticket import LoadTicket
 from hicache.components.topology import Topology
 from hicache.components.tree.controller import Controller
 from hicache.components.tree.core import RadixTree
@@ -32,13 +33,13 @@ from hicache.components.tree.effects import (
     Drained,
     Event,
     Fail,
-    LoadEnded,
     Send,
     StartTimer,
     SubmitLoad,
 )
 from hicache.components.tree.node import NodeState
 from hicache.config import CacheConfig
+from hicache.kernels.streams.base import AllLoads
 from hicache.messages import (
     AllocBatch,
     Backup,
@@ -93,6 +94,29 @@ def contents(tokens: list[int], salt: bytes = b"") -> list[int]:
         h = hash((h, t))
         out.append(h)
     return out
+
+
+def _named_loads(value: Any) -> tuple[tuple[LoadTicket, ...], ...] | None:
+    """The load handles each outcome of an answer carries (None: no outcome names one)."""
+    if not isinstance(value, tuple):
+        return None
+    loads = []
+    for outcome in value:
+        handle = getattr(outcome, "handle", None)
+        pending = getattr(outcome, "pending", ())
+        handles = (handle,) if handle is not None else pending
+        tickets: list[LoadTicket] = []
+        for h in handles:
+            tickets.extend(h.handles if isinstance(h, AllLoads) else (h,))
+        loads.append(tuple(tickets))
+    return tuple(loads) if any(loads) else None
+
+
+class _Unused:
+    """The loader's handle in this harness: nothing waits on it."""
+
+
+_UNUSED_HANDLE: Any = _Unused()
 
 
 class ControllerMachine(RuleBasedStateMachine):
@@ -154,7 +178,6 @@ class ControllerMachine(RuleBasedStateMachine):
         self.requests: dict[int, dict[str, Any]] = {}
         self.next_rid = 0
         self.timers: set[int] = set()
-        self.handles: set[int] = set()  # loads whose handle the driver holds
         self.drained: Drained | None = None
         self.seen: list[tuple[list[int], bytes]] = []  # the pages and salt of every request
 
@@ -165,14 +188,15 @@ class ControllerMachine(RuleBasedStateMachine):
                 self.queues[e.to].append(e.msg)
             elif isinstance(e, SubmitLoad):
                 self.queues["loader"].append(e)
-                self.handles.add(e.op)
-            elif isinstance(e, LoadEnded):
-                self.handles.remove(e.op)  # the driver drops the load's handle
+                e.ticket.bind(_UNUSED_HANDLE)  # the driver binds the loader's handle
             elif isinstance(e, Answer):
-                for ops in e.loads or ():  # the driver puts these loads' handles in the answer
-                    assert set(ops) <= self.handles, f"answer names ended loads {ops}"
+                loads = _named_loads(e.value)
+                for ops in loads or ():  # the loads' handles are in the answer, bound
+                    assert all(t.bound for t in ops), f"answer names unsubmitted loads {ops}"
                 e.reply.set(e.value)
-                e.reply.loads = e.loads
+                e.reply.loads = (
+                    tuple(tuple(t.op for t in ops) for ops in loads) if loads is not None else None
+                )
             elif isinstance(e, Fail):
                 e.reply.fail(e.error)
             elif isinstance(e, StartTimer):

@@ -33,7 +33,6 @@ from hicache.components.tree.effects import (
     Effect,
     Event,
     Fail,
-    LoadEnded,
     Send,
     StartTimer,
     SubmitLoad,
@@ -42,7 +41,7 @@ from hicache.components.tree.effects import (
 from hicache.components.tree.records import Counters
 from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
-from hicache.kernels.streams.base import AllLoads, LoadHandle
+from hicache.kernels.streams.base import LoadHandle
 from hicache.messages import (
     Alloc,
     Backup,
@@ -56,7 +55,7 @@ from hicache.messages import (
     UseBackend,
 )
 from hicache.observability.events import slot_runs
-from hicache.results import LoadBackOutcome, StorageTimeout
+from hicache.results import StorageTimeout
 from hicache.runtime import Actor, Mailbox, Reply
 from hicache.runtime.clock import TimerHandle
 from hicache.types import OpId
@@ -90,7 +89,6 @@ class TreeActor(Actor[TreeInbox]):
         self._workers: dict[str, Mailbox[Any]] = {}
         self._loader: Mailbox[Any] | None = None
         self.storage: StorageAttachment | None = None  # the L3 attached now (None: storage off)
-        self._handles: dict[OpId, LoadHandle] = {}  # loads in flight (until LoadEnded)
         self._timers: dict[OpId, TimerHandle] = {}  # prefetch timeouts (until CancelTimer)
         self._tick = 0  # frontend calls run so far: the tree's clock across TP ranks
         self._recording = True  # the log goes somewhere (as of the message being handled)
@@ -127,7 +125,6 @@ class TreeActor(Actor[TreeInbox]):
 
     def bookkeeping(self) -> dict[str, int]:
         return self.core.bookkeeping() | {
-            "load_handles": len(self._handles),
             "timers": len(self._timers),
         }
 
@@ -205,8 +202,8 @@ class TreeActor(Actor[TreeInbox]):
                         fields = {**fields, "slots": slot_runs(fields["slots"])}
                     getattr(log, level)(name, **fields)
                     continue
-                case Answer(reply=reply, value=value, loads=loads):
-                    reply.set(value if loads is None else self._with_handles(value, loads))
+                case Answer(reply=reply, value=value):
+                    reply.set(value)
                     continue
                 case Send(to="writer", msg=Backup() as backup):
                     backups.append(backup)
@@ -217,13 +214,11 @@ class TreeActor(Actor[TreeInbox]):
             match effect:
                 case Send(to=to, msg=msg):
                     await self._workers[to].send(msg)
-                case SubmitLoad(op=op, host_slots=host, device_slots=device):
+                case SubmitLoad(ticket=ticket, host_slots=host, device_slots=device):
                     assert self._loader is not None
-                    self._handles[op] = await self.kernel.request(
-                        self._loader, _load(op, host, device)
+                    ticket.bind(
+                        await self.kernel.request(self._loader, _load(ticket.op, host, device))
                     )
-                case LoadEnded(op=op):
-                    del self._handles[op]
                 case Fail(reply=reply, error=error):
                     reply.fail(error)
                 case StartTimer(op=op, delay=delay):
@@ -245,29 +240,12 @@ class TreeActor(Actor[TreeInbox]):
                     )
                     report = (
                         ledgers,
-                        tables | {"load_handles": len(self._handles), "timers": len(self._timers)},
+                        tables | {"timers": len(self._timers)},
                     )
                     for reply in replies:
                         reply.set(report)
         if backups:
             await self._workers["writer"].send(Backups(jobs=tuple(backups)))
-
-    def _with_handles(
-        self, outcomes: tuple[Any, ...], loads: tuple[tuple[OpId, ...], ...]
-    ) -> tuple[Any, ...]:
-        """Put the handles of the loads each outcome must wait for into it."""
-        out = []
-        for outcome, ops in zip(outcomes, loads, strict=True):
-            if not ops:
-                out.append(outcome)
-                continue
-            handles = [self._handles[op] for op in ops]
-            if isinstance(outcome, LoadBackOutcome):
-                handle = handles[0] if len(handles) == 1 else AllLoads(handles)
-                out.append(replace(outcome, handle=handle))
-            else:
-                out.append(replace(outcome, pending=tuple(handles)))
-        return tuple(out)
 
     async def _switch(
         self, reply: Any, storage: StorageAttachment | None, fields: dict[str, Any]

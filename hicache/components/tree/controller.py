@@ -23,7 +23,7 @@ from hicache.components.tree import reset, sync
 from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
-from hicache.components.tree.effects import Drained, Effect, Effects, Fail, LoadEnded
+from hicache.components.tree.effects import Drained, Effect, Effects, Fail
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
@@ -69,13 +69,12 @@ from hicache.results import (
     InvalidRequest,
     LoadBackOutcome,
 )
-from hicache.types import OpId
 
 
 @dataclass(slots=True)
 class Parked:
     wait: Wait
-    done: list[tuple[LoadBackOutcome, tuple[OpId, ...]]] = field(default_factory=list)
+    done: list[LoadBackOutcome] = field(default_factory=list)  # a load-back's, so far
 
 
 class Controller:
@@ -103,9 +102,6 @@ class Controller:
         self._flush_waiters: list[Any] = []  # answered when no write is pending
         self._drain_waiters: list[Any] = []  # answered when nothing at all is in flight
         self._clear_waiters: list[Clear] = []  # run when nothing at all is in flight
-        # LoadEnded of loads a parked load-back has already started: the driver keeps their
-        # handles until that call answers (its answer names them).
-        self._held_ends: list[LoadEnded] = []
         self._lease_returned = False
         self._between: list[Effect] = []  # what `accept` said, for the next step to return
 
@@ -162,29 +158,26 @@ class Controller:
                 self._parked = wait
                 self._calls.appendleft(msg)
         self._settle(step)
-        return self._take(step)
+        return step.out.take()
 
     def _dispatch(self, step: Step, msg: TreeInbox, parked: Parked | None) -> Parked | None:
         out, requests, prefetches = step.out, self.requests, self.prefetches
         match msg:
             case MatchBatch(items=items, reply=reply):
-                matched, match_loads = requests.match_batch(step, items)
-                out.answer(reply, matched, tuple(match_loads) if any(match_loads) else None)
+                out.answer(reply, requests.match_batch(step, items))
             case LoadBackBatch(rids=rids, reply=reply, threshold=threshold):
                 done = parked.done if parked is not None else []
                 wait = requests.load_back_batch(step, rids, done, threshold)
                 if wait is not None:
                     return Parked(wait, done)
-                waits = tuple(ops for _, ops in done)
-                out.answer(reply, tuple(o for o, _ in done), waits if any(waits) else None)
+                out.answer(reply, tuple(done))
             case AllocBatch(sizes=sizes, reply=reply):
                 slots = requests.alloc_batch(step, sizes)
                 if isinstance(slots, Wait):
                     return Parked(slots)
                 out.answer(reply, slots)
             case CacheBatch(items=items, reply=reply):
-                cached, cache_loads = requests.cache_batch(step, items)
-                out.answer(reply, cached, tuple(cache_loads) if any(cache_loads) else None)
+                out.answer(reply, requests.cache_batch(step, items))
             case ReleaseBatch(rids=rids, reply=reply):
                 requests.release_batch(step, rids)
                 out.answer(reply, None)
@@ -301,7 +294,7 @@ class Controller:
             self.requests,
         )
         self._settle(step)
-        return self._take(step)
+        return step.out.take()
 
     def _step(self, now: float, events: bool, detail: bool) -> Step:
         """A fresh step, starting with what `accept` had to say between steps."""
@@ -310,24 +303,6 @@ class Controller:
             out.items.extend(self._between)
             self._between.clear()
         return Step(now, out)
-
-    def _take(self, step: Step) -> list[Effect]:
-        """The step's effects, holding back the end of any load a parked call will name."""
-        effects = step.out.take()
-        parked = self._parked
-        named = {op for _, ops in parked.done for op in ops} if parked is not None else set()
-        if named:
-            kept = []
-            for effect in effects:
-                if isinstance(effect, LoadEnded) and effect.op in named:
-                    self._held_ends.append(effect)
-                else:
-                    kept.append(effect)
-            return kept
-        if self._held_ends:  # the parked call has answered (or was failed at close)
-            effects.extend(self._held_ends)
-            self._held_ends.clear()
-        return effects
 
     # ------------------------------------------------------------------ flush, close, stats
     def _clear(self, step: Step, msg: Clear) -> None:
@@ -408,7 +383,6 @@ class Controller:
             **self.pins.tables(),
             "flush_waiters": len(self._flush_waiters),
             "clear_waiters": len(self._clear_waiters),
-            "held_load_ends": len(self._held_ends),
             "calls": len(self._calls),
             **self.storage.tables(),
             "salt_roots": self.ctx.tree.salts,

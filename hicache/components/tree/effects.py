@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hicache.components.loader.ticket import LoadTicket
 from hicache.types import OpId
 
 Worker = Literal["writer", "uploader", "prefetcher"]
@@ -24,27 +25,24 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class SubmitLoad:
-    """A load to the loader; its `LoadHandle` is kept by the driver under `op` until
-    `LoadEnded`, and put into answers that name the op (`Answer.loads`)."""
+    """A load to the loader: bind the handle it answers with into `ticket` (which the answers
+    naming the load already carry) before carrying out the next effect."""
 
-    op: OpId
+    ticket: LoadTicket
     host_slots: np.ndarray
     device_slots: np.ndarray
 
-
-@dataclass(frozen=True, slots=True)
-class LoadEnded:
-    op: OpId
+    @property
+    def op(self) -> OpId:
+        return self.ticket.op
 
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """Set a frontend reply. `loads`, when given, has one entry per outcome of `value`: the
-    load ops whose handles go into that outcome (`pending` / `handle`)."""
+    """Set a frontend reply."""
 
     reply: Any
     value: Any
-    loads: tuple[tuple[OpId, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +106,6 @@ class Drained:
 Effect = (
     Send
     | SubmitLoad
-    | LoadEnded
     | Answer
     | Fail
     | Event
@@ -139,10 +136,8 @@ class Effects:
     def send(self, to: Worker, msg: Any) -> None:
         self.items.append(Send(to, msg))
 
-    def answer(
-        self, reply: Any, value: Any, loads: tuple[tuple[OpId, ...], ...] | None = None
-    ) -> None:
-        self.items.append(Answer(reply, value, loads))
+    def answer(self, reply: Any, value: Any) -> None:
+        self.items.append(Answer(reply, value))
 
     def fail(self, reply: Any, error: BaseException) -> None:
         self.items.append(Fail(reply, error))

@@ -12,8 +12,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from hicache.components.loader.ticket import LoadTicket
 from hicache.components.tree.context import Context, Step, Wait
-from hicache.components.tree.effects import LoadEnded, SubmitLoad
+from hicache.components.tree.effects import SubmitLoad
 from hicache.components.tree.progress import Section
 from hicache.components.tree.records import LoadOp, RequestState
 from hicache.components.tree.space import Space
@@ -37,9 +38,10 @@ class LoadFlows:
     def in_flight(self) -> dict[str, int]:
         return {"loads": len(self.loads)}
 
-    def live(self, ops: list[OpId]) -> tuple[OpId, ...]:
-        """Those of `ops` still in flight."""
-        return tuple(op for op in ops if op in self.loads)
+    def tickets(self, ops: list[OpId]) -> tuple[LoadTicket, ...]:
+        """The handles of those of `ops` still in flight, for an answer to carry."""
+        loads = self.loads
+        return tuple(loads[op].ticket for op in ops if op in loads)
 
     def oldest(self) -> Wait | None:
         """A wait for the load in flight started first (its lock is the next to go)."""
@@ -148,8 +150,9 @@ class LoadFlows:
         tree.lock(plan.nodes[-1])
         op = ctx.op()
         self.credits -= 1
-        step.out.add(SubmitLoad(op, plan.host_slots, device_slots))
-        self.loads[op] = LoadOp(plan=plan, lock=plan.nodes[-1], anchor=anchor)
+        ticket = LoadTicket(op)
+        step.out.add(SubmitLoad(ticket, plan.host_slots, device_slots))
+        self.loads[op] = LoadOp(ticket=ticket, plan=plan, lock=plan.nodes[-1], anchor=anchor)
         state.loads.append(op)
         state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
         state.host_len = 0
@@ -174,7 +177,6 @@ class LoadFlows:
         op = self.loads.pop(op_id)
         self.credits += 1
         tree.unlock(op.lock)
-        step.out.add(LoadEnded(op_id))
         # The nodes it filled now: a match or insert may have split them since the plan (a
         # split's upper piece is a new node), and every piece must go back or give up its copy.
         filled = replace(op.plan, nodes=self._filled(op))

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.loader.ticket import LoadTicket
 from hicache.components.prefetch_state import Phase, advance
 from hicache.components.tree.retention import Range
 from hicache.components.tree.returns import LoadPlan
@@ -44,6 +45,7 @@ class WriteOp:
 
 @dataclass(slots=True)
 class LoadOp:
+    ticket: LoadTicket  # the handle callers wait on (bound when the actor submits the load)
     plan: LoadPlan
     lock: NodeId  # the load's own lock (the plan's deepest node), held until it lands or fails
     anchor: NodeId  # the deepest node already on the device above it (the root if none): the

@@ -2,8 +2,8 @@
 allocate, cache_* and release.
 
 Each batch is checked whole before anything changes (a caller's mistake is a `CacheError` and
-changes nothing). Answers name the loads a request must wait for by op id; the driver puts
-their handles in (`Answer.loads`).
+changes nothing). Answers carry the handles of the loads a request must wait for (each load's
+`LoadTicket`, made when the load is decided on).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.loader.ticket import LoadTicket
 from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
@@ -22,6 +23,7 @@ from hicache.components.tree.returns import TreeError
 from hicache.components.tree.slot_arrays import concat
 from hicache.components.tree.space import Space
 from hicache.components.tree.writes import WriteFlows
+from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
 from hicache.results import (
     CacheOutcome,
@@ -32,8 +34,6 @@ from hicache.results import (
     UnknownRequest,
 )
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
-
-Loads = tuple[OpId, ...]
 
 
 class Requests:
@@ -118,12 +118,10 @@ class Requests:
                 state.failed_load = True
 
     # ------------------------------------------------------------------ match
-    def match_batch(
-        self, step: Step, items: Sequence[MatchItem]
-    ) -> tuple[tuple[MatchOutcome, ...], list[Loads]]:
+    def match_batch(self, step: Step, items: Sequence[MatchItem]) -> tuple[MatchOutcome, ...]:
         self.check_rids([item.rid for item in items], "match")
         keys = [self.check_tokens(item.tokens) for item in items]  # all, before any lock moves
-        outcomes, loads = [], []
+        outcomes = []
         for item, tokens in zip(items, keys, strict=True):
             rid = item.rid
             state = self.table.get(rid)
@@ -147,10 +145,14 @@ class Requests:
                 salted=bool(state.salt),
             )
             outcomes.append(
-                MatchOutcome(rid=rid, device_slots=state.prefix_slots, host_len=state.host_len)
+                MatchOutcome(
+                    rid=rid,
+                    device_slots=state.prefix_slots,
+                    host_len=state.host_len,
+                    pending=self._loads.tickets(state.loads),
+                )
             )
-            loads.append(tuple(state.loads))
-        return tuple(outcomes), loads
+        return tuple(outcomes)
 
     def _split_pieces(self, candidates: Sequence[NodeId]) -> list[NodeId]:
         """A range or pin may have cut a backup candidate at a page boundary: its upper
@@ -180,7 +182,7 @@ class Requests:
         self,
         step: Step,
         rids: Sequence[RequestId],
-        done: list[tuple[LoadBackOutcome, Loads]],
+        done: list[LoadBackOutcome],
         threshold: int | None = None,
     ) -> Wait | None:
         """Load back each request in turn, appending to `done`; a `Wait` parks the batch,
@@ -203,11 +205,17 @@ class Requests:
                 if isinstance(got, Wait):
                     return got
                 loaded = got
-            ops = self._loads.live(state.loads)
+            tickets = self._loads.tickets(state.loads)
             done.append(
-                (
-                    LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=loaded),
-                    ops,
+                LoadBackOutcome(
+                    rid=rid,
+                    device_slots=state.prefix_slots,
+                    loaded_tokens=loaded,
+                    handle=None
+                    if not tickets
+                    else tickets[0]
+                    if len(tickets) == 1
+                    else AllLoads(tickets),
                 )
             )
         return None
@@ -254,21 +262,18 @@ class Requests:
         return tuple(out)
 
     # ------------------------------------------------------------------ insert
-    def cache_batch(
-        self, step: Step, items: Sequence[CacheItem]
-    ) -> tuple[tuple[CacheOutcome, ...], list[Loads]]:
+    def cache_batch(self, step: Step, items: Sequence[CacheItem]) -> tuple[CacheOutcome, ...]:
         self.check_rids([item.rid for item in items], "cache")
         checked = [self._check_cache(item) for item in items]  # the whole batch, first
         candidates: list[NodeId] = []
-        outcomes, loads = [], []
-        for item, (tokens, slots) in zip(items, checked, strict=True):
-            outcome, ops = self._cache(step, item, tokens, slots, candidates)
-            outcomes.append(outcome)
-            loads.append(ops)
+        outcomes = [
+            self._cache(step, item, tokens, slots, candidates)
+            for item, (tokens, slots) in zip(items, checked, strict=True)
+        ]
         self._writes.start_backups(
             step, candidates
         )  # what was inserted, for the whole step at once
-        return tuple(outcomes), loads
+        return tuple(outcomes)
 
     def _check_cache(self, item: CacheItem) -> tuple[Any, np.ndarray]:
         """A cache_* item's mistakes, found before anything changes; returns its tokens (in
@@ -318,7 +323,7 @@ class Requests:
 
     def _cache(
         self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
-    ) -> tuple[CacheOutcome, Loads]:
+    ) -> CacheOutcome:
         ctx, tree = self._ctx, self._ctx.tree
         state = self.table[item.rid]
         aligned = len(tokens) // ctx.cfg.page_size * ctx.cfg.page_size
@@ -341,7 +346,7 @@ class Requests:
         self._space.free(step, "device", slots[own : max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
         candidates.extend(result.backup_candidates)
-        ops: Loads = ()
+        pending: tuple[LoadTicket, ...] = ()
         if item.finished:
             self._space.free(step, "device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
@@ -357,7 +362,7 @@ class Requests:
             prefix = state.prefix_slots
             # Tokens the tree already held may still be landing (another request's load):
             # the request must wait for those before reading its prefix.
-            ops = tuple(state.loads)
+            pending = self._loads.tickets(state.loads)
         step.out.info(
             "tree.insert",
             rid=item.rid,
@@ -366,7 +371,9 @@ class Requests:
             finished=item.finished,
             backups=len(result.backup_candidates),
         )
-        return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens), ops
+        return CacheOutcome(
+            rid=item.rid, device_slots=prefix, new_tokens=new_tokens, pending=pending
+        )
 
     def release_batch(self, step: Step, rids: Sequence[RequestId], reason: str = "caller") -> None:
         self.check_rids(rids, "release")
