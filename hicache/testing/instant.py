@@ -27,7 +27,7 @@ from hicache.components.tree.controller import Controller
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import (
     Answer,
-    ClearStorage,
+    ClearBackend,
     Drained,
     Effect,
     Fail,
@@ -112,7 +112,7 @@ class InstantCache:
             write_policy=write_policy(cfg.write_policy),
             default_priority=cfg.default_priority,
         )
-        self.core = Controller(
+        self.controller = Controller(
             config=cfg,
             tree=tree,
             bytes_per_token=1,  # the byte counters count tokens
@@ -136,11 +136,11 @@ class InstantCache:
         plain object (`set` / `fail`), not a kernel's `Reply`: nothing here awaits."""
         self.settle()
         reply = _Reply()
-        core = self.core
-        core.accept(make(reply))
+        controller = self.controller
+        controller.accept(make(reply))
         while True:
-            while core.ready() is not None:
-                self._execute(core.run(self._now()))
+            while controller.ready() is not None:
+                self._execute(controller.run(self._now()))
             if reply.done or not self._owed:
                 break
             self._land()  # parked (or answered later): the oldest worker reports
@@ -172,10 +172,10 @@ class InstantCache:
             report = self._prefetch(work)
         if report is None:
             return
-        core = self.core
-        core.record(report)
-        seen = core.progress()
-        self._execute(core.apply(seen, seen.mins, seen.maxes, self._now()))
+        controller = self.controller
+        controller.record(report)
+        seen = controller.progress()
+        self._execute(controller.apply(seen, seen.mins, seen.maxes, self._now()))
 
     def _prefetch(
         self, work: StartPrefetch | ReadPrefetch | StopPrefetch
@@ -213,12 +213,12 @@ class InstantCache:
                 effect.reply.set(effect.value)
             elif isinstance(effect, Fail):
                 effect.reply.fail(effect.error)
-            elif isinstance(effect, ClearStorage):
+            elif isinstance(effect, ClearBackend):
                 self.stored.clear()
                 effect.reply.set(True)
             elif isinstance(effect, Drained):
                 for reply in effect.replies:
-                    reply.set((self.core.space.view(), effect.tables))
+                    reply.set((self.controller.tiers.view(), effect.tables))
 
     # ------------------------------------------------------------------ close
     def drain(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:

@@ -317,7 +317,7 @@ def test_close_reports_leaked_slots():
         async with HiCache(virtual_config()) as cache:
             # Slots taken from the ledger behind the tree's back are never given back.
             await cache.stats()  # the tree has leased its slots
-            taken = cache.kernel.actors["tree"].core.space.ledgers["device"].alloc(8)
+            taken = cache.kernel.actors["tree"].controller.tiers.ledgers["device"].alloc(8)
             assert len(taken) == 8
 
     with pytest.raises(LedgerImbalance, match="device"):

@@ -494,7 +494,7 @@ class ControllerMachine(RuleBasedStateMachine):
         if not hasattr(self, "core"):
             return
         self.tree.check_integrity()
-        for led in self.core.space.ledgers.values():
+        for led in self.core.tiers.ledgers.values():
             led.check_integrity()
 
     def teardown(self) -> None:
@@ -512,7 +512,7 @@ class ControllerMachine(RuleBasedStateMachine):
         assert reply.done and self.drained is not None
         assert not any(reply.value.values()), reply.value
         for tier, slots in self.drained.lease.items():
-            assert len(slots) == self.core.space.ledgers[tier].size, f"{tier} slots leaked"
+            assert len(slots) == self.core.tiers.ledgers[tier].size, f"{tier} slots leaked"
         assert not self.timers
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import (
     Answer,
     CancelTimer,
-    ClearStorage,
+    ClearBackend,
     Drained,
     Effect,
     Event,
@@ -38,21 +38,30 @@ from hicache.components.tree.effects import (
     SubmitLoad,
     SwitchStorage,
 )
-from hicache.components.tree.records import Counters
+from hicache.components.tree.shared import Counters
 from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import LoadHandle
 from hicache.messages import (
     Alloc,
+    AllocatorInbox,
     Backup,
     Backups,
     Free,
     LedgerStats,
     Load,
+    LoaderInbox,
+    PrefetcherInbox,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
     StorageAttachment,
     TimerFired,
     TreeInbox,
+    Upload,
+    UploaderInbox,
     UseBackend,
+    WriterInbox,
 )
 from hicache.observability.events import slot_runs
 from hicache.results import StorageTimeout
@@ -61,13 +70,23 @@ from hicache.runtime.clock import TimerHandle
 from hicache.types import OpId
 
 
+@dataclass(frozen=True, slots=True)
+class _Workers:
+    """The inboxes of the actors the tree commands."""
+
+    writer: Mailbox[WriterInbox]
+    loader: Mailbox[LoaderInbox]
+    uploader: Mailbox[UploaderInbox]
+    prefetcher: Mailbox[PrefetcherInbox]
+
+
 class TreeActor(Actor[TreeInbox]):
     def __init__(
         self,
         *,
         config: CacheConfig,
         tree: RadixTree,
-        allocator: Mailbox[Any],
+        allocator: Mailbox[AllocatorInbox],
         bytes_per_token: int,
         topology: Topology,
         agreement: RankAgreement | None = None,
@@ -79,15 +98,14 @@ class TreeActor(Actor[TreeInbox]):
         self._tree = tree
         self._allocator = allocator
         self._agreement = agreement or SingleRank()
-        self.core = Controller(
+        self.controller = Controller(
             config=config,
             tree=tree,
             bytes_per_token=bytes_per_token,
             credits=topology.credits,
             storage_on=storage_on,
         )
-        self._workers: dict[str, Mailbox[Any]] = {}
-        self._loader: Mailbox[Any] | None = None
+        self._workers: _Workers | None = None  # set by `connect`
         self.storage: StorageAttachment | None = None  # the L3 attached now (None: storage off)
         self._timers: dict[OpId, TimerHandle] = {}  # prefetch timeouts (until CancelTimer)
         self._tick = 0  # frontend calls run so far: the tree's clock across TP ranks
@@ -96,17 +114,21 @@ class TreeActor(Actor[TreeInbox]):
     def connect(
         self,
         *,
-        writer: Mailbox[Any],
-        loader: Mailbox[Any],
-        uploader: Mailbox[Any],
-        prefetcher: Mailbox[Any],
+        writer: Mailbox[WriterInbox],
+        loader: Mailbox[LoaderInbox],
+        uploader: Mailbox[UploaderInbox],
+        prefetcher: Mailbox[PrefetcherInbox],
         storage: StorageAttachment | None = None,
     ) -> None:
         """Set the workers' inboxes (they are built after the tree: they report to its inbox)
         and the storage attached at open (the workers were built with its backend)."""
-        self._workers = {"writer": writer, "uploader": uploader, "prefetcher": prefetcher}
-        self._loader = loader
+        self._workers = _Workers(writer, loader, uploader, prefetcher)
         self.storage = storage
+
+    @property
+    def workers(self) -> _Workers:
+        assert self._workers is not None, "the tree actor runs only once connected"
+        return self._workers
 
     async def close_storage(self) -> None:
         """At close, after the kernel stopped: close the attached backend if the cache opened
@@ -117,14 +139,14 @@ class TreeActor(Actor[TreeInbox]):
 
     @property
     def counters(self) -> Counters:
-        return self.core.counters
+        return self.controller.counters
 
     def ledgers(self) -> dict[str, dict[str, int]]:
         """Each tier's size, used and available tokens (the controller's own ledgers)."""
-        return self.core.space.view()
+        return self.controller.tiers.view()
 
     def bookkeeping(self) -> dict[str, int]:
-        return self.core.bookkeeping() | {
+        return self.controller.bookkeeping() | {
             "timers": len(self._timers),
         }
 
@@ -132,7 +154,7 @@ class TreeActor(Actor[TreeInbox]):
         """Lease every slot of both tiers from the allocator, once: from then on the controller
         allocates and frees on its own ledgers, with no round trip per step (the allocator
         keeps the record of what is leased and takes it back at close)."""
-        for tier, led in self.core.space.ledgers.items():
+        for tier, led in self.controller.tiers.ledgers.items():
             lease = await self.kernel.request(self._allocator, _lease(tier, led.size))
             if lease is None or not np.array_equal(lease, np.arange(led.size)):
                 raise RuntimeError(f"the allocator did not lease the whole {tier} tier")
@@ -144,33 +166,33 @@ class TreeActor(Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ the loop
     async def handle(self, msg: TreeInbox) -> None:
-        core = self.core
+        controller = self.controller
         # Every slot the ledgers hand out or take back is an event (what `hicache check-log`
         # re-derives slot ownership from), built only while the log goes somewhere; so is
         # every other event (several per request, each a dict and a structlog pass to drop).
         self._recording = self.log.recording
         if isinstance(msg, COMPLETIONS):
-            core.record(msg)
-            if self._agreement.trivial or core.wants_sync():
+            controller.record(msg)
+            if self._agreement.trivial or controller.wants_sync():
                 await self._sync()
         else:
-            core.accept(msg)
-        while (fresh := core.ready()) is not None:
+            controller.accept(msg)
+        while (fresh := controller.ready()) is not None:
             if fresh:
                 self._tick += 1
             if not self._agreement.trivial:  # one rank applied every completion on arrival
                 await self._sync()  # frontend calls reach every rank in the same order
             await self._execute(
-                core.run(self._now(), events=self._recording, detail=self._recording)
+                controller.run(self._now(), events=self._recording, detail=self._recording)
             )
 
     async def _sync(self) -> None:
         """Agree with the other ranks how far every op has got, and apply that."""
-        seen = self.core.progress()
+        seen = self.controller.progress()
         if self._agreement.trivial:
             if seen.mins or seen.maxes:
                 await self._execute(
-                    self.core.apply(
+                    self.controller.apply(
                         seen,
                         seen.mins,
                         seen.maxes,
@@ -182,7 +204,7 @@ class TreeActor(Actor[TreeInbox]):
             return
         agreed, agreed_max = await self._agreement.agree(seen.mins, seen.maxes)
         await self._execute(
-            self.core.apply(
+            self.controller.apply(
                 seen,
                 agreed,
                 agreed_max,
@@ -209,15 +231,20 @@ class TreeActor(Actor[TreeInbox]):
                     backups.append(backup)
                     continue
             if backups:  # before anything that may wait: what waits may need them done
-                await self._workers["writer"].send(Backups(jobs=tuple(backups)))
+                await self.workers.writer.send(Backups(jobs=tuple(backups)))
                 backups = []
             match effect:
-                case Send(to=to, msg=msg):
-                    await self._workers[to].send(msg)
+                case Send(msg=Upload() as upload):
+                    await self.workers.uploader.send(upload)
+                case Send(msg=StartPrefetch() | ReadPrefetch() | StopPrefetch() as command):
+                    await self.workers.prefetcher.send(command)
+                case Send(msg=Backup()):
+                    raise AssertionError("backups are sent as one Backups per step (above)")
                 case SubmitLoad(ticket=ticket, host_slots=host, device_slots=device):
-                    assert self._loader is not None
                     ticket.bind(
-                        await self.kernel.request(self._loader, _load(ticket.op, host, device))
+                        await self.kernel.request(
+                            self.workers.loader, _load(ticket.op, host, device)
+                        )
                     )
                 case Fail(reply=reply, error=error):
                     reply.fail(error)
@@ -228,7 +255,7 @@ class TreeActor(Actor[TreeInbox]):
                     )
                 case CancelTimer(op=op):
                     self._timers.pop(op).cancel()
-                case ClearStorage(reply=reply, answer=answer):
+                case ClearBackend(reply=reply, answer=answer):
                     await self._clear(reply, answer)
                 case SwitchStorage(reply=reply, storage=storage, fields=extra):
                     await self._switch(reply, storage, extra or {})
@@ -245,7 +272,7 @@ class TreeActor(Actor[TreeInbox]):
                     for reply in replies:
                         reply.set(report)
         if backups:
-            await self._workers["writer"].send(Backups(jobs=tuple(backups)))
+            await self.workers.writer.send(Backups(jobs=tuple(backups)))
 
     async def _switch(
         self, reply: Any, storage: StorageAttachment | None, fields: dict[str, Any]
@@ -254,8 +281,8 @@ class TreeActor(Actor[TreeInbox]):
         new backend before any command the controller issues after this step."""
         old, self.storage = self.storage, storage
         backend = None if storage is None else storage.backend
-        for worker in ("uploader", "prefetcher"):
-            await self._workers[worker].send(UseBackend(backend=backend))
+        await self.workers.uploader.send(UseBackend(backend=backend))
+        await self.workers.prefetcher.send(UseBackend(backend=backend))
         if storage is not None:
             self.kernel.log.emit(
                 "storage.attached", component="cache", spec=storage.spec, owned=storage.owned

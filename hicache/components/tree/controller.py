@@ -20,19 +20,17 @@ from typing import Any
 from typing_extensions import assert_never
 
 from hicache.components.tree import reset, sync
-from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.core import RadixTree
-from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
-from hicache.components.tree.effects import Drained, Effect, Effects, Fail
+from hicache.components.tree.effects import ClearBackend, Drained, Effect, Effects, Fail
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
 from hicache.components.tree.progress import Progress
-from hicache.components.tree.records import Counters
 from hicache.components.tree.requests import Requests
-from hicache.components.tree.space import Space
+from hicache.components.tree.shared import Counters, Shared, Step, Wait
 from hicache.components.tree.storage import StorageSwitch
 from hicache.components.tree.sync import Completion
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
@@ -87,15 +85,15 @@ class Controller:
         credits: int,
         storage_on: bool,
     ) -> None:
-        self.ctx = ctx = Context(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
-        self.space = Space(ctx)
+        self.shared = shared = Shared(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
+        self.tiers = Tiers(shared)
         self.storage = StorageSwitch(storage_on)  # attach / detach L3
-        self.writes = WriteFlows(ctx, self.space, self.storage, credits)
-        self.loads = LoadFlows(ctx, self.space, self.writes, credits)
-        self.pins = PinTable(ctx)
-        self.requests = Requests(ctx, self.space, self.writes, self.loads, self.pins)
+        self.writes = WriteFlows(shared, self.tiers, self.storage, credits)
+        self.loads = LoadFlows(shared, self.tiers, self.writes, credits)
+        self.pins = PinTable(shared)
+        self.requests = Requests(shared, self.tiers, self.writes, self.loads, self.pins)
         self.prefetches = PrefetchFlows(
-            ctx, self.space, self.writes, self.requests, self.pins, self.storage, credits
+            shared, self.tiers, self.writes, self.requests, self.pins, self.storage, credits
         )
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
@@ -107,7 +105,7 @@ class Controller:
 
     @property
     def counters(self) -> Counters:
-        return self.ctx.counters
+        return self.shared.counters
 
     # ------------------------------------------------------------------ frontend calls
     def accept(self, msg: TreeInbox) -> None:
@@ -191,7 +189,7 @@ class Controller:
             case GetStats(reply=reply):
                 out.answer(reply, self.stats())
             case DumpTree(reply=reply):
-                out.answer(reply, self.ctx.tree.dump())
+                out.answer(reply, self.shared.tree.dump())
             case Drain(reply=reply, poll=poll, abandon=abandon):
                 prefetches.stop_all(step)
                 if abandon:
@@ -248,7 +246,7 @@ class Controller:
                 out.answer(reply, self.pins.unpin(step, tokens, salt))
             case ClearStorage(reply=reply):
                 if self.storage.on:
-                    out.add(ClearStorageEffect(reply))
+                    out.add(ClearBackend(reply))
                 else:
                     out.answer(reply, False)
             case (
@@ -307,13 +305,13 @@ class Controller:
     # ------------------------------------------------------------------ flush, close, stats
     def _clear(self, step: Step, msg: Clear) -> None:
         """Drop every unlocked page of the tiers asked (nothing is in flight now)."""
-        ctx = self.ctx
-        device = reset.drop_device(step, ctx, self.space) if "device" in msg.tiers else 0
-        host = reset.drop_host(step, ctx, self.space) if "host" in msg.tiers else 0
+        shared = self.shared
+        device = reset.drop_device(step, shared, self.tiers) if "device" in msg.tiers else 0
+        host = reset.drop_host(step, shared, self.tiers) if "host" in msg.tiers else 0
         outcome = ClearOutcome(device_tokens=device, host_tokens=host)
         step.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
         if "storage" in msg.tiers and self.storage.on:
-            step.out.add(ClearStorageEffect(msg.reply, outcome))
+            step.out.add(ClearBackend(msg.reply, outcome))
         else:
             step.out.answer(msg.reply, outcome)
 
@@ -347,13 +345,13 @@ class Controller:
         self.storage.settle(step, self.writes, self.prefetches)
         self.requests.release_all(step)
         self.pins.clear()
-        freed = self.ctx.tree.clear()
-        self.space.free(step, "device", freed.device)
-        self.space.free(step, "host", freed.host)
+        freed = self.shared.tree.clear()
+        self.tiers.free(step, "device", freed.device)
+        self.tiers.free(step, "host", freed.host)
         lease = {}
         if not self._lease_returned:
             self._lease_returned = True
-            lease = {tier: led.free_slots() for tier, led in self.space.ledgers.items()}
+            lease = {tier: led.free_slots() for tier, led in self.tiers.ledgers.items()}
         step.out.add(Drained(replies, lease, self.bookkeeping()))
 
     def _abandon_in_flight(self, step: Step) -> None:
@@ -370,7 +368,7 @@ class Controller:
         for op in self.loads.abandon(step):
             self.requests.load_failed(op)
         self.prefetches.abandon(step)
-        self.ctx.counters.abandoned_ops += sum(counts.values())
+        self.shared.counters.abandoned_ops += sum(counts.values())
         step.out.warning("tree.abandoned", **counts)
 
     def bookkeeping(self) -> dict[str, int]:
@@ -385,7 +383,7 @@ class Controller:
             "clear_waiters": len(self._clear_waiters),
             "calls": len(self._calls),
             **self.storage.tables(),
-            "salt_roots": self.ctx.tree.salts,
+            "salt_roots": self.shared.tree.salts,
         }
 
     def stats(self) -> CacheStats:
@@ -395,4 +393,4 @@ class Controller:
             **self.prefetches.in_flight(),
             "requests": len(self.requests.table),
         }
-        return self.space.stats(inflight)
+        return self.tiers.stats(inflight)

@@ -10,9 +10,20 @@ from typing import Any, Literal
 import numpy as np
 
 from hicache.components.loader.ticket import LoadTicket
+from hicache.messages import (
+    Backup,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
+    StorageAttachment,
+    Upload,
+)
+from hicache.results import ClearOutcome
+from hicache.runtime.reply import Reply
 from hicache.types import OpId
 
 Worker = Literal["writer", "uploader", "prefetcher"]
+Command = Backup | Upload | StartPrefetch | ReadPrefetch | StopPrefetch  # what `Send` carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +31,7 @@ class Send:
     """A command down to a worker (bounded by the controller's credits)."""
 
     to: Worker
-    msg: Any
+    msg: Command
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +52,13 @@ class SubmitLoad:
 class Answer:
     """Set a frontend reply."""
 
-    reply: Any
+    reply: Reply[Any]
     value: Any
 
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    reply: Any
+    reply: Reply[Any]
     error: BaseException
 
 
@@ -72,12 +83,12 @@ class CancelTimer:
 
 
 @dataclass(frozen=True, slots=True)
-class ClearStorage:
-    """Run the backend's clear (with its deadline) and answer `reply`: True, or `answer`
-    with `storage=True` when given (a `clear` of several tiers)."""
+class ClearBackend:
+    """Run the attached backend's clear (with its deadline) and answer `reply`: True, or
+    `answer` with `storage=True` when given (a `clear` of several tiers)."""
 
-    reply: Any
-    answer: Any = None
+    reply: Reply[Any]
+    answer: ClearOutcome | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +98,8 @@ class SwitchStorage:
     the attachment, emit `storage.attached` / `storage.detached` (with `fields`), answer
     `reply` (attach: True; detach: the attachment, which the facade closes if it owns it)."""
 
-    reply: Any
-    storage: Any = None
+    reply: Reply[Any]
+    storage: StorageAttachment | None = None
     fields: dict[str, Any] | None = None
 
 
@@ -98,7 +109,7 @@ class Drained:
     the free slots of the controller's ledger), then answer each reply with the allocator's
     ledgers and the bookkeeping tables (`tables`, to which the driver adds its own)."""
 
-    replies: tuple[Any, ...]
+    replies: tuple[Reply[Any], ...]
     lease: dict[str, np.ndarray]
     tables: dict[str, int]
 
@@ -111,7 +122,7 @@ Effect = (
     | Event
     | StartTimer
     | CancelTimer
-    | ClearStorage
+    | ClearBackend
     | SwitchStorage
     | Drained
 )
@@ -133,13 +144,13 @@ class Effects:
         items, self.items = self.items, []
         return items
 
-    def send(self, to: Worker, msg: Any) -> None:
+    def send(self, to: Worker, msg: Command) -> None:
         self.items.append(Send(to, msg))
 
-    def answer(self, reply: Any, value: Any) -> None:
+    def answer(self, reply: Reply[Any], value: Any) -> None:
         self.items.append(Answer(reply, value))
 
-    def fail(self, reply: Any, error: BaseException) -> None:
+    def fail(self, reply: Reply[Any], error: BaseException) -> None:
         self.items.append(Fail(reply, error))
 
     def info(self, name: str, **fields: Any) -> None:

@@ -13,20 +13,20 @@ from dataclasses import replace
 import numpy as np
 
 from hicache.components.loader.ticket import LoadTicket
-from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.effects import SubmitLoad
 from hicache.components.tree.progress import Section
-from hicache.components.tree.records import LoadOp, RequestState
-from hicache.components.tree.space import Space
+from hicache.components.tree.rows import LoadOp, RequestState
+from hicache.components.tree.shared import Shared, Step, Wait
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import LoadDone
 from hicache.types import NodeId, OpId, RequestId
 
 
 class LoadFlows:
-    def __init__(self, ctx: Context, space: Space, writes: WriteFlows, credits: int) -> None:
-        self._ctx = ctx
-        self._space = space
+    def __init__(self, shared: Shared, tiers: Tiers, writes: WriteFlows, credits: int) -> None:
+        self._shared = shared
+        self._tiers = tiers
         self._writes = writes
         self.loads: dict[OpId, LoadOp] = {}
         self.credits = credits
@@ -98,7 +98,7 @@ class LoadFlows:
         (a split keeps the lower piece's id), so walk that stretch, not the plan's node ids."""
         if not self.loads or node is None:
             return []
-        tree = self._ctx.tree
+        tree = self._shared.tree
         path = set()
         x: NodeId | None = node
         while x is not None:
@@ -120,8 +120,8 @@ class LoadFlows:
         """Load the request's L2-only stretch into L1 when it is worth it: the tokens loaded
         (0 when below the threshold, out of credits or out of room), or the wait it needs.
         `threshold`: the caller's own in place of `load_back_threshold`."""
-        ctx, tree = self._ctx, self._ctx.tree
-        least = ctx.cfg.load_back_threshold if threshold is None else threshold
+        shared, tree = self._shared, self._shared.tree
+        least = shared.cfg.load_back_threshold if threshold is None else threshold
         if state.host_len < max(1, least) or state.last_node is None:
             return 0
         if self.credits == 0:
@@ -148,7 +148,7 @@ class LoadFlows:
         assert anchor is not None
         tree.commit_load_back(plan, device_slots)
         tree.lock(plan.nodes[-1])
-        op = ctx.op()
+        op = shared.op()
         self.credits -= 1
         ticket = LoadTicket(op)
         step.out.add(SubmitLoad(ticket, plan.host_slots, device_slots))
@@ -156,14 +156,14 @@ class LoadFlows:
         state.loads.append(op)
         state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
         state.host_len = 0
-        ctx.counters.host_hit_tokens += plan.num_tokens
-        ctx.counters.h2d_bytes += plan.num_tokens * ctx.bytes_per_token
+        shared.counters.host_hit_tokens += plan.num_tokens
+        shared.counters.h2d_bytes += plan.num_tokens * shared.bytes_per_token
         step.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
         return plan.num_tokens
 
     def _filled(self, op: LoadOp) -> tuple[NodeId, ...]:
         """The nodes between the load's anchor and its lock, root first."""
-        tree, nodes = self._ctx.tree, []
+        tree, nodes = self._shared.tree, []
         y: NodeId | None = op.lock
         while y is not None and y != op.anchor:
             nodes.append(y)
@@ -173,7 +173,7 @@ class LoadFlows:
     def finish(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
         the requests that counted on it)."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         op = self.loads.pop(op_id)
         self.credits += 1
         tree.unlock(op.lock)
@@ -182,7 +182,7 @@ class LoadFlows:
         filled = replace(op.plan, nodes=self._filled(op))
         if not ok:
             freed, kept = tree.revert_load_back(filled)
-            self._space.free(step, "device", freed)
+            self._tiers.free(step, "device", freed)
             step.out.error(
                 "tree.load_failed",
                 op=op_id,
@@ -190,5 +190,5 @@ class LoadFlows:
                 tokens=len(freed),
                 kept_nodes=list(kept),
             )
-        elif ctx.cfg.exclusive:
-            self._space.free(step, "host", tree.drop_host(filled))
+        elif shared.cfg.exclusive:
+            self._tiers.free(step, "host", tree.drop_host(filled))

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.context import Context, Step
 from hicache.components.tree.node import INF
 from hicache.components.tree.returns import TreeError
+from hicache.components.tree.shared import Shared, Step
 from hicache.results import InvalidRequest, PinLimitError, PinOutcome
 
 PIN_TIERS = ("device", "host")
@@ -44,8 +44,8 @@ Key = tuple[bytes, bytes]  # salt, the prefix's encoded bytes
 
 
 class PinTable:
-    def __init__(self, ctx: Context) -> None:
-        self._ctx = ctx
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
         self.entries: dict[Key, PinEntry] = {}
         self._by_head: dict[Key, set[bytes]] = {}  # (salt, first page) -> prefixes pinned
         self._next_expiry = INF  # the earliest end of a pin in the table
@@ -63,14 +63,14 @@ class PinTable:
     def pin(
         self, step: Step, tokens: Any, salt: bytes, tiers: tuple[str, ...], ttl: float | None
     ) -> PinOutcome:
-        ctx = self._ctx
+        shared = self._shared
         bad = [t for t in tiers if t not in PIN_TIERS]
         if bad or not tiers:
             raise InvalidRequest(f"pin: tiers must be some of {PIN_TIERS}, got {tiers!r}")
         tokens, encoded = self._aligned(tokens, "pin")
         if not len(encoded):
             raise InvalidRequest(
-                f"pin: {len(tokens)} tokens hold no whole page (page_size={ctx.cfg.page_size})"
+                f"pin: {len(tokens)} tokens hold no whole page (page_size={shared.cfg.page_size})"
             )
         until = INF if ttl is None else step.now + ttl
         entry = PinEntry(
@@ -81,7 +81,7 @@ class PinTable:
         key = (salt, encoded.tobytes())
         self._purge(step)
         for tier in tiers:
-            cap = ctx.cfg.pin_cap(tier)
+            cap = shared.cfg.pin_cap(tier)
             total = self._pinned(step, tier, {**self.entries, key: entry})
             if total > cap:
                 raise PinLimitError(
@@ -92,7 +92,7 @@ class PinTable:
         self._next_expiry = min(self._next_expiry, max(entry.device_until, entry.host_until))
         self._by_head.setdefault(self._head(key), set()).add(key[1])
         if replaced is not None:  # a pin of the same prefix: its marks give way to this one
-            ctx.tree.unmark_pins(replaced.tokens, now=step.now, salt=salt)
+            shared.tree.unmark_pins(replaced.tokens, now=step.now, salt=salt)
             self._mark_around(step, key)
         cached = self._mark(step, key, entry)
         step.out.info("tree.pin", tokens=len(encoded), cached=cached, tiers=list(tiers), ttl=ttl)
@@ -101,14 +101,14 @@ class PinTable:
         )
 
     def unpin(self, step: Step, tokens: Any, salt: bytes) -> bool:
-        ctx = self._ctx
+        shared = self._shared
         tokens, encoded = self._aligned(tokens, "unpin")
         key = (salt, encoded.tobytes())
         entry = self.entries.get(key)
         if entry is None:
             return False
         self._drop(key)
-        ctx.tree.unmark_pins(entry.tokens, now=step.now, salt=salt)
+        shared.tree.unmark_pins(entry.tokens, now=step.now, salt=salt)
         self._mark_around(step, key)
         step.out.info("tree.unpin", tokens=len(encoded))
         return True
@@ -117,31 +117,31 @@ class PinTable:
         """Pages of `tokens` were just cached: mark those under a pinned prefix."""
         if not self.entries:
             return
-        ctx = self._ctx
+        shared = self._shared
         if step.now >= self._next_expiry:
             self._purge(step)
-        page = ctx.cfg.page_size
+        page = shared.cfg.page_size
         if len(tokens) < page:
             return
-        head = (salt, ctx.tree.check_key(tokens[:page]).tobytes())
+        head = (salt, shared.tree.check_key(tokens[:page]).tobytes())
         self._mark_around(step, head, whole=False)
 
     # ------------------------------------------------------------------ helpers
     def _aligned(self, tokens: Any, action: str) -> tuple[Any, np.ndarray]:
-        page = self._ctx.cfg.page_size
+        page = self._shared.cfg.page_size
         try:
-            encoded = self._ctx.tree.check_key(tokens)
+            encoded = self._shared.tree.check_key(tokens)
         except TreeError as exc:
             raise InvalidRequest(f"{action}: {exc}") from None
         n = len(encoded) // page * page
         return tokens[:n], encoded[:n]
 
     def _head(self, key: Key) -> Key:
-        return key[0], key[1][: self._ctx.tree.page_bytes]
+        return key[0], key[1][: self._shared.tree.page_bytes]
 
     def _mark(self, step: Step, key: Key, entry: PinEntry) -> int:
-        ctx = self._ctx
-        return ctx.tree.mark_pins(
+        shared = self._shared
+        return shared.tree.mark_pins(
             entry.tokens,
             device_until=entry.device_until,
             host_until=entry.host_until,
@@ -184,7 +184,7 @@ class PinTable:
         """Tokens pinned in `tier`: the union of the live prefixes (sorted, each one's pages
         less those it shares with its neighbour)."""
         now = step.now
-        page_bytes = self._ctx.tree.page_bytes
+        page_bytes = self._shared.tree.page_bytes
         total = 0
         by_salt: dict[bytes, list[bytes]] = {}
         for (salt, raw), entry in entries.items():
@@ -195,7 +195,7 @@ class PinTable:
             total += sum(len(r) for r in raws)
             for a, b in itertools.pairwise(raws):
                 total -= _shared_pages(a, b, page_bytes)
-        return total // (page_bytes // self._ctx.cfg.page_size)
+        return total // (page_bytes // self._shared.cfg.page_size)
 
 
 def _shared_pages(a: bytes, b: bytes, page_bytes: int) -> int:

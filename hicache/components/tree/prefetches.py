@@ -16,15 +16,15 @@ from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.components.prefetch_state import RUNNING, Phase, caller_state
-from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.progress import Section
-from hicache.components.tree.records import PrefetchOp, RequestState
 from hicache.components.tree.requests import Requests
-from hicache.components.tree.space import Space
+from hicache.components.tree.rows import PrefetchOp, RequestState
+from hicache.components.tree.shared import Shared, Step, Wait
 from hicache.components.tree.storage import StorageSwitch
 from hicache.components.tree.structure import salt_seed
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
 from hicache.messages import (
     PrefetchProgress,
@@ -40,18 +40,18 @@ from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 class PrefetchFlows:
     def __init__(
         self,
-        ctx: Context,
-        space: Space,
+        shared: Shared,
+        tiers: Tiers,
         writes: WriteFlows,
         requests: Requests,
         pins: PinTable,
         storage: StorageSwitch,
         credits: int,
     ) -> None:
-        self._ctx = ctx
+        self._shared = shared
         self._storage = storage
         self._pins = pins
-        self._space = space
+        self._tiers = tiers
         self._writes = writes
         self._requests = requests
         self.ops: dict[OpId, PrefetchOp] = {}
@@ -129,8 +129,8 @@ class PrefetchFlows:
     ) -> PrefetchOutcome:
         """Admit and start a prefetch of `tokens` past the request's match. `threshold`:
         fewest tokens worth it for this request (None: the config's)."""
-        ctx, tree = self._ctx, self._ctx.tree
-        cfg = ctx.cfg
+        shared, tree = self._shared, self._shared.tree
+        cfg = shared.cfg
         if threshold is None:
             threshold = cfg.effective_prefetch_threshold
         if not self._storage.on or rid in self.by_rid:
@@ -156,7 +156,7 @@ class PrefetchFlows:
             prior = self._writes.node_hashes(anchor)[-1]
         new_tokens = tokens[matched:end]
         hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
-        op_id = ctx.op()
+        op_id = shared.op()
         timed = cfg.prefetch_policy == "timeout"
         if timed:
             step.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
@@ -183,7 +183,7 @@ class PrefetchFlows:
         return self.outcome(rid, op_id)
 
     def _rate_limit(self) -> int:
-        cfg = self._ctx.cfg
+        cfg = self._shared.cfg
         return int(cfg.prefetch_rate_fraction * (cfg.host_capacity - cfg.device_tokens))
 
     def outcome(self, rid: RequestId, op_id: OpId | None) -> PrefetchOutcome:
@@ -193,7 +193,7 @@ class PrefetchFlows:
                 return state.prefetch
             return PrefetchOutcome(rid=rid, state="none")
         op = self.ops[op_id]
-        page = self._ctx.cfg.page_size
+        page = self._shared.cfg.page_size
         return PrefetchOutcome(
             rid=rid,
             state=caller_state(op.phase),
@@ -210,7 +210,7 @@ class PrefetchFlows:
         if op_id is None or self.ops[op_id].phase not in RUNNING:
             step.out.answer(reply, self.outcome(rid, op_id))
             return
-        if self._ctx.cfg.prefetch_policy == "best_effort":
+        if self._shared.cfg.prefetch_policy == "best_effort":
             self.stop(step, op_id)  # take what has arrived; the stop report answers
         if poll:
             step.out.answer(reply, self.outcome(rid, op_id))
@@ -246,14 +246,14 @@ class PrefetchFlows:
         """Take the next steps of a prefetch on values every rank agreed on: `hit` pages in
         storage (-1: not probed everywhere yet), `done` pages read everywhere, `finished`
         everywhere, `stopped` acknowledged everywhere, `timed_out` somewhere."""
-        ctx = self._ctx
+        shared = self._shared
         op = self.ops[op_id]
         if op.phase in RUNNING:
             if timed_out and op.phase is not Phase.STOPPING:
                 step.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
                 self.stop(step, op_id)
             op.hit_pages, op.done_pages = max(hit, 0), done
-            if hit >= 0 and hit * ctx.cfg.page_size < op.threshold:
+            if hit >= 0 and hit * shared.cfg.page_size < op.threshold:
                 self.stop(step, op_id)  # not worth it: revoke
                 self._settle(step, op_id, revoked=True)
             elif finished or stopped:  # stopped: asked for, or its storage call timed out
@@ -272,8 +272,8 @@ class PrefetchFlows:
         exclusive mode (L2 takes what L1 drops: the anchor gets its copy when it leaves L1).
         The prefetch does not wait for it: until the copy lands, L1 eviction backs the anchor
         up first or removes it with what hangs below, as for any page (`evict_device`)."""
-        ctx, tree = self._ctx, self._ctx.tree
-        if ctx.cfg.exclusive or op.hit_pages <= 0:
+        shared, tree = self._shared, self._shared.tree
+        if shared.cfg.exclusive or op.hit_pages <= 0:
             return
         path = []
         node: NodeId | None = op.anchor
@@ -283,7 +283,7 @@ class PrefetchFlows:
             node = tree.parent(node)
         if path:
             tokens = sum(tree.num_tokens(n) for n in path)
-            ctx.counters.anchor_backups += len(path)
+            shared.counters.anchor_backups += len(path)
             step.out.info("tree.anchor_backup", rid=op.rid, nodes=len(path), tokens=tokens)
             self._writes.start_backups(step, reversed(path))
 
@@ -296,11 +296,11 @@ class PrefetchFlows:
 
     def _read(self, step: Step, op_id: OpId) -> None:
         """After the probe: host slots for exactly the pages storage has, then the reads."""
-        ctx = self._ctx
+        shared = self._shared
         op = self.ops[op_id]
         if op.phase is not Phase.WAITING_HOST:
             return
-        host = self._writes.host(step, op.hit_pages * ctx.cfg.page_size)
+        host = self._writes.host(step, op.hit_pages * shared.cfg.page_size)
         if isinstance(host, Wait):
             self.host_waiting.append(op_id)
             return
@@ -309,7 +309,7 @@ class PrefetchFlows:
                 "tree.prefetch_skipped",
                 rid=op.rid,
                 reason="host_full",
-                tokens=op.hit_pages * ctx.cfg.page_size,
+                tokens=op.hit_pages * shared.cfg.page_size,
             )
             self.stop(step, op_id)
             self._settle(step, op_id, revoked=True)
@@ -322,9 +322,9 @@ class PrefetchFlows:
         """Hand the request what has arrived: insert it as host-only nodes below the anchor,
         answer the waiters. The slots of those pages become the tree's; the rest stay the op's
         until it ends."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         op = self.ops[op_id]
-        page = ctx.cfg.page_size
+        page = shared.cfg.page_size
         done = 0 if revoked else min(op.done_pages, len(op.host_slots) // page)
         op.done_pages = done
         used_tokens = done * page
@@ -337,7 +337,7 @@ class PrefetchFlows:
                 now=step.now,
                 salt=op.salt,
             )
-            self._space.free(step, "host", inserted.duplicate_slots)
+            self._tiers.free(step, "host", inserted.duplicate_slots)
             self._pins.after_insert(step, op.prefix, op.salt)  # pins hold for pages back from L3
         tree.release_host(op.anchor)
         op.to(op_id, Phase.REVOKED if revoked else Phase.DONE)
@@ -354,7 +354,7 @@ class PrefetchFlows:
         if state is not None:
             state.prefetch = outcome
             if done:
-                ctx.counters.storage_hit_tokens += used_tokens
+                shared.counters.storage_hit_tokens += used_tokens
             # Lock what arrived for the request, unless it is past load_back (or allocated):
             # then its prefix is fixed, and moving it would misalign what it holds.
             if done and not state.loaded_back and not state.owned:
@@ -374,8 +374,8 @@ class PrefetchFlows:
             self.host_waiting.remove(op_id)
         if op.timer:
             step.out.add(CancelTimer(op_id))
-        page = self._ctx.cfg.page_size
-        self._space.free(step, "host", op.host_slots[op.done_pages * page :])
+        page = self._shared.cfg.page_size
+        self._tiers.free(step, "host", op.host_slots[op.done_pages * page :])
         self.tokens -= len(op.hashes) * page
         self.credits += 1
 

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 
 from hicache.components.loader.ticket import LoadTicket
-from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
-from hicache.components.tree.records import RequestState
 from hicache.components.tree.retention import Range
 from hicache.components.tree.returns import TreeError
+from hicache.components.tree.rows import RequestState
+from hicache.components.tree.shared import Shared, Step, Wait
 from hicache.components.tree.slot_arrays import concat
-from hicache.components.tree.space import Space
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
@@ -38,11 +38,11 @@ from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
 class Requests:
     def __init__(
-        self, ctx: Context, space: Space, writes: WriteFlows, loads: LoadFlows, pins: PinTable
+        self, shared: Shared, tiers: Tiers, writes: WriteFlows, loads: LoadFlows, pins: PinTable
     ) -> None:
-        self._ctx = ctx
+        self._shared = shared
         self._pins = pins
-        self._space = space
+        self._tiers = tiers
         self._writes = writes
         self._loads = loads
         self.table: dict[RequestId, RequestState] = {}
@@ -80,13 +80,13 @@ class Requests:
         (so every later match or insert of them skips the conversion), else as given.
         InvalidRequest for a malformed key."""
         try:
-            encoded = self._ctx.tree.check_key(tokens)
+            encoded = self._shared.tree.check_key(tokens)
         except TreeError as exc:
             raise InvalidRequest(str(exc)) from None
         return encoded if encoded.dtype == np.uint32 else tokens
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
-        tree = self._ctx.tree
+        tree = self._shared.tree
         if node is not None:
             tree.lock(node)
         if state.lock is not None:
@@ -95,7 +95,7 @@ class Requests:
 
     def _view(self, step: Step, state: RequestState, tokens: Any) -> None:
         """Point the request at the tree's current prefix for `tokens` (locked for it)."""
-        result = self._ctx.tree.match(tokens, now=step.now, salt=state.salt)
+        result = self._shared.tree.match(tokens, now=step.now, salt=state.salt)
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
@@ -132,10 +132,10 @@ class Requests:
             state.tokens = tokens
             state.retention = self._ranges(step, item.retention)
             if state.retention:  # the matched pages take the request's ranges now
-                self._ctx.tree.retain(tokens, state.retention, now=step.now, salt=state.salt)
+                self._shared.tree.retain(tokens, state.retention, now=step.now, salt=state.salt)
             state.failed_load = False
             state.loaded_back = False
-            self._ctx.counters.device_hit_tokens += len(state.prefix_slots)
+            self._shared.counters.device_hit_tokens += len(state.prefix_slots)
             step.out.info(
                 "tree.match",
                 rid=rid,
@@ -157,7 +157,7 @@ class Requests:
     def _split_pieces(self, candidates: Sequence[NodeId]) -> list[NodeId]:
         """A range or pin may have cut a backup candidate at a page boundary: its upper
         pieces (new nodes, device-only) are candidates too, root-most first."""
-        tree, pieces = self._ctx.tree, list[NodeId]()
+        tree, pieces = self._shared.tree, list[NodeId]()
         for node in candidates:
             above = []
             parent = tree.parent(node)
@@ -231,13 +231,13 @@ class Requests:
             self.state(rid, "allocate")
             if n < 0:
                 raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
-        page = self._ctx.cfg.page_size
+        page = self._shared.cfg.page_size
         wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
         pooled = self._loads.device(step, sum(wanted))  # one allocation, evicting, for the step
         if isinstance(pooled, Wait):
             return pooled
         if pooled is None:
-            available = self._space.ledgers["device"].available
+            available = self._tiers.ledgers["device"].available
             total = 0
             for (rid, n), want in zip(sizes, wanted, strict=True):
                 total += want
@@ -324,9 +324,9 @@ class Requests:
     def _cache(
         self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
     ) -> CacheOutcome:
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         state = self.table[item.rid]
-        aligned = len(tokens) // ctx.cfg.page_size * ctx.cfg.page_size
+        aligned = len(tokens) // shared.cfg.page_size * shared.cfg.page_size
         own = len(state.prefix_slots)
         result = tree.insert(
             tokens[:aligned],
@@ -343,12 +343,12 @@ class Requests:
             candidates.extend(self._split_pieces(result.backup_candidates))
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
         # cached meanwhile are duplicates and go back to the ledger.
-        self._space.free(step, "device", slots[own : max(own, result.prefix_len)])
+        self._tiers.free(step, "device", slots[own : max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
         candidates.extend(result.backup_candidates)
         pending: tuple[LoadTicket, ...] = ()
         if item.finished:
-            self._space.free(step, "device", np.concatenate([slots[aligned:], state.padding]))
+            self._tiers.free(step, "device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self.table[item.rid]
             prefix = slots[:aligned]
@@ -382,5 +382,5 @@ class Requests:
         for rid in rids:
             state = self.table.pop(rid)
             self._relock(state, None)
-            self._space.free(step, "device", np.concatenate([*state.owned, state.padding]))
+            self._tiers.free(step, "device", np.concatenate([*state.owned, state.padding]))
             step.out.info("tree.release", rid=rid, reason=reason)

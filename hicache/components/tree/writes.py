@@ -15,19 +15,19 @@ from collections.abc import Iterable
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.context import Context, Step, Wait
 from hicache.components.tree.progress import Section
-from hicache.components.tree.records import UploadOp, WriteOp
-from hicache.components.tree.space import Space
+from hicache.components.tree.rows import UploadOp, WriteOp
+from hicache.components.tree.shared import Shared, Step, Wait
 from hicache.components.tree.storage import StorageSwitch
+from hicache.components.tree.tiers import Tiers
 from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
 
 class WriteFlows:
-    def __init__(self, ctx: Context, space: Space, storage: StorageSwitch, credits: int) -> None:
-        self._ctx = ctx
-        self._space = space
+    def __init__(self, shared: Shared, tiers: Tiers, storage: StorageSwitch, credits: int) -> None:
+        self._shared = shared
+        self._tiers = tiers
         self._storage = storage
         self.writes: dict[OpId, WriteOp] = {}
         self.uploads: dict[OpId, UploadOp] = {}
@@ -129,15 +129,15 @@ class WriteFlows:
         wait for it, rather than call L1 full while they are about to become evictable)."""
         if n == 0:
             return EMPTY_SLOTS
-        space = self._space
+        tiers = self._tiers
         while True:
-            slots = space.alloc(step, "device", n)
+            slots = tiers.alloc(step, "device", n)
             if slots is not None:
                 return slots
             # Evict what is missing, less what eviction backups in flight will free: asking for
             # all of n each time round would back up (and keep in both tiers) more leaves.
             evicting = sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
-            short = n - space.ledgers["device"].available - evicting
+            short = n - tiers.ledgers["device"].available - evicting
             if short > 0:
                 freed = self._evict_device(step, short)
                 if freed is True:
@@ -150,18 +150,18 @@ class WriteFlows:
         """Evict about n tokens from L1, then back up or drop what eviction left for a copy
         first. True when a device slot was freed; else the first wait met (no write credit,
         no host room)."""
-        ctx, tree, space = self._ctx, self._ctx.tree, self._space
-        exclusive = ctx.cfg.exclusive
+        shared, tree, tiers = self._shared, self._shared.tree, self._tiers
+        exclusive = shared.cfg.exclusive
         # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
-        back_up = self._storage.on and ctx.cfg.evict_to_storage
-        eviction = space.evict_device(step, n, back_up=back_up)
+        back_up = self._storage.on and shared.cfg.evict_to_storage
+        eviction = tiers.evict_device(step, n, back_up=back_up)
         freed = eviction.freed
         wait: Wait | None = None
         for node in eviction.needs_backup:  # write_back, exclusive, L3 on: copy, then evict
             if exclusive and not tree.outranks_host(node, now=step.now):
                 # Older than everything L2 could give up: drop it rather than displace hotter
                 # pages, so the two tiers together evict like one LRU of their total size.
-                freed += space.discard(step, node, "older_than_l2")
+                freed += tiers.discard(step, node, "older_than_l2")
             elif wait is None:
                 started = self.start_backup(step, node, evicting=True)
                 if isinstance(started, Wait):
@@ -169,7 +169,7 @@ class WriteFlows:
                 elif not started and back_up and tree.needs_backup(node):
                     # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
                     # L3 attached it leaves L1 as without L3, rather than fail the allocation.
-                    freed += space.discard(step, node, "no_l2_room")
+                    freed += tiers.discard(step, node, "no_l2_room")
         if freed:
             return True
         return wait if wait is not None else False
@@ -177,7 +177,7 @@ class WriteFlows:
     def host(self, step: Step, n: int) -> np.ndarray | Wait | None:
         """Host slots for n tokens, evicting L2; when what is left is pinned by uploads, a
         Wait for the oldest (never for one past its deadline)."""
-        slots = self._space.host(step, n)
+        slots = self._tiers.host(step, n)
         if slots is not None:
             return slots
         upload = next((op for op, job in self.uploads.items() if not job.timed_out), None)
@@ -196,7 +196,7 @@ class WriteFlows:
     def start_backup(self, step: Step, node: NodeId, *, evicting: bool) -> bool | Wait:
         """Copy a device-only node to L2. True when started. A write-through backup with no
         credit or no host room goes to the backlog (False); an eviction's returns the `Wait`."""
-        tree = self._ctx.tree
+        tree = self._shared.tree
         if self.write_credits == 0:
             oldest = self._oldest_write()
             if evicting and oldest is not None:
@@ -213,7 +213,7 @@ class WriteFlows:
             self.write_backlog.append(node)
             return False
         if host is None or not tree.needs_backup(node):
-            self._space.free(step, "host", EMPTY_SLOTS if host is None else host)
+            self._tiers.free(step, "host", EMPTY_SLOTS if host is None else host)
             if host is None:
                 step.out.warning(
                     "tree.backup_skipped", node=node, tokens=length, reason="host_full"
@@ -225,12 +225,12 @@ class WriteFlows:
     def start_backups(self, step: Step, nodes: Iterable[NodeId]) -> None:
         """Write-through backups for a whole step: one host allocation for all of them when
         credits and free slots allow, else one by one."""
-        tree = self._ctx.tree
+        tree = self._shared.tree
         todo = [n for n in dict.fromkeys(nodes) if tree.needs_backup(n)]
         lengths = [tree.num_tokens(n) for n in todo]
         pooled = None
         if 1 < len(todo) <= self.write_credits:
-            pooled = self._space.alloc(step, "host", sum(lengths))
+            pooled = self._tiers.alloc(step, "host", sum(lengths))
         if pooled is None:
             for node in todo:
                 self.start_backup(step, node, evicting=False)
@@ -243,23 +243,23 @@ class WriteFlows:
     def _issue_backup(
         self, step: Step, node: NodeId, host: np.ndarray, *, evicting: bool = False
     ) -> None:
-        ctx = self._ctx
-        ctx.tree.begin_backup(node, host)
-        op = ctx.op()
+        shared = self._shared
+        shared.tree.begin_backup(node, host)
+        op = shared.op()
         self.write_credits -= 1
         self.writes[op] = WriteOp(node=node, host_slots=host, evicting=evicting)
-        device = ctx.tree.device_slots(node)
+        device = shared.tree.device_slots(node)
         assert device is not None
         step.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
-        ctx.counters.d2h_bytes += len(host) * ctx.bytes_per_token
-        ctx.counters.evict_backups += evicting
+        shared.counters.d2h_bytes += len(host) * shared.bytes_per_token
+        shared.counters.evict_backups += evicting
 
     def finish_write(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
-        ctx = self._ctx
+        shared = self._shared
         op = self.writes.pop(op_id)
         self.write_credits += 1
-        pieces = ctx.tree.backup_pieces(op.node)  # the node may have been split meanwhile
-        self._space.free(step, "host", ctx.tree.end_backup(op.node, ok=ok))
+        pieces = shared.tree.backup_pieces(op.node)  # the node may have been split meanwhile
+        self._tiers.free(step, "host", shared.tree.end_backup(op.node, ok=ok))
         if not ok:
             step.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._storage.on:
@@ -281,14 +281,14 @@ class WriteFlows:
     def _upload(self, step: Step, pieces: tuple[NodeId, ...]) -> None:
         """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
         their host pages stay protected until the upload is done."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         node = pieces[-1]  # the deepest: protecting it protects the path above it
         if not tree.has_host_copy(node):
             return
         if self.upload_credits == 0:
-            if len(self.upload_backlog) >= ctx.cfg.max_upload_backlog:
+            if len(self.upload_backlog) >= shared.cfg.max_upload_backlog:
                 # Storage is slower than the writes: skip rather than queue without bound.
-                ctx.counters.skipped_uploads += 1
+                shared.counters.skipped_uploads += 1
                 step.out.warning(
                     "tree.upload_skipped",
                     node=node,
@@ -300,7 +300,7 @@ class WriteFlows:
             return
         hashes = [h for p in pieces for h in self.node_hashes(p)]
         host_slots = np.concatenate([tree.host_slots(p) for p in pieces])
-        op = ctx.op()
+        op = shared.op()
         self.upload_credits -= 1
         tree.protect_host(node)
         self.uploads[op] = UploadOp(node=node, pages=len(hashes))
@@ -314,17 +314,17 @@ class WriteFlows:
         pages were never protected for it). How many nodes were dropped (counted as skipped)."""
         dropped = len(self.upload_backlog)
         self.upload_backlog.clear()
-        self._ctx.counters.skipped_uploads += dropped
+        self._shared.counters.skipped_uploads += dropped
         return dropped
 
     def upload_timed_out(self, op_id: OpId) -> None:
         job = self.uploads.get(op_id)
         if job is not None and not job.timed_out:
             job.timed_out = True
-            self._ctx.counters.upload_timeouts += 1
+            self._shared.counters.upload_timeouts += 1
 
     def finish_upload(self, step: Step, op_id: OpId) -> None:
-        tree = self._ctx.tree
+        tree = self._shared.tree
         job = self.uploads.pop(op_id)
         self.upload_credits += 1
         tree.release_host(job.node)
@@ -333,7 +333,7 @@ class WriteFlows:
             if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
                 self._upload(step, pieces)
             else:  # L2 evicted it while it waited (a backlog does not protect): never stored
-                self._ctx.counters.skipped_uploads += 1
+                self._shared.counters.skipped_uploads += 1
                 step.out.warning(
                     "tree.upload_skipped",
                     node=pieces[-1],
@@ -344,13 +344,15 @@ class WriteFlows:
 
     def node_hashes(self, node: NodeId) -> tuple[PageHash, ...]:
         """The node's chained page hashes, computed on first use from its parent's last one."""
-        tree = self._ctx.tree
+        tree = self._shared.tree
         hashes = tree.page_hashes(node)
         if hashes is None:
             parent = tree.parent(node)
             assert parent is not None
             prior = tree.seed(parent) if tree.is_root(parent) else self.node_hashes(parent)[-1]
-            hashes = tuple(chain_page_hashes(tree.key(node), self._ctx.cfg.page_size, prior=prior))
+            hashes = tuple(
+                chain_page_hashes(tree.key(node), self._shared.cfg.page_size, prior=prior)
+            )
             tree.set_page_hashes(node, hashes)
         return hashes
 

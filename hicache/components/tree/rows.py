@@ -1,5 +1,6 @@
-"""The controller's records: one per running request and per operation in flight. Owned by
-the controller alone; other actors only ever see ids and slot arrays."""
+"""The rows of the controller's tables: one per running request (`RequestState`, in
+`requests.py`) and one per op in flight (`WriteOp`, `UploadOp` in `writes.py`, `LoadOp` in
+`loads.py`, `PrefetchOp` in `prefetches.py`). Other actors only ever see ids and slot arrays."""
 
 from __future__ import annotations
 
@@ -77,19 +78,3 @@ class UploadOp:
     node: NodeId
     pages: int
     timed_out: bool = False  # its storage call passed the deadline: no longer waited for
-
-
-@dataclass(slots=True)
-class Counters:
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    device_evictions: int = 0
-    host_evictions: int = 0
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    skipped_uploads: int = 0  # the upload backlog was full
-    evict_backups: int = 0  # backups an L1 eviction waited for (write_back, exclusive, L3 on)
-    anchor_backups: int = 0  # nodes backed up for a prefetch anchor that had no L2 copy
-    upload_timeouts: int = 0
-    abandoned_ops: int = 0  # ended at close past its deadline

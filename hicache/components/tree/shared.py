@@ -1,5 +1,5 @@
 """What the parts of the controller share: the configuration, the radix tree, the counters and
-the op ids (`Context`, for the controller's life); the time and the effects of the step being
+the op ids (`Shared`, for the controller's life); the time and the effects of the step being
 taken (`Step`, made for each call and passed down); and what a parked call waits on (`Wait`)."""
 
 from __future__ import annotations
@@ -9,13 +9,28 @@ from typing import Protocol
 
 from hicache.components.tree.core import RadixTree
 from hicache.components.tree.effects import Effects
-from hicache.components.tree.records import Counters
 from hicache.config import CacheConfig
 from hicache.types import OpId
 
 
 @dataclass(slots=True)
-class Context:
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    device_evictions: int = 0
+    host_evictions: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    skipped_uploads: int = 0  # the upload backlog was full
+    evict_backups: int = 0  # backups an L1 eviction waited for (write_back, exclusive, L3 on)
+    anchor_backups: int = 0  # nodes backed up for a prefetch anchor that had no L2 copy
+    upload_timeouts: int = 0
+    abandoned_ops: int = 0  # ended at close past its deadline
+
+
+@dataclass(slots=True)
+class Shared:
     cfg: CacheConfig
     tree: RadixTree
     bytes_per_token: int

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.components.allocator.core import SlotLedger
-from hicache.components.tree.context import Context, Step
+from hicache.components.tree.shared import Shared, Step
 from hicache.results import CacheStats, TierStats
 from hicache.types import NodeId
 
@@ -24,10 +24,10 @@ class DeviceEviction:
     needs_backup: tuple[NodeId, ...]  # left on L1 until copied to L2 (the caller's to start)
 
 
-class Space:
-    def __init__(self, ctx: Context) -> None:
-        cfg = ctx.cfg
-        self._ctx = ctx
+class Tiers:
+    def __init__(self, shared: Shared) -> None:
+        cfg = shared.cfg
+        self._shared = shared
         self.ledgers = {
             tier: SlotLedger(size=size, page_size=cfg.page_size, tier=tier)
             for tier, size in (("device", cfg.device_tokens), ("host", cfg.host_capacity))
@@ -53,7 +53,7 @@ class Space:
         }
 
     def stats(self, inflight: dict[str, int]) -> CacheStats:
-        tree, c = self._ctx.tree, self._ctx.counters
+        tree, c = self._shared.tree, self._shared.counters
         dev, host = self.ledgers["device"], self.ledgers["host"]
         return CacheStats(
             device=TierStats(
@@ -81,15 +81,15 @@ class Space:
         """Evict about n tokens from L1. The nodes the policy wants copied to L2 first
         (write_back, exclusive, `back_up`: L3 on) stay on L1 and are returned: the caller
         starts their backups (or drops them, `discard`)."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         ev = tree.evict_device(
-            n, now=step.now, require_host_copy=ctx.cfg.exclusive, back_up=back_up
+            n, now=step.now, require_host_copy=shared.cfg.exclusive, back_up=back_up
         )
         self.free(step, "device", ev.freed)
         self.free(step, "host", ev.freed_host)
         freed = len(ev.freed)
         if freed:
-            ctx.counters.device_evictions += freed
+            shared.counters.device_evictions += freed
             step.out.info(
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
@@ -97,11 +97,11 @@ class Space:
 
     def discard(self, step: Step, node: NodeId, reason: str) -> int:
         """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
-        ctx = self._ctx
-        gone = ctx.tree.discard_device(node)
+        shared = self._shared
+        gone = shared.tree.discard_device(node)
         self.free(step, "device", gone.freed)
         self.free(step, "host", gone.freed_host)
-        ctx.counters.device_evictions += len(gone.freed)
+        shared.counters.device_evictions += len(gone.freed)
         step.out.info(
             "tree.evict_device",
             tokens=len(gone.freed),
@@ -114,18 +114,18 @@ class Space:
     def host(self, step: Step, n: int) -> np.ndarray | None:
         """Host slots for n tokens, evicting L2; None when what is left is protected (by an
         upload or a prefetch in flight, or by a copy still landing)."""
-        ctx = self._ctx
+        shared = self._shared
         while True:
             slots = self.alloc(step, "host", n)
             if slots is not None:
                 return slots
-            ev = ctx.tree.evict_host(
+            ev = shared.tree.evict_host(
                 n - self.ledgers["host"].available,  # the shortfall
                 now=step.now,
-                by_pages=ctx.cfg.exclusive,
+                by_pages=shared.cfg.exclusive,
             )
             if not len(ev.freed):
                 return None
-            ctx.counters.host_evictions += len(ev.freed)
+            shared.counters.host_evictions += len(ev.freed)
             step.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
             self.free(step, "host", ev.freed)
