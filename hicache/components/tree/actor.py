@@ -2,8 +2,8 @@
 
 It leases both tiers from the allocator at start, feeds the controller each message with the
 time, runs the sync points with the other TP ranks (`agreement.py`), and carries out the
-effects the controller returns: commands to the workers, answers, events, timers, the loads'
-handles, the backend's clear, the switch of L3 backends (attach / detach at run time) and, at
+effects the controller returns: commands to the workers, answers, events, timers, binding
+each load's handle into its ticket, the backend's clear, the switch of L3 backends (attach / detach at run time) and, at
 close, the lease's return. Every decision is the controller's; what is here is I/O.
 
 The storage attached now (`storage`) is this driver's: it hands the backend to the uploader and

@@ -1,13 +1,14 @@
 """The controller's prefetch flow (L3 -> L2).
 
 Owns every prefetch in flight, its credits, the tokens in flight for the rate limit, and the
-reports and timer firings not applied yet. An op goes: admitted (threshold, rate limit) ->
-probed by the prefetcher -> host slots for exactly the pages storage has (or revoked below the
-threshold; waiting for an upload that pins the only evictable pages), and an L2 copy for an
-anchor path that had none -> read -> *settled* (what arrived is inserted as host-only nodes
-below the anchor, the request's waiters are answered) -> *ended* (the prefetcher no longer touches its host slots;
-the rest are freed, the credit returns). Every step after the start is taken on agreed
-reports (`controller.py`), so all TP ranks take it alike.
+reports and timer firings not applied yet. Each op moves through the phases of
+`components/prefetch_state.py`: admitted (threshold, rate limit) and PROBING; WAITING_HOST for
+exactly the pages storage has (an upload may pin the only evictable ones), with an L2 copy for
+an anchor path that had none; READING; settled as DONE (what arrived is inserted as host-only
+nodes below the anchor, the request's waiters are answered) or REVOKED (below the threshold,
+no L2 room); ENDED once the prefetcher no longer touches its host slots (the rest are freed,
+the credit returns). Every step after the start is taken on agreed reports, so all TP ranks
+take it alike.
 """
 
 from __future__ import annotations

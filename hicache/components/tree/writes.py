@@ -1,4 +1,5 @@
-"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to.
+"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to, and
+allocation that evicts (eviction may need backups first).
 
 Owns every write and upload in flight (issue order), their credits and backlogs, and the
 completions that arrived for them and are not applied yet. A write-through backup that finds
