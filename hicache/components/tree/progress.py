@@ -44,26 +44,38 @@ class Section:
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """What this rank has seen of every op in flight: the flows' sections, in apply order."""
+    """What this rank has seen of every op in flight: the flows' sections, in apply order, and
+    the flat vectors the ranks agree on (`of` builds them once)."""
 
     backups: Section
     loads: Section
     uploads: Section
     prefetches: Section
+    mins: list[int]
+    maxes: list[int]
+
+    @classmethod
+    def of(
+        cls, backups: Section, loads: Section, uploads: Section, prefetches: Section
+    ) -> Progress:
+        sections = (backups, loads, uploads, prefetches)
+        return cls(
+            backups,
+            loads,
+            uploads,
+            prefetches,
+            [v for s in sections for row in s.mins for v in row],
+            [v for s in sections for row in s.maxes for v in row],
+        )
 
     def sections(self) -> tuple[Section, ...]:
         return (self.backups, self.loads, self.uploads, self.prefetches)
 
-    @property
-    def mins(self) -> list[int]:
-        return [v for s in self.sections() for row in s.mins for v in row]
-
-    @property
-    def maxes(self) -> list[int]:
-        return [v for s in self.sections() for row in s.maxes for v in row]
-
     def agreed(self, mins: Sequence[int], maxes: Sequence[int]) -> Progress:
-        """The same layout holding the values the ranks agreed on."""
+        """The same layout holding the values the ranks agreed on (itself for its own
+        vectors: one rank agrees with itself)."""
+        if mins is self.mins and maxes is self.maxes:
+            return self
         at_min = at_max = 0
         out = []
         for s in self.sections():
@@ -82,7 +94,7 @@ class Progress:
                 )
             )
         assert at_min == len(mins) and at_max == len(maxes), "vectors of another layout"
-        return Progress(*out)
+        return Progress.of(*out)
 
 
 def _chunks(values: Sequence[int], width: int, n: int) -> Iterator[tuple[int, ...]]:

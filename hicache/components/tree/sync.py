@@ -41,7 +41,7 @@ def record(
 
 
 def progress(writes: WriteFlows, loads: LoadFlows, prefetches: PrefetchFlows) -> Progress:
-    return Progress(
+    return Progress.of(
         backups=writes.backup_progress(),
         loads=loads.progress(),
         uploads=writes.upload_progress(),
