@@ -1,4 +1,5 @@
-"""The prefetcher actor (L3 -> L2): owns every prefetch in flight.
+"""The prefetcher actor (L3 -> L2): owns every prefetch in flight, each moving through the
+phases of `components/prefetch_state.py` (PROBING, WAITING_HOST, READING, STOPPING, DONE).
 
 For a `StartPrefetch` it probes storage for the consecutive run of present pages and reports
 the count; the tree then allocates host slots for exactly those pages (no L2 churn for pages
@@ -10,10 +11,9 @@ op sends at most three reports: probe, stop, end. The I/O runs in a helper task 
 stops and new ops are never stuck behind a slow read; what arrived is a consecutive prefix,
 checked page by page by the backend.
 
-Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
-op is stopped as if the tree had asked (the stop report settles the request with what had
-arrived); the end report, which returns the op's host slots, still waits until the call has
-really returned, since a call in a thread may still be writing into them.
+Each storage call has a deadline (`deadline.py`): past it the op is stopped as if the tree had
+asked; its end report, which returns the op's host slots, waits until the call has really
+returned.
 
 The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
 run time); the tree switches only while no prefetch is in flight. A `StartPrefetch` with none

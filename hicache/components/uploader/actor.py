@@ -5,11 +5,9 @@ protected until `UploadDone`). The storage call runs in a helper task so the inb
 moving; a failed upload is retried with exponential backoff on the kernel's clock, and after
 the last try it is an event and a later miss, never an error for any request.
 
-Every storage call has a deadline (`storage_timeout`). Past it the call is cancelled and the
-tree is told at once (`UploadTimedOut`), so neither a flush nor a
-host allocation waits on a hung store. The op's one `UploadDone` still comes only when the
-call has really returned: a call running in a thread may still be reading the host pages, and
-they stay protected until then. A timed-out upload is not retried.
+Each storage call has a deadline (`deadline.py`): past it the tree gets `UploadTimedOut` at
+once, and the op's one `UploadDone` once the call has really returned. A timed-out upload is
+not retried.
 
 The backend is the one the tree last handed over (`UseBackend`, on attach and detach of L3 at
 run time; at open, the one it was built with). The tree switches only while no upload is in
