@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
-from hicache.messages import IoDeadline
+from hicache.messages import IoDeadline, PrefetcherInbox, UploaderInbox
 from hicache.runtime import Mailbox, TimerHandle
 from hicache.runtime.actor import KernelServices
 from hicache.types import OpId
@@ -23,7 +22,11 @@ class CallDeadline:
     timer: TimerHandle | None = None
 
     def arm(
-        self, kernel: KernelServices, inbox: Mailbox[Any], op: OpId, timeout: float
+        self,
+        kernel: KernelServices,
+        inbox: Mailbox[UploaderInbox] | Mailbox[PrefetcherInbox],
+        op: OpId,
+        timeout: float,
     ) -> anyio.CancelScope:
         """Start a call: its scope, and a timer posting `IoDeadline` to the worker's inbox
         (reserved room: one pending deadline per op)."""
