@@ -40,6 +40,8 @@ class LoadFlows:
 
     def tickets(self, ops: list[OpId]) -> tuple[LoadTicket, ...]:
         """The handles of those of `ops` still in flight, for an answer to carry."""
+        if not ops:
+            return ()
         loads = self.loads
         return tuple(loads[op].ticket for op in ops if op in loads)
 

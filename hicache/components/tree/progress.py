@@ -28,15 +28,12 @@ class Section:
         min_width: int,
         max_width: int = 0,
     ) -> Section:
-        """A section from (op, min values, max values) rows."""
-        assert all(len(a) == min_width and len(b) == max_width for _, a, b in rows)
-        return cls(
-            tuple(op for op, _, _ in rows),
-            tuple(a for _, a, _ in rows),
-            tuple(b for _, _, b in rows),
-            min_width,
-            max_width,
-        )
+        """A section from (op, min values, max values) rows, each `min_width` and
+        `max_width` values long."""
+        if not rows:
+            return cls((), (), (), min_width, max_width)
+        ops, mins, maxes = zip(*rows, strict=True)
+        return cls(ops, mins, maxes, min_width, max_width)
 
     def rows(self) -> Iterator[tuple[OpId, tuple[int, ...], tuple[int, ...]]]:
         return zip(self.ops, self.mins, self.maxes, strict=True)
