@@ -257,7 +257,7 @@ def run_core(args) -> None:
     orig = coremodel._run_step
 
     def step(model, step_reqs, tally, tokens_of):
-        counters = model.core.counters  # the controller's (an InstantCache drives it)
+        counters = model.controller.counters  # the controller's (an InstantCache drives it)
         d0, h0, t0 = tally.device_hit, counters.host_hit_tokens, tally.input_tokens
         orig(model, step_reqs, tally, tokens_of)
         rows.append(

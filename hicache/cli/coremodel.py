@@ -146,7 +146,7 @@ def replay_trace(
             progress(tally.requests)
     model.call(lambda r: Flush(reply=r))  # the replay's flush and stats
     stats: CacheStats = model.call(lambda r: GetStats(reply=r))
-    counters = model.core.counters
+    counters = model.controller.counters
     tally.host_hit, tally.storage_hit = stats.host.hit_tokens, stats.storage_hit_tokens
     tally.device_evictions, tally.host_evictions = stats.device.evictions, stats.host.evictions
     tally.d2h_tokens, tally.h2d_tokens = counters.d2h_bytes, counters.h2d_bytes

@@ -5,11 +5,10 @@ pages is docs/decisions.md's "A storage deadline ends the wait, not the memory c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
-from hicache.messages import IoDeadline
+from hicache.messages import IoDeadline, PrefetcherInbox, UploaderInbox
 from hicache.runtime import Mailbox, TimerHandle
 from hicache.runtime.actor import SystemServices
 from hicache.types import OpId
@@ -25,7 +24,11 @@ class CallDeadline:
     timer: TimerHandle | None = None
 
     def arm(
-        self, system: SystemServices, inbox: Mailbox[Any], op: OpId, timeout: float
+        self,
+        system: SystemServices,
+        inbox: Mailbox[UploaderInbox] | Mailbox[PrefetcherInbox],
+        op: OpId,
+        timeout: float,
     ) -> anyio.CancelScope:
         """Start a call: its scope, and a timer posting `IoDeadline` to the worker's inbox
         (reserved room: one pending deadline per op)."""

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from hicache.components.topology import Topology
 from hicache.components.tree.controller import Controller
 from hicache.components.tree.effects import (
     Answer,
-    ClearStorage,
+    ClearBackend,
     Drained,
     Effect,
     Fail,
@@ -51,7 +50,6 @@ from hicache.messages import (
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree
-from hicache.results import LoadBackOutcome
 from hicache.types import OpId, PageHash
 
 __all__ = ["InstantCache"]
@@ -114,14 +112,14 @@ class InstantCache:
             write_policy=write_policy(cfg.write_policy),
             default_priority=cfg.default_priority,
         )
-        self.core = Controller(
+        self.controller = Controller(
             config=cfg,
             tree=tree,
             bytes_per_token=1,  # the byte counters count tokens
             credits=Topology.for_capacity(cfg.channel_capacity).credits,
             storage_on=storage,
         )
-        self.core.space.lease_host(0, cfg.host_capacity)  # no allocator: all of L2 at once
+        self.controller.tiers.lease_host(0, cfg.host_capacity)  # no allocator: all of L2 at once
         self.storage = storage
         self.stored: set[PageHash] = set()  # L3: every page uploaded
         self._probed: dict[OpId, int] = {}  # the prefetcher's ops: op -> pages storage has
@@ -139,11 +137,11 @@ class InstantCache:
         plain object (`set` / `fail`), not an actor system's `Reply`: nothing here awaits."""
         self.settle()
         reply = _Reply()
-        core = self.core
-        core.accept(make(reply))
+        controller = self.controller
+        controller.accept(make(reply))
         while True:
-            while core.ready() is not None:
-                self._execute(core.run(self._now()))
+            while controller.ready() is not None:
+                self._execute(controller.run(self._now()))
             if reply.done or not self._owed:
                 break
             self._land()  # parked (or answered later): the oldest worker reports
@@ -175,10 +173,10 @@ class InstantCache:
             report = self._prefetch(work)
         if report is None:
             return
-        core = self.core
-        core.record(report)
-        seen = core.progress()
-        self._execute(core.apply(seen, seen.mins, seen.maxes, self._now()))
+        controller = self.controller
+        controller.record(report)
+        seen = controller.progress()
+        self._execute(controller.apply(seen, seen.mins, seen.maxes, self._now()))
 
     def _prefetch(
         self, work: StartPrefetch | ReadPrefetch | StopPrefetch
@@ -210,23 +208,18 @@ class InstantCache:
                     raise AssertionError(f"no instant worker takes {effect.msg!r}")
                 self._owed.append(effect.msg)
             elif isinstance(effect, SubmitLoad):
+                effect.ticket.bind(_LANDED)  # lands at once, as the loader's handle would say
                 self._owed.append(effect)
             elif isinstance(effect, Answer):
-                value = effect.value
-                if effect.loads is not None:
-                    value = tuple(
-                        _with_handles(outcome, len(ops)) if ops else outcome
-                        for outcome, ops in zip(value, effect.loads, strict=True)
-                    )
-                effect.reply.set(value)
+                effect.reply.set(effect.value)
             elif isinstance(effect, Fail):
                 effect.reply.fail(effect.error)
-            elif isinstance(effect, ClearStorage):
+            elif isinstance(effect, ClearBackend):
                 self.stored.clear()
                 effect.reply.set(True)
             elif isinstance(effect, Drained):
                 for reply in effect.replies:
-                    reply.set((self.core.space.view(), effect.tables))
+                    reply.set((self.controller.tiers.view(), effect.tables))
 
     # ------------------------------------------------------------------ close
     def drain(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
@@ -236,10 +229,3 @@ class InstantCache:
             lambda r: Drain(reply=r)
         )
         return drained
-
-
-def _with_handles(outcome: Any, loads: int) -> Any:
-    """An outcome that waits for loads, with their handles (`actor._with_handles`)."""
-    if isinstance(outcome, LoadBackOutcome):
-        return replace(outcome, handle=_LANDED)
-    return replace(outcome, pending=(_LANDED,) * loads)

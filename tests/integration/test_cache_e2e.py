@@ -317,7 +317,7 @@ def test_close_reports_leaked_slots():
         async with HiCache(virtual_config()) as cache:
             # Slots taken from the ledger behind the tree's back are never given back.
             await cache.stats()  # the tree has leased its slots
-            taken = cache.system.actors["tree"].core.space.ledgers["device"].alloc(8)
+            taken = cache.system.actors["tree"].controller.tiers.ledgers["device"].alloc(8)
             assert len(taken) == 8
 
     with pytest.raises(LedgerImbalance, match="device"):
@@ -390,7 +390,7 @@ def _selected_streams(device: str, tmp_path, native: str = "1") -> dict:
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
-    from hicache.kernels.native.rowcopy import native_rows
+    from hicache.kernels.native import native_rows
 
     selected = _selected_streams("cpu", tmp_path, native)  # host pools on any machine
     assert selected["kind"] == "inline"  # CPU copies on the loop, not "virtual" time

@@ -34,7 +34,7 @@ def test_clear_drops_every_unlocked_page_of_l1_and_l2(policy):
             again = await cache.match("again", tokens_from(1000, 32))
             await cache.release("again")
             await cache.release("held")
-            cache.system.actors["tree"].core.ctx.tree.check_integrity()
+            cache.system.actors["tree"].controller.shared.tree.check_integrity()
             return before, m.device_len, out, after, again.device_len + again.host_len
 
     before, kept, out, after, found = run_virtual(main)

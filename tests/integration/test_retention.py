@@ -137,7 +137,7 @@ def test_a_pin_with_a_ttl_expires_on_the_cache_clock():
             held = await where(cache, SYSTEM)
             await cache.system.sleep(50.0)  # virtual
             await sweep(cache, "b")
-            stats = cache.system.actors["tree"].core.bookkeeping()
+            stats = cache.system.actors["tree"].controller.bookkeeping()
             return out, held, await where(cache, SYSTEM), stats
 
     out, held, after, tables = run_virtual(main)
@@ -224,7 +224,7 @@ def test_bad_pins_and_ranges_are_refused_and_change_nothing():
                 with pytest.raises(InvalidRequest) as err:
                     await call()
                 errors.append(str(err.value))
-            tables = cache.system.actors["tree"].core.bookkeeping()
+            tables = cache.system.actors["tree"].controller.bookkeeping()
             return errors, tables, await where(cache, SYSTEM)
 
     errors, tables, found = run_virtual(main)

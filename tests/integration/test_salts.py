@@ -59,7 +59,7 @@ def test_two_salts_share_nothing_in_l1_and_l2(policy, exclusive):
                 await write(cache, f"c{k}", tokens_from(1000 * (k + 1), 32), "tenant-c")
             await cache.flush()
             in_l2 = [await seen(cache, "y", TOKENS, s) for s in ("tenant-b", None, "tenant-a")]
-            cache.system.actors["tree"].core.ctx.tree.check_integrity()
+            cache.system.actors["tree"].controller.shared.tree.check_integrity()
             return in_l1, in_l2
 
     in_l1, in_l2 = run_virtual(main)
@@ -143,7 +143,7 @@ def test_salt_roots_go_with_their_last_page():
 
     async def main():
         async with HiCache(cfg) as cache:
-            tree = cache.system.actors["tree"].core.ctx.tree
+            tree = cache.system.actors["tree"].controller.shared.tree
             for k in range(6):  # six salts, each pushed out by the next ones
                 await write(cache, f"w{k}", tokens_from(100 * k, 32), f"s{k}")
                 await cache.flush()

@@ -224,7 +224,7 @@ def test_slots_leaked_behind_the_trees_back_are_reported():
 
     async def leaky(ctx):
         await builtin_clients(ctx)
-        ledger = ctx.cache.system.actors["tree"].core.space.ledgers["device"]
+        ledger = ctx.cache.system.actors["tree"].controller.tiers.ledgers["device"]
         planted.append(ledger.alloc(ctx.sim.page_size) is not None)  # None: L1 full (pins)
 
     for seed in range(5, 25):

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hicache.components.loader.ticket import LoadTicket
 from hicache.components.topology import Topology
 from hicache.components.tree.controller import Controller
 from hicache.components.tree.effects import (
@@ -31,12 +32,12 @@ from hicache.components.tree.effects import (
     Drained,
     Event,
     Fail,
-    LoadEnded,
     Send,
     StartTimer,
     SubmitLoad,
 )
 from hicache.config import CacheConfig
+from hicache.kernels.streams.base import AllLoads
 from hicache.messages import (
     AllocBatch,
     Backup,
@@ -95,6 +96,29 @@ def contents(tokens: list[int], salt: bytes = b"") -> list[int]:
     return out
 
 
+def _named_loads(value: Any) -> tuple[tuple[LoadTicket, ...], ...] | None:
+    """The load handles each outcome of an answer carries (None: no outcome names one)."""
+    if not isinstance(value, tuple):
+        return None
+    loads = []
+    for outcome in value:
+        handle = getattr(outcome, "handle", None)
+        pending = getattr(outcome, "pending", ())
+        handles = (handle,) if handle is not None else pending
+        tickets: list[LoadTicket] = []
+        for h in handles:
+            tickets.extend(h.handles if isinstance(h, AllLoads) else (h,))
+        loads.append(tuple(tickets))
+    return tuple(loads) if any(loads) else None
+
+
+class _Unused:
+    """The loader's handle in this harness: nothing waits on it."""
+
+
+_UNUSED_HANDLE: Any = _Unused()
+
+
 class ControllerMachine(RuleBasedStateMachine):
     @initialize(
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
@@ -140,7 +164,7 @@ class ControllerMachine(RuleBasedStateMachine):
             credits=Topology.for_capacity(16).credits,
             storage_on=storage,
         )
-        self.core.space.lease_host(0, cfg.host_capacity)  # the allocator's part
+        self.core.tiers.lease_host(0, cfg.host_capacity)  # the allocator's part
         self.tree = tree
         self.now = 0.0
         self.device: dict[int, int] = {}  # slot -> content
@@ -155,7 +179,6 @@ class ControllerMachine(RuleBasedStateMachine):
         self.requests: dict[int, dict[str, Any]] = {}
         self.next_rid = 0
         self.timers: set[int] = set()
-        self.handles: set[int] = set()  # loads whose handle the driver holds
         self.drained: Drained | None = None
         self.seen: list[tuple[list[int], bytes]] = []  # the pages and salt of every request
 
@@ -166,14 +189,15 @@ class ControllerMachine(RuleBasedStateMachine):
                 self.queues[e.to].append(e.msg)
             elif isinstance(e, SubmitLoad):
                 self.queues["loader"].append(e)
-                self.handles.add(e.op)
-            elif isinstance(e, LoadEnded):
-                self.handles.remove(e.op)  # the driver drops the load's handle
+                e.ticket.bind(_UNUSED_HANDLE)  # the driver binds the loader's handle
             elif isinstance(e, Answer):
-                for ops in e.loads or ():  # the driver puts these loads' handles in the answer
-                    assert set(ops) <= self.handles, f"answer names ended loads {ops}"
+                loads = _named_loads(e.value)
+                for ops in loads or ():  # the loads' handles are in the answer, bound
+                    assert all(t.bound for t in ops), f"answer names unsubmitted loads {ops}"
                 e.reply.set(e.value)
-                e.reply.loads = e.loads
+                e.reply.loads = (
+                    tuple(tuple(t.op for t in ops) for ops in loads) if loads is not None else None
+                )
             elif isinstance(e, Fail):
                 e.reply.fail(e.error)
             elif isinstance(e, StartTimer):
@@ -471,7 +495,7 @@ class ControllerMachine(RuleBasedStateMachine):
         if not hasattr(self, "core"):
             return
         self.tree.check_integrity()
-        for led in self.core.space.ledgers.values():
+        for led in self.core.tiers.ledgers.values():
             led.check_integrity()
 
     def teardown(self) -> None:
@@ -488,7 +512,7 @@ class ControllerMachine(RuleBasedStateMachine):
             assert any(self.step_worker(w) for w in self.queues), "drain waits on nothing"
         assert reply.done and self.drained is not None
         assert not any(reply.value.values()), reply.value
-        for tier, led in self.core.space.ledgers.items():
+        for tier, led in self.core.tiers.ledgers.items():
             assert led.used == 0 and led.size == led.capacity, f"{tier} slots leaked"
         assert not self.timers
 

@@ -1,4 +1,5 @@
-"""The prefetcher actor (L3 -> L2): owns every prefetch in flight.
+"""The prefetcher actor (L3 -> L2): owns every prefetch in flight, each moving through the
+phases of `components/prefetch_state.py` (PROBING, WAITING_HOST, READING, STOPPING, DONE).
 
 For a `StartPrefetch` it probes storage for the consecutive run of present pages and reports
 the count; the tree then allocates host slots for exactly those pages (no L2 churn for pages
@@ -31,6 +32,7 @@ from typing_extensions import assert_never
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.components.deadline import CallDeadline
+from hicache.components.prefetch_state import Phase, advance
 from hicache.kernels.pools import HostPool
 from hicache.messages import (
     IoDeadline,
@@ -44,20 +46,24 @@ from hicache.messages import (
     UseBackend,
 )
 from hicache.runtime import Actor, Mailbox
-from hicache.types import OpId
+from hicache.types import EMPTY_SLOTS, OpId
 
 
 @dataclass(slots=True)
 class _Op:
+    """One prefetch in flight here. Its phase (`prefetch_state.py`) says what runs: a probe
+    (PROBING), nothing until `ReadPrefetch` (WAITING_HOST), a batch of reads (READING), the
+    last call before the end (STOPPING); at DONE it is let go."""
+
     msg: StartPrefetch
-    hit_pages: int = -1  # unknown until probed
+    phase: Phase = Phase.PROBING
+    hit_pages: int | None = None  # what the probe found; None until it returns
     done_pages: int = 0
-    stop: bool = False
-    host_slots: np.ndarray | None = (
-        None  # set by ReadPrefetch; until then the op waits after its probe
-    )
-    busy: bool = False  # a probe or read is in flight
+    host_slots: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)  # from ReadPrefetch
     deadline: CallDeadline = field(default_factory=CallDeadline)  # of the step in flight
+
+    def to(self, op: OpId, phase: Phase) -> None:
+        self.phase = advance(op, self.phase, phase)
 
 
 class PrefetcherActor(Actor[PrefetcherInbox]):
@@ -92,14 +98,16 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                 self._spawn(op)
             case ReadPrefetch(op=op, host_slots=host_slots):
                 state = self._ops.get(op)
-                if state is not None and not state.stop:
+                if state is not None and state.phase is not Phase.STOPPING:
+                    state.to(op, Phase.READING)
                     state.host_slots = host_slots
                     # the pages every rank has (TP ranks agree on the smallest probe)
+                    assert state.hit_pages is not None  # the tree reads only what was probed
                     state.hit_pages = min(state.hit_pages, len(host_slots) // self._host.page_size)
                     self._spawn(op)
             case StopPrefetch(op=op):
                 state = self._ops.get(op)
-                if state is not None and not state.stop:
+                if state is not None and state.phase is not Phase.STOPPING:
                     self._stop(op, state)
             case IoDeadline(op=op, call=call):
                 state = self._ops.get(op)
@@ -109,9 +117,9 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     "prefetcher.timeout",
                     op=op,
                     timeout=self._timeout,
-                    step="probe" if state.hit_pages < 0 else "read",
+                    step="probe" if state.hit_pages is None else "read",
                 )
-                if not state.stop:
+                if state.phase is not Phase.STOPPING:
                     self._stop(op, state)
             case IoDone(op=op, pages=pages, error=error):
                 await self._io_done(op, pages, error)
@@ -120,12 +128,13 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
 
     def _stop(self, op: OpId, state: _Op) -> None:
         """Report what has arrived at once; the op ends when no call of it is in flight."""
-        state.stop = True
-        idle = not state.busy  # probed, waiting for a read that will not come
+        # Probed and waiting for a read that will not come: nothing in flight, it ends now.
+        idle = state.phase is Phase.WAITING_HOST
+        state.to(op, Phase.DONE if idle else Phase.STOPPING)
         self._tree.send_nowait(
             PrefetchProgress(  # reserved room: one per op
                 op=op,
-                hit_pages=state.hit_pages,
+                hit_pages=-1 if state.hit_pages is None else state.hit_pages,  # -1: not probed
                 done_pages=state.done_pages,
                 finished=idle,
                 stopped=True,
@@ -136,26 +145,29 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
 
     def _spawn(self, op: OpId) -> None:
         state = self._ops[op]
-        state.busy = True
         scope = state.deadline.arm(self.system, self.inbox, op, self._timeout)
         self.system.start_soon(self._io, op, scope, name=f"prefetch-{op}")
 
     async def _io_done(self, op: OpId, pages: int, error: str) -> None:
         state = self._ops[op]
-        state.busy = False
         state.deadline.disarm()
-        probed = state.hit_pages < 0
-        if probed:
+        stopping = state.phase is Phase.STOPPING
+        probed = state.hit_pages is None  # the call that returned was the probe
+        if state.hit_pages is None:
             state.hit_pages = pages
-            finished = pages == 0 or state.stop
+            finished = pages == 0 or stopping
         else:
             batch_end = min(state.hit_pages, state.done_pages + self._batch)
             short = state.done_pages + pages < batch_end  # a page missing or corrupt: stop there
             state.done_pages += pages
-            finished = state.stop or short or state.done_pages >= state.hit_pages
+            finished = stopping or short or state.done_pages >= state.hit_pages
         if error:
             self.log.warning("prefetcher.io_error", op=op, error=error)
             finished = True
+        if finished:
+            state.to(op, Phase.DONE)
+        elif probed:
+            state.to(op, Phase.WAITING_HOST)
         # With the stop report, at most three reports per op: the tree reserves room for
         # all of them, so these sends never block.
         if probed or finished:
@@ -165,7 +177,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     hit_pages=state.hit_pages,
                     done_pages=state.done_pages,
                     finished=finished,
-                    stopped=state.stop,
+                    stopped=stopping,
                 )
             )
         if finished:
@@ -191,7 +203,7 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
             return
         with scope:
             try:
-                if state.hit_pages < 0:
+                if state.hit_pages is None:
                     keys = self._ns.keys(msg.hashes)
                     pages = await self._probe(backend, keys)
                 else:
@@ -199,7 +211,6 @@ class PrefetcherActor(Actor[PrefetcherInbox]):
                     end = min(state.hit_pages, start + self._batch)
                     page = self._host.page_size
                     keys = self._ns.keys(msg.hashes[start:end])
-                    assert state.host_slots is not None  # reads start only after ReadPrefetch
                     slots = state.host_slots[start * page : end * page]
                     targets = self._host.page_buffers(slots)
                     pages = await backend.get_into(keys, targets)

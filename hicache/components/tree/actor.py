@@ -2,9 +2,9 @@
 
 It feeds the controller each message with the time (and the host slots the allocator leases
 to its L2 ledger), runs the sync points with the other TP ranks (`agreement.py`), and carries
-out the effects the controller returns: commands to the workers, answers, events, timers, the
-loads' handles, the backend's clear and the switch of L3 backends (attach / detach at run
-time). Every decision is the controller's; what is here is I/O.
+out the effects the controller returns: commands to the workers, answers, events, timers,
+binding each load's handle into its ticket, the backend's clear and the switch of L3 backends
+(attach / detach at run time). Every decision is the controller's; what is here is I/O.
 
 The storage attached now (`storage`) is this driver's: it hands the backend to the uploader and
 prefetcher (`UseBackend`) when the controller switches, clears it for `clear_storage`, and
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,37 +27,54 @@ from hicache.components.tree.controller import Controller
 from hicache.components.tree.effects import (
     Answer,
     CancelTimer,
-    ClearStorage,
+    ClearBackend,
     Drained,
     Effect,
     Event,
     Fail,
-    LoadEnded,
     Send,
     StartTimer,
     SubmitLoad,
     SwitchStorage,
 )
-from hicache.components.tree.records import Counters
+from hicache.components.tree.shared import Counters
 from hicache.components.tree.sync import COMPLETIONS
 from hicache.config import CacheConfig
-from hicache.kernels.streams.base import AllLoads, LoadHandle
+from hicache.kernels.streams.base import LoadHandle
 from hicache.messages import (
     Backup,
     Backups,
     HostSlotsReady,
     Load,
+    LoaderInbox,
+    PrefetcherInbox,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
     StorageAttachment,
     TimerFired,
     TreeInbox,
+    Upload,
+    UploaderInbox,
     UseBackend,
+    WriterInbox,
 )
 from hicache.observability.events import slot_runs
 from hicache.radix.tree import RadixTree
-from hicache.results import LoadBackOutcome, StorageTimeout
+from hicache.results import StorageTimeout
 from hicache.runtime import Actor, Mailbox, Reply
 from hicache.runtime.clock import TimerHandle
 from hicache.types import OpId
+
+
+@dataclass(frozen=True, slots=True)
+class _Workers:
+    """The inboxes of the actors the tree commands."""
+
+    writer: Mailbox[WriterInbox]
+    loader: Mailbox[LoaderInbox]
+    uploader: Mailbox[UploaderInbox]
+    prefetcher: Mailbox[PrefetcherInbox]
 
 
 class TreeActor(Actor[TreeInbox]):
@@ -76,34 +93,37 @@ class TreeActor(Actor[TreeInbox]):
         self._cfg = config
         self._tree = tree
         self._agreement = agreement or SingleRank()
-        self.core = Controller(
+        self.controller = Controller(
             config=config,
             tree=tree,
             bytes_per_token=bytes_per_token,
             credits=topology.credits,
             storage_on=storage_on,
         )
-        self._workers: dict[str, Mailbox[Any]] = {}
-        self._loader: Mailbox[Any] | None = None
+        self._workers: _Workers | None = None  # set by `connect`
         self.storage: StorageAttachment | None = None  # the L3 attached now (None: storage off)
-        self._handles: dict[OpId, LoadHandle] = {}  # loads in flight (until LoadEnded)
         self._timers: dict[OpId, TimerHandle] = {}  # prefetch timeouts (until CancelTimer)
         self._tick = 0  # frontend calls run so far: the tree's clock across TP ranks
+        self._recording = True  # the log goes somewhere (as of the message being handled)
 
     def connect(
         self,
         *,
-        writer: Mailbox[Any],
-        loader: Mailbox[Any],
-        uploader: Mailbox[Any],
-        prefetcher: Mailbox[Any],
+        writer: Mailbox[WriterInbox],
+        loader: Mailbox[LoaderInbox],
+        uploader: Mailbox[UploaderInbox],
+        prefetcher: Mailbox[PrefetcherInbox],
         storage: StorageAttachment | None = None,
     ) -> None:
         """Set the workers' inboxes (they are built after the tree: they report to its inbox)
         and the storage attached at open (the workers were built with its backend)."""
-        self._workers = {"writer": writer, "uploader": uploader, "prefetcher": prefetcher}
-        self._loader = loader
+        self._workers = _Workers(writer, loader, uploader, prefetcher)
         self.storage = storage
+
+    @property
+    def workers(self) -> _Workers:
+        assert self._workers is not None, "the tree actor runs only once connected"
+        return self._workers
 
     async def close_storage(self) -> None:
         """At close, after the actor system stopped: close the attached backend if the cache opened
@@ -114,15 +134,14 @@ class TreeActor(Actor[TreeInbox]):
 
     @property
     def counters(self) -> Counters:
-        return self.core.counters
+        return self.controller.counters
 
     def ledgers(self) -> dict[str, dict[str, int]]:
         """Each tier's size, used and available tokens (the controller's own ledgers)."""
-        return self.core.space.view()
+        return self.controller.tiers.view()
 
     def bookkeeping(self) -> dict[str, int]:
-        return self.core.bookkeeping() | {
-            "load_handles": len(self._handles),
+        return self.controller.bookkeeping() | {
             "timers": len(self._timers),
         }
 
@@ -133,38 +152,56 @@ class TreeActor(Actor[TreeInbox]):
 
     # ------------------------------------------------------------------ the loop
     async def handle(self, msg: TreeInbox) -> None:
-        core = self.core
-        if isinstance(msg, HostSlotsReady):  # the allocator leases a prepared chunk of L2
-            core.space.lease_host(msg.start, msg.stop)
-            return
+        controller = self.controller
         # Every slot the ledgers hand out or take back is an event (what `hicache check-log`
         # re-derives slot ownership from), built only while the log goes somewhere; so is
         # every other event (several per request, each a dict and a structlog pass to drop).
-        recording = self.log.recording
-        core.ctx.detail = recording
-        core.ctx.out.quiet = not recording
+        self._recording = self.log.recording
+        if isinstance(msg, HostSlotsReady):  # the allocator leases a prepared chunk of L2
+            controller.tiers.lease_host(msg.start, msg.stop)
+            return
         if isinstance(msg, COMPLETIONS):
-            core.record(msg)
-            if self._agreement.trivial or core.wants_sync():
+            controller.record(msg)
+            if self._agreement.trivial or controller.wants_sync():
                 await self._sync()
         else:
-            core.accept(msg)
-        while (fresh := core.ready()) is not None:
+            controller.accept(msg)
+        while (fresh := controller.ready()) is not None:
             if fresh:
                 self._tick += 1
             if not self._agreement.trivial:  # one rank applied every completion on arrival
                 await self._sync()  # frontend calls reach every rank in the same order
-            await self._execute(core.run(self._now()))
+            await self._execute(
+                controller.run(self._now(), events=self._recording, detail=self._recording)
+            )
 
     async def _sync(self) -> None:
         """Agree with the other ranks how far every op has got, and apply that."""
-        seen = self.core.progress()
+        seen = self.controller.progress()
         if self._agreement.trivial:
             if seen.mins or seen.maxes:
-                await self._execute(self.core.apply(seen, seen.mins, seen.maxes, self._now()))
+                await self._execute(
+                    self.controller.apply(
+                        seen,
+                        seen.mins,
+                        seen.maxes,
+                        self._now(),
+                        events=self._recording,
+                        detail=self._recording,
+                    )
+                )
             return
         agreed, agreed_max = await self._agreement.agree(seen.mins, seen.maxes)
-        await self._execute(self.core.apply(seen, agreed, agreed_max, self._now()))
+        await self._execute(
+            self.controller.apply(
+                seen,
+                agreed,
+                agreed_max,
+                self._now(),
+                events=self._recording,
+                detail=self._recording,
+            )
+        )
 
     async def _execute(self, effects: list[Effect]) -> None:
         log = self.log
@@ -176,25 +213,28 @@ class TreeActor(Actor[TreeInbox]):
                         fields = {**fields, "slots": slot_runs(fields["slots"])}
                     getattr(log, level)(name, **fields)
                     continue
-                case Answer(reply=reply, value=value, loads=loads):
-                    reply.set(value if loads is None else self._with_handles(value, loads))
+                case Answer(reply=reply, value=value):
+                    reply.set(value)
                     continue
                 case Send(to="writer", msg=Backup() as backup):
                     backups.append(backup)
                     continue
             if backups:  # before anything that may wait: what waits may need them done
-                await self._workers["writer"].send(Backups(jobs=tuple(backups)))
+                await self.workers.writer.send(Backups(jobs=tuple(backups)))
                 backups = []
             match effect:
-                case Send(to=to, msg=msg):
-                    await self._workers[to].send(msg)
-                case SubmitLoad(op=op, host_slots=host, device_slots=device):
-                    assert self._loader is not None
-                    self._handles[op] = await self.system.request(
-                        self._loader, _load(op, host, device)
+                case Send(msg=Upload() as upload):
+                    await self.workers.uploader.send(upload)
+                case Send(msg=StartPrefetch() | ReadPrefetch() | StopPrefetch() as command):
+                    await self.workers.prefetcher.send(command)
+                case Send(msg=Backup()):
+                    raise AssertionError("backups are sent as one Backups per step (above)")
+                case SubmitLoad(ticket=ticket, host_slots=host, device_slots=device):
+                    ticket.bind(
+                        await self.system.request(
+                            self.workers.loader, _load(ticket.op, host, device)
+                        )
                     )
-                case LoadEnded(op=op):
-                    del self._handles[op]
                 case Fail(reply=reply, error=error):
                     reply.fail(error)
                 case StartTimer(op=op, delay=delay):
@@ -204,36 +244,19 @@ class TreeActor(Actor[TreeInbox]):
                     )
                 case CancelTimer(op=op):
                     self._timers.pop(op).cancel()
-                case ClearStorage(reply=reply, answer=answer):
+                case ClearBackend(reply=reply, answer=answer):
                     await self._clear(reply, answer)
                 case SwitchStorage(reply=reply, storage=storage, fields=extra):
                     await self._switch(reply, storage, extra or {})
                 case Drained(replies=replies, tables=tables):
                     report = (
-                        self.core.space.view(),
-                        tables | {"load_handles": len(self._handles), "timers": len(self._timers)},
+                        self.controller.tiers.view(),
+                        tables | {"timers": len(self._timers)},
                     )
                     for reply in replies:
                         reply.set(report)
         if backups:
-            await self._workers["writer"].send(Backups(jobs=tuple(backups)))
-
-    def _with_handles(
-        self, outcomes: tuple[Any, ...], loads: tuple[tuple[OpId, ...], ...]
-    ) -> tuple[Any, ...]:
-        """Put the handles of the loads each outcome must wait for into it."""
-        out = []
-        for outcome, ops in zip(outcomes, loads, strict=True):
-            if not ops:
-                out.append(outcome)
-                continue
-            handles = [self._handles[op] for op in ops]
-            if isinstance(outcome, LoadBackOutcome):
-                handle = handles[0] if len(handles) == 1 else AllLoads(handles)
-                out.append(replace(outcome, handle=handle))
-            else:
-                out.append(replace(outcome, pending=tuple(handles)))
-        return tuple(out)
+            await self.workers.writer.send(Backups(jobs=tuple(backups)))
 
     async def _switch(
         self, reply: Any, storage: StorageAttachment | None, fields: dict[str, Any]
@@ -242,8 +265,8 @@ class TreeActor(Actor[TreeInbox]):
         new backend before any command the controller issues after this step."""
         old, self.storage = self.storage, storage
         backend = None if storage is None else storage.backend
-        for worker in ("uploader", "prefetcher"):
-            await self._workers[worker].send(UseBackend(backend=backend))
+        await self.workers.uploader.send(UseBackend(backend=backend))
+        await self.workers.prefetcher.send(UseBackend(backend=backend))
         if storage is not None:
             self.system.log.emit(
                 "storage.attached", component="cache", spec=storage.spec, owned=storage.owned

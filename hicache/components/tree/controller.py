@@ -20,17 +20,16 @@ from typing import Any
 from typing_extensions import assert_never
 
 from hicache.components.tree import reset, sync
-from hicache.components.tree.context import Context, Wait
-from hicache.components.tree.effects import ClearStorage as ClearStorageEffect
-from hicache.components.tree.effects import Drained, Effect, LoadEnded
+from hicache.components.tree.effects import ClearBackend, Drained, Effect, Effects, Fail
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
 from hicache.components.tree.prefetches import PrefetchFlows
-from hicache.components.tree.records import Counters
+from hicache.components.tree.progress import Progress
 from hicache.components.tree.requests import Requests
-from hicache.components.tree.space import Space
+from hicache.components.tree.shared import Counters, Shared, Step, Wait
 from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.sync import Completion, Progress
+from hicache.components.tree.sync import Completion
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
@@ -69,13 +68,12 @@ from hicache.results import (
     InvalidRequest,
     LoadBackOutcome,
 )
-from hicache.types import OpId
 
 
 @dataclass(slots=True)
 class Parked:
     wait: Wait
-    done: list[tuple[LoadBackOutcome, tuple[OpId, ...]]] = field(default_factory=list)
+    done: list[LoadBackOutcome] = field(default_factory=list)  # a load-back's, so far
 
 
 class Controller:
@@ -88,32 +86,26 @@ class Controller:
         credits: int,
         storage_on: bool,
     ) -> None:
-        self.ctx = ctx = Context(
-            cfg=config, tree=tree, bytes_per_token=bytes_per_token, storage_on=storage_on
-        )
-        self.space = Space(ctx)
-        self.writes = WriteFlows(ctx, self.space, credits)
-        self.space.writes = self.writes
-        self.loads = LoadFlows(ctx, self.space, credits)
-        self.space.loads = self.loads
-        self.pins = PinTable(ctx)
-        self.requests = Requests(ctx, self.space, self.writes, self.loads, self.pins)
+        self.shared = shared = Shared(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
+        self.tiers = Tiers(shared)
+        self.storage = StorageSwitch(storage_on)  # attach / detach L3
+        self.writes = WriteFlows(shared, self.tiers, self.storage, credits)
+        self.loads = LoadFlows(shared, self.tiers, self.writes, credits)
+        self.pins = PinTable(shared)
+        self.requests = Requests(shared, self.tiers, self.writes, self.loads, self.pins)
         self.prefetches = PrefetchFlows(
-            ctx, self.space, self.writes, self.requests, self.pins, credits
+            shared, self.tiers, self.writes, self.requests, self.pins, self.storage, credits
         )
-        self.storage = StorageSwitch(ctx, self.writes, self.prefetches)  # attach / detach L3
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
         self._flush_waiters: list[Any] = []  # answered when no write is pending
         self._drain_waiters: list[Any] = []  # answered when nothing at all is in flight
         self._clear_waiters: list[Clear] = []  # run when nothing at all is in flight
-        # LoadEnded of loads a parked load-back has already started: the driver keeps their
-        # handles until that call answers (its answer names them).
-        self._held_ends: list[LoadEnded] = []
+        self._between: list[Effect] = []  # what `accept` said, for the next step to return
 
     @property
     def counters(self) -> Counters:
-        return self.ctx.counters
+        return self.shared.counters
 
     # ------------------------------------------------------------------ frontend calls
     def accept(self, msg: TreeInbox) -> None:
@@ -122,9 +114,11 @@ class Controller:
         if isinstance(msg, Drain) and msg.abandon:
             if self._parked is not None:
                 self._parked = None
-                self.ctx.out.fail(
-                    self._calls.popleft().reply,  # type: ignore[union-attr]
-                    CacheError("the cache closed while this call waited"),
+                self._between.append(
+                    Fail(
+                        self._calls.popleft().reply,  # type: ignore[union-attr]
+                        CacheError("the cache closed while this call waited"),
+                    )
                 )
             self._calls.appendleft(msg)
         else:
@@ -138,68 +132,52 @@ class Controller:
         parked = self._parked
         if parked is None:
             return True
-        wait = parked.wait
-        if wait.kind == "write":
-            return None if wait.op in self.writes.writes else False
-        if wait.kind == "load":
-            return None if wait.op in self.loads.loads else False
-        job = self.writes.uploads.get(wait.op)
-        return None if job is not None and not job.timed_out else False
+        return False if parked.wait.ended() else None
 
     def wants_sync(self) -> bool:
         """TP ranks: the op the parked call waits for has arrived here, so meet the other ranks
         now (they do the same once it arrives there) rather than at the next frontend call."""
         parked = self._parked
-        if parked is None:
-            return False
-        wait = parked.wait
-        if wait.kind == "write":
-            return wait.op in self.writes.arrived_writes
-        if wait.kind == "load":
-            return wait.op in self.loads.arrived
-        job = self.writes.uploads.get(wait.op)
-        return wait.op in self.writes.arrived_uploads or (job is not None and job.timed_out)
+        return parked is not None and parked.wait.arrived()
 
-    def run(self, now: float) -> list[Effect]:
-        """Run the next call (see `ready`): a new one, or the parked one from where it stopped."""
-        ctx = self.ctx
-        ctx.now = now
+    def run(self, now: float, *, events: bool = True, detail: bool = False) -> list[Effect]:
+        """Run the next call (see `ready`): a new one, or the parked one from where it stopped.
+        `events`: build events at all (the driver's log goes somewhere); `detail`: also the
+        slot events (`tree.slots`, what `hicache check-log` re-derives ownership from)."""
+        step = self._step(now, events, detail)
         msg = self._calls.popleft()
         parked, self._parked = self._parked, None
         try:
-            wait = self._dispatch(msg, parked)
+            wait = self._dispatch(step, msg, parked)
         except CacheError as exc:  # a caller's mistake, found before anything changed
-            ctx.out.fail(msg.reply, exc)  # type: ignore[union-attr]
+            step.out.fail(msg.reply, exc)  # type: ignore[union-attr]
         else:
             if wait is not None:
                 self._parked = wait
                 self._calls.appendleft(msg)
-        self._settle()
-        return self._take()
+        self._settle(step)
+        return step.out.take()
 
-    def _dispatch(self, msg: TreeInbox, parked: Parked | None) -> Parked | None:
-        out, requests, prefetches = self.ctx.out, self.requests, self.prefetches
+    def _dispatch(self, step: Step, msg: TreeInbox, parked: Parked | None) -> Parked | None:
+        out, requests, prefetches = step.out, self.requests, self.prefetches
         match msg:
             case MatchBatch(items=items, reply=reply):
-                matched, match_loads = requests.match_batch(items)
-                out.answer(reply, matched, tuple(match_loads) if any(match_loads) else None)
+                out.answer(reply, requests.match_batch(step, items))
             case LoadBackBatch(rids=rids, reply=reply, threshold=threshold):
                 done = parked.done if parked is not None else []
-                wait = requests.load_back_batch(rids, done, threshold)
+                wait = requests.load_back_batch(step, rids, done, threshold)
                 if wait is not None:
                     return Parked(wait, done)
-                waits = tuple(ops for _, ops in done)
-                out.answer(reply, tuple(o for o, _ in done), waits if any(waits) else None)
+                out.answer(reply, tuple(done))
             case AllocBatch(sizes=sizes, reply=reply):
-                slots = requests.alloc_batch(sizes)
+                slots = requests.alloc_batch(step, sizes)
                 if isinstance(slots, Wait):
                     return Parked(slots)
                 out.answer(reply, slots)
             case CacheBatch(items=items, reply=reply):
-                cached, cache_loads = requests.cache_batch(items)
-                out.answer(reply, cached, tuple(cache_loads) if any(cache_loads) else None)
+                out.answer(reply, requests.cache_batch(step, items))
             case ReleaseBatch(rids=rids, reply=reply):
-                requests.release_batch(rids)
+                requests.release_batch(step, rids)
                 out.answer(reply, None)
             case Flush(reply=reply, poll=poll):
                 if poll:
@@ -211,17 +189,17 @@ class Controller:
             case GetStats(reply=reply):
                 out.answer(reply, self.stats())
             case DumpTree(reply=reply):
-                out.answer(reply, self.ctx.tree.dump())
+                out.answer(reply, self.shared.tree.dump())
             case Drain(reply=reply, poll=poll, abandon=abandon):
-                prefetches.stop_all()
+                prefetches.stop_all(step)
                 if abandon:
-                    self._abandon_in_flight()
+                    self._abandon_in_flight(step)
                 if not (poll or abandon):
                     self._drain_waiters.append(reply)
                 elif self.in_flight():
                     out.answer(reply, None)
                 else:
-                    self._drain((reply,))
+                    self._drain(step, (reply,))
             case PrefetchBatch(items=items, reply=reply):
                 requests.check_rids([item.rid for item in items], "prefetch")
                 keys = []
@@ -235,13 +213,17 @@ class Controller:
                     reply,
                     tuple(
                         prefetches.start(
-                            requests.state(item.rid, "prefetch"), item.rid, key, item.threshold
+                            step,
+                            requests.state(item.rid, "prefetch"),
+                            item.rid,
+                            key,
+                            item.threshold,
                         )
                         for item, key in zip(items, keys, strict=True)
                     ),
                 )
             case PrefetchWait(rid=rid, reply=reply, poll=poll):
-                prefetches.wait(rid, reply, poll=poll)
+                prefetches.wait(step, rid, reply, poll=poll)
             case PrefetchPoll(rid=rid, reply=reply):
                 out.answer(reply, prefetches.outcome(rid, prefetches.by_rid.get(rid)))
             case Clear(tiers=tiers, reply=reply, poll=poll):
@@ -251,7 +233,7 @@ class Controller:
                         f"clear: tiers must be some of {reset.TIERS}, got {tiers!r}"
                     )
                 if not self.in_flight():
-                    self._clear(msg)
+                    self._clear(step, msg)
                 elif poll:
                     out.answer(reply, None)
                 else:
@@ -259,12 +241,12 @@ class Controller:
             case AttachStorage() | DetachStorage():
                 self.storage.accept(msg)  # applied in order, as in-flight work allows (_settle)
             case Pin(tokens=tokens, salt=salt, tiers=tiers, ttl=ttl, reply=reply):
-                out.answer(reply, self.pins.pin(tokens, salt, tiers, ttl))
+                out.answer(reply, self.pins.pin(step, tokens, salt, tiers, ttl))
             case Unpin(tokens=tokens, salt=salt, reply=reply):
-                out.answer(reply, self.pins.unpin(tokens, salt))
+                out.answer(reply, self.pins.unpin(step, tokens, salt))
             case ClearStorage(reply=reply):
-                if self.ctx.storage_on:
-                    out.add(ClearStorageEffect(reply))
+                if self.storage.on:
+                    out.add(ClearBackend(reply))
                 else:
                     out.answer(reply, False)
             case (
@@ -277,7 +259,7 @@ class Controller:
             ):
                 raise AssertionError("completions are recorded, not run")
             case HostSlotsReady():
-                raise AssertionError("host leases go to the space (`Space.lease_host`), not run")
+                raise AssertionError("host leases go to the tiers (`Tiers.lease_host`), not run")
             case _:
                 assert_never(msg)
         return None
@@ -292,103 +274,100 @@ class Controller:
         return sync.progress(self.writes, self.loads, self.prefetches)
 
     def apply(
-        self, seen: Progress, agreed: list[int], agreed_max: list[int], now: float
+        self,
+        seen: Progress,
+        agreed: list[int],
+        agreed_max: list[int],
+        now: float,
+        *,
+        events: bool = True,
+        detail: bool = False,
     ) -> list[Effect]:
         """Apply what every rank has got (for one rank: `seen.mins`, `seen.maxes`)."""
-        self.ctx.now = now
+        step = self._step(now, events, detail)
         sync.apply(
-            seen, agreed, agreed_max, self.writes, self.loads, self.prefetches, self.requests
+            step,
+            seen.agreed(agreed, agreed_max),
+            self.writes,
+            self.loads,
+            self.prefetches,
+            self.requests,
         )
-        self._settle()
-        return self._take()
+        self._settle(step)
+        return step.out.take()
 
-    def _take(self) -> list[Effect]:
-        """The step's effects, holding back the end of any load a parked call will name."""
-        effects = self.ctx.out.take()
-        parked = self._parked
-        named = {op for _, ops in parked.done for op in ops} if parked is not None else set()
-        if named:
-            kept = []
-            for effect in effects:
-                if isinstance(effect, LoadEnded) and effect.op in named:
-                    self._held_ends.append(effect)
-                else:
-                    kept.append(effect)
-            return kept
-        if self._held_ends:  # the parked call has answered (or was failed at close)
-            effects.extend(self._held_ends)
-            self._held_ends.clear()
-        return effects
+    def _step(self, now: float, events: bool, detail: bool) -> Step:
+        """A fresh step, starting with what `accept` had to say between steps."""
+        out = Effects(events=events, detail=detail)
+        if self._between:
+            out.items.extend(self._between)
+            self._between.clear()
+        return Step(now, out)
 
     # ------------------------------------------------------------------ flush, close, stats
-    def _clear(self, msg: Clear) -> None:
+    def _clear(self, step: Step, msg: Clear) -> None:
         """Drop every unlocked page of the tiers asked (nothing is in flight now)."""
-        ctx = self.ctx
-        device = reset.drop_device(ctx, self.space) if "device" in msg.tiers else 0
-        host = reset.drop_host(ctx, self.space) if "host" in msg.tiers else 0
+        shared = self.shared
+        device = reset.drop_device(step, shared, self.tiers) if "device" in msg.tiers else 0
+        host = reset.drop_host(step, shared, self.tiers) if "host" in msg.tiers else 0
         outcome = ClearOutcome(device_tokens=device, host_tokens=host)
-        ctx.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
-        if "storage" in msg.tiers and ctx.storage_on:
-            ctx.out.add(ClearStorageEffect(msg.reply, outcome))
+        step.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
+        if "storage" in msg.tiers and self.storage.on:
+            step.out.add(ClearBackend(msg.reply, outcome))
         else:
-            ctx.out.answer(msg.reply, outcome)
+            step.out.answer(msg.reply, outcome)
 
-    def _settle(self) -> None:
+    def _settle(self, step: Step) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
-        self.storage.step()  # a detach waits for the uploads and prefetches in flight
+        # a detach waits for the uploads and prefetches in flight
+        self.storage.settle(step, self.writes, self.prefetches)
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
-                self.ctx.out.answer(reply, None)
+                step.out.answer(reply, None)
             self._flush_waiters.clear()
         if self._clear_waiters and not self.in_flight():
             waiting, self._clear_waiters = self._clear_waiters, []
             for msg in waiting:
-                self._clear(msg)
+                self._clear(step, msg)
         if self._drain_waiters and not self.in_flight():
             waiters, self._drain_waiters = self._drain_waiters, []
-            self._drain(tuple(waiters))
+            self._drain(step, tuple(waiters))
 
     def in_flight(self) -> bool:
-        w = self.writes
         return bool(
-            w.writes
-            or w.write_backlog
-            or w.uploads
-            or w.upload_backlog
-            or self.loads.loads
-            or self.prefetches.ops
+            self.writes.busy()
+            or self.loads.in_flight()["loads"]
+            or self.prefetches.in_flight()["prefetches"]
         )
 
-    def _drain(self, replies: tuple[Any, ...]) -> None:
+    def _drain(self, step: Step, replies: tuple[Any, ...]) -> None:
         """Release every request and free every slot the tree holds; the driver answers with
         the ledgers and the bookkeeping tables (all empty now)."""
-        self.storage.step()  # nothing in flight: a detach still queued goes through first
-        self.requests.release_all()
+        # nothing in flight: a detach still queued goes through first
+        self.storage.settle(step, self.writes, self.prefetches)
+        self.requests.release_all(step)
         self.pins.clear()
-        freed = self.ctx.tree.clear()
-        self.space.free("device", freed.device)
-        self.space.free("host", freed.host)
-        self.ctx.out.add(Drained(replies, self.bookkeeping()))
+        freed = self.shared.tree.clear()
+        self.tiers.free(step, "device", freed.device)
+        self.tiers.free(step, "host", freed.host)
+        step.out.add(Drained(replies, self.bookkeeping()))
 
-    def _abandon_in_flight(self) -> None:
+    def _abandon_in_flight(self, step: Step) -> None:
         """Close's last resort past its deadline: end every op still in flight as if it had
         failed, so its slots go back. Its worker may still be inside a storage call; the
         actor system stops right after, and nothing reuses the slots."""
-        w = self.writes
         counts = {
-            "writes": len(w.writes),
-            "loads": len(self.loads.loads),
-            "uploads": len(w.uploads) + len(w.upload_backlog),
-            "prefetches": len(self.prefetches.ops),
+            "writes": self.writes.in_flight()["writes"],
+            "loads": self.loads.in_flight()["loads"],
+            "uploads": self.writes.in_flight()["uploads"] + len(self.writes.upload_backlog),
+            "prefetches": self.prefetches.in_flight()["prefetches"],
         }
-        w.abandon()
-        for op in list(self.loads.loads):
-            self.loads.arrived.pop(op, None)
-            self.loads.finish(op, False, "abandoned at close")
+        self.writes.abandon(step)
+        for op in self.loads.abandon(step):
             self.requests.load_failed(op)
-        self.prefetches.abandon()
-        self.ctx.counters.abandoned_ops += sum(counts.values())
-        self.ctx.out.warning("tree.abandoned", **counts)
+        self.prefetches.abandon(step)
+        self.shared.counters.abandoned_ops += sum(counts.values())
+        step.out.warning("tree.abandoned", **counts)
 
     def bookkeeping(self) -> dict[str, int]:
         """Sizes of every table that grows with requests or ops: all 0 after a drain."""
@@ -400,19 +379,16 @@ class Controller:
             **self.pins.tables(),
             "flush_waiters": len(self._flush_waiters),
             "clear_waiters": len(self._clear_waiters),
-            "held_load_ends": len(self._held_ends),
             "calls": len(self._calls),
             **self.storage.tables(),
-            "salt_roots": self.ctx.tree.salts,
+            "salt_roots": self.shared.tree.salts,
         }
 
     def stats(self) -> CacheStats:
-        w = self.writes
         inflight = {
-            "writes": len(w.writes),
-            "loads": len(self.loads.loads),
-            "uploads": len(w.uploads),
-            "prefetches": len(self.prefetches.ops),
+            **self.writes.in_flight(),
+            **self.loads.in_flight(),
+            **self.prefetches.in_flight(),
             "requests": len(self.requests.table),
         }
-        return self.space.stats(inflight)
+        return self.tiers.stats(inflight)

@@ -9,9 +9,21 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hicache.components.loader.ticket import LoadTicket
+from hicache.messages import (
+    Backup,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
+    StorageAttachment,
+    Upload,
+)
+from hicache.results import ClearOutcome
+from hicache.runtime.reply import Reply
 from hicache.types import OpId
 
 Worker = Literal["writer", "uploader", "prefetcher"]
+Command = Backup | Upload | StartPrefetch | ReadPrefetch | StopPrefetch  # what `Send` carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,37 +31,34 @@ class Send:
     """A command down to a worker (bounded by the controller's credits)."""
 
     to: Worker
-    msg: Any
+    msg: Command
 
 
 @dataclass(frozen=True, slots=True)
 class SubmitLoad:
-    """A load to the loader; its `LoadHandle` is kept by the driver under `op` until
-    `LoadEnded`, and put into answers that name the op (`Answer.loads`)."""
+    """A load to the loader: bind the handle it answers with into `ticket` (which the answers
+    naming the load already carry) before carrying out the next effect."""
 
-    op: OpId
+    ticket: LoadTicket
     host_slots: np.ndarray
     device_slots: np.ndarray
 
-
-@dataclass(frozen=True, slots=True)
-class LoadEnded:
-    op: OpId
+    @property
+    def op(self) -> OpId:
+        return self.ticket.op
 
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """Set a frontend reply. `loads`, when given, has one entry per outcome of `value`: the
-    load ops whose handles go into that outcome (`pending` / `handle`)."""
+    """Set a frontend reply."""
 
-    reply: Any
+    reply: Reply[Any]
     value: Any
-    loads: tuple[tuple[OpId, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    reply: Any
+    reply: Reply[Any]
     error: BaseException
 
 
@@ -74,12 +83,12 @@ class CancelTimer:
 
 
 @dataclass(frozen=True, slots=True)
-class ClearStorage:
-    """Run the backend's clear (with its deadline) and answer `reply`: True, or `answer`
-    with `storage=True` when given (a `clear` of several tiers)."""
+class ClearBackend:
+    """Run the attached backend's clear (with its deadline) and answer `reply`: True, or
+    `answer` with `storage=True` when given (a `clear` of several tiers)."""
 
-    reply: Any
-    answer: Any = None
+    reply: Reply[Any]
+    answer: ClearOutcome | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +98,8 @@ class SwitchStorage:
     the attachment, emit `storage.attached` / `storage.detached` (with `fields`), answer
     `reply` (attach: True; detach: the attachment, which the facade closes if it owns it)."""
 
-    reply: Any
-    storage: Any = None
+    reply: Reply[Any]
+    storage: StorageAttachment | None = None
     fields: dict[str, Any] | None = None
 
 
@@ -99,48 +108,47 @@ class Drained:
     """Everything is released and the tree is empty: answer each reply with the controller's
     ledgers and the bookkeeping tables (`tables`, to which the driver adds its own)."""
 
-    replies: tuple[Any, ...]
+    replies: tuple[Reply[Any], ...]
     tables: dict[str, int]
 
 
 Effect = (
     Send
     | SubmitLoad
-    | LoadEnded
     | Answer
     | Fail
     | Event
     | StartTimer
     | CancelTimer
-    | ClearStorage
+    | ClearBackend
     | SwitchStorage
     | Drained
 )
 
 
 class Effects:
-    """The list one controller step fills, with a method per kind of effect. With `quiet`
-    (set by the driver while its log goes nowhere) events are not built at all."""
+    """The list one controller step fills, with a method per kind of effect. Without `events`
+    (the driver's log goes nowhere) events are not built at all; `detail` asks for the slot
+    events too (`tree.slots`)."""
 
-    __slots__ = ("items", "quiet")
+    __slots__ = ("detail", "items", "quiet")
 
-    def __init__(self) -> None:
+    def __init__(self, *, events: bool = True, detail: bool = False) -> None:
         self.items: list[Effect] = []
-        self.quiet = False
+        self.quiet = not events
+        self.detail = detail and events
 
     def take(self) -> list[Effect]:
         items, self.items = self.items, []
         return items
 
-    def send(self, to: Worker, msg: Any) -> None:
+    def send(self, to: Worker, msg: Command) -> None:
         self.items.append(Send(to, msg))
 
-    def answer(
-        self, reply: Any, value: Any, loads: tuple[tuple[OpId, ...], ...] | None = None
-    ) -> None:
-        self.items.append(Answer(reply, value, loads))
+    def answer(self, reply: Reply[Any], value: Any) -> None:
+        self.items.append(Answer(reply, value))
 
-    def fail(self, reply: Any, error: BaseException) -> None:
+    def fail(self, reply: Reply[Any], error: BaseException) -> None:
         self.items.append(Fail(reply, error))
 
     def info(self, name: str, **fields: Any) -> None:

@@ -12,27 +12,87 @@ from dataclasses import replace
 
 import numpy as np
 
-from hicache.components.tree.context import Context, Wait
-from hicache.components.tree.effects import LoadEnded, SubmitLoad
-from hicache.components.tree.records import LoadOp, RequestState
-from hicache.components.tree.space import Space
+from hicache.components.loader.ticket import LoadTicket
+from hicache.components.tree.effects import SubmitLoad
+from hicache.components.tree.progress import Section
+from hicache.components.tree.rows import LoadOp, RequestState
+from hicache.components.tree.shared import Shared, Step, Wait
+from hicache.components.tree.tiers import Tiers
+from hicache.components.tree.writes import WriteFlows
+from hicache.messages import LoadDone
 from hicache.types import NodeId, OpId, RequestId
 
 
 class LoadFlows:
-    def __init__(self, ctx: Context, space: Space, credits: int) -> None:
-        self._ctx = ctx
-        self._space = space
+    def __init__(self, shared: Shared, tiers: Tiers, writes: WriteFlows, credits: int) -> None:
+        self._shared = shared
+        self._tiers = tiers
+        self._writes = writes
         self.loads: dict[OpId, LoadOp] = {}
         self.credits = credits
-        self.arrived: dict[OpId, tuple[bool, str]] = {}
+        self._arrived: dict[OpId, tuple[bool, str]] = {}  # not applied yet (sync points)
 
     def tables(self) -> dict[str, int]:
-        return {"loads": len(self.loads), "arrived_loads": len(self.arrived)}
+        return {"loads": len(self.loads), "arrived_loads": len(self._arrived)}
 
-    def oldest(self) -> OpId | None:
-        """The load in flight started first (its lock is the next to go)."""
-        return next(iter(self.loads), None)
+    def in_flight(self) -> dict[str, int]:
+        return {"loads": len(self.loads)}
+
+    def tickets(self, ops: list[OpId]) -> tuple[LoadTicket, ...]:
+        """The handles of those of `ops` still in flight, for an answer to carry."""
+        if not ops:
+            return ()
+        loads = self.loads
+        return tuple(loads[op].ticket for op in ops if op in loads)
+
+    def oldest(self) -> Wait | None:
+        """A wait for the load in flight started first (its lock is the next to go)."""
+        op = next(iter(self.loads), None)
+        return None if op is None else Wait(self, op)
+
+    def device(self, step: Step, n: int) -> np.ndarray | Wait | None:
+        """Device slots, evicting (`WriteFlows.device`); with nothing else to wait for, the
+        oldest load in flight."""
+        return self._writes.device(step, n, self.oldest())
+
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: LoadDone) -> None:
+        if msg.op in self.loads:  # else stale: the load was abandoned at close
+            self._arrived.setdefault(msg.op, (msg.ok, msg.error))
+
+    def progress(self) -> Section:
+        """Per load in flight, MIN of (arrived, succeeded so far)."""
+        rows = []
+        for op in self.loads:
+            got = self._arrived.get(op)
+            rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
+        return Section.of(rows, 2)
+
+    def apply(self, step: Step, agreed: Section) -> list[OpId]:
+        """End the loads every rank has got, in issue order. The loads that failed (the
+        caller marks the requests that counted on them)."""
+        failed = []
+        for op, (arrived, ok), _ in agreed.rows():
+            if not arrived:
+                break
+            self.finish(step, op, bool(ok), self._arrived.pop(op)[1])
+            if not ok:
+                failed.append(op)
+        return failed
+
+    def ended(self, op: OpId) -> bool:
+        return op not in self.loads
+
+    def arrived(self, op: OpId) -> bool:
+        return op in self._arrived
+
+    def abandon(self, step: Step) -> list[OpId]:
+        """End every load as failed (close past its deadline); the ops ended."""
+        ops = list(self.loads)
+        for op in ops:
+            self._arrived.pop(op, None)
+            self.finish(step, op, False, "abandoned at close")
+        return ops
 
     def under(self, node: NodeId | None) -> list[OpId]:
         """The loads still landing on the path root..node (wait before reading). A load fills
@@ -40,7 +100,7 @@ class LoadFlows:
         (a split keeps the lower piece's id), so walk that stretch, not the plan's node ids."""
         if not self.loads or node is None:
             return []
-        tree = self._ctx.tree
+        tree = self._shared.tree
         path = set()
         x: NodeId | None = node
         while x is not None:
@@ -57,17 +117,17 @@ class LoadFlows:
         return pending
 
     def load_back(
-        self, rid: RequestId, state: RequestState, threshold: int | None = None
+        self, step: Step, rid: RequestId, state: RequestState, threshold: int | None = None
     ) -> int | Wait:
         """Load the request's L2-only stretch into L1 when it is worth it: the tokens loaded
         (0 when below the threshold, out of credits or out of room), or the wait it needs.
         `threshold`: the caller's own in place of `load_back_threshold`."""
-        ctx, tree = self._ctx, self._ctx.tree
-        least = ctx.cfg.load_back_threshold if threshold is None else threshold
+        shared, tree = self._shared, self._shared.tree
+        least = shared.cfg.load_back_threshold if threshold is None else threshold
         if state.host_len < max(1, least) or state.last_node is None:
             return 0
         if self.credits == 0:
-            ctx.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
+            step.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
             return 0
         plan = tree.plan_load_back(state.last_node)
         anchor = tree.parent(plan.nodes[0])
@@ -75,60 +135,62 @@ class LoadFlows:
             # The pages above are still landing: if that load failed, pages loaded below them
             # would keep its nodes on L1 with KV that never arrived. The request computes the
             # rest itself (or loads it on a later match, once the load above has ended).
-            ctx.out.warning(
+            step.out.warning(
                 "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="above_loading"
             )
             return 0
-        device_slots = self._space.device(plan.num_tokens)
+        device_slots = self.device(step, plan.num_tokens)
         if isinstance(device_slots, Wait):
             return device_slots
         if device_slots is None:
-            ctx.out.warning("tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity")
+            step.out.warning(
+                "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity"
+            )
             return 0
         assert anchor is not None
         tree.commit_load_back(plan, device_slots)
         tree.lock(plan.nodes[-1])
-        op = ctx.op()
+        op = shared.op()
         self.credits -= 1
-        ctx.out.add(SubmitLoad(op, plan.host_slots, device_slots))
-        self.loads[op] = LoadOp(plan=plan, lock=plan.nodes[-1], anchor=anchor)
+        ticket = LoadTicket(op)
+        step.out.add(SubmitLoad(ticket, plan.host_slots, device_slots))
+        self.loads[op] = LoadOp(ticket=ticket, plan=plan, lock=plan.nodes[-1], anchor=anchor)
         state.loads.append(op)
         state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
         state.host_len = 0
-        ctx.counters.host_hit_tokens += plan.num_tokens
-        ctx.counters.h2d_bytes += plan.num_tokens * ctx.bytes_per_token
-        ctx.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
+        shared.counters.host_hit_tokens += plan.num_tokens
+        shared.counters.h2d_bytes += plan.num_tokens * shared.bytes_per_token
+        step.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
         return plan.num_tokens
 
     def _filled(self, op: LoadOp) -> tuple[NodeId, ...]:
         """The nodes between the load's anchor and its lock, root first."""
-        tree, nodes = self._ctx.tree, []
+        tree, nodes = self._shared.tree, []
         y: NodeId | None = op.lock
         while y is not None and y != op.anchor:
             nodes.append(y)
             y = tree.parent(y)
         return tuple(reversed(nodes))
 
-    def finish(self, op_id: OpId, ok: bool, error: str) -> None:
+    def finish(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
         the requests that counted on it)."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         op = self.loads.pop(op_id)
         self.credits += 1
         tree.unlock(op.lock)
-        ctx.out.add(LoadEnded(op_id))
         # The nodes it filled now: a match or insert may have split them since the plan (a
         # split's upper piece is a new node), and every piece must go back or give up its copy.
         filled = replace(op.plan, nodes=self._filled(op))
         if not ok:
             freed, kept = tree.revert_load_back(filled)
-            self._space.free("device", freed)
-            ctx.out.error(
+            self._tiers.free(step, "device", freed)
+            step.out.error(
                 "tree.load_failed",
                 op=op_id,
                 error=error or None,
                 tokens=len(freed),
                 kept_nodes=list(kept),
             )
-        elif ctx.cfg.exclusive:
-            self._space.free("host", tree.drop_host(filled))
+        elif shared.cfg.exclusive:
+            self._tiers.free(step, "host", tree.drop_host(filled))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.context import Context
+from hicache.components.tree.shared import Shared, Step
 from hicache.radix.results import TreeError
 from hicache.radix.structure import INF
 from hicache.results import InvalidRequest, PinLimitError, PinOutcome
@@ -44,8 +44,8 @@ Key = tuple[bytes, bytes]  # salt, the prefix's encoded bytes
 
 
 class PinTable:
-    def __init__(self, ctx: Context) -> None:
-        self._ctx = ctx
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
         self.entries: dict[Key, PinEntry] = {}
         self._by_head: dict[Key, set[bytes]] = {}  # (salt, first page) -> prefixes pinned
         self._next_expiry = INF  # the earliest end of a pin in the table
@@ -61,104 +61,106 @@ class PinTable:
 
     # ------------------------------------------------------------------ calls
     def pin(
-        self, tokens: Any, salt: bytes, tiers: tuple[str, ...], ttl: float | None
+        self, step: Step, tokens: Any, salt: bytes, tiers: tuple[str, ...], ttl: float | None
     ) -> PinOutcome:
-        ctx = self._ctx
+        shared = self._shared
         bad = [t for t in tiers if t not in PIN_TIERS]
         if bad or not tiers:
             raise InvalidRequest(f"pin: tiers must be some of {PIN_TIERS}, got {tiers!r}")
         tokens, encoded = self._aligned(tokens, "pin")
         if not len(encoded):
             raise InvalidRequest(
-                f"pin: {len(tokens)} tokens hold no whole page (page_size={ctx.cfg.page_size})"
+                f"pin: {len(tokens)} tokens hold no whole page (page_size={shared.cfg.page_size})"
             )
-        until = INF if ttl is None else ctx.now + ttl
+        until = INF if ttl is None else step.now + ttl
         entry = PinEntry(
             tokens,
             device_until=until if "device" in tiers else -INF,
             host_until=until if "host" in tiers else -INF,
         )
         key = (salt, encoded.tobytes())
-        self._purge()
+        self._purge(step)
         for tier in tiers:
-            cap = ctx.cfg.pin_cap(tier)
-            total = self._pinned(tier, {**self.entries, key: entry})
+            cap = shared.cfg.pin_cap(tier)
+            total = self._pinned(step, tier, {**self.entries, key: entry})
             if total > cap:
-                raise PinLimitError(tier, total - self._pinned(tier, self.entries), total, cap)
+                raise PinLimitError(
+                    tier, total - self._pinned(step, tier, self.entries), total, cap
+                )
         replaced = self.entries.get(key)
         self.entries[key] = entry
         self._next_expiry = min(self._next_expiry, max(entry.device_until, entry.host_until))
         self._by_head.setdefault(self._head(key), set()).add(key[1])
         if replaced is not None:  # a pin of the same prefix: its marks give way to this one
-            ctx.tree.unmark_pins(replaced.tokens, now=ctx.now, salt=salt)
-            self._mark_around(key)
-        cached = self._mark(key, entry)
-        ctx.out.info("tree.pin", tokens=len(encoded), cached=cached, tiers=list(tiers), ttl=ttl)
+            shared.tree.unmark_pins(replaced.tokens, now=step.now, salt=salt)
+            self._mark_around(step, key)
+        cached = self._mark(step, key, entry)
+        step.out.info("tree.pin", tokens=len(encoded), cached=cached, tiers=list(tiers), ttl=ttl)
         return PinOutcome(
             tokens=len(encoded), cached_tokens=cached, until=None if ttl is None else until
         )
 
-    def unpin(self, tokens: Any, salt: bytes) -> bool:
-        ctx = self._ctx
+    def unpin(self, step: Step, tokens: Any, salt: bytes) -> bool:
+        shared = self._shared
         tokens, encoded = self._aligned(tokens, "unpin")
         key = (salt, encoded.tobytes())
         entry = self.entries.get(key)
         if entry is None:
             return False
         self._drop(key)
-        ctx.tree.unmark_pins(entry.tokens, now=ctx.now, salt=salt)
-        self._mark_around(key)
-        ctx.out.info("tree.unpin", tokens=len(encoded))
+        shared.tree.unmark_pins(entry.tokens, now=step.now, salt=salt)
+        self._mark_around(step, key)
+        step.out.info("tree.unpin", tokens=len(encoded))
         return True
 
-    def after_insert(self, tokens: Any, salt: bytes) -> None:
+    def after_insert(self, step: Step, tokens: Any, salt: bytes) -> None:
         """Pages of `tokens` were just cached: mark those under a pinned prefix."""
         if not self.entries:
             return
-        ctx = self._ctx
-        if ctx.now >= self._next_expiry:
-            self._purge()
-        page = ctx.cfg.page_size
+        shared = self._shared
+        if step.now >= self._next_expiry:
+            self._purge(step)
+        page = shared.cfg.page_size
         if len(tokens) < page:
             return
-        head = (salt, ctx.tree.check_key(tokens[:page]).tobytes())
-        self._mark_around(head, whole=False)
+        head = (salt, shared.tree.check_key(tokens[:page]).tobytes())
+        self._mark_around(step, head, whole=False)
 
     # ------------------------------------------------------------------ helpers
     def _aligned(self, tokens: Any, action: str) -> tuple[Any, np.ndarray]:
-        page = self._ctx.cfg.page_size
+        page = self._shared.cfg.page_size
         try:
-            encoded = self._ctx.tree.check_key(tokens)
+            encoded = self._shared.tree.check_key(tokens)
         except TreeError as exc:
             raise InvalidRequest(f"{action}: {exc}") from None
         n = len(encoded) // page * page
         return tokens[:n], encoded[:n]
 
     def _head(self, key: Key) -> Key:
-        return key[0], key[1][: self._ctx.tree.page_bytes]
+        return key[0], key[1][: self._shared.tree.page_bytes]
 
-    def _mark(self, key: Key, entry: PinEntry) -> int:
-        ctx = self._ctx
-        return ctx.tree.mark_pins(
+    def _mark(self, step: Step, key: Key, entry: PinEntry) -> int:
+        shared = self._shared
+        return shared.tree.mark_pins(
             entry.tokens,
             device_until=entry.device_until,
             host_until=entry.host_until,
-            now=ctx.now,
+            now=step.now,
             salt=key[0],
         )
 
-    def _mark_around(self, key: Key, *, whole: bool = True) -> None:
+    def _mark_around(self, step: Step, key: Key, *, whole: bool = True) -> None:
         """Mark again every live pin sharing `key`'s first page (dropping expired ones)."""
         head = self._head(key) if whole else key
         prefixes = self._by_head.get(head)
         if not prefixes:
             return
-        now = self._ctx.now
+        now = step.now
         for raw in list(prefixes):
             other = (head[0], raw)
             entry = self.entries[other]
             if entry.live(now):
-                self._mark(other, entry)
+                self._mark(step, other, entry)
             else:
                 self._drop(other)
 
@@ -170,19 +172,19 @@ class PinTable:
         if not prefixes:
             del self._by_head[head]
 
-    def _purge(self) -> None:
+    def _purge(self, step: Step) -> None:
         """Drop the pins that have ended (their marks ended with them)."""
-        now = self._ctx.now
+        now = step.now
         for key in [k for k, e in self.entries.items() if not e.live(now)]:
             self._drop(key)
         ends = (max(e.device_until, e.host_until) for e in self.entries.values())
         self._next_expiry = min(ends, default=INF)
 
-    def _pinned(self, tier: str, entries: dict[Key, PinEntry]) -> int:
+    def _pinned(self, step: Step, tier: str, entries: dict[Key, PinEntry]) -> int:
         """Tokens pinned in `tier`: the union of the live prefixes (sorted, each one's pages
         less those it shares with its neighbour)."""
-        now = self._ctx.now
-        page_bytes = self._ctx.tree.page_bytes
+        now = step.now
+        page_bytes = self._shared.tree.page_bytes
         total = 0
         by_salt: dict[bytes, list[bytes]] = {}
         for (salt, raw), entry in entries.items():
@@ -193,7 +195,7 @@ class PinTable:
             total += sum(len(r) for r in raws)
             for a, b in itertools.pairwise(raws):
                 total -= _shared_pages(a, b, page_bytes)
-        return total // (page_bytes // self._ctx.cfg.page_size)
+        return total // (page_bytes // self._shared.cfg.page_size)
 
 
 def _shared_pages(a: bytes, b: bytes, page_bytes: int) -> int:

@@ -1,13 +1,14 @@
 """The controller's prefetch flow (L3 -> L2).
 
 Owns every prefetch in flight, its credits, the tokens in flight for the rate limit, and the
-reports and timer firings not applied yet. An op goes: admitted (threshold, rate limit) ->
-probed by the prefetcher -> host slots for exactly the pages storage has (or revoked below the
-threshold; waiting for an upload that pins the only evictable pages), and an L2 copy for an
-anchor path that had none -> read -> *settled* (what arrived is inserted as host-only nodes
-below the anchor, the request's waiters are answered) -> *ended* (the prefetcher no longer touches its host slots;
-the rest are freed, the credit returns). Every step after the start is taken on agreed
-reports (`controller.py`), so all TP ranks take it alike.
+reports and timer firings not applied yet. Each op moves through the phases of
+`components/prefetch_state.py`: admitted (threshold, rate limit) and PROBING; WAITING_HOST for
+exactly the pages storage has (an upload may pin the only evictable ones), with an L2 copy for
+an anchor path that had none; READING; settled as DONE (what arrived is inserted as host-only
+nodes below the anchor, the request's waiters are answered) or REVOKED (below the threshold,
+no L2 room); ENDED once the prefetcher no longer touches its host slots (the rest are freed,
+the credit returns). Every step after the start is taken on agreed reports, so all TP ranks
+take it alike.
 """
 
 from __future__ import annotations
@@ -15,14 +16,23 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.context import Context, Wait
+from hicache.components.prefetch_state import RUNNING, Phase, caller_state
 from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.pins import PinTable
-from hicache.components.tree.records import PrefetchOp, RequestState
+from hicache.components.tree.progress import Section
 from hicache.components.tree.requests import Requests
-from hicache.components.tree.space import Space
+from hicache.components.tree.rows import PrefetchOp, RequestState
+from hicache.components.tree.shared import Shared, Step, Wait
+from hicache.components.tree.storage import StorageSwitch
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
-from hicache.messages import PrefetchProgress, ReadPrefetch, StartPrefetch, StopPrefetch
+from hicache.messages import (
+    PrefetchProgress,
+    ReadPrefetch,
+    StartPrefetch,
+    StopPrefetch,
+    TimerFired,
+)
 from hicache.radix.structure import salt_seed
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
@@ -31,45 +41,100 @@ from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 class PrefetchFlows:
     def __init__(
         self,
-        ctx: Context,
-        space: Space,
+        shared: Shared,
+        tiers: Tiers,
         writes: WriteFlows,
         requests: Requests,
         pins: PinTable,
+        storage: StorageSwitch,
         credits: int,
     ) -> None:
-        self._ctx = ctx
+        self._shared = shared
+        self._storage = storage
         self._pins = pins
-        self._space = space
+        self._tiers = tiers
         self._writes = writes
         self._requests = requests
         self.ops: dict[OpId, PrefetchOp] = {}
         self.by_rid: dict[RequestId, OpId] = {}
         self.credits = credits
         self.tokens = 0  # in flight, for the rate limit
-        self.reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
-        self.timers_fired: set[OpId] = set()
+        self._reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
+        self._timers_fired: set[OpId] = set()
         self.host_waiting: list[OpId] = []  # probed, waiting for host room to read into
 
     def tables(self) -> dict[str, int]:
         return {
             "prefetches": len(self.ops),
             "prefetch_by_rid": len(self.by_rid),
-            "prefetch_reports": len(self.reports),
-            "timers_fired": len(self.timers_fired),
+            "prefetch_reports": len(self._reports),
+            "timers_fired": len(self._timers_fired),
             "prefetch_host_waiting": len(self.host_waiting),
         }
 
+    def in_flight(self) -> dict[str, int]:
+        return {"prefetches": len(self.ops)}
+
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: PrefetchProgress | TimerFired) -> None:
+        """Note a report (later ones supersede earlier ones) or a timer firing. One for an op
+        that already ended (a timer that fired as its prefetch ended) is stale and dropped."""
+        if msg.op not in self.ops:
+            return
+        if isinstance(msg, PrefetchProgress):
+            self._reports[msg.op] = msg
+        else:
+            self._timers_fired.add(msg.op)
+
+    def progress(self) -> Section:
+        """Per prefetch in flight, MIN of (hit pages, -1 before the probe; pages read;
+        finished; stopped) and MAX of (its timer fired)."""
+        rows = []
+        for op in self.ops:
+            report = self._reports.get(op)
+            if report is None:
+                mins: tuple[int, ...] = (-1, 0, 0, 0)
+            else:
+                mins = (
+                    report.hit_pages,
+                    report.done_pages,
+                    int(report.finished),
+                    int(report.stopped),
+                )
+            rows.append((op, mins, (int(op in self._timers_fired),)))
+        return Section.of(rows, 4, 1)
+
+    def apply(self, step: Step, agreed: Section, *, host_freed: bool) -> None:
+        """Take each prefetch's next step on what every rank agreed; then, when an upload's
+        end may have made host room (`host_freed`), retry the reads that waited for it."""
+        for op, (hit, done, finished, stopped), (timed_out,) in agreed.rows():
+            self.agreed(
+                step,
+                op,
+                hit=hit,
+                done=done,
+                finished=bool(finished),
+                stopped=bool(stopped),
+                timed_out=bool(timed_out),
+            )
+        if host_freed and self.host_waiting:
+            self.retry_reads(step)
+
     def start(
-        self, state: RequestState, rid: RequestId, tokens: Any, threshold: int | None = None
+        self,
+        step: Step,
+        state: RequestState,
+        rid: RequestId,
+        tokens: Any,
+        threshold: int | None = None,
     ) -> PrefetchOutcome:
         """Admit and start a prefetch of `tokens` past the request's match. `threshold`:
         fewest tokens worth it for this request (None: the config's)."""
-        ctx, tree = self._ctx, self._ctx.tree
-        cfg = ctx.cfg
+        shared, tree = self._shared, self._shared.tree
+        cfg = shared.cfg
         if threshold is None:
             threshold = cfg.effective_prefetch_threshold
-        if not ctx.storage_on or rid in self.by_rid:
+        if not self._storage.on or rid in self.by_rid:
             return self.outcome(rid, self.by_rid.get(rid))
         page = cfg.page_size
         matched = len(state.prefix_slots) + state.host_len
@@ -83,7 +148,7 @@ class PrefetchFlows:
         elif self.tokens + length > self._rate_limit() or self.credits == 0:
             reason = "rate_limited"
         if reason is not None:
-            ctx.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
+            step.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
             state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
             return state.prefetch  # what a later wait or poll reports too
         if anchor == tree.root:  # nothing matched: the salt's chain starts at its seed
@@ -92,10 +157,10 @@ class PrefetchFlows:
             prior = self._writes.node_hashes(anchor)[-1]
         new_tokens = tokens[matched:end]
         hashes = tuple(chain_page_hashes(new_tokens, page, prior=prior))
-        op_id = ctx.op()
+        op_id = shared.op()
         timed = cfg.prefetch_policy == "timeout"
         if timed:
-            ctx.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
+            step.out.add(StartTimer(op_id, cfg.prefetch_timeout(length)))
         # The anchor stays in the tree until the op settles. Without an L2 copy (it is only on
         # L1: a hot prefix under write_back or selective) it gets one if storage has enough
         # below it (`_back_up_anchor`), so what lands outlives the anchor's stay in L1.
@@ -114,12 +179,12 @@ class PrefetchFlows:
         self.by_rid[rid] = op_id
         self.credits -= 1
         self.tokens += length
-        ctx.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
-        ctx.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
+        step.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
+        step.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
         return self.outcome(rid, op_id)
 
     def _rate_limit(self) -> int:
-        cfg = self._ctx.cfg
+        cfg = self._shared.cfg
         return int(cfg.prefetch_rate_fraction * (cfg.host_capacity - cfg.device_tokens))
 
     def outcome(self, rid: RequestId, op_id: OpId | None) -> PrefetchOutcome:
@@ -129,76 +194,87 @@ class PrefetchFlows:
                 return state.prefetch
             return PrefetchOutcome(rid=rid, state="none")
         op = self.ops[op_id]
-        page = self._ctx.cfg.page_size
+        page = self._shared.cfg.page_size
         return PrefetchOutcome(
             rid=rid,
-            state=op.state,
-            hit_tokens=max(op.hit_pages, 0) * page,
+            state=caller_state(op.phase),
+            hit_tokens=op.hit_pages * page,
             done_tokens=op.done_pages * page,
             wanted_tokens=len(op.hashes) * page,
         )
 
-    def wait(self, rid: RequestId, reply: Any, *, poll: bool) -> None:
+    def wait(self, step: Step, rid: RequestId, reply: Any, *, poll: bool) -> None:
         """Answer now if the prefetch is over; else (best_effort) stop it and take what has
         arrived, or park the reply until the policy lets it end. With `poll` (TP ranks, which
         may only change state at sync points) the current outcome is answered at once."""
         op_id = self.by_rid.get(rid)
-        if op_id is None or self.ops[op_id].state != "running":
-            self._ctx.out.answer(reply, self.outcome(rid, op_id))
+        if op_id is None or self.ops[op_id].phase not in RUNNING:
+            step.out.answer(reply, self.outcome(rid, op_id))
             return
-        if self._ctx.cfg.prefetch_policy == "best_effort":
-            self.stop(op_id)  # take what has arrived; the stop report answers
+        if self._shared.cfg.prefetch_policy == "best_effort":
+            self.stop(step, op_id)  # take what has arrived; the stop report answers
         if poll:
-            self._ctx.out.answer(reply, self.outcome(rid, op_id))
+            step.out.answer(reply, self.outcome(rid, op_id))
         else:
             self.ops[op_id].waiters.append(reply)
 
-    def stop(self, op_id: OpId) -> None:
+    def stop(self, step: Step, op_id: OpId) -> None:
         op = self.ops[op_id]
-        if not op.stopping:
-            op.stopping = True
-            self._ctx.out.send("prefetcher", StopPrefetch(op=op_id))
+        if op.phase is not Phase.STOPPING:
+            op.to(op_id, Phase.STOPPING)
+            step.out.send("prefetcher", StopPrefetch(op=op_id))
 
-    def stop_all(self) -> None:
+    def stop_all(self, step: Step) -> int:
+        """Stop every running prefetch; how many were running."""
+        running = 0
         for op_id, op in self.ops.items():
-            if op.state == "running":
-                self.stop(op_id)
+            if op.phase in RUNNING:
+                running += 1
+                self.stop(step, op_id)
+        return running
 
     def agreed(
-        self, op_id: OpId, *, hit: int, done: int, finished: bool, stopped: bool, timed_out: bool
+        self,
+        step: Step,
+        op_id: OpId,
+        *,
+        hit: int,
+        done: int,
+        finished: bool,
+        stopped: bool,
+        timed_out: bool,
     ) -> None:
         """Take the next steps of a prefetch on values every rank agreed on: `hit` pages in
         storage (-1: not probed everywhere yet), `done` pages read everywhere, `finished`
         everywhere, `stopped` acknowledged everywhere, `timed_out` somewhere."""
-        ctx = self._ctx
+        shared = self._shared
         op = self.ops[op_id]
-        if op.state == "running":
-            if timed_out and not op.stopping:
-                ctx.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
-                self.stop(op_id)
-            op.hit_pages, op.done_pages = hit, done
-            if hit >= 0 and hit * ctx.cfg.page_size < op.threshold:
-                self.stop(op_id)  # not worth it: revoke
-                self._settle(op_id, revoked=True)
+        if op.phase in RUNNING:
+            if timed_out and op.phase is not Phase.STOPPING:
+                step.out.info("tree.prefetch_timeout", rid=op.rid, op=op_id)
+                self.stop(step, op_id)
+            op.hit_pages, op.done_pages = max(hit, 0), done
+            if hit >= 0 and hit * shared.cfg.page_size < op.threshold:
+                self.stop(step, op_id)  # not worth it: revoke
+                self._settle(step, op_id, revoked=True)
             elif finished or stopped:  # stopped: asked for, or its storage call timed out
-                op.stopping = True
-                self._settle(op_id, revoked=False)
-            elif hit >= 0 and not op.reading and not op.stopping:
-                op.reading = True
-                self._back_up_anchor(op)
-                self._read(op_id)
+                self._settle(step, op_id, revoked=False)
+            elif hit >= 0 and op.phase is Phase.PROBING:
+                op.to(op_id, Phase.WAITING_HOST)
+                self._back_up_anchor(step, op)
+                self._read(step, op_id)
         if finished:
-            self._end(op_id)
+            self._end(step, op_id)
 
-    def _back_up_anchor(self, op: PrefetchOp) -> None:
+    def _back_up_anchor(self, step: Step, op: PrefetchOp) -> None:
         """Storage holds enough below an anchor whose path is only on L1: give it the L2 copy
         write_through would have made (what is not backed up yet, root first), so that the
         pages about to hang below it are not dropped with it when L1 evicts it. Not in
         exclusive mode (L2 takes what L1 drops: the anchor gets its copy when it leaves L1).
         The prefetch does not wait for it: until the copy lands, L1 eviction backs the anchor
         up first or removes it with what hangs below, as for any page (`evict_device`)."""
-        ctx, tree = self._ctx, self._ctx.tree
-        if ctx.cfg.exclusive or op.hit_pages <= 0:
+        shared, tree = self._shared, self._shared.tree
+        if shared.cfg.exclusive or op.hit_pages <= 0:
             return
         path = []
         node: NodeId | None = op.anchor
@@ -208,47 +284,48 @@ class PrefetchFlows:
             node = tree.parent(node)
         if path:
             tokens = sum(tree.num_tokens(n) for n in path)
-            ctx.counters.anchor_backups += len(path)
-            ctx.out.info("tree.anchor_backup", rid=op.rid, nodes=len(path), tokens=tokens)
-            self._writes.start_backups(reversed(path))
+            shared.counters.anchor_backups += len(path)
+            step.out.info("tree.anchor_backup", rid=op.rid, nodes=len(path), tokens=tokens)
+            self._writes.start_backups(step, reversed(path))
 
-    def retry_reads(self) -> None:
+    def retry_reads(self, step: Step) -> None:
         """Probed ops that waited for host room: try again (an upload has ended)."""
         waiting, self.host_waiting = self.host_waiting, []
         for op_id in waiting:
             if op_id in self.ops:
-                self._read(op_id)
+                self._read(step, op_id)
 
-    def _read(self, op_id: OpId) -> None:
+    def _read(self, step: Step, op_id: OpId) -> None:
         """After the probe: host slots for exactly the pages storage has, then the reads."""
-        ctx = self._ctx
+        shared = self._shared
         op = self.ops[op_id]
-        if op.state != "running" or op.stopping:
+        if op.phase is not Phase.WAITING_HOST:
             return
-        host = self._space.host(op.hit_pages * ctx.cfg.page_size)
+        host = self._writes.host(step, op.hit_pages * shared.cfg.page_size)
         if isinstance(host, Wait):
             self.host_waiting.append(op_id)
             return
         if host is None:
-            ctx.out.info(
+            step.out.info(
                 "tree.prefetch_skipped",
                 rid=op.rid,
                 reason="host_full",
-                tokens=op.hit_pages * ctx.cfg.page_size,
+                tokens=op.hit_pages * shared.cfg.page_size,
             )
-            self.stop(op_id)
-            self._settle(op_id, revoked=True)
+            self.stop(step, op_id)
+            self._settle(step, op_id, revoked=True)
             return
         op.host_slots = host
-        ctx.out.send("prefetcher", ReadPrefetch(op=op_id, host_slots=host))
+        op.to(op_id, Phase.READING)
+        step.out.send("prefetcher", ReadPrefetch(op=op_id, host_slots=host))
 
-    def _settle(self, op_id: OpId, *, revoked: bool) -> None:
+    def _settle(self, step: Step, op_id: OpId, *, revoked: bool) -> None:
         """Hand the request what has arrived: insert it as host-only nodes below the anchor,
         answer the waiters. The slots of those pages become the tree's; the rest stay the op's
         until it ends."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         op = self.ops[op_id]
-        page = ctx.cfg.page_size
+        page = shared.cfg.page_size
         done = 0 if revoked else min(op.done_pages, len(op.host_slots) // page)
         op.done_pages = done
         used_tokens = done * page
@@ -258,19 +335,19 @@ class PrefetchFlows:
                 op.tokens[:used_tokens],
                 op.host_slots[:used_tokens],
                 op.hashes[:done],
-                now=ctx.now,
+                now=step.now,
                 salt=op.salt,
             )
-            self._space.free("host", inserted.duplicate_slots)
-            self._pins.after_insert(op.prefix, op.salt)  # pins hold for pages back from L3
+            self._tiers.free(step, "host", inserted.duplicate_slots)
+            self._pins.after_insert(step, op.prefix, op.salt)  # pins hold for pages back from L3
         tree.release_host(op.anchor)
-        op.state = "revoked" if revoked else "done"
-        ctx.out.info(
+        op.to(op_id, Phase.REVOKED if revoked else Phase.DONE)
+        step.out.info(
             "tree.prefetch_done",
             rid=op.rid,
             op=op_id,
-            state=op.state,
-            hit=max(op.hit_pages, 0) * page,
+            state=caller_state(op.phase),
+            hit=op.hit_pages * page,
             read=used_tokens,
         )
         outcome = self.outcome(op.rid, op_id)
@@ -278,32 +355,33 @@ class PrefetchFlows:
         if state is not None:
             state.prefetch = outcome
             if done:
-                ctx.counters.storage_hit_tokens += used_tokens
+                shared.counters.storage_hit_tokens += used_tokens
             # Lock what arrived for the request, unless it is past load_back (or allocated):
             # then its prefix is fixed, and moving it would misalign what it holds.
             if done and not state.loaded_back and not state.owned:
-                self._requests.rematch(state)
+                self._requests.rematch(step, state)
         for reply in op.waiters:
-            ctx.out.answer(reply, outcome)
+            step.out.answer(reply, outcome)
         op.waiters.clear()
         del self.by_rid[op.rid]
 
-    def _end(self, op_id: OpId) -> None:
+    def _end(self, step: Step, op_id: OpId) -> None:
         """The prefetcher is done with the op: free the slots the tree did not take."""
         op = self.ops.pop(op_id)
-        self.reports.pop(op_id, None)
-        self.timers_fired.discard(op_id)
+        op.to(op_id, Phase.ENDED)
+        self._reports.pop(op_id, None)
+        self._timers_fired.discard(op_id)
         if op_id in self.host_waiting:
             self.host_waiting.remove(op_id)
         if op.timer:
-            self._ctx.out.add(CancelTimer(op_id))
-        page = self._ctx.cfg.page_size
-        self._space.free("host", op.host_slots[op.done_pages * page :])
+            step.out.add(CancelTimer(op_id))
+        page = self._shared.cfg.page_size
+        self._tiers.free(step, "host", op.host_slots[op.done_pages * page :])
         self.tokens -= len(op.hashes) * page
         self.credits += 1
 
-    def abandon(self) -> None:
+    def abandon(self, step: Step) -> None:
         for op_id, op in list(self.ops.items()):
-            if op.state == "running":
-                self._settle(op_id, revoked=True)
-            self._end(op_id)
+            if op.phase in RUNNING:
+                self._settle(step, op_id, revoked=True)
+            self._end(step, op_id)

@@ -2,8 +2,8 @@
 allocate, cache_* and release.
 
 Each batch is checked whole before anything changes (a caller's mistake is a `CacheError` and
-changes nothing). Answers name the loads a request must wait for by op id; the driver puts
-their handles in (`Answer.loads`).
+changes nothing). Answers carry the handles of the loads a request must wait for (each load's
+`LoadTicket`, made when the load is decided on).
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.context import Context, Wait
+from hicache.components.loader.ticket import LoadTicket
 from hicache.components.tree.loads import LoadFlows
 from hicache.components.tree.pins import PinTable
-from hicache.components.tree.records import RequestState
-from hicache.components.tree.space import Space
+from hicache.components.tree.rows import RequestState
+from hicache.components.tree.shared import Shared, Step, Wait
+from hicache.components.tree.tiers import Tiers
 from hicache.components.tree.writes import WriteFlows
+from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
 from hicache.radix.results import TreeError, concat
 from hicache.radix.tree import Range
@@ -32,16 +34,14 @@ from hicache.results import (
 )
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
-Loads = tuple[OpId, ...]
-
 
 class Requests:
     def __init__(
-        self, ctx: Context, space: Space, writes: WriteFlows, loads: LoadFlows, pins: PinTable
+        self, shared: Shared, tiers: Tiers, writes: WriteFlows, loads: LoadFlows, pins: PinTable
     ) -> None:
-        self._ctx = ctx
+        self._shared = shared
         self._pins = pins
-        self._space = space
+        self._tiers = tiers
         self._writes = writes
         self._loads = loads
         self.table: dict[RequestId, RequestState] = {}
@@ -79,35 +79,35 @@ class Requests:
         (so every later match or insert of them skips the conversion), else as given.
         InvalidRequest for a malformed key."""
         try:
-            encoded = self._ctx.tree.check_key(tokens)
+            encoded = self._shared.tree.check_key(tokens)
         except TreeError as exc:
             raise InvalidRequest(str(exc)) from None
         return encoded if encoded.dtype == np.uint32 else tokens
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
-        tree = self._ctx.tree
+        tree = self._shared.tree
         if node is not None:
             tree.lock(node)
         if state.lock is not None:
             tree.unlock(state.lock)
         state.lock = node
 
-    def _view(self, state: RequestState, tokens: Any) -> None:
+    def _view(self, step: Step, state: RequestState, tokens: Any) -> None:
         """Point the request at the tree's current prefix for `tokens` (locked for it)."""
-        result = self._ctx.tree.match(tokens, now=self._ctx.now, salt=state.salt)
+        result = self._shared.tree.match(tokens, now=step.now, salt=state.salt)
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
         state.host_len = result.host_len
         state.loads = self._loads.under(result.last_node)
 
-    def rematch(self, state: RequestState) -> None:
+    def rematch(self, step: Step, state: RequestState) -> None:
         """Refresh a request's view from the tree: its prefix may have grown since its match
         (a prefetch landed, another request loaded or cached part of it)."""
-        self._view(state, state.tokens)
+        self._view(step, state, state.tokens)
 
-    def release_all(self) -> None:
-        self.release_batch(tuple(self.table), reason="close")
+    def release_all(self, step: Step) -> None:
+        self.release_batch(step, tuple(self.table), reason="close")
 
     def load_failed(self, op: OpId) -> None:
         """Requests that counted on this load may not cache what they hold: their prefix slots
@@ -117,27 +117,25 @@ class Requests:
                 state.failed_load = True
 
     # ------------------------------------------------------------------ match
-    def match_batch(
-        self, items: Sequence[MatchItem]
-    ) -> tuple[tuple[MatchOutcome, ...], list[Loads]]:
+    def match_batch(self, step: Step, items: Sequence[MatchItem]) -> tuple[MatchOutcome, ...]:
         self.check_rids([item.rid for item in items], "match")
         keys = [self.check_tokens(item.tokens) for item in items]  # all, before any lock moves
-        outcomes, loads = [], []
+        outcomes = []
         for item, tokens in zip(items, keys, strict=True):
             rid = item.rid
             state = self.table.get(rid)
             if state is None:
                 state = self.table[rid] = RequestState()
             state.salt = item.salt
-            self._view(state, tokens)
+            self._view(step, state, tokens)
             state.tokens = tokens
-            state.retention = self._ranges(item.retention)
+            state.retention = self._ranges(step, item.retention)
             if state.retention:  # the matched pages take the request's ranges now
-                self._ctx.tree.retain(tokens, state.retention, now=self._ctx.now, salt=state.salt)
+                self._shared.tree.retain(tokens, state.retention, now=step.now, salt=state.salt)
             state.failed_load = False
             state.loaded_back = False
-            self._ctx.counters.device_hit_tokens += len(state.prefix_slots)
-            self._ctx.out.info(
+            self._shared.counters.device_hit_tokens += len(state.prefix_slots)
+            step.out.info(
                 "tree.match",
                 rid=rid,
                 tokens=len(tokens),
@@ -146,15 +144,19 @@ class Requests:
                 salted=bool(state.salt),
             )
             outcomes.append(
-                MatchOutcome(rid=rid, device_slots=state.prefix_slots, host_len=state.host_len)
+                MatchOutcome(
+                    rid=rid,
+                    device_slots=state.prefix_slots,
+                    host_len=state.host_len,
+                    pending=self._loads.tickets(state.loads),
+                )
             )
-            loads.append(tuple(state.loads))
-        return tuple(outcomes), loads
+        return tuple(outcomes)
 
     def _split_pieces(self, candidates: Sequence[NodeId]) -> list[NodeId]:
         """A range or pin may have cut a backup candidate at a page boundary: its upper
         pieces (new nodes, device-only) are candidates too, root-most first."""
-        tree, pieces = self._ctx.tree, list[NodeId]()
+        tree, pieces = self._shared.tree, list[NodeId]()
         for node in candidates:
             above = []
             parent = tree.parent(node)
@@ -164,9 +166,11 @@ class Requests:
             pieces.extend(reversed(above))
         return pieces
 
-    def _ranges(self, retention: tuple[tuple[int, float, int, float], ...]) -> tuple[Range, ...]:
+    def _ranges(
+        self, step: Step, retention: tuple[tuple[int, float, int, float], ...]
+    ) -> tuple[Range, ...]:
         """A match's retention ranges with their ends on the cache clock."""
-        now = self._ctx.now
+        now = step.now
         return tuple(
             (start, int(min(end, 2**62)), priority, now + duration)
             for start, end, priority, duration in retention
@@ -175,8 +179,9 @@ class Requests:
     # ------------------------------------------------------------------ load back (L2 -> L1)
     def load_back_batch(
         self,
+        step: Step,
         rids: Sequence[RequestId],
-        done: list[tuple[LoadBackOutcome, Loads]],
+        done: list[LoadBackOutcome],
         threshold: int | None = None,
     ) -> Wait | None:
         """Load back each request in turn, appending to `done`; a `Wait` parks the batch,
@@ -193,23 +198,31 @@ class Requests:
                 if state.host_len and not state.loaded_back and not state.owned:
                     # What the match saw of its L2-only stretch may be stale: another request
                     # may have loaded or cached part of it since. Take the tree's prefix now.
-                    self.rematch(state)
+                    self.rematch(step, state)
                 state.loaded_back = True
-                got = self._loads.load_back(rid, state, threshold)
+                got = self._loads.load_back(step, rid, state, threshold)
                 if isinstance(got, Wait):
                     return got
                 loaded = got
-            ops = tuple(op for op in state.loads if op in self._loads.loads)
+            tickets = self._loads.tickets(state.loads)
             done.append(
-                (
-                    LoadBackOutcome(rid=rid, device_slots=state.prefix_slots, loaded_tokens=loaded),
-                    ops,
+                LoadBackOutcome(
+                    rid=rid,
+                    device_slots=state.prefix_slots,
+                    loaded_tokens=loaded,
+                    handle=None
+                    if not tickets
+                    else tickets[0]
+                    if len(tickets) == 1
+                    else AllLoads(tickets),
                 )
             )
         return None
 
     # ------------------------------------------------------------------ allocation
-    def alloc_batch(self, sizes: Sequence[tuple[RequestId, int]]) -> tuple[np.ndarray, ...] | Wait:
+    def alloc_batch(
+        self, step: Step, sizes: Sequence[tuple[RequestId, int]]
+    ) -> tuple[np.ndarray, ...] | Wait:
         """Slots for every request of the step, or none (a CapacityError naming the first
         request that does not fit)."""
         self.check_rids([rid for rid, _ in sizes], "allocate")
@@ -217,13 +230,13 @@ class Requests:
             self.state(rid, "allocate")
             if n < 0:
                 raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
-        page = self._ctx.cfg.page_size
+        page = self._shared.cfg.page_size
         wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
-        pooled = self._space.device(sum(wanted))  # one allocation, evicting, for the step
+        pooled = self._loads.device(step, sum(wanted))  # one allocation, evicting, for the step
         if isinstance(pooled, Wait):
             return pooled
         if pooled is None:
-            available = self._space.ledgers["device"].available
+            available = self._tiers.ledgers["device"].available
             total = 0
             for (rid, n), want in zip(sizes, wanted, strict=True):
                 total += want
@@ -248,19 +261,18 @@ class Requests:
         return tuple(out)
 
     # ------------------------------------------------------------------ insert
-    def cache_batch(
-        self, items: Sequence[CacheItem]
-    ) -> tuple[tuple[CacheOutcome, ...], list[Loads]]:
+    def cache_batch(self, step: Step, items: Sequence[CacheItem]) -> tuple[CacheOutcome, ...]:
         self.check_rids([item.rid for item in items], "cache")
         checked = [self._check_cache(item) for item in items]  # the whole batch, first
         candidates: list[NodeId] = []
-        outcomes, loads = [], []
-        for item, (tokens, slots) in zip(items, checked, strict=True):
-            outcome, ops = self._cache(item, tokens, slots, candidates)
-            outcomes.append(outcome)
-            loads.append(ops)
-        self._writes.start_backups(candidates)  # what was inserted, for the whole step at once
-        return tuple(outcomes), loads
+        outcomes = [
+            self._cache(step, item, tokens, slots, candidates)
+            for item, (tokens, slots) in zip(items, checked, strict=True)
+        ]
+        self._writes.start_backups(
+            step, candidates
+        )  # what was inserted, for the whole step at once
+        return tuple(outcomes)
 
     def _check_cache(self, item: CacheItem) -> tuple[Any, np.ndarray]:
         """A cache_* item's mistakes, found before anything changes; returns its tokens (in
@@ -309,48 +321,48 @@ class Requests:
         return tokens, slots
 
     def _cache(
-        self, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
-    ) -> tuple[CacheOutcome, Loads]:
-        ctx, tree = self._ctx, self._ctx.tree
+        self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
+    ) -> CacheOutcome:
+        shared, tree = self._shared, self._shared.tree
         state = self.table[item.rid]
-        aligned = len(tokens) // ctx.cfg.page_size * ctx.cfg.page_size
+        aligned = len(tokens) // shared.cfg.page_size * shared.cfg.page_size
         own = len(state.prefix_slots)
         result = tree.insert(
             tokens[:aligned],
             slots[:aligned],
-            now=ctx.now,
+            now=step.now,
             chunked=not item.finished,
             salt=state.salt,
             backup=item.backup,
         )
         if state.retention or self._pins.entries:
             if state.retention:
-                tree.retain(tokens[:aligned], state.retention, now=ctx.now, salt=state.salt)
-            self._pins.after_insert(tokens[:aligned], state.salt)
+                tree.retain(tokens[:aligned], state.retention, now=step.now, salt=state.salt)
+            self._pins.after_insert(step, tokens[:aligned], state.salt)
             candidates.extend(self._split_pieces(result.backup_candidates))
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
         # cached meanwhile are duplicates and go back to the ledger.
-        self._space.free("device", slots[own : max(own, result.prefix_len)])
+        self._tiers.free(step, "device", slots[own : max(own, result.prefix_len)])
         new_tokens = aligned - max(own, result.prefix_len)
         candidates.extend(result.backup_candidates)
-        ops: Loads = ()
+        pending: tuple[LoadTicket, ...] = ()
         if item.finished:
-            self._space.free("device", np.concatenate([slots[aligned:], state.padding]))
+            self._tiers.free(step, "device", np.concatenate([slots[aligned:], state.padding]))
             self._relock(state, None)
             del self.table[item.rid]
             prefix = slots[:aligned]
             if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
-                prefix = tree.match(tokens[:aligned], now=ctx.now, salt=state.salt).device_slots
+                prefix = tree.match(tokens[:aligned], now=step.now, salt=state.salt).device_slots
         else:
-            self._view(state, tokens[:aligned])
+            self._view(step, state, tokens[:aligned])
             state.host_len = 0
             state.tokens = tokens
             state.owned = [slots[aligned:]] if len(tokens) > aligned else []
             prefix = state.prefix_slots
             # Tokens the tree already held may still be landing (another request's load):
             # the request must wait for those before reading its prefix.
-            ops = tuple(state.loads)
-        ctx.out.info(
+            pending = self._loads.tickets(state.loads)
+        step.out.info(
             "tree.insert",
             rid=item.rid,
             tokens=aligned,
@@ -358,14 +370,16 @@ class Requests:
             finished=item.finished,
             backups=len(result.backup_candidates),
         )
-        return CacheOutcome(rid=item.rid, device_slots=prefix, new_tokens=new_tokens), ops
+        return CacheOutcome(
+            rid=item.rid, device_slots=prefix, new_tokens=new_tokens, pending=pending
+        )
 
-    def release_batch(self, rids: Sequence[RequestId], reason: str = "caller") -> None:
+    def release_batch(self, step: Step, rids: Sequence[RequestId], reason: str = "caller") -> None:
         self.check_rids(rids, "release")
         for rid in rids:
             self.state(rid, "release")
         for rid in rids:
             state = self.table.pop(rid)
             self._relock(state, None)
-            self._space.free("device", np.concatenate([*state.owned, state.padding]))
-            self._ctx.out.info("tree.release", rid=rid, reason=reason)
+            self._tiers.free(step, "device", np.concatenate([*state.owned, state.padding]))
+            step.out.info("tree.release", rid=rid, reason=reason)

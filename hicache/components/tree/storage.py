@@ -3,13 +3,15 @@
 `AttachStorage` and `DetachStorage` are frontend calls, taken in call order, but they do not
 hold up the calls behind them: each waits here, in its own queue, until it can be applied.
 
-- A detach turns `storage_on` off at once: no upload or prefetch starts from then on (uploads
+The switch owns whether storage is on (`on`); the flows ask it.
+
+- A detach turns storage off at once: no upload or prefetch starts from then on (uploads
   waiting for a credit are dropped and counted as skipped, running prefetches are stopped and
   settle with what has arrived, which the backend verified). It then waits until no upload and
   no prefetch is in flight, so that nothing still calls the backend, and only then asks the
   driver to swap the backend out (`SwitchStorage(storage=None)`): the uploader and prefetcher
   drop it, and the facade closes it if the cache opened it.
-- An attach behind a detach waits for it; at the head of the queue it turns `storage_on` on
+- An attach behind a detach waits for it; at the head of the queue it turns storage on
   and asks the driver to install the backend first (the `UseBackend` command reaches each
   worker before any upload or prefetch started after it). With a backend attached already it
   is answered False and changes nothing.
@@ -22,12 +24,27 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
-from hicache.components.tree.context import Context
 from hicache.components.tree.effects import SwitchStorage
-from hicache.components.tree.prefetches import PrefetchFlows
-from hicache.components.tree.writes import WriteFlows
+from hicache.components.tree.shared import Step
 from hicache.messages import AttachStorage, DetachStorage
+
+
+class Uploads(Protocol):
+    """What a detach asks of the write flows (`writes.py`, which ask this switch)."""
+
+    def drop_upload_backlog(self) -> int: ...
+
+    def in_flight(self) -> dict[str, int]: ...
+
+
+class Prefetches(Protocol):
+    """What a detach asks of the prefetch flow (`prefetches.py`, which asks this switch)."""
+
+    def stop_all(self, step: Step) -> int: ...
+
+    def in_flight(self) -> dict[str, int]: ...
 
 
 @dataclass(slots=True)
@@ -41,10 +58,8 @@ class _Detaching:
 
 
 class StorageSwitch:
-    def __init__(self, ctx: Context, writes: WriteFlows, prefetches: PrefetchFlows) -> None:
-        self._ctx = ctx
-        self._writes = writes
-        self._prefetches = prefetches
+    def __init__(self, on: bool) -> None:
+        self.on = on  # storage attached and in use: uploads and prefetches may start
         self.calls: deque[AttachStorage | DetachStorage] = deque()  # in call order
         self._detaching: _Detaching | None = None
 
@@ -54,30 +69,29 @@ class StorageSwitch:
     def accept(self, msg: AttachStorage | DetachStorage) -> None:
         self.calls.append(msg)
 
-    def step(self) -> None:
+    def settle(self, step: Step, writes: Uploads, prefetches: Prefetches) -> None:
         """Apply the queued switches that can be applied now, in order."""
-        ctx = self._ctx
         while self.calls:
             msg = self.calls[0]
             if isinstance(msg, AttachStorage):
                 self.calls.popleft()
-                if ctx.storage_on:
-                    ctx.out.answer(msg.reply, False)
+                if self.on:
+                    step.out.answer(msg.reply, False)
                 else:
-                    ctx.storage_on = True
-                    ctx.out.add(SwitchStorage(msg.reply, msg.storage))
+                    self.on = True
+                    step.out.add(SwitchStorage(msg.reply, msg.storage))
                 continue
             if self._detaching is None:
-                if not ctx.storage_on:
+                if not self.on:
                     self.calls.popleft()
-                    ctx.out.answer(msg.reply, None)
+                    step.out.answer(msg.reply, None)
                     continue
-                self._detaching = self._start_detach()
-            if self._writes.uploads or self._prefetches.ops:
+                self._detaching = self._start_detach(step, writes, prefetches)
+            if writes.in_flight()["uploads"] or prefetches.in_flight()["prefetches"]:
                 return  # retried after every completion applied (`Controller._settle`)
             self.calls.popleft()
             done, self._detaching = self._detaching, None
-            ctx.out.add(
+            step.out.add(
                 SwitchStorage(
                     msg.reply,
                     None,
@@ -85,21 +99,19 @@ class StorageSwitch:
                         "uploads": done.uploads,
                         "prefetches": done.prefetches,
                         "skipped_uploads": done.skipped_uploads,
-                        "seconds": round(ctx.now - done.started, 6),
+                        "seconds": round(step.now - done.started, 6),
                     },
                 )
             )
 
-    def _start_detach(self) -> _Detaching:
+    def _start_detach(self, step: Step, writes: Uploads, prefetches: Prefetches) -> _Detaching:
         """Storage off for new work; stop what would still start storage calls."""
-        ctx, prefetches = self._ctx, self._prefetches
-        ctx.storage_on = False
-        skipped = self._writes.drop_upload_backlog()
-        running = sum(op.state == "running" for op in prefetches.ops.values())
-        prefetches.stop_all()
+        self.on = False
+        skipped = writes.drop_upload_backlog()
+        running = prefetches.stop_all(step)
         return _Detaching(
-            started=ctx.now,
-            uploads=len(self._writes.uploads),
+            started=step.now,
+            uploads=writes.in_flight()["uploads"],
             prefetches=running,
             skipped_uploads=skipped,
         )

@@ -1,4 +1,5 @@
-"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to.
+"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to, and
+allocation that evicts (eviction may need backups first).
 
 Owns every write and upload in flight (issue order), their credits and backlogs, and the
 completions that arrived for them and are not applied yet. A write-through backup that finds
@@ -15,25 +16,28 @@ from collections.abc import Iterable
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.context import Context, Wait
-from hicache.components.tree.records import UploadOp, WriteOp
-from hicache.components.tree.space import Space
-from hicache.messages import Backup, Upload
+from hicache.components.tree.progress import Section
+from hicache.components.tree.rows import UploadOp, WriteOp
+from hicache.components.tree.shared import Shared, Step, Wait
+from hicache.components.tree.storage import StorageSwitch
+from hicache.components.tree.tiers import Tiers
+from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
 
 class WriteFlows:
-    def __init__(self, ctx: Context, space: Space, credits: int) -> None:
-        self._ctx = ctx
-        self._space = space
+    def __init__(self, shared: Shared, tiers: Tiers, storage: StorageSwitch, credits: int) -> None:
+        self._shared = shared
+        self._tiers = tiers
+        self._storage = storage
         self.writes: dict[OpId, WriteOp] = {}
         self.uploads: dict[OpId, UploadOp] = {}
         self.write_backlog: deque[NodeId] = deque()  # waiting for a write credit or host room
         self.upload_backlog: deque[tuple[NodeId, ...]] = deque()  # waiting for an upload credit
         self.write_credits = self.upload_credits = credits
         # completions that arrived and are not applied yet (applied at sync points)
-        self.arrived_writes: dict[OpId, tuple[bool, str]] = {}
-        self.arrived_uploads: dict[OpId, int] = {}
+        self._arrived_writes: dict[OpId, tuple[bool, str]] = {}
+        self._arrived_uploads: dict[OpId, int] = {}
 
     def tables(self) -> dict[str, int]:
         return {
@@ -41,19 +45,144 @@ class WriteFlows:
             "uploads": len(self.uploads),
             "write_backlog": len(self.write_backlog),
             "upload_backlog": len(self.upload_backlog),
-            "arrived_writes": len(self.arrived_writes),
-            "arrived_uploads": len(self.arrived_uploads),
+            "arrived_writes": len(self._arrived_writes),
+            "arrived_uploads": len(self._arrived_uploads),
         }
 
-    # ------------------------------------------------------------------ what eviction asks
-    def evicting_tokens(self) -> int:
-        return sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
+    def in_flight(self) -> dict[str, int]:
+        return {"writes": len(self.writes), "uploads": len(self.uploads)}
 
-    def oldest_write(self) -> OpId | None:
-        return next(iter(self.writes), None)
+    def busy(self) -> bool:
+        """Anything in flight or waiting for a credit (a drain or clear waits for none)."""
+        return bool(self.writes or self.write_backlog or self.uploads or self.upload_backlog)
 
-    def oldest_live_upload(self) -> OpId | None:
-        return next((op for op, job in self.uploads.items() if not job.timed_out), None)
+    # ------------------------------------------------------------------ completions
+    def record(self, msg: WriteDone | UploadDone | UploadTimedOut) -> None:
+        """Note a completion. One for an op that already ended (work abandoned at close) is
+        stale and dropped."""
+        match msg:
+            case WriteDone(ops=ops, ok=ok, error=error):
+                for op in ops:
+                    if op in self.writes:
+                        self._arrived_writes.setdefault(op, (ok, error))
+            case UploadDone(op=op, stored_pages=stored):
+                if op in self.uploads:
+                    self._arrived_uploads.setdefault(op, stored)
+            case UploadTimedOut(op=op):
+                self.upload_timed_out(op)
+
+    def backup_progress(self) -> Section:
+        """Per backup in flight, MIN of (arrived, succeeded so far)."""
+        arrived = self._arrived_writes
+        rows = []
+        for op in self.writes:
+            got = arrived.get(op)
+            rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
+        return Section.of(rows, 2)
+
+    def upload_progress(self) -> Section:
+        """Per upload in flight, MIN of (arrived)."""
+        return Section.of([(op, (int(op in self._arrived_uploads),), ()) for op in self.uploads], 1)
+
+    def apply_backups(self, step: Step, agreed: Section) -> None:
+        """End the backups every rank has got, in issue order: the first one some rank has
+        not got holds up the later ones."""
+        for op, (arrived, ok), _ in agreed.rows():
+            if not arrived:
+                break
+            self.finish_write(step, op, bool(ok), self._arrived_writes.pop(op)[1])
+
+    def apply_uploads(self, step: Step, agreed: Section) -> bool:
+        """End the uploads every rank has got, each on its own. Whether any ended (an
+        upload's end may make host room)."""
+        ended = False
+        for op, (arrived,), _ in agreed.rows():
+            if arrived:
+                self._arrived_uploads.pop(op, None)
+                self.finish_upload(step, op)
+                ended = True
+        return ended
+
+    # ------------------------------------------------------------------ waits (`Awaited`)
+    def ended(self, op: OpId) -> bool:
+        """A backup has ended; an upload has ended or passed its deadline (op ids are unique
+        across flows, so one test serves both tables)."""
+        if op in self.writes:
+            return False
+        job = self.uploads.get(op)
+        return job is None or job.timed_out
+
+    def arrived(self, op: OpId) -> bool:
+        if op in self._arrived_writes or op in self._arrived_uploads:
+            return True
+        job = self.uploads.get(op)
+        return job is not None and job.timed_out
+
+    def _oldest_write(self) -> Wait | None:
+        op = next(iter(self.writes), None)
+        return None if op is None else Wait(self, op)
+
+    # ------------------------------------------------------------------ allocation
+    def device(self, step: Step, n: int, load: Wait | None) -> np.ndarray | Wait | None:
+        """Device slots for n tokens, evicting L1 and starting the backups eviction asks for
+        first (write_back, exclusive, L3 on). A Wait for an op whose end frees slots: the
+        oldest backup, else `load` (a load in flight locks the pages it fills until it ends:
+        wait for it, rather than call L1 full while they are about to become evictable)."""
+        if n == 0:
+            return EMPTY_SLOTS
+        tiers = self._tiers
+        while True:
+            slots = tiers.alloc(step, "device", n)
+            if slots is not None:
+                return slots
+            # Evict what is missing, less what eviction backups in flight will free: asking for
+            # all of n each time round would back up (and keep in both tiers) more leaves.
+            evicting = sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
+            short = n - tiers.ledgers["device"].available - evicting
+            if short > 0:
+                freed = self._evict_device(step, short)
+                if freed is True:
+                    continue
+                if isinstance(freed, Wait):
+                    return freed
+            return self._oldest_write() or load
+
+    def _evict_device(self, step: Step, n: int) -> bool | Wait:
+        """Evict about n tokens from L1, then back up or drop what eviction left for a copy
+        first. True when a device slot was freed; else the first wait met (no write credit,
+        no host room)."""
+        shared, tree, tiers = self._shared, self._shared.tree, self._tiers
+        exclusive = shared.cfg.exclusive
+        # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
+        back_up = self._storage.on and shared.cfg.evict_to_storage
+        eviction = tiers.evict_device(step, n, back_up=back_up)
+        freed = eviction.freed
+        wait: Wait | None = None
+        for node in eviction.needs_backup:  # write_back, exclusive, L3 on: copy, then evict
+            if exclusive and not tree.outranks_host(node, now=step.now):
+                # Older than everything L2 could give up: drop it rather than displace hotter
+                # pages, so the two tiers together evict like one LRU of their total size.
+                freed += tiers.discard(step, node, "older_than_l2")
+            elif wait is None:
+                started = self.start_backup(step, node, evicting=True)
+                if isinstance(started, Wait):
+                    wait = started  # the rest stay on L1, found again by the next eviction
+                elif not started and back_up and tree.needs_backup(node):
+                    # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
+                    # L3 attached it leaves L1 as without L3, rather than fail the allocation.
+                    freed += tiers.discard(step, node, "no_l2_room")
+        if freed:
+            return True
+        return wait if wait is not None else False
+
+    def host(self, step: Step, n: int) -> np.ndarray | Wait | None:
+        """Host slots for n tokens, evicting L2; when what is left is pinned by uploads, a
+        Wait for the oldest (never for one past its deadline)."""
+        slots = self._tiers.host(step, n)
+        if slots is not None:
+            return slots
+        upload = next((op for op, job in self.uploads.items() if not job.timed_out), None)
+        return None if upload is None else Wait(self, upload)
 
     def pending(self) -> bool:
         """What a flush waits for: uploads past their deadline no longer count."""
@@ -65,101 +194,103 @@ class WriteFlows:
         )
 
     # ------------------------------------------------------------------ L1 -> L2
-    def start_backup(self, node: NodeId, *, evicting: bool) -> bool | Wait:
+    def start_backup(self, step: Step, node: NodeId, *, evicting: bool) -> bool | Wait:
         """Copy a device-only node to L2. True when started. A write-through backup with no
         credit or no host room goes to the backlog (False); an eviction's returns the `Wait`."""
-        tree = self._ctx.tree
+        tree = self._shared.tree
         if self.write_credits == 0:
-            oldest = self.oldest_write()
+            oldest = self._oldest_write()
             if evicting and oldest is not None:
-                return Wait("write", oldest)
+                return oldest
             self.write_backlog.append(node)
             return False
         if not tree.needs_backup(node):
             return False
         length = tree.num_tokens(node)
-        host = self._space.host(length)
+        host = self.host(step, length)
         if isinstance(host, Wait):
             if evicting:
                 return host
             self.write_backlog.append(node)
             return False
         if host is None or not tree.needs_backup(node):
-            self._space.free("host", EMPTY_SLOTS if host is None else host)
+            self._tiers.free(step, "host", EMPTY_SLOTS if host is None else host)
             if host is None:
-                self._ctx.out.warning(
+                step.out.warning(
                     "tree.backup_skipped", node=node, tokens=length, reason="host_full"
                 )
             return False
-        self._issue_backup(node, host, evicting=evicting)
+        self._issue_backup(step, node, host, evicting=evicting)
         return True
 
-    def start_backups(self, nodes: Iterable[NodeId]) -> None:
+    def start_backups(self, step: Step, nodes: Iterable[NodeId]) -> None:
         """Write-through backups for a whole step: one host allocation for all of them when
         credits and free slots allow, else one by one."""
-        tree = self._ctx.tree
+        tree = self._shared.tree
         todo = [n for n in dict.fromkeys(nodes) if tree.needs_backup(n)]
         lengths = [tree.num_tokens(n) for n in todo]
         pooled = None
         if 1 < len(todo) <= self.write_credits:
-            pooled = self._space.alloc("host", sum(lengths))
+            pooled = self._tiers.alloc(step, "host", sum(lengths))
         if pooled is None:
             for node in todo:
-                self.start_backup(node, evicting=False)
+                self.start_backup(step, node, evicting=False)
             return
         offset = 0
         for node, length in zip(todo, lengths, strict=True):
-            self._issue_backup(node, pooled[offset : offset + length])
+            self._issue_backup(step, node, pooled[offset : offset + length])
             offset += length
 
-    def _issue_backup(self, node: NodeId, host: np.ndarray, *, evicting: bool = False) -> None:
-        ctx = self._ctx
-        ctx.tree.begin_backup(node, host)
-        op = ctx.op()
+    def _issue_backup(
+        self, step: Step, node: NodeId, host: np.ndarray, *, evicting: bool = False
+    ) -> None:
+        shared = self._shared
+        shared.tree.begin_backup(node, host)
+        op = shared.op()
         self.write_credits -= 1
         self.writes[op] = WriteOp(node=node, host_slots=host, evicting=evicting)
-        device = ctx.tree.device_slots(node)
+        device = shared.tree.device_slots(node)
         assert device is not None
-        ctx.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
-        ctx.counters.d2h_bytes += len(host) * ctx.bytes_per_token
-        ctx.counters.evict_backups += evicting
+        step.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
+        shared.counters.d2h_bytes += len(host) * shared.bytes_per_token
+        shared.counters.evict_backups += evicting
 
-    def finish_write(self, op_id: OpId, ok: bool, error: str) -> None:
-        ctx = self._ctx
+    def finish_write(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
+        shared = self._shared
         op = self.writes.pop(op_id)
         self.write_credits += 1
-        pieces = ctx.tree.backup_pieces(op.node)  # the node may have been split meanwhile
-        self._space.free("host", ctx.tree.end_backup(op.node, ok=ok))
+        pieces = shared.tree.backup_pieces(op.node)  # the node may have been split meanwhile
+        self._tiers.free(step, "host", shared.tree.end_backup(op.node, ok=ok))
         if not ok:
-            ctx.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
-        elif ctx.storage_on:
-            self._upload(pieces)
-        self.retry_backlog()
+            step.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
+        elif self._storage.on:
+            self._upload(step, pieces)
+        self.retry_backlog(step)
 
-    def retry_backlog(self) -> None:
+    def retry_backlog(self, step: Step) -> None:
         """Start what the write backlog holds while credits last; stop at the first that
         still finds no host room (it goes back in front)."""
         while self.write_backlog and self.write_credits:
             node = self.write_backlog.popleft()
             before = len(self.write_backlog)
-            self.start_backup(node, evicting=False)
+            self.start_backup(step, node, evicting=False)
             if len(self.write_backlog) > before:  # requeued at the back: keep its place
                 self.write_backlog.appendleft(self.write_backlog.pop())
                 break
 
     # ------------------------------------------------------------------ L2 -> L3
-    def _upload(self, pieces: tuple[NodeId, ...]) -> None:
+    def _upload(self, step: Step, pieces: tuple[NodeId, ...]) -> None:
         """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
         their host pages stay protected until the upload is done."""
-        ctx, tree = self._ctx, self._ctx.tree
+        shared, tree = self._shared, self._shared.tree
         node = pieces[-1]  # the deepest: protecting it protects the path above it
         if not tree.has_host_copy(node):
             return
         if self.upload_credits == 0:
-            if len(self.upload_backlog) >= ctx.cfg.max_upload_backlog:
+            if len(self.upload_backlog) >= shared.cfg.max_upload_backlog:
                 # Storage is slower than the writes: skip rather than queue without bound.
-                ctx.counters.skipped_uploads += 1
-                ctx.out.warning(
+                shared.counters.skipped_uploads += 1
+                step.out.warning(
                     "tree.upload_skipped",
                     node=node,
                     reason="backlog_full",
@@ -170,12 +301,12 @@ class WriteFlows:
             return
         hashes = [h for p in pieces for h in self.node_hashes(p)]
         host_slots = np.concatenate([tree.host_slots(p) for p in pieces])
-        op = ctx.op()
+        op = shared.op()
         self.upload_credits -= 1
         tree.protect_host(node)
         self.uploads[op] = UploadOp(node=node, pages=len(hashes))
-        ttl = tree.retained_for(pieces, now=ctx.now)  # a range's duration reaches storage
-        ctx.out.send(
+        ttl = tree.retained_for(pieces, now=step.now)  # a range's duration reaches storage
+        step.out.send(
             "uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots, ttl=ttl)
         )
 
@@ -184,55 +315,57 @@ class WriteFlows:
         pages were never protected for it). How many nodes were dropped (counted as skipped)."""
         dropped = len(self.upload_backlog)
         self.upload_backlog.clear()
-        self._ctx.counters.skipped_uploads += dropped
+        self._shared.counters.skipped_uploads += dropped
         return dropped
 
     def upload_timed_out(self, op_id: OpId) -> None:
         job = self.uploads.get(op_id)
         if job is not None and not job.timed_out:
             job.timed_out = True
-            self._ctx.counters.upload_timeouts += 1
+            self._shared.counters.upload_timeouts += 1
 
-    def finish_upload(self, op_id: OpId) -> None:
-        tree = self._ctx.tree
+    def finish_upload(self, step: Step, op_id: OpId) -> None:
+        tree = self._shared.tree
         job = self.uploads.pop(op_id)
         self.upload_credits += 1
         tree.release_host(job.node)
         while self.upload_backlog and self.upload_credits:
             pieces = self.upload_backlog.popleft()
             if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
-                self._upload(pieces)
+                self._upload(step, pieces)
             else:  # L2 evicted it while it waited (a backlog does not protect): never stored
-                self._ctx.counters.skipped_uploads += 1
-                self._ctx.out.warning(
+                self._shared.counters.skipped_uploads += 1
+                step.out.warning(
                     "tree.upload_skipped",
                     node=pieces[-1],
                     reason="evicted",
                     backlog=len(self.upload_backlog),
                 )
-        self.retry_backlog()  # host pages may be evictable again
+        self.retry_backlog(step)  # host pages may be evictable again
 
     def node_hashes(self, node: NodeId) -> tuple[PageHash, ...]:
         """The node's chained page hashes, computed on first use from its parent's last one."""
-        tree = self._ctx.tree
+        tree = self._shared.tree
         hashes = tree.page_hashes(node)
         if hashes is None:
             parent = tree.parent(node)
             assert parent is not None
             prior = tree.seed(parent) if tree.is_root(parent) else self.node_hashes(parent)[-1]
-            hashes = tuple(chain_page_hashes(tree.key(node), self._ctx.cfg.page_size, prior=prior))
+            hashes = tuple(
+                chain_page_hashes(tree.key(node), self._shared.cfg.page_size, prior=prior)
+            )
             tree.set_page_hashes(node, hashes)
         return hashes
 
     # ------------------------------------------------------------------ close
-    def abandon(self) -> None:
+    def abandon(self, step: Step) -> None:
         """End every write and upload as failed (close past its deadline). With the backlogs
         emptied first, nothing ending here starts new work (a failed write uploads nothing)."""
         self.write_backlog.clear()
         self.upload_backlog.clear()
         for op_id in list(self.writes):
-            self.arrived_writes.pop(op_id, None)
-            self.finish_write(op_id, False, "abandoned at close")
+            self._arrived_writes.pop(op_id, None)
+            self.finish_write(step, op_id, False, "abandoned at close")
         for op_id in list(self.uploads):
-            self.arrived_uploads.pop(op_id, None)
-            self.finish_upload(op_id)
+            self._arrived_uploads.pop(op_id, None)
+            self.finish_upload(step, op_id)

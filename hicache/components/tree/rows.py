@@ -1,5 +1,6 @@
-"""The controller's records: one per running request and per operation in flight. Owned by
-the controller alone; other actors only ever see ids and slot arrays."""
+"""The rows of the controller's tables: one per running request (`RequestState`, in
+`requests.py`) and one per op in flight (`WriteOp`, `UploadOp` in `writes.py`, `LoadOp` in
+`loads.py`, `PrefetchOp` in `prefetches.py`). Other actors only ever see ids and slot arrays."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.loader.ticket import LoadTicket
+from hicache.components.prefetch_state import Phase, advance
 from hicache.radix.results import LoadPlan
 from hicache.radix.tree import Range
 from hicache.results import PrefetchOutcome
@@ -43,6 +46,7 @@ class WriteOp:
 
 @dataclass(slots=True)
 class LoadOp:
+    ticket: LoadTicket  # the handle callers wait on (bound when the actor submits the load)
     plan: LoadPlan
     lock: NodeId  # the load's own lock (the plan's deepest node), held until it lands or fails
     anchor: NodeId  # the deepest node already on the device above it (the root if none): the
@@ -60,12 +64,13 @@ class PrefetchOp:
     host_slots: np.ndarray
     timer: bool = False  # the timeout policy's timer is running (cancelled when the op ends)
     threshold: int = 0  # fewest tokens worth fetching (the config's, or the request's own)
-    hit_pages: int = -1  # unknown until the prefetcher's probe reports
+    phase: Phase = Phase.PROBING  # where it stands (`prefetch_state.py`)
+    hit_pages: int = 0  # pages storage has, as agreed (known from WAITING_HOST on)
     done_pages: int = 0
-    stopping: bool = False
-    reading: bool = False  # ReadPrefetch sent (host slots taken for the agreed hit pages)
-    state: str = "running"  # running | done | revoked
     waiters: list[Any] = field(default_factory=list)  # replies of prefetch waits
+
+    def to(self, op: OpId, phase: Phase) -> None:
+        self.phase = advance(op, self.phase, phase)
 
 
 @dataclass(slots=True)
@@ -73,19 +78,3 @@ class UploadOp:
     node: NodeId
     pages: int
     timed_out: bool = False  # its storage call passed the deadline: no longer waited for
-
-
-@dataclass(slots=True)
-class Counters:
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    device_evictions: int = 0
-    host_evictions: int = 0
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    skipped_uploads: int = 0  # the upload backlog was full
-    evict_backups: int = 0  # backups an L1 eviction waited for (write_back, exclusive, L3 on)
-    anchor_backups: int = 0  # nodes backed up for a prefetch anchor that had no L2 copy
-    upload_timeouts: int = 0
-    abandoned_ops: int = 0  # ended at close past its deadline

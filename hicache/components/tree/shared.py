@@ -1,0 +1,78 @@
+"""What the parts of the controller share: the configuration, the radix tree, the counters and
+the op ids (`Shared`, for the controller's life); the time and the effects of the step being
+taken (`Step`, made for each call and passed down); and what a parked call waits on (`Wait`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hicache.components.tree.effects import Effects
+from hicache.config import CacheConfig
+from hicache.radix.tree import RadixTree
+from hicache.types import OpId
+
+
+@dataclass(slots=True)
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    device_evictions: int = 0
+    host_evictions: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    skipped_uploads: int = 0  # the upload backlog was full
+    evict_backups: int = 0  # backups an L1 eviction waited for (write_back, exclusive, L3 on)
+    anchor_backups: int = 0  # nodes backed up for a prefetch anchor that had no L2 copy
+    upload_timeouts: int = 0
+    abandoned_ops: int = 0  # ended at close past its deadline
+
+
+@dataclass(slots=True)
+class Shared:
+    cfg: CacheConfig
+    tree: RadixTree
+    bytes_per_token: int
+    counters: Counters = field(default_factory=Counters)
+    last_op: int = 0
+
+    def op(self) -> OpId:
+        self.last_op += 1
+        return OpId(self.last_op)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One controller step: its time (given by the driver) and the effects it returns."""
+
+    now: float
+    out: Effects
+
+
+class Awaited(Protocol):
+    """A flow whose ops a parked call can wait on."""
+
+    def ended(self, op: OpId) -> bool:
+        """The op no longer holds up a waiter (it ended, or it is no longer waited for)."""
+        ...
+
+    def arrived(self, op: OpId) -> bool:
+        """Its completion has arrived here (not applied yet: the ranks agree first)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """An allocation that can go on only once this op has ended (its backup frees device
+    slots, its upload unprotects host pages, its load unlocks the pages it filled): the
+    caller parks, and is retried then."""
+
+    flow: Awaited
+    op: OpId
+
+    def ended(self) -> bool:
+        return self.flow.ended(self.op)
+
+    def arrived(self) -> bool:
+        return self.flow.arrived(self.op)
