@@ -390,7 +390,7 @@ def _selected_streams(device: str, tmp_path, native: str = "1") -> dict:
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_streams_selected_names_the_cpu_row_copier(native, tmp_path):
-    from hicache.kernels.native import native_rows
+    from hicache.kernels.native.rowcopy import native_rows
 
     selected = _selected_streams("cpu", tmp_path, native)  # host pools on any machine
     assert selected["kind"] == "inline"  # CPU copies on the loop, not "virtual" time
