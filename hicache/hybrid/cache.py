@@ -97,6 +97,11 @@ class HybridCache:
     def _snapshot_store(self) -> Snapshots:
         states = self.states
         if states is None:
+            if self.model.stateful and not self.model.pool_layers:
+                raise InvalidRequest(
+                    "the model keeps no layer as pages, so its pool pages hold no bytes: keep "
+                    "its snapshots in a states cache (states=, opened with state_config)"
+                )
             pages = state_pages(self._pool, self.model.state_bytes) if self.model.stateful else 0
             return Snapshots(self.cache, self._pool, pages, self.model.state_bytes, own=False)
         if not self.model.stateful:

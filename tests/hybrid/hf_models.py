@@ -26,6 +26,10 @@ from transformers import (
     FalconH1ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
     PreTrainedModel,
@@ -41,6 +45,9 @@ KINDS = ("gemma3", "bamba", "qwen3next")
 # Mamba2), Zamba2 (Mamba2 layers, two of them also running a shared attention block),
 # Nemotron-H (an MLP-only layer, no cache).
 FAMILIES = ("falconh1", "zamba2", "nemotronh")
+# Models with no layer kept as pages when declared windowed: Mamba2 (every layer recurrent) and
+# Mistral-v0.1-like (every layer sliding).
+NO_POOL = ("mamba2", "mistral")
 WINDOW = 16  # gemma3's sliding window: a layer sees the last WINDOW tokens, itself included
 VOCAB = 256
 # All attention layers (full and sliding) of every kind share this geometry.
@@ -136,6 +143,22 @@ def _config(kind: str) -> Any:
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         )
+    if kind == "mistral":  # every layer sliding (Mistral 7B v0.1's layout)
+        return MistralConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW)
+    if kind == "mamba2":  # every layer a Mamba2 mixer: no attention, no K/V
+        return Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_heads=4,
+            head_dim=32,
+            expand=2,
+            n_groups=1,
+            state_size=16,
+            conv_kernel=4,
+            chunk_size=16,
+            initializer_range=INIT_RANGE,
+        )
     mamba = {"mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}
     if kind == "falconh1":
         return FalconH1Config(
@@ -172,7 +195,7 @@ def _config(kind: str) -> Any:
             expand=2,
             chunk_size=16,
         )
-    raise ValueError(f"unknown kind {kind!r}; one of {KINDS + FAMILIES}")
+    raise ValueError(f"unknown kind {kind!r}; one of {KINDS + FAMILIES + NO_POOL}")
 
 
 def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
@@ -185,18 +208,30 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
         "falconh1": FalconH1ForCausalLM,
         "zamba2": Zamba2ForCausalLM,
         "nemotronh": NemotronHForCausalLM,
+        "mistral": MistralForCausalLM,
+        "mamba2": Mamba2ForCausalLM,
     }
     torch.manual_seed(seed)
     model = cls[kind](config).to(torch.float32).eval()
-    assert len(model.config.layer_types) == 4
+    assert len(layer_types(model.config)) == 4
     return model
+
+
+def layer_types(config: Any) -> list[str]:
+    """transformers' name for each layer's cache; Mistral's config has none: every layer
+    slides when `sliding_window` is set (what its DynamicCache builds)."""
+    types = getattr(config, "layer_types", None)
+    if types is None and getattr(config, "sliding_window", None):
+        return ["sliding_attention"] * config.num_hidden_layers
+    assert types is not None, f"{type(config).__name__} names no layer types"
+    return list(types)
 
 
 def layer_specs(model: PreTrainedModel) -> list[LayerSpec]:
     """One spec per decoder layer, from the config's layer_types."""
     config = model.config
     specs = []
-    for layer_type in config.layer_types:
+    for layer_type in layer_types(config):
         if layer_type == "full_attention":
             specs.append(LayerSpec("full"))
         elif layer_type == "sliding_attention":
@@ -234,15 +269,17 @@ def _forward(
 ) -> torch.Tensor:
     """Logits (len(tokens), vocab) of tokens at positions [start, start + len(tokens))."""
     ids = torch.tensor([tokens], dtype=torch.long)
-    # Explicit positions: Bamba would otherwise number a resumed chunk from 0.
-    positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
     with torch.no_grad():
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
+        if isinstance(model, Mamba2ForCausalLM):  # no positions; its cache is `cache_params`
+            out = model(input_ids=ids, cache_params=cache, use_cache=cache is not None)
+        else:  # explicit positions: Bamba would otherwise number a resumed chunk from 0
+            positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+            out = model(
+                input_ids=ids,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
     return out.logits[0].float()
 
 
