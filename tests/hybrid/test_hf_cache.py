@@ -70,7 +70,7 @@ class Adapter:
         # (Nemotron-H) in NoCache
         groups: list[LayerGroup] = []
         full = tuple(i for i, s in enumerate(self.specs) if s.kind in ("full", "hybrid"))
-        sliding = [i for i, s in enumerate(self.specs) if s.kind == "sliding"]
+        sliding = [i for i, s in enumerate(self.specs) if s.window is not None]
         self.window = self.specs[sliding[0]].window if sliding else 0
         self.windowed_layers = sliding if windowed else []
         if full:
@@ -214,6 +214,7 @@ CASES = [(kind, False, False) for kind in KINDS] + [
     # snapshots (states, or every sliding layer's window) are all there is to resume from
     ("mamba2", True, False),
     ("mistral", True, True),
+    ("zaya", True, True),
 ]
 IDS = [f"{k}-{'own' if o else 'pool'}{'-windowed' if w else ''}" for k, o, w in CASES]
 
@@ -265,7 +266,8 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
         assert error(resume_logits(model, second, h, kv, wrong), full[h:]) >= WRONG
     if windowed:  # the window kept at the grid point before, handed back as if at h
         before = prefill_snapshots(model, second, [h - GRID])
-        _, shifted = adapter.unpack(adapter.pack({}, before.kv, h - GRID), h)
+        packed = adapter.pack(before.states.get(h - GRID, {}), before.kv, h - GRID)
+        _, shifted = adapter.unpack(packed, h)
         assert error(resume_logits(model, second, h, {**kv, **shifted}, states), full[h:]) >= WRONG
     both = [i for i, s in enumerate(adapter.specs) if s.kind == "hybrid"]
     if both:  # a layer with a state still needs its K/V: the last token's zeroed in one
@@ -275,7 +277,7 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
         assert error(resume_logits(model, second, h, damaged, states), full[h:]) >= WRONG
     if kind == "nemotronh":  # the MLP-only layer is declared and keeps nothing
         assert adapter.hybrid.pool_layers == (1,) and 2 not in kv and 2 not in states
-    sliding = [i for i, s in enumerate(adapter.specs) if s.kind == "sliding"]
+    sliding = [i for i, s in enumerate(adapter.specs) if s.window is not None]
     if sliding:  # the window's oldest token zeroed in every sliding layer
         window = adapter.specs[sliding[0]].window
         damaged = {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}
