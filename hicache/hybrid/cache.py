@@ -8,7 +8,9 @@ K/V cache below their prefix's node or, given `states=`, in a cache of their own
 prefix's digest (snapshots.py hides which): a match looks for the deepest snapshot within the
 K/V it found and cuts the hit there; without one the hit is 0. A snapshot is read out of its
 pool while a lookup-only request (a probe) locks it, then that request is released; the
-hit's K/V stays locked by the caller's request as with `HiCache.match`.
+hit's K/V stays locked by the caller's request as with `HiCache.match`. A model with no layer
+kept as pages runs over a pool of 0 layers: its pages are tokens alone and its snapshots,
+all a hit resumes from, are in a states cache.
 """
 
 from __future__ import annotations
