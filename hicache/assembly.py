@@ -237,13 +237,13 @@ async def _streams(
     if parts.streams is not None:
         return parts.streams
     if not device.geometry.layers:  # pages with no K/V: nothing to copy, nothing to build
-        kernel.log.emit(
+        system.log.emit(
             "streams.selected",
             component="cache",
             kind="none",
             reason="the pools have 0 layers: pages hold tokens only, transfers move nothing",
         )
-        return NoKVStreams(device, host, schedule=kernel.call_later)
+        return NoKVStreams(device, host, schedule=system.call_later)
     if device.device.type == "cpu" and not cfg.deterministic:
         # The compiled row copier is built (once per machine, by `cc`) off the event loop.
         await anyio.to_thread.run_sync(native_rows)
