@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from hicache.integrations.vllm.compat import ConnectorBase, log
+from hicache.integrations.vllm.compat import ConnectorBase, HMABase, TransferResults, log
 from hicache.integrations.vllm.layout import geometry_of, namespace_of
 from hicache.integrations.vllm.metrics import EventLog, HiCachePromMetrics, HiCacheStats
 from hicache.integrations.vllm.options import default_host_bytes, parse_options
@@ -29,8 +29,10 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
         return 0, size
 
 
-class HiCacheConnector(ConnectorBase):
-    """vLLM KV connector v1 over hicache's L2 (host pool) and L3 (storage backends)."""
+class HiCacheConnector(HMABase, ConnectorBase):
+    """vLLM KV connector v1 over hicache's L2 (host pool) and L3 (storage backends). Takes
+    vLLM's hybrid KV cache manager's groups (`SupportsHMA`): full attention and sliding
+    window groups (groups.py)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         cast(Any, super()).__init__(
@@ -41,6 +43,14 @@ class HiCacheConnector(ConnectorBase):
         transfer = vllm_config.kv_transfer_config
         self.options = parse_options(getattr(transfer, "kv_connector_extra_config", None))
         self.geometry = geometry_of(vllm_config, kv_cache_config)
+        if self.options.write_policy == "write_back" and any(
+            p.nullable for p in self.geometry.parts
+        ):
+            raise ValueError(
+                "HiCacheConnector: write_back needs every page's blocks when vLLM frees the "
+                "request, and vLLM drops a sliding window group's older blocks before then; "
+                "use write_through with this model"
+            )
         rank, tp_size = _tp(vllm_config)
         model_id = self.options.model_id or str(vllm_config.model_config.model)
         host_bytes = self.options.host_bytes or default_host_bytes(
@@ -102,6 +112,14 @@ class HiCacheConnector(ConnectorBase):
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
+            return self.scheduler.request_finished(request, (block_ids,)), None
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`: as `request_finished`, with one block list per group."""
+        if self.scheduler is not None:
             return self.scheduler.request_finished(request, block_ids), None
         return False, None
 
@@ -145,6 +163,17 @@ class HiCacheConnector(ConnectorBase):
             return None, None
         sending, recving = self.worker.poll(set(finished_req_ids))
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """`get_finished`, plus the requests whose load failed (several groups: vLLM takes
+        load errors of a hybrid model per request; they are in `finished_recving` too)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed() if self.worker is not None else set()
+        return TransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
