@@ -59,7 +59,9 @@ def test_an_l3_hit_is_asynchronous_and_holds_its_pages_until_it_ends():
     s.update_state_after_alloc(a, _Blocks([0, 1, 2, 3]), 3 * BS)
     meta = s.build_meta(_sched_output([]))  # a waits for its KV: not scheduled
     (plan,) = meta.loads
-    assert plan.background and plan.read == [True, True, True] and plan.block_ids == [(0,), (1,), (2,)]
+    assert (
+        plan.background and plan.read == [True, True, True] and plan.block_ids == [(0,), (1,), (2,)]
+    )
     # A second request sharing the pages: in L2, but still arriving, so asynchronous too.
     b = _Req("b", tokens)
     assert s.get_num_new_matched_tokens(b, 0) == (3 * BS, True)

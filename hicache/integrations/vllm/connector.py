@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from hicache.integrations.vllm.compat import ConnectorBase, HMABase, TransferResults, log
+from hicache.integrations.vllm.groups import check_policies
 from hicache.integrations.vllm.layout import geometry_of, namespace_of
 from hicache.integrations.vllm.metrics import EventLog, HiCachePromMetrics, HiCacheStats
 from hicache.integrations.vllm.options import default_host_bytes, parse_options
@@ -43,14 +44,7 @@ class HiCacheConnector(HMABase, ConnectorBase):
         transfer = vllm_config.kv_transfer_config
         self.options = parse_options(getattr(transfer, "kv_connector_extra_config", None))
         self.geometry = geometry_of(vllm_config, kv_cache_config)
-        if self.options.write_policy == "write_back" and any(
-            p.nullable for p in self.geometry.parts
-        ):
-            raise ValueError(
-                "HiCacheConnector: write_back needs every page's blocks when vLLM frees the "
-                "request, and vLLM drops a sliding window group's older blocks before then; "
-                "use write_through with this model"
-            )
+        check_policies(self.options.write_policy, self.geometry)
         rank, tp_size = _tp(vllm_config)
         model_id = self.options.model_id or str(vllm_config.model_config.model)
         host_bytes = self.options.host_bytes or default_host_bytes(

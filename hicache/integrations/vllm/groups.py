@@ -64,3 +64,15 @@ def hole(geometry: Geometry, rows: list[Row], first_page: int, hit: int) -> tupl
 def storable(geometry: Geometry, row: Row) -> bool:
     """A page is stored whole: every group's block is the request's own (none nulled)."""
     return not any(b == NULL_BLOCK and p.nullable for b, p in zip(row, geometry.parts))
+
+
+def check_policies(write_policy: str, geometry: Geometry) -> None:
+    """Refuse, naming why, a write policy these groups cannot be stored under: write_back
+    stores a request's pages when vLLM frees it, and vLLM drops a sliding window group's
+    blocks older than the window before then."""
+    if write_policy == "write_back" and any(p.nullable for p in geometry.parts):
+        raise ValueError(
+            "HiCacheConnector: write_back needs every page's blocks when vLLM frees the "
+            "request, and vLLM drops a sliding window group's older blocks before then; use "
+            "write_through with this model"
+        )
