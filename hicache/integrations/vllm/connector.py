@@ -160,13 +160,15 @@ class HiCacheConnector(HMABase, ConnectorBase):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """`get_finished`, plus the requests whose load failed (several groups: vLLM takes
-        load errors of a hybrid model per request; they are in `finished_recving` too)."""
+        load errors of a hybrid model per request; they are in `finished_recving` too, as
+        every ended load is)."""
         sending, recving = self.get_finished(finished_req_ids)
-        failed = self.worker.take_failed() if self.worker is not None else set()
+        ended = set(recving or ())
+        # Only an asynchronous load's request (ended in this poll) can fail; a hybrid model's
+        # loads all are.
+        failed = (self.worker.take_failed() if self.worker is not None else set()) & ended
         return TransferResults(
-            finished_sending=set(sending or ()),
-            finished_recving=set(recving or ()) | failed,
-            failed_recving=failed,
+            finished_sending=set(sending or ()), finished_recving=ended, failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:

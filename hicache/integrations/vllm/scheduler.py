@@ -292,11 +292,11 @@ class SchedulerSide:
         rows = _rows(st.block_ids, 0, pages)
         for i in range(st.stored, pages):
             h = hashes[i]
-            if not storable(self.geometry, rows[i]):
-                continue  # vLLM already dropped a group's block of it: not stored whole
             if self.index.lookup(h) is not None:
                 self.index.touch(h)
                 continue
+            if not storable(self.geometry, rows[i]):
+                continue  # vLLM already dropped a group's block of it: not stored whole
             slot = self.index.allocate(h)
             if slot is None:
                 self.stats.add("no_slot")
