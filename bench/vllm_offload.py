@@ -148,8 +148,8 @@ def geometry(args: argparse.Namespace) -> dict:
     max_model_len = math.ceil((longest + 1) / bs) * bs
     gpu_blocks = args.gpu_blocks or max_model_len // bs + 4
     large_blocks = args.conversations * (max_model_len // bs) + 4
-    if args.model == "gemma3":  # two groups draw on one block pool: room for both
-        gpu_blocks = args.gpu_blocks or max_model_len // bs + args.window // bs + 8
+    if args.model == "gemma3":  # two groups draw on one block pool: one conversation of each
+        gpu_blocks = args.gpu_blocks or 2 * (max_model_len // bs) + 8
         large_blocks = 2 * args.conversations * (max_model_len // bs) + 8
     kv_token = 2 * args.layers * args.kv_heads * HEAD_DIM * DTYPE_BYTES
     working_set = args.conversations * max_model_len * kv_token  # one round's conversations
