@@ -165,6 +165,15 @@ def test_a_null_block_inside_the_window_refuses_the_load():
     s.update_state_after_alloc(b, _Blocks([0, 0, 0, 7, 8], [21, 22, 23, 24, 25]), 4 * BS)
     (plan,) = s.build_meta(_output()).loads
     assert plan.slots == [-1, -1, -1, -1]  # the worker fails it: vLLM recomputes the request
+    # vLLM reports the failure (failed_recving, then finished_recving) and looks the request
+    # up again: nothing is offered, so a load that cannot land is not planned twice.
+    s.loads_failed({"b"})
+    s.loads_ended({"b"})
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert s.idle
+    s.request_finished(b, ([], []))
+    s.request_finished(a, ([], []))
+    assert not s._requests  # every table empty once the requests are gone
 
 
 # ------------------------------------------------------------------------------- worker

@@ -102,6 +102,7 @@ class HiCacheConnector(HMABase, ConnectorBase):
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if meta is not None:
                 self.scheduler.worker_feedback(meta)
+            self.scheduler.loads_failed(getattr(connector_output, "failed_recving", None))
             self.scheduler.loads_ended(getattr(connector_output, "finished_recving", None))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

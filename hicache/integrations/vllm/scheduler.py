@@ -38,6 +38,7 @@ class _Request:
     probe_start: int = 0  # pages vLLM had locally at the last probe
     stored: int = 0  # pages (from the first) already stored or found in L2
     waited: bool = False  # had an asynchronous load: later lookups offer landed L2 pages only
+    failed: bool = False  # its load failed (several groups): recomputed, never offered again
 
 
 def _rows(block_ids: list[list[int]], first: int, end: int) -> list[Row]:
@@ -121,6 +122,8 @@ class SchedulerSide:
         request that needs them."""
         self.stats.add("lookups")
         st = self._state(request)
+        if st.failed:
+            return 0, False
         start = num_computed_tokens // self.block_size
         st.probe_start = start
         limit = self.model.cap(int(request.num_tokens), int(request.num_tokens)) // self.block_size
@@ -238,6 +241,15 @@ class SchedulerSide:
                     self.index.release(h)
                 if read:
                     self._filling.discard(h)
+
+    def loads_failed(self, req_ids: Any) -> None:
+        """The workers report these requests' loads failed (`failed_recving`, several
+        groups): vLLM recomputes them, and no later lookup offers them anything, so a load
+        that cannot land is never planned again."""
+        for rid in req_ids or ():
+            st = self._requests.get(str(rid))
+            if st is not None:
+                st.failed = True
 
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata(self.index.slots, self.geometry.page_bytes)
