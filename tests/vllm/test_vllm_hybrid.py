@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from vllm_helpers import (
     BLOCK,
-    DRIVER,
     VLLM_MARKS,
     distinct_pages,
     extra,
     full_pages,
+    make_model,
     pass_delta,
     prompts,
     run,
@@ -34,17 +34,7 @@ pytestmark = VLLM_MARKS
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import subprocess
-    import sys
-
-    tmp = tmp_path_factory.mktemp("vllm-hybrid")
-    subprocess.run(
-        [sys.executable, str(DRIVER), "make-model", str(tmp / "model"), "gemma3"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return tmp
+    return make_model(tmp_path_factory.mktemp("vllm-hybrid"), "gemma3")
 
 
 @pytest.fixture(scope="module")
