@@ -291,7 +291,7 @@ def run_single(args) -> None:
     import numpy as np
 
     from hicache.cli.trace import read_trace
-    from hicache.components.allocator.core import SlotLedger
+    from hicache.components.allocator.ledger import SlotLedger
     from hicache.policies.eviction import make_strategy
     from hicache.policies.write import write_policy
     from hicache.radix.tree import RadixTree

@@ -60,7 +60,7 @@ def test_the_cache_serves_from_the_first_chunk_and_l2_grows_to_the_whole_pool():
                 assert (whole.host.size, whole.host.used) == (HOST, served.host.used)
                 allocator = cache.system.actors["allocator"]
                 assert allocator.leased == HOST and allocator.tables()["chunks_pending"] == 0
-                tree = cache.system.actors["tree"].core.space.ledgers["host"]
+                tree = cache.system.actors["tree"].controller.tiers.ledgers["host"]
                 tree.check_integrity()
             return cache.close_report, allocator
 

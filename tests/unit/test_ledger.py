@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hicache.components.allocator.core import LedgerError, SlotLedger
+from hicache.components.allocator.ledger import LedgerError, SlotLedger
 
 
 def snapshot(ledger):
@@ -181,7 +181,7 @@ def test_integrity_check_catches_a_free_page_that_is_not_leased():
 
 
 def test_chunk_plan_covers_the_pool_in_whole_page_chunks():
-    from hicache.components.allocator.core import chunk_plan
+    from hicache.components.allocator.ledger import chunk_plan
 
     assert chunk_plan(40, 4, 3) == [(0, 12), (12, 24), (24, 36), (36, 40)]
     assert chunk_plan(8, 4, 5) == [(0, 8)]

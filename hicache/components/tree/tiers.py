@@ -13,14 +13,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.components.allocator.core import SlotLedger
+from hicache.components.allocator.ledger import SlotLedger
 from hicache.components.tree.shared import Shared, Step
 from hicache.results import CacheStats, TierStats
 from hicache.types import NodeId
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceEviction:
+class DeviceRoom:
+    """What an L1 eviction made room for, as the controller sees it (the tree's own record,
+    `radix.results.DeviceEviction`, also names the slots)."""
+
     freed: int  # device tokens freed
     needs_backup: tuple[NodeId, ...]  # left on L1 until copied to L2 (the caller's to start)
 
@@ -86,7 +89,7 @@ class Tiers:
             inflight=inflight,
         )
 
-    def evict_device(self, step: Step, n: int, *, back_up: bool) -> DeviceEviction:
+    def evict_device(self, step: Step, n: int, *, back_up: bool) -> DeviceRoom:
         """Evict about n tokens from L1. The nodes the policy wants copied to L2 first
         (write_back, exclusive, `back_up`: L3 on) stay on L1 and are returned: the caller
         starts their backups (or drops them, `discard`)."""
@@ -102,7 +105,7 @@ class Tiers:
             step.out.info(
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
-        return DeviceEviction(freed, tuple(ev.needs_backup))
+        return DeviceRoom(freed, tuple(ev.needs_backup))
 
     def discard(self, step: Step, node: NodeId, reason: str) -> int:
         """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
