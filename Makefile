@@ -106,7 +106,7 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
-# The connector's tests against a real vLLM alone (about 5 min on 2 cores; `make test` runs them too).
+# The connector's tests against a real vLLM alone (about 10 min on 2 cores; `make test` runs them too).
 vllm-test: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q tests/vllm
 

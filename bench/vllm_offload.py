@@ -36,6 +36,11 @@ vLLM alone; then whether the generated token ids are identical across configurat
 the load average (other work on the machine moves these figures a lot: see
 docs/benchmarks.md). --json writes every round's results, per-request timings included.
 
+`--model gemma3` runs a hybrid model instead: a random-weight Gemma 3 whose layers alternate
+a sliding window (`--window`, default 128 tokens) and full attention, which vLLM's hybrid KV
+cache manager runs as two KV cache groups (the connector's `SupportsHMA` path, docs/vllm.md);
+vLLM's cache is then sized for both groups.
+
 The model is a random-weight Llama (transformers' `save_pretrained` into a temporary
 directory; head size 64 and block size 32, as vLLM's CPU attention wants; float32), token-id
 prompts (`skip_tokenizer_init`). Run (after `make vllm-env`):
@@ -100,6 +105,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="vLLM's KV cache in blocks (0: one longest conversation plus 4 blocks)",
     )
+    p.add_argument(
+        "--model",
+        choices=("llama", "gemma3"),
+        default="llama",
+        help="gemma3: a hybrid model, layers alternating sliding window (--window) and full "
+        "attention, which vLLM runs as two KV cache groups",
+    )
+    p.add_argument("--window", type=int, default=128, help="gemma3's sliding window (tokens)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512, help="hidden size (heads = hidden / 64)")
     p.add_argument("--kv-heads", type=int, default=2)
@@ -135,6 +148,9 @@ def geometry(args: argparse.Namespace) -> dict:
     max_model_len = math.ceil((longest + 1) / bs) * bs
     gpu_blocks = args.gpu_blocks or max_model_len // bs + 4
     large_blocks = args.conversations * (max_model_len // bs) + 4
+    if args.model == "gemma3":  # two groups draw on one block pool: one conversation of each
+        gpu_blocks = args.gpu_blocks or 2 * (max_model_len // bs) + 8
+        large_blocks = 2 * args.conversations * (max_model_len // bs) + 8
     kv_token = 2 * args.layers * args.kv_heads * HEAD_DIM * DTYPE_BYTES
     working_set = args.conversations * max_model_len * kv_token  # one round's conversations
     return {
@@ -148,11 +164,34 @@ def geometry(args: argparse.Namespace) -> dict:
 
 
 def make_model(path: str, args: argparse.Namespace, max_len: int) -> None:
-    """A random-weight Llama saved with save_pretrained (as tests/vllm's, but sized by flags)."""
+    """A random-weight Llama or Gemma 3 saved with save_pretrained (as tests/vllm's, but sized
+    by flags)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
+    if args.model == "gemma3":
+        types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)
+        ]
+        gemma = Gemma3TextConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // HEAD_DIM,
+            num_key_value_heads=args.kv_heads,
+            head_dim=HEAD_DIM,
+            max_position_embeddings=max(1024, max_len),
+            sliding_window=args.window,
+            layer_types=types,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        gemma.torch_dtype = "float32"
+        Gemma3ForCausalLM(gemma).save_pretrained(path)
+        return
     config = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -360,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hicache-vllm-bench-"))
     ws_conv = geo["max_model_len"] // args.block_size
     print(
-        f"model: Llama {args.layers} layers, hidden {args.hidden}, {args.hidden // HEAD_DIM} heads "
+        f"model: {'Gemma 3 (sliding window ' + str(args.window) + ' / full, alternating)' if args.model == 'gemma3' else 'Llama'} "
+        f"{args.layers} layers, hidden {args.hidden}, {args.hidden // HEAD_DIM} heads "
         f"({args.kv_heads} KV) of {HEAD_DIM}, float32, random weights; "
         f"KV {geo['kv_bytes_per_token']} B/token"
     )

@@ -39,6 +39,7 @@ from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
+from hicache.kernels.streams.nokv import NoKVStreams
 from hicache.messages import StorageAttachment, TreeInbox
 from hicache.observability import EventLog
 from hicache.policies.eviction import make_strategy
@@ -235,6 +236,14 @@ async def _streams(
 ) -> TransferStreams:
     if parts.streams is not None:
         return parts.streams
+    if not device.geometry.layers:  # pages with no K/V: nothing to copy, nothing to build
+        system.log.emit(
+            "streams.selected",
+            component="cache",
+            kind="none",
+            reason="the pools have 0 layers: pages hold tokens only, transfers move nothing",
+        )
+        return NoKVStreams(device, host, schedule=system.call_later)
     if device.device.type == "cpu" and not cfg.deterministic:
         # The compiled row copier is built (once per machine, by `cc`) off the event loop.
         await anyio.to_thread.run_sync(native_rows)

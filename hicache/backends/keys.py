@@ -111,8 +111,9 @@ def check_kv_spec(spec: str) -> str:
             "mla:LAYERS:RANK:ROPE:DTYPE (lowercase, e.g. mha:32:8:128:bfloat16)"
         )
     _kind, *dims, dtype = m.groups()
-    if any(int(d) <= 0 for d in dims):
-        raise ValueError(f"kv spec {spec!r}: layers and dimensions must be positive")
+    layers, *sizes = (int(d) for d in dims)  # 0 layers: pages with no K/V (docs/hybrid.md)
+    if layers < 0 or any(d <= 0 for d in sizes):
+        raise ValueError(f"kv spec {spec!r}: layers must be >= 0 and dimensions positive")
     if dtype not in KV_DTYPES:
         raise ValueError(f"kv spec {spec!r}: unknown dtype {dtype!r}; known: {sorted(KV_DTYPES)}")
     return spec

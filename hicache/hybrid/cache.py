@@ -8,7 +8,9 @@ K/V cache below their prefix's node or, given `states=`, in a cache of their own
 prefix's digest (snapshots.py hides which): a match looks for the deepest snapshot within the
 K/V it found and cuts the hit there; without one the hit is 0. A snapshot is read out of its
 pool while a lookup-only request (a probe) locks it, then that request is released; the
-hit's K/V stays locked by the caller's request as with `HiCache.match`.
+hit's K/V stays locked by the caller's request as with `HiCache.match`. A model with no layer
+kept as pages runs over a pool of 0 layers: its pages are tokens alone and its snapshots,
+all a hit resumes from, are in a states cache.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ class HybridCache:
     def _snapshot_store(self) -> Snapshots:
         states = self.states
         if states is None:
+            if self.model.stateful and not self.model.pool_layers:
+                raise InvalidRequest(
+                    "the model keeps no layer as pages, so its pool pages hold no bytes: keep "
+                    "its snapshots in a states cache (states=, opened with state_config)"
+                )
             pages = state_pages(self._pool, self.model.state_bytes) if self.model.stateful else 0
             return Snapshots(self.cache, self._pool, pages, self.model.state_bytes, own=False)
         if not self.model.stateful:

@@ -91,7 +91,9 @@ class HybridModel:
     NoCache. Attention layers kept as pages (full, and sliding without a grid) hold K/V in the
     cache's pool, pool layer i being `pool_layers[i]`; recurrent states and windowed sliding
     layers' windows are kept per snapshot point, one snapshot holding every such group's part
-    in group order (hybrid/states.py)."""
+    in group order (hybrid/states.py). A model may have no layer kept as pages (a pure
+    state-space model, or every attention layer windowed): its pool has 0 layers, its pages
+    are tokens alone, and everything it resumes from is in its snapshots."""
 
     groups: tuple[LayerGroup, ...]
     page_size: int
@@ -125,10 +127,10 @@ class HybridModel:
                 f"layers {missing} are in no group (a layer that keeps no cache is named in "
                 "NoCache)"
             )
-        if not self.pool_layers:
+        if not self.pool_layers and not self.stateful:
             raise ConfigError(
-                "a hybrid model needs at least one attention layer kept as pages (full, or "
-                "sliding without a grid)"
+                "the model keeps nothing: no attention layer kept as pages (full, or sliding "
+                "without a grid), no recurrent or windowed sliding group"
             )
 
     @staticmethod
@@ -176,7 +178,8 @@ class HybridModel:
     @property
     def pool_layers(self) -> tuple[int, ...]:
         """Model layers whose K/V the pool keeps as pages, in order: pool layer i holds
-        `pool_layers[i]` (full attention, and sliding layers without a grid)."""
+        `pool_layers[i]` (full attention, and sliding layers without a grid). Empty for a
+        model with none: its pool has 0 layers (pages of tokens alone)."""
         return tuple(
             sorted(
                 layer

@@ -3,7 +3,8 @@
 A geometry is a frozen value. MHA (including GQA/MQA, by head count) keeps a K and a V row per
 token and layer; MLA keeps one latent row of width `kv_lora_rank + qk_rope_head_dim`. Transfers
 see both through the same lens: `components` rows (2 for MHA, 1 for MLA) of `row_heads` x
-`row_dim` elements per token and layer.
+`row_dim` elements per token and layer. A geometry of 0 layers holds no bytes: its pages are
+tokens alone (docs/hybrid.md, "Models with no layer kept as pages").
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _layers(value: int) -> None:
+    """0 layers is a pool of pages with no K/V (a model whose every layer keeps its cache
+    elsewhere, such as a pure state-space model's snapshots): pages are tokens alone."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"layers must be an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class MHAGeometry:
     """Multi-head attention KV: per layer a K and a V buffer of shape (tokens, heads, head_dim).
@@ -57,7 +65,7 @@ class MHAGeometry:
     kind: ClassVar[str] = "mha"
 
     def __post_init__(self) -> None:
-        _positive("layers", self.layers)
+        _layers(self.layers)
         _positive("heads", self.heads)
         _positive("head_dim", self.head_dim)
         dtype_name(self.dtype)
@@ -101,7 +109,7 @@ class MLAGeometry:
     kind: ClassVar[str] = "mla"
 
     def __post_init__(self) -> None:
-        _positive("layers", self.layers)
+        _layers(self.layers)
         _positive("kv_lora_rank", self.kv_lora_rank)
         _positive("qk_rope_head_dim", self.qk_rope_head_dim)
         dtype_name(self.dtype)

@@ -62,9 +62,16 @@ class DevicePool:
     contents change, the pool object does not)."""
 
     def __init__(
-        self, geometry: Geometry, page_size: int, buffers: Sequence[Sequence[torch.Tensor]]
+        self,
+        geometry: Geometry,
+        page_size: int,
+        buffers: Sequence[Sequence[torch.Tensor]],
+        *,
+        empty: tuple[int, torch.device] | None = None,
     ):
-        """`buffers[layer][component]`; prefer `allocate` or `wrap`. Validates everything."""
+        """`buffers[layer][component]`; prefer `allocate` or `wrap`. Validates everything.
+        `empty`: (size, device) of a pool of 0 layers, which has no buffer to read them from
+        (its slots are ledger entries only: pages with no K/V)."""
         _check_page_size(page_size)
         if len(buffers) != geometry.layers:
             raise ValueError(f"expected {geometry.layers} layers of buffers, got {len(buffers)}")
@@ -98,6 +105,10 @@ class DevicePool:
                     )
                 if buf.device != device:
                     raise ValueError(f"{where} is on {buf.device}, other buffers are on {device}")
+        if not buffers:
+            if empty is None:
+                raise ValueError("a pool of 0 layers needs its size and device (empty=)")
+            size, device = empty[0], torch.device(empty[1])
         assert size is not None and device is not None
         if size == 0 or size % page_size:
             raise ValueError(
@@ -137,7 +148,7 @@ class DevicePool:
             return cpu_bytes(math.prod(shape) * geometry.itemsize).view(geometry.dtype).view(shape)
 
         buffers = [[zeros() for _ in range(geometry.components)] for _ in range(geometry.layers)]
-        return cls(geometry, page_size, buffers)
+        return cls(geometry, page_size, buffers, empty=(size, torch.device(device)))
 
     @classmethod
     def wrap(

@@ -189,8 +189,9 @@ def _bad_on_device(
 def fill(
     pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int, first: int
 ) -> None:
-    """Write the KV of tokens first .. first+len(slots) of a request into `slots`."""
-    if not len(slots):
+    """Write the KV of tokens first .. first+len(slots) of a request into `slots` (nothing
+    in a pool of 0 layers: its pages hold no bytes)."""
+    if not len(slots) or not pool.geometry.layers:
         return
     index = np.asarray(slots, dtype=np.int64)
     if pool.device.type != "cpu":
@@ -218,8 +219,9 @@ def fill(
 def count_bad_pages(
     pool: DevicePool, slots: np.ndarray, seeds: np.ndarray, *, page_size: int, first: int
 ) -> int:
-    """How many pages among tokens first .. first+len(slots) do not hold what they must."""
-    if not len(slots):
+    """How many pages among tokens first .. first+len(slots) do not hold what they must
+    (none in a pool of 0 layers: there is nothing they must hold)."""
+    if not len(slots) or not pool.geometry.layers:
         return 0
     index = np.asarray(slots, dtype=np.int64)
     if pool.device.type != "cpu":

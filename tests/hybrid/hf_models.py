@@ -26,6 +26,10 @@ from transformers import (
     FalconH1ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     NemotronHConfig,
     NemotronHForCausalLM,
     PreTrainedModel,
@@ -33,6 +37,8 @@ from transformers import (
     Qwen3NextForCausalLM,
     Zamba2Config,
     Zamba2ForCausalLM,
+    ZayaConfig,
+    ZayaForCausalLM,
 )
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
@@ -41,6 +47,11 @@ KINDS = ("gemma3", "bamba", "qwen3next")
 # Mamba2), Zamba2 (Mamba2 layers, two of them also running a shared attention block),
 # Nemotron-H (an MLP-only layer, no cache).
 FAMILIES = ("falconh1", "zamba2", "nemotronh")
+# Models with no layer kept as pages when declared windowed: Mamba2 (every layer recurrent),
+# Mistral-v0.1-like (every layer sliding) and a Samba-like ZAYA (every layer sliding window
+# attention beside a recurrent state of its own: a conv state and the previous token's value
+# projection; no full attention).
+NO_POOL = ("mamba2", "mistral", "zaya")
 WINDOW = 16  # gemma3's sliding window: a layer sees the last WINDOW tokens, itself included
 VOCAB = 256
 # All attention layers (full and sliding) of every kind share this geometry.
@@ -54,16 +65,18 @@ INIT_RANGE = 0.05
 class LayerSpec:
     """What the cache library keeps for one decoder layer."""
 
-    kind: str  # "full" | "sliding" | "recurrent" | "hybrid" (full and recurrent) | "none"
+    # "full" | "sliding" | "recurrent" | "hybrid" (full and recurrent) | "sliding_hybrid"
+    # (sliding and recurrent) | "none"
+    kind: str
     window: int | None = None  # sliding layers: tokens seen by a query, itself included
 
     @property
     def has_kv(self) -> bool:
-        return self.kind in ("full", "sliding", "hybrid")
+        return self.kind in ("full", "sliding", "hybrid", "sliding_hybrid")
 
     @property
     def has_state(self) -> bool:
-        return self.kind in ("recurrent", "hybrid")
+        return self.kind in ("recurrent", "hybrid", "sliding_hybrid")
 
 
 @dataclass
@@ -136,6 +149,32 @@ def _config(kind: str) -> Any:
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         )
+    if kind == "mistral":  # every layer sliding (Mistral 7B v0.1's layout)
+        return MistralConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW)
+    if kind == "mamba2":  # every layer a Mamba2 mixer: no attention, no K/V
+        return Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_heads=4,
+            head_dim=32,
+            expand=2,
+            n_groups=1,
+            state_size=16,
+            conv_kernel=4,
+            chunk_size=16,
+            initializer_range=INIT_RANGE,
+        )
+    if kind == "zaya":
+        return ZayaConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            sliding_window=WINDOW,
+            layer_types=["hybrid_sliding"] * 4,
+            moe_intermediate_size=64,
+            num_experts=2,
+            router_hidden_size=32,
+        )
     mamba = {"mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}
     if kind == "falconh1":
         return FalconH1Config(
@@ -172,7 +211,7 @@ def _config(kind: str) -> Any:
             expand=2,
             chunk_size=16,
         )
-    raise ValueError(f"unknown kind {kind!r}; one of {KINDS + FAMILIES}")
+    raise ValueError(f"unknown kind {kind!r}; one of {KINDS + FAMILIES + NO_POOL}")
 
 
 def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
@@ -185,24 +224,39 @@ def tiny_model(kind: str, seed: int = 0) -> PreTrainedModel:
         "falconh1": FalconH1ForCausalLM,
         "zamba2": Zamba2ForCausalLM,
         "nemotronh": NemotronHForCausalLM,
+        "mistral": MistralForCausalLM,
+        "mamba2": Mamba2ForCausalLM,
+        "zaya": ZayaForCausalLM,
     }
     torch.manual_seed(seed)
     model = cls[kind](config).to(torch.float32).eval()
-    assert len(model.config.layer_types) == 4
+    assert len(layer_types(model.config)) == 4
     return model
+
+
+def layer_types(config: Any) -> list[str]:
+    """transformers' name for each layer's cache; Mistral's config has none: every layer
+    slides when `sliding_window` is set (what its DynamicCache builds)."""
+    types = getattr(config, "layer_types", None)
+    if types is None and getattr(config, "sliding_window", None):
+        return ["sliding_attention"] * config.num_hidden_layers
+    assert types is not None, f"{type(config).__name__} names no layer types"
+    return list(types)
 
 
 def layer_specs(model: PreTrainedModel) -> list[LayerSpec]:
     """One spec per decoder layer, from the config's layer_types."""
     config = model.config
     specs = []
-    for layer_type in config.layer_types:
+    for layer_type in layer_types(config):
         if layer_type == "full_attention":
             specs.append(LayerSpec("full"))
         elif layer_type == "sliding_attention":
             specs.append(LayerSpec("sliding", config.sliding_window))
         elif layer_type == "linear_attention":
             specs.append(LayerSpec("recurrent"))
+        elif layer_type == "hybrid_sliding":  # sliding attention's K/V and a state
+            specs.append(LayerSpec("sliding_hybrid", config.sliding_window))
         elif layer_type == "hybrid":  # a Mamba2 state and full attention's K/V
             specs.append(LayerSpec("hybrid"))
         elif layer_type in ("mlp", "moe"):  # nothing kept between tokens
@@ -234,15 +288,17 @@ def _forward(
 ) -> torch.Tensor:
     """Logits (len(tokens), vocab) of tokens at positions [start, start + len(tokens))."""
     ids = torch.tensor([tokens], dtype=torch.long)
-    # Explicit positions: Bamba would otherwise number a resumed chunk from 0.
-    positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
     with torch.no_grad():
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
+        if isinstance(model, Mamba2ForCausalLM):  # no positions; its cache is `cache_params`
+            out = model(input_ids=ids, cache_params=cache, use_cache=cache is not None)
+        else:  # explicit positions: Bamba would otherwise number a resumed chunk from 0
+            positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+            out = model(
+                input_ids=ids,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
     return out.logits[0].float()
 
 
@@ -259,13 +315,17 @@ def prefill_snapshots(model: PreTrainedModel, tokens: list[int], points: list[in
     """Prefill `tokens` in chunks that end at each of `points`; return every cache tensor needed.
 
     A sliding layer records its past (transformers' `activate_past_recording`): it keeps every
-    token's K/V while the masks still apply the window, so K/V of all positions come back.
+    token's K/V while the masks still apply the window, so K/V of all positions come back. A
+    sliding layer that also keeps a state (ZAYA's) cannot record (its conv state would grow
+    with the past too): its K/V is gathered from the window it keeps at each chunk's end, so
+    positions older than every such window stay zero (no resume at a point reads them).
     """
     specs = layer_specs(model)
     assert all(0 < p <= len(tokens) for p in points)
     cache = DynamicCache(config=model.config)
+    gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, spec in enumerate(specs):
-        if spec.kind == "sliding":
+        if spec.window is not None and not spec.has_state:
             cache.layers[i].activate_past_recording()
     snaps = Snapshots()
     start = 0
@@ -273,6 +333,14 @@ def prefill_snapshots(model: PreTrainedModel, tokens: list[int], points: list[in
         if end > start:
             _forward(model, tokens[start:end], start, cache)
             start = end
+        for i, spec in enumerate(specs):
+            if spec.window is not None and spec.has_state:
+                layer = cache.layers[i]
+                keys, values = (_plain(t[0].transpose(0, 1)) for t in (layer.keys, layer.values))
+                empty = keys.new_zeros(len(tokens), *keys.shape[1:])
+                k, v = gathered.setdefault(i, (empty, empty.clone()))
+                k[end - len(keys) : end] = keys
+                v[end - len(values) : end] = values
         if end in points:
             snaps.states[end] = {
                 i: {
@@ -283,7 +351,9 @@ def prefill_snapshots(model: PreTrainedModel, tokens: list[int], points: list[in
                 if spec.has_state
             }
     for i, spec in enumerate(specs):
-        if spec.has_kv:
+        if i in gathered:
+            snaps.kv[i] = gathered[i]
+        elif spec.has_kv:
             layer = cache.layers[i]
             assert layer.keys.shape[-2] == len(tokens), (i, layer.keys.shape)
             snaps.kv[i] = (

@@ -9,6 +9,7 @@ run twice: snapshots in the K/V pools, and in a states cache of their own (`stat
 from __future__ import annotations
 
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from hicache import CacheConfig, HiCache
+from hicache.assembly import storage_namespace
 from hicache.hybrid import (
     FullAttention,
     HybridCache,
@@ -32,6 +34,7 @@ from hicache.testing import run_virtual
 from tests.hybrid.hf_models import (
     FAMILIES,
     KINDS,
+    NO_POOL,
     VOCAB,
     attention_geometry,
     full_logits,
@@ -56,7 +59,8 @@ class Adapter:
     def __init__(self, model, *, windowed: bool = False):
         self.model = model
         self.specs = layer_specs(model)
-        self.kv_heads, self.head_dim = attention_geometry(model)
+        attention = any(s.has_kv for s in self.specs)  # Mamba2 has none: its geometry is moot
+        self.kv_heads, self.head_dim = attention_geometry(model) if attention else (1, 1)
         self.shapes = state_shapes(model) if self.recurrent_layers else {}
         state_bytes = len(self.recurrent_layers) * sum(
             int(np.prod(s)) * 4 for s in self.shapes.values()
@@ -66,7 +70,7 @@ class Adapter:
         # (Nemotron-H) in NoCache
         groups: list[LayerGroup] = []
         full = tuple(i for i, s in enumerate(self.specs) if s.kind in ("full", "hybrid"))
-        sliding = [i for i, s in enumerate(self.specs) if s.kind == "sliding"]
+        sliding = [i for i, s in enumerate(self.specs) if s.window is not None]
         self.window = self.specs[sliding[0]].window if sliding else 0
         self.windowed_layers = sliding if windowed else []
         if full:
@@ -206,6 +210,11 @@ CASES = [(kind, False, False) for kind in KINDS] + [
     *((family, False, False) for family in FAMILIES),
     ("falconh1", True, False),
     ("nemotronh", True, False),
+    # no layer kept as pages: the pool has 0 layers, its pages are tokens alone, and the
+    # snapshots (states, or every sliding layer's window) are all there is to resume from
+    ("mamba2", True, False),
+    ("mistral", True, True),
+    ("zaya", True, True),
 ]
 IDS = [f"{k}-{'own' if o else 'pool'}{'-windowed' if w else ''}" for k, o, w in CASES]
 
@@ -245,8 +254,9 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
     assert (fetched.kv_len, fetched.snapshot) == (64, 56 if stateful else None)
     if stateful:  # both snapshots were read back from L2 (L3 prefetched there)
         assert from_l2[0].state_tier == from_l3[0].state_tier == "host"
-    if windowed:  # the pool holds the full layer alone: the sliding ones live in snapshots
-        assert adapter.hybrid.pool_layers == (2,)
+    if windowed:  # the pool holds the full layers alone: the sliding ones live in snapshots
+        full_layers = tuple(i for i, s in enumerate(adapter.specs) if s.kind == "full")
+        assert adapter.hybrid.pool_layers == full_layers == ((2,) if kind == "gemma3" else ())
 
     # Negative controls on what the cache handed back from L3.
     hit, _, kv, states = from_l3
@@ -256,7 +266,8 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
         assert error(resume_logits(model, second, h, kv, wrong), full[h:]) >= WRONG
     if windowed:  # the window kept at the grid point before, handed back as if at h
         before = prefill_snapshots(model, second, [h - GRID])
-        _, shifted = adapter.unpack(adapter.pack({}, before.kv, h - GRID), h)
+        packed = adapter.pack(before.states.get(h - GRID, {}), before.kv, h - GRID)
+        _, shifted = adapter.unpack(packed, h)
         assert error(resume_logits(model, second, h, {**kv, **shifted}, states), full[h:]) >= WRONG
     both = [i for i, s in enumerate(adapter.specs) if s.kind == "hybrid"]
     if both:  # a layer with a state still needs its K/V: the last token's zeroed in one
@@ -266,7 +277,7 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
         assert error(resume_logits(model, second, h, damaged, states), full[h:]) >= WRONG
     if kind == "nemotronh":  # the MLP-only layer is declared and keeps nothing
         assert adapter.hybrid.pool_layers == (1,) and 2 not in kv and 2 not in states
-    sliding = [i for i, s in enumerate(adapter.specs) if s.kind == "sliding"]
+    sliding = [i for i, s in enumerate(adapter.specs) if s.window is not None]
     if sliding:  # the window's oldest token zeroed in every sliding layer
         window = adapter.specs[sliding[0]].window
         damaged = {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}
@@ -274,3 +285,69 @@ def test_a_prefix_resumes_exactly_from_l2_and_from_l3(kind, own, windowed, tmp_p
             damaged[i][0][h - window + 1] = 0
             damaged[i][1][h - window + 1] = 0
         assert error(resume_logits(model, second, h, damaged, states), full[h:]) >= WRONG
+
+
+def flip_new_files(directory: Path, before: set[Path]) -> int:
+    """Flip a byte in the middle of every file under `directory` not in `before` (values
+    written since); how many."""
+    new = sorted(p for p in directory.rglob("*") if p.is_file() and p not in before)
+    for path in new:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return len(new)
+
+
+@pytest.mark.parametrize("kind", NO_POOL)
+def test_a_model_with_no_layer_kept_as_pages_resumes_exactly_from_every_tier(kind, tmp_path):
+    """Mamba2 (every layer recurrent) and Mistral-v0.1-like (every layer sliding, windowed):
+    the K/V cache's pool has 0 layers and no byte, its pages are the tokens the snapshots are
+    found by. A hit from L1, from L2 after clearing L1, and from L3 in a second instance is
+    exact; a snapshot poisoned in L3 is refused (the hit falls back to the one before, still
+    exact), and a snapshot of another point, resumed from, moves the logits."""
+    model = tiny_model(kind)
+    adapter = Adapter(model, windowed=True)
+    assert adapter.hybrid.pool_layers == () and adapter.hybrid.stateful
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randint(0, VOCAB, (48,), generator=gen).tolist()
+    second = first + torch.randint(0, VOCAB, (16,), generator=gen).tolist()
+    cfg = adapter.config(storage=f"file:{tmp_path}")
+    states_dir = tmp_path / storage_namespace(state_config(cfg, adapter.hybrid)).digest
+
+    async def main():
+        async with opened(cfg, adapter.hybrid, own=True) as hc:
+            pool, host = hc.cache.device_pool, hc.cache.host_pool
+            sizes = (pool.geometry.layers, pool.geometry.bytes_per_token, host.nbytes)
+            await adapter.serve(hc, "first", first)
+            await push_down(hc, clear=False)
+            before = {p for p in tmp_path.rglob("*") if p.is_file()}
+            from_l1 = await adapter.serve(hc, "second", second)  # snapshots at 56 and 64 too
+            await push_down(hc, clear=True)
+            from_l2 = await adapter.serve(hc, "again", second)
+            await push_down(hc, clear=False)
+        async with opened(cfg, adapter.hybrid, own=True) as hc:
+            await hc.prefetch("second", second)
+            from_l3 = await adapter.serve(hc, "second", second)
+        poisoned = flip_new_files(states_dir, before)  # the snapshots at 56 and 64
+        async with opened(cfg, adapter.hybrid, own=True) as hc:
+            await hc.prefetch("second", second)
+            after_poison = await adapter.serve(hc, "second", second)
+        return sizes, from_l1, from_l2, from_l3, poisoned, after_poison
+
+    sizes, from_l1, from_l2, from_l3, poisoned, after_poison = run_virtual(main)
+    assert sizes == (0, 0, 0)  # no K/V kept, none allocated: L1 and L2 pools hold no byte
+    full = full_logits(model, second)
+    tiers = ((from_l1, 48, "device"), (from_l2, 56, "host"), (from_l3, 56, "host"))
+    for (hit, logits, _, _), h, tier in (*tiers, (after_poison, 48, "host")):
+        assert (hit.length, hit.state_tier) == (h, tier), hit
+        assert len(hit.device_slots) == h  # token pages, locked like any hit's
+        assert error(logits, full[h:]) <= EXACT
+    assert poisoned == 2
+    hit, _, kv, _ = from_l3
+    h = hit.length
+    before = prefill_snapshots(model, second, [h - GRID])
+    wrong_states, shifted = adapter.unpack(
+        adapter.pack(before.states[h - GRID], before.kv, h - GRID), h
+    )
+    wrong = resume_logits(model, second, h, {**kv, **shifted}, wrong_states)
+    assert error(wrong, full[h:]) >= WRONG

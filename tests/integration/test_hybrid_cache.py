@@ -376,3 +376,80 @@ def test_state_config_sizes_in_snapshots_and_refuses_what_cannot_run():
         return True
 
     assert run_virtual(main)
+
+
+NO_POOL = {
+    "recurrent": (Recurrent((0, 1), state_bytes=6144, grid=8),),  # Mamba2-like
+    "windowed": (SlidingWindow((0, 1, 2), window=6, state_bytes=5 * 3 * 64, grid=8),),
+    "windowed+recurrent": (  # Samba-like: no full attention
+        Recurrent((0, 2), state_bytes=STATE, grid=8),
+        SlidingWindow((1, 3), window=6, state_bytes=2 * 5 * 64, grid=8),
+    ),
+}
+
+
+@pytest.mark.parametrize("groups", list(NO_POOL.values()), ids=list(NO_POOL))
+def test_a_model_with_no_layer_kept_as_pages_hits_from_every_tier(groups):
+    """A pool of 0 layers: the K/V cache's pages are tokens alone (no byte in L1 or L2, none
+    moved), the snapshots in a states cache are all a hit resumes from, in L1, in L2 after
+    clearing L1, and in L3 from a second instance; a snapshot poisoned in L3 is refused (the
+    hit falls back to the deepest one intact)."""
+    model = HybridModel(groups, PAGE)
+    store = MemoryStore()
+    cfg = recurrent_config(kv="mha:0:1:8:float32", prefetch_policy="wait_complete")
+    longer = np.concatenate([PROMPT, tokens_from(700, 12)])  # 42 tokens: a snapshot at 40
+
+    async def state_only(hc, rid, tokens, *, states=state_of):
+        hit = await hc.match(rid, tokens)
+        if hit.state is not None:
+            assert hit.state == states(tokens[: hit.length], model.state_bytes)
+        fresh = await hc.allocate(rid, len(tokens) - hit.length)
+        points = [p for p in model.snapshot_points(len(tokens)) if p > hit.length]
+        snaps = {p: states(tokens[:p], model.state_bytes) for p in points}
+        slots = np.concatenate([hit.device_slots, fresh])
+        _, kept = await hc.cache_finished(rid, tokens, slots, snapshots=snaps)
+        assert kept == tuple(points)
+        return hit
+
+    async def main():
+        async with opened(cfg, model, own=True, store=store) as (cache, hc):
+            sizes = (cache.host_pool.nbytes, cache.device_pool.geometry.bytes_per_token)
+            await state_only(hc, "a", PROMPT)
+            for c in (cache, hc.states):
+                await c.flush()
+            before = set(store.scan(""))
+            in_l1 = await state_only(hc, "b", longer)
+            for c in (cache, hc.states):
+                await c.flush()
+                await c.clear(["device"])
+            in_l2 = await state_only(hc, "c", longer)
+            moved = (await cache.stats()).bytes
+            for c in (cache, hc.states):
+                await c.flush()
+            with pytest.raises(InvalidRequest, match="keep its snapshots in a states cache"):
+                HybridCache(cache, model)
+        async with opened(cfg, model, own=True, store=store) as (_cache, hc):
+            fetched = await hc.prefetch("d", longer)
+            in_l3 = await state_only(hc, "d", longer)
+        # b's snapshots (32 and 40): the new values that can hold a state
+        new = [
+            k for k in set(store.scan("")) - before if len(store.get(k) or b"") > model.state_bytes
+        ]
+        for key in new:
+            value = bytearray(store.get(key) or b"")
+            value[len(value) // 2] ^= 0xFF
+            store.put(key, bytes(value))
+        async with opened(cfg, model, own=True, store=store) as (_cache, hc):
+            await hc.prefetch("e", longer)
+            poisoned = await state_only(hc, "e", longer)
+        return sizes, in_l1, in_l2, moved, fetched, in_l3, (len(new), poisoned)
+
+    sizes, in_l1, in_l2, moved, fetched, in_l3, (n, poisoned) = run_virtual(main)
+    assert n == 2 and (poisoned.length, poisoned.kv_len) == (24, 40)
+    assert sizes == (0, 0) and moved == {"d2h": 0, "h2d": 0}
+    assert (in_l1.length, in_l1.state_tier, in_l1.kv_len) == (28, "device", 28)
+    assert (in_l2.length, in_l2.state_tier, in_l2.kv_len) == (40, "host", 40)
+    assert (fetched.kv_len, fetched.snapshot) == (40, 40)
+    assert (in_l3.length, in_l3.state_tier) == (40, "host")
+    for hit in (in_l1, in_l2, in_l3):  # each state checked against its own prefix's above
+        assert len(hit.device_slots) == hit.length  # the token pages, locked for the request

@@ -166,6 +166,22 @@ def test_windowed_sliding_layers_keep_only_windows(chats, tmp_path, states):
     assert hy["cut_tokens"] > 0 and 0 < win["hit_rate"] <= pages["hit_rate"]
 
 
+@pytest.mark.parametrize("spec", ["recurrent:3:4KiB:512", "sliding:3:512:512"])
+def test_a_model_with_no_layer_kept_as_pages_replays_from_its_snapshots(chats, tmp_path, spec):
+    """A pure recurrent model and an all-sliding windowed one: the pool has 0 layers (pages of
+    tokens alone, no byte moved to L2 or L3 for them), every request but the first resumes
+    from its own snapshot, found in the states cache, and the hit rate is what the same
+    snapshots give beside a full layer."""
+    alone = replay(chats, tmp_path, spec, "memory", "--state-snapshots", "64:256")
+    beside = replay(chats, tmp_path, f"full:1,{spec}", "memory", "--state-snapshots", "64:256")
+    hy = alone["hybrid"]
+    assert alone["config"]["kv"] == "mha:0:1:8:float16"
+    assert alone["bytes"]["d2h"] == alone["bytes"]["h2s"] == 0 < beside["bytes"]["d2h"]
+    assert hy["snapshot_hits"] == 59 and hy["corrupt_states"] == 0 == alone["corrupt_pages"]
+    assert hy["verified_states"] == 59 and hy["states_cache"]["h2s"] > 0
+    assert alone["hit_tokens"] == beside["hit_tokens"] and alone["hit_rate"] > 0
+
+
 def test_a_wrong_snapshot_is_counted_and_fails_the_run(chats, tmp_path, monkeypatch, capsys):
     """The negative control: a state handed back for another prefix is a corrupt state."""
     match = HybridCache.match
@@ -211,7 +227,7 @@ def test_specs_parse_in_model_order():
         ("full:1,sliding:2:0", "the window must be a positive integer"),
         ("full:1,recurrent:2:lots:512", "the state size must be a byte size"),
         ("full:1,recurrent:2:4KiB:100", "grid 100 must be a positive multiple of the page size"),
-        ("recurrent:3:4KiB:512", "at least one attention layer"),
+        ("recurrent:3:4KiB:512", "no layer kept as pages needs --state-snapshots"),
         ("full:1,", "'': expected"),
         ("full:1,sliding:2:8:100", "grid 100 must be a positive multiple of the page size"),
         ("full:1,sliding:2:8:512:9", "expected full:N, sliding:N:WINDOW[:GRID]"),

@@ -4,21 +4,22 @@ request ever resumes from an inconsistent set of layer groups.
 Each example draws a hybrid geometry (sliding + full attention; recurrent + full; two
 recurrent groups with different grids + sliding + full; sliding layers kept as windows in the
 snapshots + full + recurrent; layers declared by model layer, two with K/V and a state, one
-with a state alone, one with no cache), snapshots of 1 or 2 pool pages, a small L1 and L2 (so eviction
+with a state alone, one with no cache; and with no layer kept as pages, so a pool of 0 layers
+whose pages are tokens alone: recurrent layers alone, windowed sliding + recurrent), snapshots of 1 or 2 pool pages, a small L1 and L2 (so eviction
 happens), a write policy (exclusive L2 included) and, maybe, an L3 memory store that later
 cache instances open again; then 10-30 steps over a few shared base prompts: requests served
 whole (match, compute, cache with a random subset of their snapshot points) or dropped after
 the match (at once or one step later, some with slots allocated), `clear` of L1 or L2,
 `flush`, and with L3 a switch to a fresh instance that first runs `HybridCache.prefetch`.
-Geometries with snapshots keep them in the K/V pools or, in about a third of the examples, in
-a states cache of their own (`state_config`) of 1-6 snapshots in L1 and 1-6 more in L2,
-cleared, flushed and reopened with the K/V cache. After every match (against an oracle of
+Geometries with snapshots keep them in the K/V pools or, in about a third of the examples
+(always without pool layers), in a states cache of their own (`state_config`) of 1-6
+snapshots in L1 and 1-6 more in L2, cleared, flushed and reopened with the K/V cache. After every match (against an oracle of
 every snapshot kept and every prefix whose K/V was cached):
 
 1. the hit is 0 or whole pages, below the last token, within `kv_len`, a prefix whose K/V
    was cached; with recurrent groups it ends where a snapshot was kept and its `state` is that
    snapshot's bytes (None at 0, and always None without recurrent groups);
-2. the hit's K/V in L1 is byte-exact;
+2. the hit's K/V in L1 is byte-exact (with no pool layers: L1 and L2 hold no byte);
 3. nothing but `CapacityError` escapes, and every instance closes without a leak.
 
 Bounded by example count (50 per geometry, about 15 s in all; not by time) and derandomized,
@@ -68,7 +69,9 @@ HEADER = 16  # hybrid/states.py's snapshot header
 class Plan:
     # "a": sliding + full; "b": recurrent + full; "c": 2 recurrent + sliding + full;
     # "d": windowed sliding (its window kept in the snapshots) + full + recurrent;
-    # "e": layers with K/V and a state, a state alone, or no cache (declared by model layer)
+    # "e": layers with K/V and a state, a state alone, or no cache (declared by model layer);
+    # no layer kept as pages (a pool of 0 layers, snapshots in a states cache): "f": recurrent
+    # alone; "g": windowed sliding + recurrent
     geometry: str
     model: HybridModel
     layers: int  # attention layers (the pool's)
@@ -91,11 +94,24 @@ def state_of(prefix: np.ndarray, size: int) -> bytes:
 @st.composite
 def plans(draw, geometry: str) -> Plan:
     window, pages = draw(st.integers(1, 16)), draw(st.integers(1, 2))
-    layers = 1 if geometry in "bd" else 2
+    layers = {"b": 1, "d": 1, "f": 0, "g": 0}.get(geometry, 2)
     per_page = layers * PAGE_BYTES
-    size = draw(st.integers(max(2, (pages - 1) * per_page - HEADER + 1), pages * per_page - HEADER))
+    if layers:
+        low = max(2, (pages - 1) * per_page - HEADER + 1)
+        size = draw(st.integers(low, pages * per_page - HEADER))
+    else:  # no pool bytes: a snapshot is one page of its states cache, whatever its size
+        pages, size = 0, draw(st.integers(2, 400))
     grids = st.sampled_from([4, 8, 12, 16])
-    if geometry == "a":
+    if geometry == "f":  # pure recurrent (Mamba2, RWKV-like): pages of tokens alone
+        groups: tuple = (Recurrent((0, 1, 2), state_bytes=size, grid=draw(grids)),)
+    elif geometry == "g":  # Samba-like: windowed sliding beside recurrent, no full attention
+        g1, g2 = draw(st.lists(grids, min_size=2, max_size=2, unique=True))
+        first = draw(st.integers(1, size - 1))
+        groups = (
+            Recurrent((0, 2), state_bytes=first, grid=g1),
+            SlidingWindow((1, 3), window, state_bytes=size - first, grid=g2),
+        )
+    elif geometry == "a":
         groups: tuple = (SlidingWindow((0,), window), FullAttention((1,)))
     elif geometry == "b":
         groups = (Recurrent((0, 1, 3), state_bytes=size, grid=draw(grids)), FullAttention((2,)))
@@ -151,7 +167,7 @@ def plans(draw, geometry: str) -> Plan:
     seed = draw(st.integers(0, 3))  # run_virtual's interleaving
     model = HybridModel(groups, PAGE)
     states = None
-    if geometry != "a" and draw(st.booleans()):
+    if not layers or (geometry != "a" and draw(st.booleans())):  # no pool bytes: states cache
         in_l1 = draw(st.integers(1, 6))
         states = (in_l1, in_l1 + draw(st.integers(1, 6)))
     return Plan(
@@ -291,6 +307,8 @@ async def execute(plan: Plan) -> None:
             hc = HybridCache(cache, plan.model, states=states)
             if plan.model.stateful and states is None:
                 assert state_pages(cache.device_pool, plan.model.state_bytes) == plan.pages
+            if not plan.layers:  # no layer kept as pages: no K/V byte in L1 or L2
+                assert cache.device_pool.geometry.bytes_per_token == cache.host_pool.nbytes == 0
             first = next(((i, s) for i, s in segment if s[0] in ("serve", "drop")), None)
             if n and first is not None:
                 await prefetch(hc, oracle, f"r{first[0]}", first[1][1])
@@ -344,13 +362,15 @@ def summary(request):
 @pytest.mark.timeout(120 + EXAMPLES)
 @pytest.mark.parametrize(
     "geometry",
-    "abcde",
+    "abcdefg",
     ids=[
         "sliding+full",
         "recurrent+full",
         "2recurrent+sliding+full",
         "windowed+full+recurrent",
         "kv-and-state+state+nocache",
+        "recurrent-only",
+        "windowed+recurrent",
     ],
 )
 @settings(

@@ -50,18 +50,40 @@ def bamba_like(grid: int = 8) -> HybridModel:
         ((SlidingWindow((0,), 0),), PAGE, "window must be >= 1"),
         ((FullAttention((0,)), Recurrent((1,), 0, 8)), PAGE, "state_bytes must be > 0"),
         ((FullAttention((0,)), Recurrent((1,), 10, 6)), PAGE, "multiple of the page size"),
-        ((Recurrent((0,), 10, 8),), PAGE, "at least one attention layer kept as pages"),
+        ((NoCache((0, 1)),), PAGE, "the model keeps nothing"),
         ((FullAttention((-1,)),), PAGE, "layers count from 0"),
         ((FullAttention((0,)), SlidingWindow((1,), 4, 10)), PAGE, "state_bytes needs a grid"),
         ((FullAttention((0,)), SlidingWindow((1,), 4, 0, 8)), PAGE, "state_bytes must be > 0"),
         ((FullAttention((0,)), SlidingWindow((1,), 4, 10, 6)), PAGE, "multiple of the page"),
-        ((SlidingWindow((0,), 4, 10, 8),), PAGE, "at least one attention layer kept as pages"),
         ((FullAttention((0,)),), 0, "page_size must be > 0"),
     ],
 )
 def test_bad_declarations_name_what_is_wrong(groups, page, message):
     with pytest.raises(ConfigError, match=message):
         HybridModel(groups, page)
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        (Recurrent((0, 1), state_bytes=6144, grid=8),),  # Mamba2, FalconMamba, RWKV-like
+        (SlidingWindow((0, 1, 2), window=6, state_bytes=90, grid=8),),  # Mistral-v0.1-like
+        (  # Samba-like: windowed sliding beside recurrent layers, no full attention
+            Recurrent((0, 2), state_bytes=64, grid=8),
+            SlidingWindow((1, 3), window=6, state_bytes=40, grid=16),
+        ),
+        (Recurrent((0, 2), state_bytes=64, grid=8), NoCache((1,))),
+    ],
+    ids=["recurrent", "windowed", "windowed+recurrent", "recurrent+nocache"],
+)
+def test_a_model_with_no_layer_kept_as_pages_resumes_at_its_snapshots_alone(groups):
+    model = HybridModel(groups, PAGE)
+    assert model.pool_layers == ()  # its pool has 0 layers: pages of tokens alone
+    assert model.stateful and model.state_bytes == sum(g.state_bytes for g in model.stateful)
+    assert model.usable(30, 28, ()) == 0  # fail closed: nothing else to resume from
+    assert model.usable(30, 28, [model.grid, 28]) == 28
+    assert model.usable(30, 20, [model.grid, 28]) == (model.grid if model.grid <= 20 else 0)
+    assert model.snapshot_points(30)[-1] == 28
 
 
 def test_windowed_sliding_layers_leave_the_pool_and_resume_only_at_a_snapshot():

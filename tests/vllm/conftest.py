@@ -4,12 +4,10 @@ Nothing here starts vLLM unless a test that needs it runs (they skip without vLL
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from vllm_helpers import BLOCK, DRIVER, prompts, run
+from vllm_helpers import BLOCK, make_model, prompts, run
 
 
 def chaos_prompts() -> list[list[int]]:
@@ -22,14 +20,7 @@ def chaos_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("vllm")
-    subprocess.run(
-        [sys.executable, str(DRIVER), "make-model", str(tmp / "model")],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return tmp
+    return make_model(tmp_path_factory.mktemp("vllm"))
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,9 @@ def test_an_l3_hit_is_asynchronous_and_holds_its_pages_until_it_ends():
     s.update_state_after_alloc(a, _Blocks([0, 1, 2, 3]), 3 * BS)
     meta = s.build_meta(_sched_output([]))  # a waits for its KV: not scheduled
     (plan,) = meta.loads
-    assert plan.background and plan.read == [True, True, True] and plan.block_ids == [0, 1, 2]
+    assert (
+        plan.background and plan.read == [True, True, True] and plan.block_ids == [(0,), (1,), (2,)]
+    )
     # A second request sharing the pages: in L2, but still arriving, so asynchronous too.
     b = _Req("b", tokens)
     assert s.get_num_new_matched_tokens(b, 0) == (3 * BS, True)
@@ -132,15 +134,15 @@ def test_write_back_stores_at_the_free_and_keeps_the_blocks_until_then():
     meta = s.build_meta(_sched_output([(a, [0, 1, 2], 0, 2 * BS + 5)]))
     assert meta.store_slots == []  # nothing while it runs
     a.num_computed_tokens = 2 * BS + 4
-    assert s.request_finished(a, [0, 1, 2]) is True
+    assert s.request_finished(a, ([0, 1, 2],)) is True
     meta = s.build_meta(_sched_output([]))
-    assert meta.store_blocks == [0, 1] and meta.saving == ["a"]
+    assert meta.store_blocks == [(0,), (1,)] and meta.saving == ["a"]
     assert s.idle
     # The same pages again: L2 has them, nothing to keep the blocks for.
     b = _Req("b", list(range(2 * BS + 5)))
     s.get_num_new_matched_tokens(b, 0)
     b.num_computed_tokens = 2 * BS + 4
-    assert s.request_finished(b, [7, 8, 9]) is False
+    assert s.request_finished(b, ([7, 8, 9],)) is False
     assert s.take_stats()["write_back_requests"] == 1
 
 
@@ -153,7 +155,7 @@ def test_a_request_aborted_while_its_load_is_in_flight_stores_nothing():
     s.update_state_after_alloc(a, _Blocks([0, 1, 2]), 2 * BS)
     s.build_meta(_sched_output([]))
     a.num_computed_tokens = 2 * BS  # vLLM sets it before the load lands
-    assert s.request_finished(a, [0, 1, 2]) is False
+    assert s.request_finished(a, ([0, 1, 2],)) is False
     s.loads_ended({"a"})
     assert s.idle
 
@@ -179,7 +181,7 @@ def _stored(tmp: Path) -> WorkerSide:
     """A worker that stored blocks 1 and 5 as H[0], H[1] and wrote them to L3."""
     src = _worker(tmp, "src")
     m = _meta(src)
-    m.store_blocks, m.store_slots, m.store_hashes = [1, 5], [0, 1], H[:2]
+    m.store_blocks, m.store_slots, m.store_hashes = [(1,), (5,)], [0, 1], H[:2]
     src.save(m)
     src.shutdown()
     return src
@@ -197,7 +199,7 @@ def test_an_async_load_lands_only_when_polled_then_is_reported(tmp_path):
     src = _stored(tmp_path)
     dst = _worker(tmp_path, "dst")
     m = _meta(dst)
-    m.loads = [LoadPlan("r", [2, 3], [3, 2], H[:2], [True, True], background=True)]
+    m.loads = [LoadPlan("r", [(2,), (3,)], [3, 2], H[:2], [True, True], background=True)]
     dst.start_load(m)
     assert not _same(dst, src, [(2, 1)])  # nothing written before it lands
     recving: set[str] = set()
@@ -260,7 +262,7 @@ def test_timeout_policy_gives_up_at_the_deadline_and_keeps_the_landed_prefix():
     )
     before = {n: t.clone() for n, t in w.kv.items()}  # type: ignore[attr-defined]
     m = _meta(w)
-    m.loads = [LoadPlan("r", [2, 3, 4], [0, 1, 2], H, [True, True, True], background=True)]
+    m.loads = [LoadPlan("r", [(2,), (3,), (4,)], [0, 1, 2], H, [True, True, True], background=True)]
     w.start_load(m)
     (fut,) = w.storage.futures  # type: ignore[union-attr]
     assert w.poll(set())[1] == {"r"}  # deadline 0: ended at the first step
@@ -275,7 +277,7 @@ def test_timeout_policy_gives_up_at_the_deadline_and_keeps_the_landed_prefix():
 def test_an_aborted_request_s_load_is_dropped_and_reported_ended():
     w = _hanging_worker()
     m = _meta(w)
-    m.loads = [LoadPlan("r", [2, 3], [0, 1], H[:2], [True, True], background=True)]
+    m.loads = [LoadPlan("r", [(2,), (3,)], [0, 1], H[:2], [True, True], background=True)]
     w.start_load(m)
     assert w.poll(set())[1] == set()  # still waiting (deadline: the storage timeout)
     assert w.poll({"r"})[1] == {"r"}
@@ -289,8 +291,8 @@ def test_a_load_from_a_slot_being_filled_waits_for_the_filler(tmp_path):
     dst = _worker(tmp_path, "dst")
     m = _meta(dst)
     m.loads = [
-        LoadPlan("a", [2, 3], [0, 1], H[:2], [True, True], background=True),
-        LoadPlan("b", [6], [0], H[:1], [False], background=True),
+        LoadPlan("a", [(2,), (3,)], [0, 1], H[:2], [True, True], background=True),
+        LoadPlan("b", [(6,)], [0], H[:1], [False], background=True),
     ]
     dst.start_load(m)
     (a, b) = dst.loads.inflight
@@ -306,11 +308,11 @@ def test_a_store_that_takes_a_slot_wins_over_a_load_still_filling_it(tmp_path):
     src = _stored(tmp_path)
     dst = _worker(tmp_path, "dst")
     m = _meta(dst)
-    m.loads = [LoadPlan("a", [2], [0], H[:1], [True], background=True)]
+    m.loads = [LoadPlan("a", [(2,)], [0], H[:1], [True], background=True)]
     dst.start_load(m)
     # A later step reuses slot 0 for another page (after a reset of the index).
     s = _meta(dst)
-    s.store_blocks, s.store_slots, s.store_hashes = [7], [0], [H[2]]
+    s.store_blocks, s.store_slots, s.store_hashes = [(7,)], [0], [H[2]]
     dst.save(s)
     while not dst.poll(set())[1]:
         concurrent.futures.wait([f for ld in dst.loads.inflight for _, _, f in ld.chunks])
@@ -326,10 +328,10 @@ def test_layerwise_loads_equal_synchronous_ones(tmp_path):
         w = _worker(tmp_path, "w")
         w.options = ConnectorOptions(layerwise_loads=layerwise)
         m = _meta(w)
-        m.store_blocks, m.store_slots, m.store_hashes = [1, 5], [0, 1], H[:2]
+        m.store_blocks, m.store_slots, m.store_hashes = [(1,), (5,)], [0, 1], H[:2]
         w.save(m)
         m2 = _meta(w)
-        m2.loads = [LoadPlan("r", [6, 7], [0, 1], H[:2], [False, False])]
+        m2.loads = [LoadPlan("r", [(6,), (7,)], [0, 1], H[:2], [False, False])]
         _load(w, m2)
         assert w.take_errors() == set() and w.layers.usable
         outs.append({n: t.clone() for n, t in w.kv.items()})  # type: ignore[attr-defined]
@@ -342,10 +344,10 @@ def test_a_layer_never_waited_for_fails_the_step_s_loads_and_turns_layerwise_off
     w = _worker(None, "w")
     w.options = ConnectorOptions(layerwise_loads=True)
     m = _meta(w)
-    m.store_blocks, m.store_slots, m.store_hashes = [1], [0], H[:1]
+    m.store_blocks, m.store_slots, m.store_hashes = [(1,)], [0], H[:1]
     w.save(m)
     m2 = _meta(w)
-    m2.loads = [LoadPlan("r", [6], [0], H[:1], [False])]
+    m2.loads = [LoadPlan("r", [(6,)], [0], H[:1], [False])]
     w.start_load(m2)
     w.wait_layer(w.geometry.layers[0])  # the forward skipped the hook of layer 1
     w.poll(set())

@@ -106,12 +106,12 @@ H = [f"{i:064x}" for i in range(1, 4)]
 def test_worker_round_trip_through_l2_and_l3(tmp_path):
     src = _worker(tmp_path, "src")
     m = _meta(src)
-    m.store_blocks, m.store_slots, m.store_hashes = [1, 5], [0, 1], H[:2]
+    m.store_blocks, m.store_slots, m.store_hashes = [(1,), (5,)], [0, 1], H[:2]
     src.save(m)
     src.shutdown()  # waits for the write-through
     # L2 -> L1 in the same worker.
     m2 = _meta(src)
-    m2.loads = [LoadPlan("r", [6, 7], [0, 1], H[:2], [False, False])]
+    m2.loads = [LoadPlan("r", [(6,), (7,)], [0, 1], H[:2], [False, False])]
     _load(src, m2)
     assert src.take_errors() == set()
     for name, t in src.kv.items():  # type: ignore[attr-defined]
@@ -119,7 +119,7 @@ def test_worker_round_trip_through_l2_and_l3(tmp_path):
     # Another worker (another process in vLLM) reads them from L3 into its own blocks.
     dst = _worker(tmp_path, "dst")
     m3 = _meta(dst)
-    m3.loads = [LoadPlan("r", [2, 3], [3, 2], H[:2], [True, True])]
+    m3.loads = [LoadPlan("r", [(2,), (3,)], [3, 2], H[:2], [True, True])]
     _load(dst, m3)
     assert dst.take_errors() == set()
     for name in src.kv:  # type: ignore[attr-defined]
@@ -131,7 +131,7 @@ def test_worker_round_trip_through_l2_and_l3(tmp_path):
 def test_worker_reports_corrupt_and_missing_reads_as_load_errors(tmp_path):
     src = _worker(tmp_path, "src")
     m = _meta(src)
-    m.store_blocks, m.store_slots, m.store_hashes = [1, 5], [0, 1], H[:2]
+    m.store_blocks, m.store_slots, m.store_hashes = [(1,), (5,)], [0, 1], H[:2]
     src.save(m)
     src.shutdown()
     values = [
@@ -146,7 +146,7 @@ def test_worker_reports_corrupt_and_missing_reads_as_load_errors(tmp_path):
     before = {n: t.clone() for n, t in dst.kv.items()}  # type: ignore[attr-defined]
     m2 = _meta(dst)
     # page 0 fine, page 1 corrupt, page 2 never stored: blocks 3 and 4 fail, 2 loads.
-    m2.loads = [LoadPlan("r", [2, 3, 4], [0, 1, 2], H, [True, True, True])]
+    m2.loads = [LoadPlan("r", [(2,), (3,), (4,)], [0, 1, 2], H, [True, True, True])]
     _load(dst, m2)
     assert dst.take_errors() == {3, 4}
     assert dst.take_errors() == set()  # reported once
@@ -156,7 +156,7 @@ def test_worker_reports_corrupt_and_missing_reads_as_load_errors(tmp_path):
         assert torch.equal(t[3], before[name][3]) and torch.equal(t[4], before[name][4])
     # A later L2 load from a slot whose read failed is refused too.
     m3 = _meta(dst)
-    m3.loads = [LoadPlan("q", [6], [1], [H[1]], [False])]
+    m3.loads = [LoadPlan("q", [(6,)], [1], [H[1]], [False])]
     _load(dst, m3)
     assert dst.take_errors() == {6}
     dst.shutdown()
@@ -165,7 +165,7 @@ def test_worker_reports_corrupt_and_missing_reads_as_load_errors(tmp_path):
 def test_worker_without_storage_loads_only_what_it_stored():
     w = _worker(None, "w")
     m = _meta(w)
-    m.loads = [LoadPlan("r", [2], [0], [H[0]], [False])]  # slot 0 never written
+    m.loads = [LoadPlan("r", [(2,)], [0], [H[0]], [False])]  # slot 0 never written
     _load(w, m)
     assert w.take_errors() == {2}
 
@@ -215,7 +215,7 @@ def test_worker_counts_loads_stores_reads_writes_and_failures(tmp_path):
     src = _worker(tmp_path, "src")
     page = src.geometry.page_bytes
     m = _meta(src)
-    m.store_blocks, m.store_slots, m.store_hashes = [1, 5], [0, 1], H[:2]
+    m.store_blocks, m.store_slots, m.store_hashes = [(1,), (5,)], [0, 1], H[:2]
     src.save(m)
     src.shutdown()  # waits for the write-through
     assert src.stats.take() == {
@@ -228,7 +228,7 @@ def test_worker_counts_loads_stores_reads_writes_and_failures(tmp_path):
     assert src.take_uploads() == ([], [])
     dst = _worker(tmp_path, "dst")
     m2 = _meta(dst)
-    m2.loads = [LoadPlan("r", [2, 3, 4], [0, 1, 2], H, [True, True, True])]  # H[2]: absent
+    m2.loads = [LoadPlan("r", [(2,), (3,), (4,)], [0, 1, 2], H, [True, True, True])]  # H[2]: absent
     _load(dst, m2)
     assert dst.stats.take() == {
         "l3_read_pages": 2,

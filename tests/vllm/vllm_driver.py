@@ -6,6 +6,7 @@ model (a directory), prompts (lists of token ids), prompts_by_pass ({"n": prompt
 n), passes (how many times the prompts run), reset_between (call reset_prefix_cache()
 between passes), reset_connector (that reset empties the connector's L2 too), salts (a
 cache_salt or null per pass), connector (null: vLLM alone, else kv_connector_extra_config),
+connector_class and connector_module (another connector: tests/vllm/sabotage.py's),
 max_tokens, block_size, max_model_len, num_gpu_blocks_override, kv_cache_gib, log_stats
 (vLLM's stat loggers on: the connector's Prometheus counters and vllm:num_preemptions are
 read after every pass), kv_events (an endpoint, e.g. ipc:///tmp/x: vLLM publishes KV cache
@@ -81,26 +82,46 @@ def hicache_counters(llm) -> dict:
     return out
 
 
-def make_model(path: str, *, layers: int = 2, seed: int = 0) -> None:
-    """A random-weight tiny Llama (head size 64) saved with save_pretrained."""
+SLIDING_WINDOW = 48  # the hybrid models' window: a block and a half at block size 32
+
+
+def make_model(path: str, *, kind: str = "llama", layers: int = 2, seed: int = 0) -> None:
+    """A random-weight tiny model (head size 64) saved with save_pretrained: a Llama, or a
+    hybrid one that vLLM gives two KV cache groups (full attention and a sliding window of
+    SLIDING_WINDOW tokens): "gemma3" (sliding, full, sliding, full) or "gptoss" (the same
+    alternation, mixture of experts)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=1024,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        pad_token_id=0,
     )
-    model = LlamaForCausalLM(config)
+    hybrid = dict(num_hidden_layers=4, sliding_window=SLIDING_WINDOW)
+    if kind == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=layers, **common)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "gemma3":
+        types = ["sliding_attention", "full_attention"] * 2
+        config = transformers.Gemma3TextConfig(layer_types=types, **hybrid, **common)
+        model = transformers.Gemma3ForCausalLM(config)
+    elif kind == "gptoss":
+        config = transformers.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, **hybrid, **common
+        )
+        model = transformers.GptOssForCausalLM(config)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    model.config.torch_dtype = "float32"
     model.save_pretrained(path)
 
 
@@ -155,8 +176,8 @@ def run(spec: dict, extra: dict) -> list:
         kw["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="HiCacheConnector",
-            kv_connector_module_path="hicache.integrations.vllm",
+            kv_connector=spec.get("connector_class", "HiCacheConnector"),
+            kv_connector_module_path=spec.get("connector_module", "hicache.integrations.vllm"),
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["connector"],
@@ -207,7 +228,7 @@ def run(spec: dict, extra: dict) -> list:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make-model":
-        make_model(sys.argv[2])
+        make_model(sys.argv[2], kind=sys.argv[3] if len(sys.argv) > 3 else "llama")
         sys.exit(0)
     with open(sys.argv[1]) as f:
         spec = json.load(f)

@@ -55,6 +55,18 @@ def distinct_pages(batch: list[list[int]] | None = None) -> set[tuple[int, ...]]
     return {tuple(p[:k]) for p in batch for k in range(BLOCK, full_pages(p) + 1, BLOCK)}
 
 
+def make_model(tmp: Path, *arch: str) -> Path:
+    """A tiny random-weight model in `tmp/model` (vllm_driver.py make-model; `arch` names a
+    hybrid one such as gemma3), built in a process of its own; returns `tmp`."""
+    subprocess.run(
+        [sys.executable, str(DRIVER), "make-model", str(tmp / "model"), *arch],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return tmp
+
+
 def run(tmp: Path, name: str, spec: dict, logs: list[str] | None = None) -> list[list[dict]]:
     """One vLLM process running `spec` (vllm_driver.py's keys); its outputs per pass."""
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"

@@ -103,6 +103,8 @@ def parse_state_snapshots(
     (state_config's defaults) as (L1, L2); None without the flag. ValueError naming what is
     wrong."""
     if text is None:
+        if model is not None and not model.pool_layers:  # no pool bytes to hold snapshots
+            raise ValueError("--hybrid with no layer kept as pages needs --state-snapshots")
         return None
     if model is None or not model.stateful:
         raise ValueError(

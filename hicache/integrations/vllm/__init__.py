@@ -30,7 +30,12 @@ page hashes (`hicache.backends.keys.chain_page_hashes`), starting from hicache's
 a request's `cache_salt`, so L3 keys are the ones an embedded `HiCache` with the same salt
 would use for the same tokens and namespace.
 
-Modules: options.py (the extra config), layout.py (geometry, namespace, salts), storage.py
+Hybrid models (vLLM's hybrid KV cache manager, `SupportsHMA`): a page is every KV cache
+group's block of it; groups.py maps the groups onto hicache.hybrid's declaration, whose rule
+gives the hit, and says which blocks each group restores (docs/vllm.md, Hybrid models).
+
+Modules: options.py (the extra config), layout.py (geometry, namespace, salts), groups.py
+(vLLM's groups as a hicache HybridModel), storage.py
 (L3 off the event loop), plan.py (the L2 index and the per-step metadata), scheduler.py,
 worker.py, loads.py, layers.py, connector.py (vLLM's interface), metrics.py (stats, Prometheus, KV events),
 compat.py (vLLM's base classes, or `object` without vLLM).

@@ -4,12 +4,17 @@ modules import, and their unit tests run, without vLLM; nothing here can run vLL
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     ConnectorBase = object
     MetadataBase = object
     WorkerMetadataBase = object
+
+    class HMABase:
+        """vLLM's `SupportsHMA` (a marker with `request_finished_all_groups`)."""
+
+    TransferResults: Any = None
 else:
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,7 +30,25 @@ else:
         ConnectorBase = object
         MetadataBase = object
         WorkerMetadataBase = object
+    try:  # the marker that vLLM's hybrid KV cache manager may hand several groups
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults as TransferResults,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as HMABase
+    except ImportError:  # pragma: no cover - vLLM absent or older than SupportsHMA
 
-__all__ = ["ConnectorBase", "MetadataBase", "WorkerMetadataBase", "log"]
+        class HMABase:
+            pass
+
+        TransferResults = None
+
+__all__ = [
+    "ConnectorBase",
+    "HMABase",
+    "MetadataBase",
+    "TransferResults",
+    "WorkerMetadataBase",
+    "log",
+]
 
 log = logging.getLogger("hicache.vllm")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from hicache.integrations.vllm.compat import ConnectorBase, log
+from hicache.integrations.vllm.compat import ConnectorBase, HMABase, TransferResults, log
+from hicache.integrations.vllm.groups import check_policies
 from hicache.integrations.vllm.layout import geometry_of, namespace_of
 from hicache.integrations.vllm.metrics import EventLog, HiCachePromMetrics, HiCacheStats
 from hicache.integrations.vllm.options import default_host_bytes, parse_options
@@ -29,8 +30,10 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
         return 0, size
 
 
-class HiCacheConnector(ConnectorBase):
-    """vLLM KV connector v1 over hicache's L2 (host pool) and L3 (storage backends)."""
+class HiCacheConnector(HMABase, ConnectorBase):
+    """vLLM KV connector v1 over hicache's L2 (host pool) and L3 (storage backends). Takes
+    vLLM's hybrid KV cache manager's groups (`SupportsHMA`): full attention and sliding
+    window groups (groups.py)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         cast(Any, super()).__init__(
@@ -41,6 +44,7 @@ class HiCacheConnector(ConnectorBase):
         transfer = vllm_config.kv_transfer_config
         self.options = parse_options(getattr(transfer, "kv_connector_extra_config", None))
         self.geometry = geometry_of(vllm_config, kv_cache_config)
+        check_policies(self.options.write_policy, self.geometry)
         rank, tp_size = _tp(vllm_config)
         model_id = self.options.model_id or str(vllm_config.model_config.model)
         host_bytes = self.options.host_bytes or default_host_bytes(
@@ -98,9 +102,18 @@ class HiCacheConnector(ConnectorBase):
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if meta is not None:
                 self.scheduler.worker_feedback(meta)
+            self.scheduler.loads_failed(getattr(connector_output, "failed_recving", None))
             self.scheduler.loads_ended(getattr(connector_output, "finished_recving", None))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            return self.scheduler.request_finished(request, (block_ids,)), None
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`: as `request_finished`, with one block list per group."""
         if self.scheduler is not None:
             return self.scheduler.request_finished(request, block_ids), None
         return False, None
@@ -145,6 +158,19 @@ class HiCacheConnector(ConnectorBase):
             return None, None
         sending, recving = self.worker.poll(set(finished_req_ids))
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """`get_finished`, plus the requests whose load failed (several groups: vLLM takes
+        load errors of a hybrid model per request; they are in `finished_recving` too, as
+        every ended load is)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        ended = set(recving or ())
+        # Only an asynchronous load's request (ended in this poll) can fail; a hybrid model's
+        # loads all are.
+        failed = (self.worker.take_failed() if self.worker is not None else set()) & ended
+        return TransferResults(
+            finished_sending=set(sending or ()), finished_recving=ended, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()

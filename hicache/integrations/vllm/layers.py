@@ -21,6 +21,7 @@ from hicache.integrations.vllm.compat import log
 if TYPE_CHECKING:
     import torch
 
+    from hicache.integrations.vllm.groups import Row
     from hicache.integrations.vllm.layout import Geometry
     from hicache.integrations.vllm.metrics import Counters
 
@@ -35,7 +36,7 @@ class Planes(Protocol):
     plane_layer: list[str]
     stats: Counters
 
-    def fail_blocks(self, blocks: list[int]) -> None: ...
+    def fail_blocks(self, rows: list[Row], req_id: str | None = None) -> None: ...
 
 
 WAIT_LIMIT_S = 60.0
@@ -52,13 +53,15 @@ class LayerCopies:
         self._job: concurrent.futures.Future[None] | None = None
         self._landed: dict[str, threading.Event] = {}
         self._waited: set[str] = set()
-        self._blocks: list[int] = []
+        self._blocks: list[Row] = []
 
-    def start(self, pairs: list[tuple[int, int]], host: torch.Tensor) -> None:
+    def start(self, pairs: list[tuple[Row, int]], host: torch.Tensor) -> None:
+        """One KV cache group only (several: every load is asynchronous, none comes here)."""
         import torch
 
         w = self.w
-        bi = torch.tensor([b for b, _ in pairs], dtype=torch.long)
+        assert not w.geometry.hybrid, "layer-wise loads are for one KV cache group"
+        bi = torch.tensor([b[0] for b, _ in pairs], dtype=torch.long)
         si = torch.tensor([s for _, s in pairs], dtype=torch.long)
         order: dict[str, list[int]] = {}
         for k, name in enumerate(w.plane_layer):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from hicache.integrations.vllm.groups import Row
     from hicache.integrations.vllm.layout import Geometry
     from hicache.integrations.vllm.metrics import Counters
     from hicache.integrations.vllm.storage import Storage
@@ -43,8 +44,8 @@ class Pool(Protocol):
 
     def settle_upload(self, slot: int) -> None: ...
     def holds(self, slot: int, page_hash: str) -> bool: ...
-    def fail_blocks(self, blocks: list[int]) -> None: ...
-    def copy_in(self, pairs: list[tuple[int, int]], source: torch.Tensor) -> None: ...
+    def fail_blocks(self, rows: list[Row], req_id: str | None = None) -> None: ...
+    def copy_in(self, pairs: list[tuple[Row, int]], source: torch.Tensor) -> None: ...
 
 
 READ_CHUNK = 16
@@ -57,7 +58,7 @@ class Inflight:
     from L3; the others come from host slots (possibly after `after` lands them)."""
 
     req_id: str | None  # None: a prefetch
-    block_ids: list[int]  # vLLM's blocks to fill (empty for a prefetch)
+    block_ids: list[Row]  # vLLM's blocks to fill, per page (empty for a prefetch)
     slots: list[int]
     hashes: list[str]
     rows: dict[int, int]
@@ -108,7 +109,7 @@ class Loads:
     def begin(
         self,
         req_id: str | None,
-        block_ids: list[int],
+        block_ids: list[Row],
         slots: list[int],
         hashes: list[str],
         read: list[bool],
@@ -205,8 +206,8 @@ class Loads:
                 if owned:
                     w.bad.add((s, h))
         if load.block_ids:
-            from_host: list[tuple[int, int]] = []
-            from_buffer: list[tuple[int, int]] = []
+            from_host: list[tuple[Row, int]] = []
+            from_buffer: list[tuple[Row, int]] = []
             for i, b in enumerate(load.block_ids):
                 got = load.rows.get(i)
                 if got is not None and got in landed:
@@ -214,7 +215,7 @@ class Loads:
                 elif got is None and w.holds(load.slots[i], load.hashes[i]):
                     from_host.append((b, load.slots[i]))
                 else:  # a prefix stays a prefix: vLLM recomputes from the first failed block
-                    w.fail_blocks(load.block_ids[i:])
+                    w.fail_blocks(load.block_ids[i:], load.req_id)
                     break
             if from_host:
                 w.copy_in(from_host, host)

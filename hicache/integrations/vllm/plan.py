@@ -107,13 +107,13 @@ class HostIndex:
 
 @dataclass(slots=True)
 class LoadPlan:
-    """One request's load: block `block_ids[i]` gets host slot `slots[i]`, read first from
-    L3 where `read[i]` (the page hash `hashes[i]`). `background`: vLLM was told the load is
+    """One request's load: page i's vLLM blocks `block_ids[i]` (one per KV cache group) get
+    host slot `slots[i]`, read first from L3 where `read[i]` (the page hash `hashes[i]`). `background`: vLLM was told the load is
     asynchronous (the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it in
     `get_finished`); otherwise it lands before the forward of the step that sent it."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[tuple[int, ...]]
     slots: list[int]
     hashes: list[str]
     read: list[bool]
@@ -127,7 +127,7 @@ class HiCacheMetadata(MetadataBase):
         self.host_slots = host_slots
         self.page_bytes = page_bytes
         self.loads: list[LoadPlan] = []
-        self.store_blocks: list[int] = []
+        self.store_blocks: list[tuple[int, ...]] = []  # a page's blocks, one per group
         self.store_slots: list[int] = []
         self.store_hashes: list[str] = []
         self.prefetch_slots: list[int] = []  # L3 -> L2 reads for no request (best_effort)

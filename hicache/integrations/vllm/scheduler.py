@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
+from hicache.integrations.vllm.compat import log
+from hicache.integrations.vllm.groups import Row, hole, hybrid_model, storable
 from hicache.integrations.vllm.layout import Geometry, salt_prior
 from hicache.integrations.vllm.metrics import Counters, EventLog
 from hicache.integrations.vllm.options import ConnectorOptions
@@ -32,10 +34,16 @@ class _Request:
     request: Any  # vllm.v1.request.Request (live in the scheduler process)
     prior: PageHash | None
     hashes: list[str] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # one list per KV cache group
     probe_start: int = 0  # pages vLLM had locally at the last probe
     stored: int = 0  # pages (from the first) already stored or found in L2
     waited: bool = False  # had an asynchronous load: later lookups offer landed L2 pages only
+    failed: bool = False  # its load failed (several groups): recomputed, never offered again
+
+
+def _rows(block_ids: list[list[int]], first: int, end: int) -> list[Row]:
+    """Pages [first, end)'s blocks, one per group (vLLM's per-group block tables)."""
+    return [tuple(ids[i] for ids in block_ids) for i in range(first, end)]
 
 
 class SchedulerSide:
@@ -53,6 +61,10 @@ class SchedulerSide:
         self.options = options
         self.geometry = geometry
         self.block_size = geometry.block_size
+        self.model = hybrid_model(geometry)  # hicache's hit rule over vLLM's groups
+        # Several groups: every load is asynchronous, since vLLM takes a failed load of a
+        # hybrid model only per request (`failed_recving`), not per block.
+        self.always_async = geometry.hybrid
         self.index = HostIndex(host_slots)
         self.storage = storage
         self.events = events or EventLog(False, geometry.block_size)
@@ -65,7 +77,7 @@ class SchedulerSide:
         self._loading: dict[str, LoadPlan] = {}  # asynchronous loads not yet reported ended
         self._prefetching: dict[str, int] = {}  # prefetched page -> workers that ended it
         self._prefetch: list[tuple[int, str]] = []  # (slot, page) for the next step's metadata
-        self._finishing: list[tuple[_Request, int, list[int]]] = []  # write-back at free
+        self._finishing: list[tuple[_Request, int, list[list[int]]]] = []  # write-back at free
 
     def _entered(self, st: _Request, page: int, page_hash: str, *, upload: bool) -> None:
         if self.events.enabled:
@@ -110,17 +122,20 @@ class SchedulerSide:
         request that needs them."""
         self.stats.add("lookups")
         st = self._state(request)
+        if st.failed:
+            return 0, False
         start = num_computed_tokens // self.block_size
         st.probe_start = start
-        limit = max(0, (int(request.num_tokens) - 1) // self.block_size)
+        limit = self.model.cap(int(request.num_tokens), int(request.num_tokens)) // self.block_size
         if limit <= start:
             return 0, False
         hashes = self._hashes(st, limit)
         if self.options.prefetch_policy == "best_effort" or st.waited:
             # One asynchronous load per request: one that failed in part would otherwise be
             # planned again (L3 still lists the page) and the request never run.
-            return self._l2_hit(hashes, start, limit, prefetch=not st.waited), False
-        end, background = start, False
+            tokens = self._l2_hit(st, hashes, start, limit, prefetch=not st.waited)
+            return tokens, self.always_async and tokens > 0
+        end, background = start, self.always_async
         while end < limit and self.index.lookup(hashes[end]) is not None:
             background |= hashes[end] in self._filling
             end += 1
@@ -128,9 +143,12 @@ class SchedulerSide:
             in_l3 = self.storage.exists(hashes[end:limit])
             end += in_l3
             background |= in_l3 > 0
-        return (end - start) * self.block_size, background and end > start
+        hit = self.model.usable(int(request.num_tokens), end * self.block_size)
+        return max(0, hit - start * self.block_size), background and hit > start * self.block_size
 
-    def _l2_hit(self, hashes: list[str], start: int, limit: int, *, prefetch: bool) -> int:
+    def _l2_hit(
+        self, st: _Request, hashes: list[str], start: int, limit: int, *, prefetch: bool
+    ) -> int:
         """The tokens of the pages landed in L2; what L3 holds past the pages L2 has or is
         filling is read into L2 in the background, for the next request that needs it."""
         end = start
@@ -145,7 +163,8 @@ class SchedulerSide:
             probe += 1
         if prefetch and self.storage is not None and probe < limit:
             self._prefetch_pages(hashes[probe : probe + self.storage.exists(hashes[probe:limit])])
-        return (end - start) * self.block_size
+        hit = self.model.usable(int(st.request.num_tokens), end * self.block_size)
+        return max(0, hit - start * self.block_size)
 
     def _prefetch_pages(self, hashes: list[str]) -> None:
         """Read these L3 pages into L2 for no request (best_effort), in the next step."""
@@ -169,14 +188,19 @@ class SchedulerSide:
         st = self._state(request)
         start = st.probe_start
         pages = -(-num_external_tokens // self.block_size)
-        block_ids = list(blocks.get_block_ids()[0])
+        rows = _rows([list(ids) for ids in blocks.get_block_ids()], start, start + pages)
         hashes = self._hashes(st, start + pages)
-        plan = LoadPlan(str(request.request_id), [], [], [], [])
+        plan = LoadPlan(str(request.request_id), [], [], [], [], background=self.always_async)
+        gap = hole(self.geometry, rows, start, (start + pages) * self.block_size)
+        if gap is not None:  # vLLM left no block where the hit needs K/V: recompute it all
+            log.warning("hicache: no block for page %d of group %d: load refused", *gap)
         for i in range(start, start + pages):
             h = hashes[i]
             slot = self.index.lookup(h)
             read = slot is None
-            if slot is None:
+            if gap is not None:
+                slot, read = -1, False  # the worker fails the load: vLLM recomputes
+            elif slot is None:
                 slot = self.index.allocate(h)
                 if slot is None:  # every slot pinned or held: the worker reports an error
                     self.stats.add("no_slot")
@@ -190,7 +214,7 @@ class SchedulerSide:
                 self.index.pin(slot)
                 self.stats.add("hit_l2_pages")
             plan.background |= read or h in self._filling
-            plan.block_ids.append(block_ids[i])
+            plan.block_ids.append(rows[i - start])
             plan.slots.append(slot)
             plan.hashes.append(h)
             plan.read.append(read)
@@ -218,6 +242,15 @@ class SchedulerSide:
                 if read:
                     self._filling.discard(h)
 
+    def loads_failed(self, req_ids: Any) -> None:
+        """The workers report these requests' loads failed (`failed_recving`, several
+        groups): vLLM recomputes them, and no later lookup offers them anything, so a load
+        that cannot land is never planned again."""
+        for rid in req_ids or ():
+            st = self._requests.get(str(rid))
+            if st is not None:
+                st.failed = True
+
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata(self.index.slots, self.geometry.page_bytes)
         meta.loads, self._loads = self._loads, []
@@ -236,7 +269,7 @@ class SchedulerSide:
             st = self._requests.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0])
+            st.block_ids = [list(ids) for ids in new.block_ids]
             st.stored = min(st.stored, int(new.num_computed_tokens) // self.block_size)
             if write_through:
                 self._plan_stores(meta, st, int(new.num_computed_tokens) + int(sched[new.req_id]))
@@ -247,9 +280,12 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for ids, more in zip(st.block_ids, new_ids):
+                    ids.extend(more)
             if write_through:
                 self._plan_stores(meta, st, int(cached.num_computed_tokens[i]) + int(sched[rid]))
         self.index.unpin_all()
@@ -261,20 +297,23 @@ class SchedulerSide:
         and known now goes to L2 (and from there to L3) unless L2 has it."""
         known = len(st.request.all_token_ids)
         pages = min(computed, known) // self.block_size
-        pages = min(pages, len(st.block_ids))
+        pages = min([pages, *(len(ids) for ids in st.block_ids)]) if st.block_ids else 0
         if pages <= st.stored:
             return
         hashes = self._hashes(st, pages)
+        rows = _rows(st.block_ids, 0, pages)
         for i in range(st.stored, pages):
             h = hashes[i]
             if self.index.lookup(h) is not None:
                 self.index.touch(h)
                 continue
+            if not storable(self.geometry, rows[i]):
+                continue  # vLLM already dropped a group's block of it: not stored whole
             slot = self.index.allocate(h)
             if slot is None:
                 self.stats.add("no_slot")
                 break
-            meta.store_blocks.append(st.block_ids[i])
+            meta.store_blocks.append(rows[i])
             meta.store_slots.append(slot)
             meta.store_hashes.append(h)
             self._entered(st, i, h, upload=self._uploads)
@@ -282,16 +321,17 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: Any) -> bool:
         """Forget the request. Under write_back its computed pages that L2 lacks are stored
-        in the next step: True asks vLLM to keep its blocks until the workers report the
-        stores ran (`finished_sending`). A request whose load is still in flight (aborted
-        while waiting for it) stores nothing: its blocks may not hold its KV yet."""
+        in the next step: True asks vLLM to keep its blocks (`block_ids`: one list per KV
+        cache group) until the workers report the stores ran (`finished_sending`). A request
+        whose load is still in flight (aborted while waiting for it) stores nothing: its
+        blocks may not hold its KV yet."""
         rid = str(request.request_id)
         st = self._requests.pop(rid, None)
         if st is None or self.options.write_policy != "write_back" or rid in self._loading:
             return False
-        blocks = list(block_ids or ())
+        blocks = [list(ids) for ids in block_ids or ()]
         computed = min(int(request.num_computed_tokens), len(st.request.all_token_ids))
-        pages = min(computed // self.block_size, len(blocks))
+        pages = min([computed // self.block_size, *(len(ids) for ids in blocks)])
         hashes = self._hashes(st, pages)
         if all(self.index.lookup(h) is not None for h in hashes[st.stored : pages]):
             return False

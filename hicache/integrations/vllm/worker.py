@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hicache.integrations.vllm.compat import log
+from hicache.integrations.vllm.groups import Row
 from hicache.integrations.vllm.layers import LayerCopies
-from hicache.integrations.vllm.layout import Geometry
+from hicache.integrations.vllm.layout import NULL_BLOCK, Geometry
 from hicache.integrations.vllm.loads import Loads
 from hicache.integrations.vllm.metrics import Counters
 from hicache.integrations.vllm.options import ConnectorOptions
@@ -55,9 +56,11 @@ class WorkerSide:
         self.planes: list[torch.Tensor] = []  # (num_blocks, bytes) uint8 views of vLLM's KV
         self.offsets: list[int] = []
         self.plane_layer: list[str] = []  # the vLLM layer of each plane, in model order
+        self.plane_group: list[int] = []  # the KV cache group of each plane
         self.host: torch.Tensor | None = None  # (slots, page_bytes) uint8
         self.valid: list[bool] = []
         self.errors: set[int] = set()
+        self.failed: set[str] = set()  # hybrid: requests whose load failed (whole requests)
         self.bad: set[tuple[int, str]] = set()
         self.uploads: dict[int, concurrent.futures.Future[int]] = {}
         self.stats = Counters(WORKER_METRICS)
@@ -71,13 +74,26 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Flat byte views of every layer's blocks: a block-major tensor (`[blocks, ...]`,
-        kernel blocks of one vLLM block adjacent) or a K/V-outer one (`[2, blocks, ...]`)."""
+        kernel blocks of one vLLM block adjacent) or a K/V-outer one (`[2, blocks, ...]`).
+        Several groups: each group's layers, in group order (their tensors may alias one
+        another's: vLLM gives a block id to one group at a time)."""
         import torch
 
-        names = [n for n in self.geometry.layers if n in kv_caches] or sorted(kv_caches)
+        named = [
+            (name, g)
+            for g, part in enumerate(self.geometry.parts)
+            for name in part.layers
+            if name in kv_caches
+        ]
+        if not named:
+            named = [(name, 0) for name in sorted(kv_caches)]
+        missing = sorted(set(self.geometry.layers) - set(kv_caches))
+        if self.geometry.hybrid and missing:
+            raise NotImplementedError(f"HiCacheConnector: vLLM gave no KV tensor for {missing}")
         planes: list[torch.Tensor] = []
         plane_layer: list[str] = []
-        for name in names:
+        plane_group: list[int] = []
+        for name, group in named:
             t = kv_caches[name]
             parts = [t]
             if t.shape[0] % self.num_blocks != 0 and t.shape[0] == 2:
@@ -91,6 +107,7 @@ class WorkerSide:
                 try:
                     planes.append(p.view(self.num_blocks, -1).view(torch.uint8))
                     plane_layer.append(name)
+                    plane_group.append(group)
                 except RuntimeError as exc:
                     raise NotImplementedError(
                         f"HiCacheConnector: layer {name} KV (shape {tuple(t.shape)}, stride "
@@ -105,7 +122,15 @@ class WorkerSide:
                 f"HiCacheConnector: vLLM's KV blocks hold {total} bytes per block over all "
                 f"layers, the KV cache spec says {self.geometry.page_bytes}"
             )
+        for g, part in enumerate(self.geometry.parts):
+            got = sum(int(p.shape[1]) for p, pg in zip(planes, plane_group) if pg == g)
+            if self.geometry.hybrid and got != part.page_bytes:
+                raise NotImplementedError(
+                    f"HiCacheConnector: group {g}'s blocks hold {got} bytes over its layers, "
+                    f"its KV cache spec says {part.page_bytes}"
+                )
         self.planes, self.offsets, self.plane_layer = planes, offsets, plane_layer
+        self.plane_group = plane_group
 
     def _ensure_host(self, meta: HiCacheMetadata) -> torch.Tensor:
         import torch
@@ -145,18 +170,37 @@ class WorkerSide:
             and slot not in self.loads.filling
         )
 
-    def fail_blocks(self, blocks: list[int]) -> None:
-        self.errors.update(blocks)
-        self.stats.add("load_errors", len(blocks))
+    def fail_blocks(self, rows: list[Row], req_id: str | None = None) -> None:
+        """These pages of a load did not land: vLLM recomputes them. One group: their blocks
+        are reported (`get_block_ids_with_load_errors`); several: the whole request is
+        (`failed_recving`: vLLM takes block errors of one group only)."""
+        if self.geometry.hybrid:
+            if req_id is not None and rows:
+                self.failed.add(req_id)
+        else:
+            self.errors.update(row[0] for row in rows)
+        self.stats.add("load_errors", len(rows))
 
-    def copy_in(self, pairs: list[tuple[int, int]], source: torch.Tensor) -> None:
-        """vLLM's block b <- row r of `source` (host slots or a load's buffer), every layer."""
+    def _indices(self, pairs: list[tuple[Row, int]], group: int) -> tuple[Any, Any] | None:
+        """(vLLM blocks, source rows) of `group`'s part of these pages, past null blocks."""
         import torch
 
-        bi = torch.tensor([b for b, _ in pairs], dtype=torch.long)
-        ri = torch.tensor([r for _, r in pairs], dtype=torch.long)
-        for plane, off in zip(self.planes, self.offsets):
-            plane[bi] = source[ri, off : off + plane.shape[1]]
+        nullable = self.geometry.parts[group].nullable
+        keep = [(row[group], r) for row, r in pairs if not (nullable and row[group] == NULL_BLOCK)]
+        if not keep:
+            return None
+        bi = torch.tensor([b for b, _ in keep], dtype=torch.long)
+        ri = torch.tensor([r for _, r in keep], dtype=torch.long)
+        return bi, ri
+
+    def copy_in(self, pairs: list[tuple[Row, int]], source: torch.Tensor) -> None:
+        """Page (row of blocks, one per group) <- row r of `source` (host slots or a load's
+        buffer), every layer of every group whose block vLLM gave."""
+        picked = [self._indices(pairs, g) for g in range(len(self.geometry.parts))]
+        for plane, off, g in zip(self.planes, self.offsets, self.plane_group):
+            got = picked[g]
+            if got is not None:
+                plane[got[0]] = source[got[1], off : off + plane.shape[1]]
         self.stats.add("l2_load_pages", len(pairs))
         self.stats.add("l2_load_bytes", len(pairs) * self.geometry.page_bytes)
 
@@ -168,7 +212,7 @@ class WorkerSide:
         deadline = self.options.prefetch_deadline
         for slot, page_hash in zip(meta.prefetch_slots, meta.prefetch_hashes):
             self.loads.begin(None, [], [slot], [page_hash], [True], self.options.storage_timeout)
-        pairs: list[tuple[int, int]] = []
+        pairs: list[tuple[Row, int]] = []
         for p in meta.loads:
             if p.background or any(p.read):
                 load = self.loads.begin(
@@ -185,7 +229,7 @@ class WorkerSide:
             for i, (b, s) in enumerate(zip(p.block_ids, p.slots)):
                 if not self.holds(s, p.hashes[i]):
                     # A prefix stays a prefix: vLLM recomputes from the first failed block.
-                    self.fail_blocks(p.block_ids[i:])
+                    self.fail_blocks(p.block_ids[i:], p.req_id)
                     break
                 pairs.append((b, s))
         if pairs:
@@ -216,10 +260,13 @@ class WorkerSide:
         host = self._ensure_host(meta)
         for s in meta.store_slots:
             self.loads.take(s)
-        bi = torch.tensor(meta.store_blocks, dtype=torch.long)
         si = torch.tensor(meta.store_slots, dtype=torch.long)
-        for plane, off in zip(self.planes, self.offsets):
-            host[si, off : off + plane.shape[1]] = plane[bi]
+        blocks = [
+            torch.tensor([row[g] for row in meta.store_blocks], dtype=torch.long)
+            for g in range(len(self.geometry.parts))
+        ]
+        for plane, off, g in zip(self.planes, self.offsets, self.plane_group):
+            host[si, off : off + plane.shape[1]] = plane[blocks[g]]
         for s, h in zip(meta.store_slots, meta.store_hashes):
             self.valid[s] = True
             self.slot_hash[s] = h
@@ -256,6 +303,11 @@ class WorkerSide:
     def take_errors(self) -> set[int]:
         errors, self.errors = self.errors, set()
         return errors
+
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed since the last call (several groups only)."""
+        failed, self.failed = self.failed, set()
+        return failed
 
     def take_bad(self) -> set[tuple[int, str]]:
         bad, self.bad = self.bad, set()

@@ -116,7 +116,7 @@ def test_rank_rules_mha_vs_mla():
         ({"model": ""}, "model"),
         ({"kv": "mha:32:8:128"}, "kv spec"),
         ({"kv": "gqa:32:8:128:bfloat16"}, "kv spec"),
-        ({"kv": "mha:0:8:128:bfloat16"}, "positive"),
+        ({"kv": "mha:32:0:128:bfloat16"}, "dimensions positive"),
         ({"kv": "mha:32:8:128:bf16"}, "unknown dtype"),
         ({"page_size": 0}, "page_size"),
         ({"rank": -1}, "rank"),

@@ -28,7 +28,8 @@ def test_spec_round_trip(spec):
         ("mha:x:8:128:float16", "layers must be an int"),
         ("mla:4:512:rope:float16", "qk_rope_head_dim must be an int"),
         ("mha:32:8:128:int8", "unknown KV dtype"),
-        ("mha:0:8:128:float16", "layers must be a positive int"),
+        ("mha:-1:8:128:float16", "layers must be an int >= 0"),
+        ("mha:2:0:128:float16", "heads must be a positive int"),
     ],
 )
 def test_bad_specs_name_the_problem(spec, fragment):
