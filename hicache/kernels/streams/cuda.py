@@ -330,7 +330,14 @@ class CudaInlineCopies:
 
     kind = "cuda"
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, io: str) -> None:
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        io: str,
+        *,
+        transfer_sms: int = DEFAULT_TRANSFER_SMS,
+    ) -> None:
         check_io(io)
         if device_pool.device.type != "cuda":
             raise ValueError(
@@ -340,7 +347,7 @@ class CudaInlineCopies:
         self._cuda = _Cuda()
         with torch.cuda.device(device_pool.device):
             self._stream: Any = self._cuda.stream()
-        self._engine = CudaEngine(device_pool.device, self._stream)
+        self._engine = CudaEngine(device_pool.device, self._stream, transfer_sms=transfer_sms)
 
     def _run(self, copy: Callable[[CudaEngine], object]) -> None:
         device = self.device_pool.device

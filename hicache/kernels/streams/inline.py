@@ -14,6 +14,7 @@ from typing import Protocol
 
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.indices import PagePlan
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.rows import UnreachableMemory
 from hicache.kernels.transfer import run_backup, run_load_all, run_load_layer
@@ -61,16 +62,21 @@ class CpuInlineCopies:
         """Nothing held: CPU copies are done when they return."""
 
 
-Maker = Callable[[DevicePool, HostPool, str], InlineCopies]
+Maker = Callable[[DevicePool, HostPool, str, int], InlineCopies]
+"""Inline copies for a device type: (device pool, host pool, io, transfer_sms)."""
 
 
-def _cuda_copies(device_pool: DevicePool, host_pool: HostPool, io: str) -> InlineCopies:
+def _cpu_copies(device_pool: DevicePool, host_pool: HostPool, io: str, sms: int) -> InlineCopies:
+    return CpuInlineCopies(device_pool, host_pool, io)  # no SMs to budget on a CPU
+
+
+def _cuda_copies(device_pool: DevicePool, host_pool: HostPool, io: str, sms: int) -> InlineCopies:
     from hicache.kernels.streams.cuda import CudaInlineCopies  # needs cuda-python and a driver
 
-    return CudaInlineCopies(device_pool, host_pool, io)
+    return CudaInlineCopies(device_pool, host_pool, io, transfer_sms=sms)
 
 
-MAKERS: Mapping[str, Maker] = {"cpu": CpuInlineCopies, "cuda": _cuda_copies}
+MAKERS: Mapping[str, Maker] = {"cpu": _cpu_copies, "cuda": _cuda_copies}
 """The inline copies of each device type a device pool can live on."""
 
 
@@ -79,10 +85,12 @@ def inline_copies(
     host_pool: HostPool,
     io: str,
     *,
+    transfer_sms: int = DEFAULT_TRANSFER_SMS,
     makers: Mapping[str, Maker] = MAKERS,
 ) -> InlineCopies:
     """The inline copies that fit where `device_pool` lives (`makers` by device type; tests
-    pass stand-ins). Raises `UnreachableMemory` for a device type no engine moves."""
+    pass stand-ins; `transfer_sms`: the SMs a CUDA copy kernel may occupy). Raises
+    `UnreachableMemory` for a device type no engine moves."""
     kind = device_pool.device.type
     maker = makers.get(kind)
     if maker is None:
@@ -90,4 +98,4 @@ def inline_copies(
             f"no copy engine moves a device pool on {device_pool.device}; "
             f"pools live on one of {sorted(makers)}"
         )
-    return maker(device_pool, host_pool, io)
+    return maker(device_pool, host_pool, io, transfer_sms)

@@ -58,7 +58,13 @@ def make_streams(
         from hicache.kernels.streams.virtual import VirtualStreams
 
         streams = VirtualStreams(
-            device_pool, host_pool, io=io, schedule=schedule, bandwidth=float("inf"), fault=fault
+            device_pool,
+            host_pool,
+            io=io,
+            schedule=schedule,
+            bandwidth=float("inf"),
+            fault=fault,
+            transfer_sms=transfer_sms,
         )
         return streams, StreamSelection(
             "inline",
@@ -74,7 +80,13 @@ def make_streams(
         from hicache.kernels.streams.virtual import VirtualStreams
 
         streams = VirtualStreams(
-            device_pool, host_pool, io=io, schedule=schedule, bandwidth=bandwidth, fault=fault
+            device_pool,
+            host_pool,
+            io=io,
+            schedule=schedule,
+            bandwidth=bandwidth,
+            fault=fault,
+            transfer_sms=transfer_sms,
         )
         return streams, StreamSelection(
             "virtual",

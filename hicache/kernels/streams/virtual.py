@@ -17,6 +17,7 @@ from collections.abc import Callable
 import anyio
 
 from hicache.kernels.indices import SlotArray, plan_transfer
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams.base import (
     FaultHook,
@@ -138,9 +139,11 @@ class VirtualStreams:
         bandwidth: float,
         fault: FaultHook | None = None,
         copies: InlineCopies | None = None,
+        transfer_sms: int = DEFAULT_TRANSFER_SMS,
     ) -> None:
         """`copies`: what moves the bytes (default: `inline_copies` for the device pool's
-        device; raises `UnreachableMemory` for a device no engine moves)."""
+        device, its CUDA copy kernel on at most `transfer_sms` SMs; raises `UnreachableMemory`
+        for a device no engine moves)."""
         check_io(io)
         if not bandwidth or bandwidth <= 0:
             raise ValueError(
@@ -149,7 +152,11 @@ class VirtualStreams:
         self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
         self.bandwidth = float(bandwidth)
         self._fault = fault
-        self.copies = copies if copies is not None else inline_copies(device_pool, host_pool, io)
+        self.copies = (
+            copies
+            if copies is not None
+            else inline_copies(device_pool, host_pool, io, transfer_sms=transfer_sms)
+        )
         self._loads, self._backups = _Lane(schedule), _Lane(schedule)
         self._load_jobs = 0
         self._backup_jobs = 0

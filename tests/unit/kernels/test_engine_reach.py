@@ -11,6 +11,7 @@ import torch
 
 from hicache.kernels import DevicePool, HostPool, MHAGeometry, make_streams, plan_transfer
 from hicache.kernels.cpu_engine import CpuEngine
+from hicache.kernels.names import DEFAULT_TRANSFER_SMS
 from hicache.kernels.rows import UnreachableMemory
 from hicache.kernels.streams import inline
 from hicache.kernels.streams.inline import CpuInlineCopies, inline_copies
@@ -90,8 +91,9 @@ class Recording:
 
     kind = "cuda"
 
-    def __init__(self, device_pool, host_pool, io):
+    def __init__(self, device_pool, host_pool, io, *, transfer_sms=None):
         self.made_for = (device_pool, host_pool, io)
+        self.transfer_sms = transfer_sms
         self.calls = []
         self.closed = 0
 
@@ -120,7 +122,30 @@ def test_inline_copies_follow_the_device_pools_device(monkeypatch):
     on_gpu = SimpleNamespace(device=torch.device("cuda:1"), geometry=G)
     made = inline_copies(on_gpu, host, "direct")  # type: ignore[arg-type]
     assert isinstance(made, Recording) and made.made_for == (on_gpu, host, "direct")
+    assert made.transfer_sms == DEFAULT_TRANSFER_SMS
     assert set(inline.MAKERS) == {"cpu", "cuda"}
+
+
+@pytest.mark.parametrize("prefer", ["virtual", "inline"])
+def test_the_sm_budget_reaches_the_cuda_inline_copies(monkeypatch, prefer):
+    """`transfer_sms` holds for the copies virtual and inline streams make on a GPU pool too,
+    not only for the CUDA streams."""
+    from hicache.kernels.streams import cuda
+
+    monkeypatch.setattr(cuda, "CudaInlineCopies", Recording)
+    device = DevicePool.allocate(G, 16, 4)
+    host = HostPool(device, 32, "page_first")
+    on_gpu = SimpleNamespace(device=torch.device("cuda:0"), geometry=G)
+    streams, _ = make_streams(
+        on_gpu,  # type: ignore[arg-type]
+        host,
+        io="kernel",
+        prefer=prefer,
+        schedule=lambda delay, callback: None,
+        bandwidth=1e9,
+        transfer_sms=3,
+    )
+    assert isinstance(streams.copies, Recording) and streams.copies.transfer_sms == 3
 
 
 @pytest.mark.parametrize("prefer", ["virtual", "inline"])
