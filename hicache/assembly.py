@@ -313,6 +313,7 @@ async def open_storage(
         namespace=namespace,
         emit=log.bind("storage").warning,
         virtual_time=cfg.deterministic,
+        connect_timeout=cfg.storage_timeout,
         **dict(options),
     )
     try:

@@ -27,7 +27,7 @@ from typing import Any
 
 import anyio
 
-from hicache.backends.base import EventSink, StorageBackend
+from hicache.backends.base import BackendUnavailable, EventSink, StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.sealing.backend import seal_backend
 from hicache.secrets import redact_url
@@ -136,19 +136,27 @@ async def connect_backend(
     namespace: Namespace,
     emit: EventSink | None = None,
     virtual_time: bool = False,
+    connect_timeout: float | None = None,
     **options: Any,
 ) -> StorageBackend:
     """`open_backend`, then the backend's `connect()` coroutine where it has one (base.py: a
-    network store checks there that its server answers and accepts the credentials). Raises
-    what `open_backend` raises, and what `connect` raises (`BackendUnavailable` for an
-    unreachable or refusing store), after closing the backend."""
+    network store checks there that its server answers and accepts the credentials), bounded
+    by `connect_timeout` seconds (None: the caller bounds it). Raises what `open_backend`
+    raises, and what `connect` raises (`BackendUnavailable` for an unreachable or refusing
+    store, or one that does not answer in time), after closing the backend."""
     backend = open_backend(
         spec, namespace=namespace, emit=emit, virtual_time=virtual_time, **options
     )
     connect = getattr(backend, "connect", None)
     if callable(connect):
         try:
-            await connect()
+            with anyio.move_on_after(connect_timeout) as waited:
+                await connect()
+            if waited.cancelled_caught:
+                raise BackendUnavailable(
+                    f"storage {redact_url(spec)!r} did not answer connect within "
+                    f"{connect_timeout} s"
+                )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await backend.aclose()

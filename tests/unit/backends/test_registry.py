@@ -3,6 +3,7 @@ from __future__ import annotations
 import sys
 import types
 
+import anyio
 import pytest
 
 from hicache.backends.memory import MemoryBackend, MemoryStore
@@ -85,3 +86,42 @@ def test_open_errors(ns):
         open_backend("no_such_module_xyz:Thing", namespace=ns)
     with pytest.raises(TypeError, match="Namespace"):
         open_backend("memory", namespace="ns")
+
+
+def test_connect_is_bounded_and_a_silent_store_is_closed(ns, monkeypatch):
+    """A store whose `connect` never answers is `BackendUnavailable` after `connect_timeout`
+    (virtual time), and is closed; one that answers is returned open."""
+    from hicache.backends.base import BackendUnavailable
+    from hicache.backends.registry import connect_backend
+    from hicache.testing import run_virtual
+
+    closed: list[str] = []
+
+    async def hang(self) -> None:
+        await anyio.sleep_forever()
+
+    async def answer(self) -> None:
+        await anyio.sleep(1.0)
+
+    async def aclose(self) -> None:
+        closed.append("closed")
+
+    monkeypatch.setattr(MemoryBackend, "aclose", aclose)
+
+    async def silent() -> float:
+        monkeypatch.setattr(MemoryBackend, "connect", hang, raising=False)
+        began = anyio.current_time()
+        with pytest.raises(
+            BackendUnavailable, match=r"'memory' did not answer connect within 5.0 s"
+        ):
+            await connect_backend("memory", namespace=ns, connect_timeout=5.0)
+        return anyio.current_time() - began
+
+    assert run_virtual(silent) == pytest.approx(5.0)
+    assert closed == ["closed"]
+
+    async def answering() -> object:
+        monkeypatch.setattr(MemoryBackend, "connect", answer, raising=False)
+        return await connect_backend("memory", namespace=ns, connect_timeout=5.0)
+
+    assert run_virtual(answering) is not None and closed == ["closed"]
