@@ -263,7 +263,7 @@ class NixlBackend(PageFileBackend):
         None fitting: the largest free one is replaced by a new one (registered once)."""
         with self._lock:
             slabs = self._header_slabs
-            for i, (slab, reg) in enumerate(slabs):
+            for i, (slab, _) in enumerate(slabs):
                 if slab.nbytes >= nbytes:
                     return slabs.pop(i)
             if slabs:
