@@ -29,8 +29,6 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -41,7 +39,6 @@ import numpy as np
 
 from hicache.backends.base import BackendUnavailable, EventSink
 from hicache.backends.framing import (
-    PARALLEL_CHECKSUM_BYTES,
     CorruptValue,
     checksums,
     checksums_started,
@@ -68,9 +65,6 @@ POSIX_QUEUES = ("use_aio", "use_uring", "use_posix_aio")
 """The POSIX plugin's I/O queue choices. Without one in the spec the backend picks Linux AIO
 (`use_aio`): one `io_submit` per batch instead of a system call per descriptor, which measured
 2.6x faster than the plugin's own default on the replay (docs/benchmarks.md)."""
-
-Descriptor = tuple[int, int, int]
-"""A NIXL transfer descriptor: (address or file offset, length, device id or fd)."""
 
 _OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync", "params"})
 _agent_ids = itertools.count()
@@ -290,27 +284,19 @@ class NixlBackend(PageFileBackend):
     def _transfer(
         self,
         op: str,
-        parts: list[tuple[list[Descriptor], list[Descriptor]]],
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
         files: list[tuple[int, int]],
         registered_first: int = 0,
-        landed: Callable[[int], None] | None = None,
     ) -> str | None:
-        """NIXL transfers of each part's DRAM descriptors to/from its FILE descriptors
-        (offset, length, fd), one after the other, `landed(i)` called as part i is done;
-        the files `(fd, length)` and any DRAM outside the registered regions are registered
-        for their duration (the first `registered_first` descriptors of part 0 lie in the
-        backend's own slabs). None when all are done, else the failure."""
+        """One NIXL transfer of `local` DRAM descriptors to/from `remote` FILE descriptors
+        (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
+        registered regions for its duration (the first `registered_first` descriptors lie in
+        the backend's own slabs). None when done, else the failure."""
         agent = self._ready()
-        loose = _loose(
-            self._regions,
-            [
-                d
-                for i, (local, _) in enumerate(parts)
-                for d in local[(registered_first if i == 0 else 0) :]
-            ],
-        )
+        loose = _loose(self._regions, local[registered_first:])
         registered = []
-        handles: list[Any] = []
+        handle = None
         try:
             with self._lock:
                 if loose:
@@ -320,35 +306,27 @@ class NixlBackend(PageFileBackend):
                 registered.append(
                     agent.register_memory([(0, n, fd, "") for fd, n in files], "FILE")
                 )
-            for local, remote in parts:
-                handles.append(
-                    agent.initialize_xfer(
-                        op,
-                        agent.get_xfer_descs(local, "DRAM"),
-                        agent.get_xfer_descs(remote, "FILE"),
-                        agent.name,
-                    )
-                )
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "FILE"),
+                agent.name,
+            )
+            state = agent.transfer(handle)
             deadline = time.monotonic() + self.spec.timeout
-            for i, handle in enumerate(handles):
-                state = agent.transfer(handle)
-                polls = 0
-                while state == "PROC":
-                    polls += 1
-                    if polls % 256 == 0:  # a long transfer: stop spinning, let others run
-                        if time.monotonic() > deadline:
-                            return f"transfer not done after {self.spec.timeout}s"
-                        time.sleep(0)
-                    state = agent.check_xfer_state(handle)
-                if state != "DONE":
-                    return f"NIXL transfer state {state}"
-                if landed is not None:
-                    landed(i)
-            return None
+            polls = 0
+            while state == "PROC":
+                polls += 1
+                if polls % 256 == 0:  # a long transfer: stop spinning, let others run
+                    if time.monotonic() > deadline:
+                        return f"transfer not done after {self.spec.timeout}s"
+                    time.sleep(0)
+                state = agent.check_xfer_state(handle)
+            return None if state == "DONE" else f"NIXL transfer state {state}"
         except Exception as exc:  # noqa: BLE001 - NIXL's errors are a failed batch
             return f"{type(exc).__name__}: {exc}"
         finally:
-            for handle in handles:
+            if handle is not None:
                 with contextlib.suppress(Exception):  # releasing also aborts a late transfer
                     agent.release_xfer_handle(handle)
             with self._lock:
@@ -378,7 +356,7 @@ class NixlBackend(PageFileBackend):
                     break
                 opened.append((tmp, fd))
                 files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
-            failure = self._transfer("WRITE", [(local, remote)], files) if local else None
+            failure = self._transfer("WRITE", local, remote, files) if local else None
             crcs = crcs_later.result()
             oks = [False] * len(keys)
             if failure is not None:
@@ -412,13 +390,11 @@ class NixlBackend(PageFileBackend):
         base = _array_address(headers)
         fds: list[int] = []
         # the headers' descriptors (in the slab), then the pages'
-        local: list[Descriptor] = []
-        remote: list[Descriptor] = []
-        page_local: list[Descriptor] = []
-        page_remote: list[Descriptor] = []
-        page_ends: list[int] = []  # per page, the end of its descriptors in page_local
+        local: list[tuple[int, int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        page_local: list[tuple[int, int, int]] = []
+        page_remote: list[tuple[int, int, int]] = []
         files: list[tuple[int, int]] = []
-        first_crcs: Future[list[int]] | None = None
         try:
             # Only the present prefix is read: a miss ends what the count can report.
             wants = [sum(p.nbytes for p in pieces) for pieces in pages]
@@ -439,32 +415,17 @@ class NixlBackend(PageFileBackend):
                 local.append((base + i * hsize, hsize, 0))
                 remote.append((0, hsize, fd))
                 _add_pieces(page_local, page_remote, pieces, fd, hsize)
-                page_ends.append(len(page_local))
                 files.append((fd, size))
             landed = len(files)
             if not landed:
                 return result
-            # Two transfers when the batch is large: the first pages' checksums run on the
-            # checksum pool while the rest move, so only the last part's follow the transfer.
-            cut = _overlap_cut(wants[:landed])
-            split = page_ends[cut - 1]
-            parts = [(local + page_local[:split], remote + page_remote[:split])]
-            if cut < landed:
-                parts.append((page_local[split:], page_remote[split:]))
-
-            def part_landed(part: int) -> None:
-                nonlocal first_crcs
-                if part == 0 and cut < landed:
-                    first_crcs = checksums_started(pages[:cut])
-
-            failure = self._transfer("READ", parts, files, landed, part_landed)
+            failure = self._transfer(
+                "READ", local + page_local, remote + page_remote, files, registered_first=landed
+            )
             if failure is not None:
                 result.errors.append((keys[0], failure))
                 return result
-            if first_crcs is None:
-                crcs = checksums(pages[:landed])
-            else:
-                crcs = first_crcs.result() + checksums(pages[cut:landed])
+            crcs = checksums(pages[:landed])
             for i in range(landed):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
@@ -479,30 +440,9 @@ class NixlBackend(PageFileBackend):
                 result.ok[i] = True
             return result
         finally:
-            if first_crcs is not None:
-                first_crcs.result()  # the pages are the caller's again only once it is done
             self._give_header_slab(agent, slab)
             for fd in fds:
                 os.close(fd)
-
-
-OVERLAP_SHARE = 0.75
-"""A large read's first transfer moves this share of its bytes; the checksums of those pages
-(about 5x faster than the transfer here) then finish while the rest moves."""
-
-
-def _overlap_cut(sizes: list[int]) -> int:
-    """How many leading pages the first of a read's transfers moves: all of them for a batch
-    too small to be worth a second transfer."""
-    total = sum(sizes)
-    if len(sizes) < 2 or total < PARALLEL_CHECKSUM_BYTES:
-        return len(sizes)
-    acc = 0
-    for i, n in enumerate(sizes[:-1]):
-        acc += n
-        if acc >= total * OVERLAP_SHARE:
-            return i + 1
-    return len(sizes) - 1
 
 
 def _array_address(array: np.ndarray) -> int:

@@ -12,9 +12,9 @@ import pytest
 from hicache.backends.base import BackendUnavailable
 from hicache.backends.file import FileBackend
 from hicache.backends.keys import Namespace
-from hicache.backends.nixl import NixlBackend, NixlSpec, _overlap_cut, nixl_missing
+from hicache.backends.nixl import NixlBackend, NixlSpec, nixl_missing
 from hicache.backends.registry import connect_backend
-from hicache.testing.conformance import BackendConformance, Events, Pages, namespace, page_keys
+from hicache.testing.conformance import BackendConformance, Pages, namespace, page_keys
 from tests.unit.backends.harness import ValueFileHarness
 
 pytestmark = pytest.mark.nixl
@@ -139,36 +139,3 @@ async def test_header_slabs_are_reused_bounded_and_freed_at_close(tmp_path: Path
     assert [slab.nbytes > small for slab, _ in backend._header_slabs] == [True]
     await backend.aclose()
     assert backend._header_slabs == []
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("bad", [1, 3])  # in the first transfer's pages, in the second's
-async def test_a_large_read_in_two_transfers_checks_every_page(tmp_path: Path, bad: int) -> None:
-    ns = namespace(f"split{bad}")
-    keys = page_keys(ns, 4)
-    src = Pages(4, piece_bytes=512 << 10).fill(bad)  # 2 MiB pages: the read is split 3 + 1
-    assert _overlap_cut([src.data[:, :, p].nbytes for p in range(4)]) == 3
-    events = Events()
-    backend = NixlBackend.from_spec(f"nixl:{tmp_path}", namespace=ns, emit=events)
-    assert await backend.set_from(keys, src.buffers(range(4))) == 4
-    dst = Pages(4, piece_bytes=512 << 10)
-    assert await backend.get_into(keys, dst.buffers(range(4))) == 4
-    assert np.array_equal(src.data, dst.data)
-    harness = NixlHarness(tmp_path)
-    value = bytearray(harness.read_raw(keys[bad]) or b"")
-    value[-1000] ^= 0xFF
-    harness.write_raw(keys[bad], bytes(value))
-    assert await backend.get_into(keys, Pages(4, piece_bytes=512 << 10).buffers(range(4))) == bad
-    assert [(e["key"], e["reason"]) for e in events.named("storage.corrupt")] == [
-        (keys[bad], "checksum")
-    ]
-    assert harness.read_raw(keys[bad]) is None  # deleted
-    await backend.aclose()
-
-
-def test_only_large_reads_are_split() -> None:
-    mib = 1 << 20
-    assert _overlap_cut([mib] * 3) == 3  # under 4 MiB: one transfer
-    assert _overlap_cut([8 * mib]) == 1  # one page: one transfer
-    assert _overlap_cut([2 * mib] * 16) == 12
-    assert _overlap_cut([8 * mib, mib]) == 1
