@@ -6,8 +6,9 @@ the same with `file:DIR` and back. What NIXL adds is the data path: a batch is o
 transfer of DRAM descriptors (each page's pieces, and on reads its header slot) to FILE
 descriptors (each file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
 default, GDS / GDS_MT (cuFile) where a GPU and its driver are present. Nothing is copied:
-the host pool is registered with the agent once (`attach_host_pool`); pieces elsewhere (a test's
-buffers, the sealing layer's blocks) are registered for their batch.
+the host pool is registered with the agent once (`attach_host_pool`), and reads land headers
+in slabs registered once and reused; pieces elsewhere (a test's buffers, the sealing layer's
+blocks) are registered for their batch.
 
 Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
 transfer is done, so readers never see part of a value; the pages' checksums are computed on
