@@ -6,8 +6,9 @@ the same with `file:DIR` and back. What NIXL adds is the data path: a batch is o
 transfer of DRAM descriptors (each page's pieces, and on reads its header slot) to FILE
 descriptors (each file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
 default, GDS / GDS_MT (cuFile) where a GPU and its driver are present. Nothing is copied:
-the host pool is registered with the agent once (`attach_host_pool`); pieces elsewhere (a test's
-buffers, the sealing layer's blocks) are registered for their batch.
+the host pool is registered with the agent once (`attach_host_pool`), and reads land headers
+in slabs registered once and reused; pieces elsewhere (a test's buffers, the sealing layer's
+blocks) are registered for their batch.
 
 Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
 transfer is done, so readers never see part of a value; the pages' checksums are computed on
@@ -189,8 +190,11 @@ class NixlBackend(PageFileBackend):
         self.spec = spec
         self._regions = RegisteredRegions()  # host memory registered once (attach_host_pool)
         self._pending_regions: list[tuple[int, int]] = []
-        self._lock = threading.Lock()  # the agent, its registrations
+        self._lock = threading.Lock()  # the agent, its registrations, the header slabs
         self._agent: Any = None
+        # Registered buffers that reads land headers in, free between batches: at most one
+        # per batch in flight (`threads`), so a read's DRAM is all registered already.
+        self._header_slabs: list[tuple[np.ndarray, Any]] = []
         self._api: ModuleType | None = None
 
     def __repr__(self) -> str:
@@ -249,9 +253,32 @@ class NixlBackend(PageFileBackend):
             return self._agent
 
     def _release(self) -> None:
-        """Drop the agent (once the batches in flight, whose transfers use it, are done)."""
+        """Drop the agent (once the batches in flight, whose transfers use it, are done), then
+        the header slabs registered with it."""
         with self._lock:
             self._agent = None
+            self._header_slabs.clear()
+
+    def _take_header_slab(self, agent: Any, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A free registered slab of at least `nbytes` (give it back with `_give_header_slab`).
+        None fitting: the largest free one is replaced by a new one (registered once)."""
+        with self._lock:
+            slabs = self._header_slabs
+            for i, (slab, _) in enumerate(slabs):
+                if slab.nbytes >= nbytes:
+                    return slabs.pop(i)
+            if slabs:
+                _, old = slabs.pop(max(range(len(slabs)), key=lambda j: slabs[j][0].nbytes))
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(old)
+            slab = np.empty(max(nbytes, 64 * self._header_size), dtype=np.uint8)
+            reg = agent.register_memory([(_array_address(slab), slab.nbytes, 0, "")], "DRAM")
+            return slab, reg
+
+    def _give_header_slab(self, agent: Any, held: tuple[np.ndarray, Any]) -> None:
+        with self._lock:
+            if self._agent is agent:  # else released meanwhile: its registrations went with it
+                self._header_slabs.append(held)
 
     # -- worker-thread side: files and transfers; no counters, no events ------------------
 
@@ -261,12 +288,14 @@ class NixlBackend(PageFileBackend):
         local: list[tuple[int, int, int]],
         remote: list[tuple[int, int, int]],
         files: list[tuple[int, int]],
+        registered_first: int = 0,
     ) -> str | None:
         """One NIXL transfer of `local` DRAM descriptors to/from `remote` FILE descriptors
         (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
-        registered regions for its duration. None when done, else the failure."""
+        registered regions for its duration (the first `registered_first` descriptors lie in
+        the backend's own slabs). None when done, else the failure."""
         agent = self._ready()
-        loose = _loose(self._regions, local)
+        loose = _loose(self._regions, local[registered_first:])
         registered = []
         handle = None
         try:
@@ -356,11 +385,16 @@ class NixlBackend(PageFileBackend):
     ) -> ReadResult:
         result = ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
         hsize = self._header_size
-        headers = np.empty(len(keys) * hsize, dtype=np.uint8)
-        base = headers.__array_interface__["data"][0]
+        agent = self._ready()
+        slab = self._take_header_slab(agent, len(keys) * hsize)
+        headers = slab[0]
+        base = _array_address(headers)
         fds: list[int] = []
+        # the headers' descriptors (in the slab), then the pages'
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
+        page_local: list[tuple[int, int, int]] = []
+        page_remote: list[tuple[int, int, int]] = []
         files: list[tuple[int, int]] = []
         try:
             # Only the present prefix is read: a miss ends what the count can report.
@@ -381,12 +415,14 @@ class NixlBackend(PageFileBackend):
                     break
                 local.append((base + i * hsize, hsize, 0))
                 remote.append((0, hsize, fd))
-                _add_pieces(local, remote, pieces, fd, hsize)
+                _add_pieces(page_local, page_remote, pieces, fd, hsize)
                 files.append((fd, size))
             landed = len(files)
             if not landed:
                 return result
-            failure = self._transfer("READ", local, remote, files)
+            failure = self._transfer(
+                "READ", local + page_local, remote + page_remote, files, registered_first=landed
+            )
             if failure is not None:
                 result.errors.append((keys[0], failure))
                 return result
@@ -405,8 +441,13 @@ class NixlBackend(PageFileBackend):
                 result.ok[i] = True
             return result
         finally:
+            self._give_header_slab(agent, slab)
             for fd in fds:
                 os.close(fd)
+
+
+def _array_address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 def _add_pieces(

@@ -119,3 +119,23 @@ async def test_a_plugin_that_cannot_start_fails_the_open(tmp_path: Path) -> None
     else:
         await backend.aclose()
         pytest.skip("the GDS plugin starts here")
+
+
+@pytest.mark.anyio
+async def test_header_slabs_are_reused_bounded_and_freed_at_close(tmp_path: Path) -> None:
+    ns = namespace("slabs")
+    keys = page_keys(ns, 80)
+    src = Pages(80).fill(3)
+    backend = NixlBackend.from_spec(f"nixl:{tmp_path}?threads=2", namespace=ns)
+    assert await backend.set_from(keys, src.buffers(range(80))) == 80
+    dst = Pages(80)
+    for _ in range(3):
+        assert await backend.get_into(keys[:4], dst.buffers(range(4))) == 4
+    assert len(backend._header_slabs) == 1  # one batch at a time: one slab, reused
+    small = backend._header_slabs[0][0].nbytes
+    # more headers than the slab holds: it is replaced by a larger one, not kept beside it
+    assert await backend.get_into(keys, dst.buffers(range(80))) == 80
+    assert np.array_equal(src.data, dst.data)
+    assert [slab.nbytes > small for slab, _ in backend._header_slabs] == [True]
+    await backend.aclose()
+    assert backend._header_slabs == []
