@@ -66,11 +66,13 @@ def test_hybrid_exact_and_served_from_l2(hybrid, hbaseline, hfirst):
     p0, p1 = pass_delta(m, 0), pass_delta(m, 1)
     pages = len(distinct_pages())
     assert p0["l2_store_pages"] == pages, p0  # every distinct whole page, both groups' blocks
-    # Every load is asynchronous (a hybrid model's failed load is reported per request), so
-    # vLLM shares no block of a load in flight: each request loads each of its pages.
+    # Every load is asynchronous (a hybrid model's failed load is reported per request). vLLM
+    # shares no block of a load in flight, but a request scheduled after another's load has
+    # landed reuses those blocks: how many pages load depends on the scheduler's steps, between
+    # every distinct page once and every request loading all of its own.
     loaded = sum(full_pages(p) for p in prompts()) // BLOCK
-    assert p1["hit_l2_pages"] == p1["l2_load_pages"] == loaded, p1
-    assert p1["async_loads"] == len(prompts()) and p1.get("load_errors", 0) == 0, p1
+    assert pages <= p1["hit_l2_pages"] == p1["l2_load_pages"] <= loaded, p1
+    assert 1 <= p1["async_loads"] <= len(prompts()) and p1.get("load_errors", 0) == 0, p1
 
 
 def test_hybrid_second_process_reads_the_prefixes_from_l3(hybrid, hspec, hbaseline, hfirst):
