@@ -170,29 +170,7 @@ def make_model(path: str, args: argparse.Namespace, max_len: int) -> None:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
-    if args.model == "gemma3":
-        types = [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)
-        ]
-        gemma = Gemma3TextConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            intermediate_size=args.intermediate,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.hidden // HEAD_DIM,
-            num_key_value_heads=args.kv_heads,
-            head_dim=HEAD_DIM,
-            max_position_embeddings=max(1024, max_len),
-            sliding_window=args.window,
-            layer_types=types,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        gemma.torch_dtype = "float32"
-        Gemma3ForCausalLM(gemma).save_pretrained(path)
-        return
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -203,9 +181,18 @@ def make_model(path: str, args: argparse.Namespace, max_len: int) -> None:
         max_position_embeddings=max(1024, max_len),
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
     )
-    LlamaForCausalLM(config).save_pretrained(path)
+    if args.model == "gemma3":
+        types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(args.layers)
+        ]
+        gemma = Gemma3TextConfig(
+            **shape, sliding_window=args.window, layer_types=types, pad_token_id=0
+        )
+        gemma.torch_dtype = "float32"
+        Gemma3ForCausalLM(gemma).save_pretrained(path)
+        return
+    LlamaForCausalLM(LlamaConfig(**shape, torch_dtype="float32")).save_pretrained(path)
 
 
 # ------------------------------------------------------------------ one configuration's process

@@ -101,7 +101,7 @@ def test_connect_is_bounded_and_a_silent_store_is_closed(ns, monkeypatch):
         await anyio.sleep_forever()
 
     async def answer(self) -> None:
-        await anyio.sleep(1.0)
+        await anyio.sleep(1.0)  # virtual time (run_virtual)
 
     async def aclose(self) -> None:
         closed.append("closed")
