@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 
 class EventTap:
@@ -34,6 +34,7 @@ class EventTap:
         import zmq
 
         self.events: list[dict] = []
+        self._arrived = threading.Condition()  # notified after each batch joins `events`
         self._stop = threading.Event()
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -51,22 +52,43 @@ class EventTap:
             if not self._sock.poll(100, zmq.POLLIN):
                 continue
             frames = self._sock.recv_multipart()
-            for ev in decoder.decode(frames[-1]).events:
-                self.events.append(
-                    {
-                        "type": type(ev).__name__,
-                        "medium": getattr(ev, "medium", None),
-                        "block_hashes": [str(h) for h in getattr(ev, "block_hashes", [])],
-                        "parent_block_hash": str(getattr(ev, "parent_block_hash", None)),
-                        "token_ids": list(getattr(ev, "token_ids", [])),
-                    }
-                )
+            batch = [
+                {
+                    "type": type(ev).__name__,
+                    "medium": getattr(ev, "medium", None),
+                    "block_hashes": [str(h) for h in getattr(ev, "block_hashes", [])],
+                    "parent_block_hash": str(getattr(ev, "parent_block_hash", None)),
+                    "token_ids": list(getattr(ev, "token_ids", [])),
+                }
+                for ev in decoder.decode(frames[-1]).events
+            ]
+            with self._arrived:
+                self.events.extend(batch)
+                self._arrived.notify_all()
 
-    def close(self) -> list[dict]:
-        time.sleep(2.0)  # the publisher sends from its own thread
+    def close(self, done: Callable[[list[dict]], bool], timeout: float = 60.0) -> list[dict]:
+        """The events received once `done(events)` holds: the publishers send from their own
+        threads, so the last batches may still be on their way when generation returns. Past
+        `timeout` seconds, what has arrived (the test then says what is missing)."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: done(self.events), timeout)
         self._stop.set()
         self._thread.join(5)
-        return self.events
+        return list(self.events)
+
+
+def announced(total: dict) -> Callable[[list[dict]], bool]:
+    """Whether every event the connector's counters promise has arrived: a BlockStored on the
+    CPU medium per page stored to or prefetched into L2, and at least one on STORAGE once
+    anything was written to L3."""
+    cpu = total.get("l2_store_pages", 0) + total.get("hit_l3_pages", 0)
+    l3 = 1 if total.get("l3_write_pages", 0) else 0
+
+    def done(events: list[dict]) -> bool:
+        stored = [e["medium"] for e in events if e["type"] == "BlockStored"]
+        return stored.count("CPU") >= cpu and stored.count("STORAGE") >= l3
+
+    return done
 
 
 def hicache_counters(llm) -> dict:
@@ -222,7 +244,7 @@ def run(spec: dict, extra: dict) -> list:
         if spec.get("log_stats"):
             extra["metrics"].append(hicache_counters(llm))
     if tap is not None:
-        extra["events"] = tap.close()
+        extra["events"] = tap.close(announced(extra["metrics"][-1] if extra["metrics"] else {}))
     return passes
 
 
