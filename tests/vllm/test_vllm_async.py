@@ -15,6 +15,7 @@ from vllm_helpers import (
     distinct_pages,
     extra,
     full_pages,
+    near,
     pass_delta,
     prompts,
     run,
@@ -38,7 +39,9 @@ def test_a_store_that_hangs_aborts_while_waiting_and_the_timeout_policy(
     ones are aborted two steps in, while they wait (their loads dropped, their blocks freed,
     nothing stored); the `timeout` policy ends the others' loads after 2 s and vLLM
     recomputes them. Pass 1, the store healthy again (L2 emptied): every prefix from L3.
-    Outputs bit for bit those of vLLM alone."""
+    Outputs those of vLLM alone: the same tokens, logprobs within `NEAR` (an ulp may move:
+    which step a request runs in depends on when its deadline or its load ends, and vLLM's
+    CPU decode is not batch-invariant)."""
     storage, mode = _flaky(work, store, "hang-store")
     connector = {
         "storage": storage,
@@ -63,8 +66,8 @@ def test_a_store_that_hangs_aborts_while_waiting_and_the_timeout_policy(
     )
     aborted, healthy = runs
     assert [o is None for o in aborted] == [i % 2 == 1 for i in range(len(aborted))]
-    same(baseline, aborted)
-    same(baseline, healthy)
+    near(baseline, aborted)
+    near(baseline, healthy)
     p0, p1 = (pass_delta(extra(work, "hang")["metrics"], n) for n in range(2))
     assert p0["async_loads"] >= 2 and p0["aborted_loads"] >= 1, p0
     assert p0["load_timeouts"] >= 1 and p0["load_errors"] >= 1, p0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import chaos_prompts
-from vllm_helpers import VLLM_MARKS, distinct_pages, extra, pass_delta, run, same
+from vllm_helpers import VLLM_MARKS, distinct_pages, extra, near, pass_delta, run, same
 
 pytestmark = VLLM_MARKS
 
@@ -48,16 +48,6 @@ def chaos(work: Path, spec: dict) -> list[list[dict | None]]:
             log_stats=True,
         ),
     )
-
-
-def near(a: list[dict | None], b: list[dict | None], tol: float = 1e-5) -> None:
-    """The same tokens; logprobs equal within `tol` (None: an aborted request)."""
-    for x, y in zip(a, b, strict=True):
-        if x is None or y is None:
-            continue
-        assert x["token_ids"] == y["token_ids"]
-        for (t, u), (s, v) in zip(x["logprobs"], y["logprobs"], strict=True):
-            assert t == s and abs(u - v) <= tol, (x, y)
 
 
 def test_preemption_while_loading_and_storing(work, chaos_baseline, chaos):

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from vllm_helpers import (
     BLOCK,
+    NEAR,
     VLLM_MARKS,
     distinct_pages,
     extra,
     full_pages,
+    logprob_gap,
     make_model,
     pass_delta,
     prompts,
@@ -128,4 +130,6 @@ def test_a_sliding_group_left_unrestored_changes_the_outputs(hybrid, hspec, hbas
     )
     same(hbaseline, runs[0])  # pass 0 loads nothing
     assert [x["num_cached_tokens"] for x in runs[1]] == [full_pages(p) for p in prompts()]
-    assert [x["logprobs"] for x in runs[1]] != [x["logprobs"] for x in hbaseline]
+    # The outputs differ from vLLM alone's by far more than the ulps `near` allows.
+    gap = logprob_gap(hbaseline, runs[1])
+    assert gap > 100 * NEAR, gap
