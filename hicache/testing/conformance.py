@@ -44,6 +44,7 @@ expiry where the backend enforces it, close with operations in flight, argument 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -63,6 +64,34 @@ KV = "mha:2:2:8:bfloat16"
 MODEL = "conformance/model"
 CALL_BOUND_S = 30.0
 """Seconds any one call may take before a test fails as hung (a bound, never a measure)."""
+
+
+class BoundedCalls:
+    """A backend (a stand-in for it, to the tests) whose every call fails the test, naming
+    the call, when it has not returned within `CALL_BOUND_S`: a backend that hangs fails
+    here rather than stopping the session at pytest's own timeout, if one is set at all.
+    Cancellation from outside (a test's own deadline) passes through untouched."""
+
+    CALLS = frozenset({"exists", "get_into", "set_from", "delete", "clear", "aclose"})
+
+    def __init__(self, backend: StorageBackend) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._backend, name)
+        if name in self.CALLS:
+            return functools.partial(self._bounded, name, attr)
+        return attr
+
+    async def _bounded(
+        self, name: str, call: Callable[..., Awaitable[Any]], *a: Any, **kw: Any
+    ) -> Any:
+        with anyio.move_on_after(CALL_BOUND_S):
+            return await call(*a, **kw)
+        pytest.fail(  # reached only when the bound cancelled the call
+            f"{type(self._backend).__name__}.{name} did not return within {CALL_BOUND_S} s: "
+            "a backend call must return, raise, or end when cancelled"
+        )
 
 
 Opener = Callable[..., Awaitable[Any]]
@@ -162,7 +191,7 @@ class BackendConformance:
     def opened(self, harness: ConformanceHarness) -> Iterator[Callable[..., Awaitable[Any]]]:
         """`await opened(ns, emit=None)`: a backend (sealed when `ns` has a seal, as the
         registry seals every backend). Backends a test leaves open are closed at teardown."""
-        backends: list[StorageBackend] = []
+        backends: list[BoundedCalls] = []
 
         async def open_one(ns: Namespace, emit: Callable[..., None] | None = None) -> Any:
             sink = emit if emit is not None else Events()
@@ -172,9 +201,9 @@ class BackendConformance:
             connect = getattr(backend, "connect", None)
             if callable(connect):
                 await connect()
-            backend = seal_backend(backend, ns, emit=sink)
-            backends.append(backend)
-            return backend
+            bounded = BoundedCalls(seal_backend(backend, ns, emit=sink))
+            backends.append(bounded)
+            return bounded
 
         open_one.backends = backends  # type: ignore[attr-defined]
         yield open_one
