@@ -35,9 +35,9 @@ import anyio
 
 from hicache.backends.base import BackendUnavailable, EventSink, PageBuffer, no_events
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
-from hicache.backends.framing import CorruptValue, header_size
+from hicache.backends.framing import header_size
 from hicache.backends.keys import Namespace
-from hicache.backends.simple import _frame, _unframe_into
+from hicache.backends.simple import _frame, unframe_values
 
 _OPTIONS = frozenset({"threads", "ttl"})
 
@@ -251,21 +251,13 @@ class AibrixBackend:
         async with anyio.create_task_group() as tg:
             for i in range(len(keys)):
                 tg.start_soon(fetch, i)
-        oks, corrupt = [], []
-        for key, status, landing, pieces in zip(keys, statuses, landings, pages):
-            if not status.is_ok() or landing.value is None:
-                if not status.is_ok() and not status.is_not_found():
-                    self._error("get", key, status)
-                oks.append(False)
-                continue
-            try:
-                self._counters.bytes_read += _unframe_into(key, landing.value, pieces)
-                oks.append(True)
-            except CorruptValue as exc:
-                self._counters.corrupt += 1
-                self._emit("storage.corrupt", key=key, reason=exc.reason)
-                corrupt.append(key)
-                oks.append(False)
+        for key, status in zip(keys, statuses):
+            if not status.is_ok() and not status.is_not_found():
+                self._error("get", key, status)
+        found = [
+            landing.value if status.is_ok() else None for status, landing in zip(statuses, landings)
+        ]
+        oks, corrupt = unframe_values(keys, found, pages, self._counters, self._emit)
         if corrupt:
             await self.delete(corrupt)
         hits = prefix_count(oks)

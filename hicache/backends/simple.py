@@ -78,24 +78,11 @@ class SimpleStoreBackend:
         pages = check_buffers(self.namespace, keys, targets, writable=True)
         self._counters.gets += len(keys)
         values = await self._runner.map(self._fetch, list(keys))
-        oks = []
-        corrupt = []
-        for key, value, pieces in zip(keys, values, pages):
+        for key, value in zip(keys, values):
             if isinstance(value, Exception):
                 self._error("get", key, value)
-                oks.append(False)
-                continue
-            if value is None:
-                oks.append(False)
-                continue
-            try:
-                self._counters.bytes_read += _unframe_into(key, value, pieces)
-                oks.append(True)
-            except CorruptValue as exc:
-                self._counters.corrupt += 1
-                self._emit("storage.corrupt", key=key, reason=exc.reason)
-                corrupt.append(key)
-                oks.append(False)
+        found = [None if isinstance(v, Exception) else v for v in values]
+        oks, corrupt = unframe_values(keys, found, pages, self._counters, self._emit)
         if corrupt:
             await self.delete(corrupt)
         hits = prefix_count(oks)
@@ -204,6 +191,33 @@ def _delete_all(delete: Callable[[str], object], keys: list[str]) -> list[tuple[
 
 def _frame(key: str, pieces: list[memoryview]) -> bytes:
     return b"".join([encode_header(key, pieces), *pieces])
+
+
+def unframe_values(
+    keys: Sequence[str],
+    values: Sequence[bytes | bytearray | memoryview | None],
+    pages: Sequence[list[memoryview]],
+    counters: Counters,
+    emit: EventSink,
+) -> tuple[list[bool], list[str]]:
+    """Each value read (None: a miss) verified and copied into its page: (whether each
+    landed, the keys whose value was corrupt, for the caller to delete). Counts the bytes
+    read and the corrupt values, and emits `storage.corrupt` for each of those."""
+    oks: list[bool] = []
+    corrupt: list[str] = []
+    for key, value, pieces in zip(keys, values, pages):
+        if value is None:
+            oks.append(False)
+            continue
+        try:
+            counters.bytes_read += _unframe_into(key, value, pieces)
+            oks.append(True)
+        except CorruptValue as exc:
+            counters.corrupt += 1
+            emit("storage.corrupt", key=key, reason=exc.reason)
+            corrupt.append(key)
+            oks.append(False)
+    return oks, corrupt
 
 
 def _unframe_into(key: str, value: bytes | bytearray | memoryview, pieces: list[memoryview]) -> int:
