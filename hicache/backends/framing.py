@@ -7,7 +7,10 @@ Layout (little-endian), then the key (UTF-8), then the payload:
 The checksum is zlib's CRC-32 over the payload, computed incrementally over the page's pieces so
 no joined copy is made. It is computed by ISA-L (`isal`, the same CRC-32, about 10x zlib's
 speed with PCLMUL) when installed, else by zlib (about 5 GB/s), which would make verification
-the bottleneck of reads from the page cache.
+the bottleneck of reads from the page cache. A batch (`checksums`) goes through the file
+store's compiled module where it builds (file/native.py: one call per batch, the GIL released
+for all of it, so it runs beside threads that hold the GIL), through the per-piece calls
+otherwise; the results are the same.
 
 With a secret, the payload itself starts with a seal block (sealing/seal.py: an HMAC or AES-GCM tag
 over the header's fields and the page), added and checked by sealing/backend.py around any backend.
@@ -26,7 +29,7 @@ try:  # same polynomial and result as zlib.crc32, much faster
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib keeps the format readable
     _crc32 = zlib.crc32
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAGIC = b"HKV\0"
@@ -80,7 +83,27 @@ def _checksum_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
+Values = Sequence[Sequence[memoryview | bytes]]
+
+
+def native_checksums() -> Callable[[Values], list[int]] | None:
+    """The compiled batch checksum (file/native.py, built on the process's first call), or
+    None where it cannot be built: `checksums` then calls ISA-L per piece, which needs the GIL
+    back between pieces."""
+    from hicache.backends.file.native import native_file_io  # it imports this module
+
+    native = native_file_io()
+    return None if native is None else native.checksums
+
+
+def _checksum_run(values: Values) -> list[int]:
+    batch = native_checksums()
+    if batch is not None:
+        return batch(values)
+    return [checksum(value) for value in values]
+
+
+def checksums(values: Values) -> list[int]:
     """The CRC-32 of each value (the concatenation of its pieces), as `checksum` gives it. A
     large batch is split into runs of whole values of about equal bytes, one per thread, the
     calling thread taking the first: a batch of pages from DRAM checksums ~1.7x faster."""
@@ -88,7 +111,7 @@ def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
     total = sum(sizes)
     parts = min(CHECKSUM_THREADS, len(values))
     if parts < 2 or total < PARALLEL_CHECKSUM_BYTES:
-        return [checksum(value) for value in values]
+        return _checksum_run(values)
     cuts, acc, goal = [0], 0, total / parts
     for i, n in enumerate(sizes):
         acc += n
@@ -97,7 +120,7 @@ def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
     cuts.append(len(values))
 
     def run(lo: int, hi: int) -> list[int]:
-        return [checksum(value) for value in values[lo:hi]]
+        return _checksum_run(values[lo:hi])
 
     pool = _checksum_pool()
     helpers = [pool.submit(run, lo, hi) for lo, hi in itertools.pairwise(cuts[1:])]
@@ -107,11 +130,11 @@ def checksums(values: Sequence[Sequence[memoryview | bytes]]) -> list[int]:
     return out
 
 
-def checksums_started(values: Sequence[Sequence[memoryview | bytes]]) -> Future[list[int]]:
+def checksums_started(values: Values) -> Future[list[int]]:
     """`checksums` of `values` computed on the checksum pool, returned at once: for a caller
     with other work to do meanwhile (a transfer that does not need them). The values must not
     change until the future is done."""
-    return _checksum_pool().submit(lambda: [checksum(value) for value in values])
+    return _checksum_pool().submit(_checksum_run, values)
 
 
 def encode_header(key: str, pieces: Sequence[memoryview | bytes]) -> bytes:

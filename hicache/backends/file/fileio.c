@@ -2,7 +2,8 @@
    Each call takes a batch, holds the GIL only to read its arguments and build its results,
    and makes every system call of the batch with the GIL released. Semantics: io.py's
    write_value, read_value and count_present, page for page; results are raw codes that
-   native.py turns into the same objects. */
+   native.py turns into the same objects. crc32_values is framing.py's `checksums` for a
+   batch, with the GIL released once for all of it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -21,7 +22,7 @@
 #define O_NOATIME 0
 #endif
 
-#define ABI 1
+#define ABI 2
 #define FIXED 24 /* "<4sHHQII": magic, version, key length, payload length, crc32, reserved */
 #define VERSION 1
 #define MARK_NS 424242LL
@@ -712,6 +713,67 @@ static PyObject *count_present(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(count);
 }
 
+/* crc32_values(values) -> the CRC-32 of each value, a sequence of buffers whose concatenation
+   it checksums (framing.py's `checksums`). The buffers are held while the GIL is released once
+   for the whole batch, so the checksums run beside threads that hold the GIL meanwhile. */
+static PyObject *crc32_values(PyObject *self, PyObject *arg) {
+    if (!crc32_of) {
+        PyErr_SetString(PyExc_RuntimeError, "no checksum function set");
+        return NULL;
+    }
+    PyObject *values = PySequence_Fast(arg, "values must be a sequence");
+    if (!values) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(values);
+    Py_buffer **views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer *));
+    int *nviews = PyMem_Calloc(n ? n : 1, sizeof(int));
+    piece_t **pieces = PyMem_Calloc(n ? n : 1, sizeof(piece_t *));
+    int *npieces = PyMem_Calloc(n ? n : 1, sizeof(int));
+    uint32_t *crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
+    PyObject *out = NULL;
+    Py_ssize_t ready = 0;
+    if (!views || !nviews || !pieces || !npieces || !crcs) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (; ready < n; ready++) {
+        PyObject *value = PySequence_Fast_GET_ITEM(values, ready);
+        if (get_pieces(value, 0, &views[ready], &nviews[ready], &pieces[ready], &npieces[ready]) !=
+            0) {
+            ready++; /* its views so far are released below */
+            goto cleanup;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t crc = 0;
+        for (int j = 0; j < npieces[i]; j++)
+            crc = crc32_of(crc, (const unsigned char *)pieces[i][j].ptr, (uint64_t)pieces[i][j].len);
+        crcs[i] = crc;
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (!out) goto cleanup;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyLong_FromUnsignedLong(crcs[i]);
+        if (!item) {
+            Py_CLEAR(out);
+            goto cleanup;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+cleanup:
+    if (views && nviews && pieces) {
+        for (Py_ssize_t i = 0; i < ready; i++) free_pieces(views[i], nviews[i], pieces[i]);
+    }
+    PyMem_Free(views);
+    PyMem_Free(nviews);
+    PyMem_Free(pieces);
+    PyMem_Free(npieces);
+    PyMem_Free(crcs);
+    Py_DECREF(values);
+    return out;
+}
+
 static PyObject *set_crc(PyObject *self, PyObject *args) {
     unsigned long long addr;
     if (!PyArg_ParseTuple(args, "K", &addr)) return NULL;
@@ -727,6 +789,7 @@ static PyMethodDef methods[] = {
     {"write_values", write_values, METH_VARARGS, NULL},
     {"read_values", read_values, METH_VARARGS, NULL},
     {"count_present", count_present, METH_VARARGS, NULL},
+    {"crc32_values", crc32_values, METH_O, NULL},
     {"set_crc", set_crc, METH_VARARGS, NULL},
     {"abi", abi, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
