@@ -23,14 +23,18 @@ import os
 import struct
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 try:  # same polynomial and result as zlib.crc32, much faster
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib keeps the format readable
     _crc32 = zlib.crc32
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from hicache.backends.file.native import NativeFileIO
 
 MAGIC = b"HKV\0"
 FORMAT_VERSION = 1
@@ -86,20 +90,25 @@ def _checksum_pool() -> ThreadPoolExecutor:
 Values = Sequence[Sequence[memoryview | bytes]]
 
 
-def native_checksums() -> Callable[[Values], list[int]] | None:
-    """The compiled batch checksum (file/native.py, built on the process's first call), or
-    None where it cannot be built: `checksums` then calls ISA-L per piece, which needs the GIL
-    back between pieces."""
+class PendingChecksums(Protocol):
+    """Checksums being computed (`checksums_started`); `result` waits for them."""
+
+    def result(self) -> list[int]: ...
+
+
+def native_checksums() -> NativeFileIO | None:
+    """The compiled module that checksums a batch in one call (file/native.py, built on the
+    process's first call), or None where it cannot be built: batches are then checksummed
+    with a call per piece, which needs the GIL back between pieces."""
     from hicache.backends.file.native import native_file_io  # it imports this module
 
-    native = native_file_io()
-    return None if native is None else native.checksums
+    return native_file_io()
 
 
 def _checksum_run(values: Values) -> list[int]:
-    batch = native_checksums()
-    if batch is not None:
-        return batch(values)
+    native = native_checksums()
+    if native is not None:
+        return native.checksums(values)
     return [checksum(value) for value in values]
 
 
@@ -122,18 +131,30 @@ def checksums(values: Values) -> list[int]:
     def run(lo: int, hi: int) -> list[int]:
         return _checksum_run(values[lo:hi])
 
-    pool = _checksum_pool()
-    helpers = [pool.submit(run, lo, hi) for lo, hi in itertools.pairwise(cuts[1:])]
+    native = native_checksums()
+    helpers: list[PendingChecksums]
+    if native is not None:  # native threads: nothing waits for the GIL to start
+        helpers = [
+            native.checksums_started(values[lo:hi]) for lo, hi in itertools.pairwise(cuts[1:])
+        ]
+    else:
+        pool = _checksum_pool()
+        helpers = [pool.submit(run, lo, hi) for lo, hi in itertools.pairwise(cuts[1:])]
     out = run(cuts[0], cuts[1])
-    for future in helpers:
-        out.extend(future.result())
+    for pending in helpers:
+        out.extend(pending.result())
     return out
 
 
-def checksums_started(values: Values) -> Future[list[int]]:
-    """`checksums` of `values` computed on the checksum pool, returned at once: for a caller
+def checksums_started(values: Values) -> PendingChecksums:
+    """`checksums` of `values` computed on another thread, returned at once: for a caller
     with other work to do meanwhile (a transfer that does not need them). The values must not
-    change until the future is done."""
+    change until `result` returns. With the compiled module the thread is its own and never
+    takes the GIL, so it runs beside a caller that holds the GIL; else it is the checksum
+    pool's."""
+    native = native_checksums()
+    if native is not None:
+        return native.checksums_started(values)
     return _checksum_pool().submit(_checksum_run, values)
 
 

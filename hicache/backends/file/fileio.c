@@ -3,13 +3,15 @@
    and makes every system call of the batch with the GIL released. Semantics: io.py's
    write_value, read_value and count_present, page for page; results are raw codes that
    native.py turns into the same objects. crc32_values is framing.py's `checksums` for a
-   batch, with the GIL released once for all of it. */
+   batch, with the GIL released once for all of it; crc32_start / crc32_finish the same on a
+   thread of its own. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -713,65 +715,162 @@ static PyObject *count_present(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(count);
 }
 
-/* crc32_values(values) -> the CRC-32 of each value, a sequence of buffers whose concatenation
-   it checksums (framing.py's `checksums`). The buffers are held while the GIL is released once
-   for the whole batch, so the checksums run beside threads that hold the GIL meanwhile. */
-static PyObject *crc32_values(PyObject *self, PyObject *arg) {
+/* ------------------------------------------------------------------ batch checksums */
+
+/* A batch of values to checksum: each value's buffers, held until the job is freed. */
+typedef struct {
+    Py_ssize_t n, ready;
+    Py_buffer **views;
+    int *nviews;
+    piece_t **pieces;
+    int *npieces;
+    uint32_t *crcs;
+    pthread_t thread;
+    int running; /* a thread computes the crcs; join it before reading them */
+} crc_job_t;
+
+static void crc_job_run(crc_job_t *job) {
+    for (Py_ssize_t i = 0; i < job->n; i++) {
+        uint32_t crc = 0;
+        for (int j = 0; j < job->npieces[i]; j++)
+            crc = crc32_of(crc, (const unsigned char *)job->pieces[i][j].ptr,
+                           (uint64_t)job->pieces[i][j].len);
+        job->crcs[i] = crc;
+    }
+}
+
+static void *crc_job_thread(void *arg) {
+    crc_job_run(arg);
+    return NULL;
+}
+
+/* Wait for the job's thread (the GIL released while it runs on). */
+static void crc_job_join(crc_job_t *job) {
+    if (!job->running) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(job->thread, NULL);
+    Py_END_ALLOW_THREADS
+    job->running = 0;
+}
+
+/* Let go of the values' buffers, once the thread is done with them. */
+static void crc_job_release(crc_job_t *job) {
+    crc_job_join(job);
+    if (job->views && job->nviews && job->pieces) {
+        for (Py_ssize_t i = 0; i < job->ready; i++)
+            free_pieces(job->views[i], job->nviews[i], job->pieces[i]);
+    }
+    job->ready = 0;
+}
+
+static void crc_job_free(crc_job_t *job) {
+    if (!job) return;
+    crc_job_release(job);
+    PyMem_Free(job->views);
+    PyMem_Free(job->nviews);
+    PyMem_Free(job->pieces);
+    PyMem_Free(job->npieces);
+    PyMem_Free(job->crcs);
+    PyMem_Free(job);
+}
+
+/* The job for `arg` (a sequence of values, each a sequence of buffers), its buffers taken. */
+static crc_job_t *crc_job_new(PyObject *arg) {
     if (!crc32_of) {
         PyErr_SetString(PyExc_RuntimeError, "no checksum function set");
         return NULL;
     }
     PyObject *values = PySequence_Fast(arg, "values must be a sequence");
     if (!values) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(values);
-    Py_buffer **views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer *));
-    int *nviews = PyMem_Calloc(n ? n : 1, sizeof(int));
-    piece_t **pieces = PyMem_Calloc(n ? n : 1, sizeof(piece_t *));
-    int *npieces = PyMem_Calloc(n ? n : 1, sizeof(int));
-    uint32_t *crcs = PyMem_Calloc(n ? n : 1, sizeof(uint32_t));
-    PyObject *out = NULL;
-    Py_ssize_t ready = 0;
-    if (!views || !nviews || !pieces || !npieces || !crcs) {
-        PyErr_NoMemory();
-        goto cleanup;
-    }
-    for (; ready < n; ready++) {
-        PyObject *value = PySequence_Fast_GET_ITEM(values, ready);
-        if (get_pieces(value, 0, &views[ready], &nviews[ready], &pieces[ready], &npieces[ready]) !=
-            0) {
-            ready++; /* its views so far are released below */
-            goto cleanup;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(values), m = n ? n : 1;
+    crc_job_t *job = PyMem_Calloc(1, sizeof(crc_job_t));
+    if (!job) goto no_memory;
+    job->n = n;
+    job->views = PyMem_Calloc(m, sizeof(Py_buffer *));
+    job->nviews = PyMem_Calloc(m, sizeof(int));
+    job->pieces = PyMem_Calloc(m, sizeof(piece_t *));
+    job->npieces = PyMem_Calloc(m, sizeof(int));
+    job->crcs = PyMem_Calloc(m, sizeof(uint32_t));
+    if (!job->views || !job->nviews || !job->pieces || !job->npieces || !job->crcs) goto no_memory;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PySequence_Fast_GET_ITEM(values, i);
+        job->ready = i + 1; /* its views so far are released with the job */
+        if (get_pieces(value, 0, &job->views[i], &job->nviews[i], &job->pieces[i],
+                       &job->npieces[i]) != 0) {
+            crc_job_free(job);
+            Py_DECREF(values);
+            return NULL;
         }
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t crc = 0;
-        for (int j = 0; j < npieces[i]; j++)
-            crc = crc32_of(crc, (const unsigned char *)pieces[i][j].ptr, (uint64_t)pieces[i][j].len);
-        crcs[i] = crc;
-    }
-    Py_END_ALLOW_THREADS
-    out = PyList_New(n);
-    if (!out) goto cleanup;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyLong_FromUnsignedLong(crcs[i]);
+    Py_DECREF(values);
+    return job;
+no_memory:
+    PyErr_NoMemory();
+    crc_job_free(job);
+    Py_DECREF(values);
+    return NULL;
+}
+
+static PyObject *crc_job_results(crc_job_t *job) {
+    PyObject *out = PyList_New(job->n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < job->n; i++) {
+        PyObject *item = PyLong_FromUnsignedLong(job->crcs[i]);
         if (!item) {
-            Py_CLEAR(out);
-            goto cleanup;
+            Py_DECREF(out);
+            return NULL;
         }
         PyList_SET_ITEM(out, i, item);
     }
-cleanup:
-    if (views && nviews && pieces) {
-        for (Py_ssize_t i = 0; i < ready; i++) free_pieces(views[i], nviews[i], pieces[i]);
-    }
-    PyMem_Free(views);
-    PyMem_Free(nviews);
-    PyMem_Free(pieces);
-    PyMem_Free(npieces);
-    PyMem_Free(crcs);
-    Py_DECREF(values);
     return out;
+}
+
+/* crc32_values(values) -> the CRC-32 of each value, a sequence of buffers whose concatenation
+   it checksums (framing.py's `checksums`). The buffers are held while the GIL is released once
+   for the whole batch, so the checksums run beside threads that hold the GIL meanwhile. */
+static PyObject *crc32_values(PyObject *self, PyObject *arg) {
+    crc_job_t *job = crc_job_new(arg);
+    if (!job) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    crc_job_run(job);
+    Py_END_ALLOW_THREADS
+    PyObject *out = crc_job_results(job);
+    crc_job_free(job);
+    return out;
+}
+
+#define CRC_JOB "hicache.crc32_job"
+
+static void crc_job_capsule_free(PyObject *capsule) {
+    crc_job_free(PyCapsule_GetPointer(capsule, CRC_JOB));
+}
+
+/* crc32_start(values) -> a job: crc32_values computed on a thread of its own, which never
+   takes the GIL, so it runs beside a caller that holds the GIL (NIXL's binding does while its
+   plugin copies). The values' buffers are held until crc32_finish or the job is dropped. */
+static PyObject *crc32_start(PyObject *self, PyObject *arg) {
+    crc_job_t *job = crc_job_new(arg);
+    if (!job) return NULL;
+    if (job->n) {
+        if (pthread_create(&job->thread, NULL, crc_job_thread, job) == 0) {
+            job->running = 1;
+        } else { /* no thread to be had: the caller's, now */
+            Py_BEGIN_ALLOW_THREADS
+            crc_job_run(job);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyObject *capsule = PyCapsule_New(job, CRC_JOB, crc_job_capsule_free);
+    if (!capsule) crc_job_free(job);
+    return capsule;
+}
+
+/* crc32_finish(job) -> the CRC-32 of each value; the values' buffers are let go. */
+static PyObject *crc32_finish(PyObject *self, PyObject *capsule) {
+    crc_job_t *job = PyCapsule_GetPointer(capsule, CRC_JOB);
+    if (!job) return NULL;
+    crc_job_release(job);
+    return crc_job_results(job);
 }
 
 static PyObject *set_crc(PyObject *self, PyObject *args) {
@@ -790,6 +889,8 @@ static PyMethodDef methods[] = {
     {"read_values", read_values, METH_VARARGS, NULL},
     {"count_present", count_present, METH_VARARGS, NULL},
     {"crc32_values", crc32_values, METH_O, NULL},
+    {"crc32_start", crc32_start, METH_O, NULL},
+    {"crc32_finish", crc32_finish, METH_O, NULL},
     {"set_crc", set_crc, METH_VARARGS, NULL},
     {"abi", abi, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},

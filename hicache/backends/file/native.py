@@ -48,7 +48,7 @@ from hicache.kernels.native.build import build_library, cached_library, disabled
 
 _NAME = "_hicache_file_io"
 _ABI = 2
-_FLAGS = ["-O2", "-shared", "-fPIC"]
+_FLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]
 _COMPILE_SECONDS = 120
 
 # result codes of read_values (the C enum)
@@ -115,6 +115,25 @@ class NativeFileIO:
         """The CRC-32 of each value (the concatenation of its buffers), framing.checksum's
         result, with the GIL released once for the whole batch."""
         crcs: list[int] = self.module.crc32_values(values)
+        return crcs
+
+    def checksums_started(self, values: Sequence[Sequence[memoryview | bytes]]) -> StartedChecksums:
+        """`checksums` computed on a thread of the module's own (one that never takes the GIL),
+        returned at once; the values' buffers are held until `result`."""
+        return StartedChecksums(self.module.crc32_finish, self.module.crc32_start(values))
+
+
+class StartedChecksums:
+    """Checksums being computed on a native thread; `result` waits for them (GIL released)."""
+
+    __slots__ = ("_finish", "_job")
+
+    def __init__(self, finish: Any, job: Any) -> None:
+        self._finish = finish
+        self._job = job
+
+    def result(self) -> list[int]:
+        crcs: list[int] = self._finish(self._job)
         return crcs
 
 
@@ -202,7 +221,11 @@ def _self_test(native: NativeFileIO) -> None:
         [data[:1], b"", memoryview(data)[1:4097], data[4097:]],
         [data[:13]],
     ]
-    if native.checksums(values) != [checksum(value) for value in values]:
+    expected = [checksum(value) for value in values]
+    if (
+        native.checksums(values) != expected
+        or native.checksums_started(values).result() != expected
+    ):
         raise OSError("compiled batch checksum disagrees with framing.py")
     with tempfile.TemporaryDirectory(prefix="hicache-fileio-") as d:
         key = "hicache:self-test:" + "0" * 64
@@ -263,4 +286,4 @@ def unavailable_reason() -> str | None:
     return _native()[1]
 
 
-__all__ = ["NativeFileIO", "expire_le", "native_file_io", "unavailable_reason"]
+__all__ = ["NativeFileIO", "StartedChecksums", "expire_le", "native_file_io", "unavailable_reason"]

@@ -332,3 +332,31 @@ def test_batch_checksums_run_without_the_gil():
     finally:
         sys.setswitchinterval(interval)
     assert during > 0
+
+
+@needs_native
+@pytest.mark.parametrize("batch", _crc_batches())
+def test_started_batch_checksums_are_zlibs(batch):
+    """The same checksums computed on the module's own thread."""
+    expected = [zlib.crc32(b"".join(bytes(p) for p in value)) for value in batch]
+    started = native.checksums_started(batch)
+    assert started.result() == expected
+    assert started.result() == expected  # asked again: the same, nothing held any more
+
+
+@needs_native
+def test_started_batch_checksums_hold_the_buffers_until_done():
+    """The values' buffers are held while the thread may read them and let go at `result`, or
+    when the job is dropped without one."""
+    held = bytearray(3 << 20)
+    started = native.checksums_started([[held], [memoryview(held)[:5]]])
+    with pytest.raises(BufferError):
+        held.extend(b"x")  # the job still holds a view
+    assert started.result() == [zlib.crc32(bytes(3 << 20)), zlib.crc32(bytes(5))]
+    held.extend(b"x")
+    dropped = native.checksums_started([[held]])
+    del dropped  # its thread is waited for, then its views let go
+    held.extend(b"y")
+    with pytest.raises(TypeError):
+        native.checksums_started([[held], [object()]])
+    held.extend(b"z")  # a failed start let go of what it had taken
