@@ -11,12 +11,15 @@ in slabs registered once and reused; pieces elsewhere (a test's buffers, the sea
 blocks) are registered for their batch.
 
 Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
-transfer is done, so readers never see part of a value; the pages' checksums are computed on
-the checksum pool while the transfer moves them, and each header is written (`pwrite`) after. A read transfers each present file's
-header and page in one batch, then checks the header and the CRC-32 where the bytes landed: a
-value that fails is a miss, a `storage.corrupt` event, and its file is deleted. `exists` stats
-the files. There is no size cap and no expiry: values stay until `delete` or `clear`, so give
-the store a directory (or a filesystem) sized for it.
+transfer is done, so readers never see part of a value; the pages' checksums are computed while
+the transfer moves them, and each header is written (`pwrite`) after. NIXL's Python binding holds
+the GIL while its plugin copies, so the checksums go through the file store's compiled module
+where it builds (framing.checksums_started: a native thread that never takes the GIL), through
+the checksum pool otherwise. A read transfers each present file's header and page in one batch,
+then checks the header and the CRC-32 where the bytes landed (`framing.checksums`, one compiled
+call per batch where built): a value that fails is a miss, a `storage.corrupt` event, and its
+file is deleted. `exists` stats the files. There is no size cap and no expiry: values stay until
+`delete` or `clear`, so give the store a directory (or a filesystem) sized for it.
 
 Every transfer runs in a worker thread and is bounded by `timeout` seconds: past it the
 transfer is released (NIXL aborts it) and the batch is a miss. A call cancelled at the cache's
@@ -44,6 +47,7 @@ from hicache.backends.framing import (
     checksums,
     checksums_started,
     decode_header,
+    native_checksums,
     pack_header,
 )
 from hicache.backends.keys import Namespace
@@ -247,6 +251,7 @@ class NixlBackend(PageFileBackend):
                 except Exception as exc:  # NIXL raises its own error types
                     raise RuntimeError(f"NIXL could not start {self.spec.plugin}: {exc}") from exc
                 self._api, self._agent = api, agent
+                native_checksums()  # built (once per machine) here rather than in a batch
             for ptr, nbytes in self._pending_regions:
                 self._agent.register_memory([(ptr, nbytes, 0, "")], "DRAM")
             self._pending_regions.clear()
@@ -338,7 +343,7 @@ class NixlBackend(PageFileBackend):
     def _write_pages(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
     ) -> WriteResult:
-        # The checksums run on the checksum pool while the payload moves; each header is
+        # The checksums run on another thread while the payload moves; each header is
         # written once both are done, before its file is renamed into place.
         crcs_later = checksums_started(pages)
         hsize = self._header_size
