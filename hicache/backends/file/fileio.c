@@ -717,9 +717,10 @@ static PyObject *count_present(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ batch checksums */
 
-/* A batch of values to checksum: each value's buffers, held until the job is freed. */
+/* A batch of values to checksum: each value's buffers, held until the job is released. */
 typedef struct {
     Py_ssize_t n, ready;
+    Py_ssize_t next; /* the next value to take (atomic: the job's thread and the waiter take) */
     Py_buffer **views;
     int *nviews;
     piece_t **pieces;
@@ -729,8 +730,13 @@ typedef struct {
     int running; /* a thread computes the crcs; join it before reading them */
 } crc_job_t;
 
+/* Checksum the values not taken yet, one at a time. Run by the job's thread and by whoever
+   waits for the job, so a thread that got no core early leaves the waiter at most one value
+   to wait for. */
 static void crc_job_run(crc_job_t *job) {
-    for (Py_ssize_t i = 0; i < job->n; i++) {
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->n) return;
         uint32_t crc = 0;
         for (int j = 0; j < job->npieces[i]; j++)
             crc = crc32_of(crc, (const unsigned char *)job->pieces[i][j].ptr,
@@ -744,10 +750,12 @@ static void *crc_job_thread(void *arg) {
     return NULL;
 }
 
-/* Wait for the job's thread (the GIL released while it runs on). */
+/* Finish the job: take the values its thread has not, then wait for the thread (the GIL
+   released meanwhile). pthread_join makes the thread's checksums visible here. */
 static void crc_job_join(crc_job_t *job) {
     if (!job->running) return;
     Py_BEGIN_ALLOW_THREADS
+    crc_job_run(job);
     pthread_join(job->thread, NULL);
     Py_END_ALLOW_THREADS
     job->running = 0;
@@ -842,12 +850,15 @@ static PyObject *crc32_values(PyObject *self, PyObject *arg) {
 #define CRC_JOB "hicache.crc32_job"
 
 static void crc_job_capsule_free(PyObject *capsule) {
-    crc_job_free(PyCapsule_GetPointer(capsule, CRC_JOB));
+    crc_job_t *job = PyCapsule_GetPointer(capsule, CRC_JOB);
+    if (job) __atomic_store_n(&job->next, job->n, __ATOMIC_RELAXED); /* nobody wants the rest */
+    crc_job_free(job);
 }
 
 /* crc32_start(values) -> a job: crc32_values computed on a thread of its own, which never
    takes the GIL, so it runs beside a caller that holds the GIL (NIXL's binding does while its
-   plugin copies). The values' buffers are held until crc32_finish or the job is dropped. */
+   plugin copies). crc32_finish computes what the thread has not taken yet, then waits for it.
+   The values' buffers are held until crc32_finish or the job is dropped. */
 static PyObject *crc32_start(PyObject *self, PyObject *arg) {
     crc_job_t *job = crc_job_new(arg);
     if (!job) return NULL;

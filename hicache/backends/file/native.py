@@ -119,7 +119,9 @@ class NativeFileIO:
 
     def checksums_started(self, values: Sequence[Sequence[memoryview | bytes]]) -> StartedChecksums:
         """`checksums` computed on a thread of the module's own (one that never takes the GIL),
-        returned at once; the values' buffers are held until `result`."""
+        returned at once; `result` computes the values the thread has not started yet (so a
+        thread that got no core costs no more than computing them then), then waits for it.
+        The values' buffers are held until `result`."""
         return StartedChecksums(self.module.crc32_finish, self.module.crc32_start(values))
 
 
