@@ -129,7 +129,9 @@ def compare(
             nixl.register_host_memory(array.ctypes.data, array.nbytes)
         files = FileBackend(f"{root}/file", namespace=layout.namespace, threads=4)
         for r in range(rounds):
-            order = [*names[1:3], "raw", *names[3:]] if r % 2 else names
+            order = ["raw", "nixl", "file"] if r % 2 else ["nixl", "raw", "file"]
+            if fallback:  # last in one round, first in the next
+                order = [*order, "fallback"] if r % 2 else ["fallback", *order]
             got: dict[str, tuple[float, float]] = {}
             for name in order:
                 if name == "raw":
