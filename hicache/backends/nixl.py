@@ -15,10 +15,11 @@ transfer is done, so readers never see part of a value; the pages' checksums are
 the transfer moves them, and each header is written (`pwrite`) after. NIXL's Python binding holds
 the GIL while its plugin copies, so the checksums go through the file store's compiled module
 where it builds (framing.checksums_started: a native thread that never takes the GIL), through
-the checksum pool otherwise. A read transfers each present file's header and page in one batch,
-then checks the header and the CRC-32 where the bytes landed (`framing.checksums`, one compiled
-call per batch where built): a value that fails is a miss, a `storage.corrupt` event, and its
-file is deleted. `exists` stats the files. There is no size cap and no expiry: values stay until
+the checksum pool otherwise. A read transfers each present file's header and page in
+`READ_PARTS` transfers, each landed part's checksums computed on such a thread while the next
+part moves (one transfer, then `framing.checksums`, without the compiled module), then checks
+the headers and the CRC-32s where the bytes landed: a value that fails is a miss, a
+`storage.corrupt` event, and its file is deleted. `exists` stats the files. There is no size cap and no expiry: values stay until
 `delete` or `clear`, so give the store a directory (or a filesystem) sized for it.
 
 Every transfer runs in a worker thread and is bounded by `timeout` seconds: past it the
