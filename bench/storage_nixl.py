@@ -12,11 +12,14 @@ pieces each, layer-first), rounds alternate which goes first and each runs on fr
   checksummed, written to a temporary file and renamed, verified on read), host memory
   registered once as the cache does (`register_host_memory`).
 - `file:` backend: the same calls.
+- with `--fallback`, also the `nixl:` backend with the file store's compiled module hidden (as
+  where it cannot be built): per-piece checksums, on the checksum pool while writing, after
+  one transfer while reading.
 
 Prints pages/s and GB/s of each (medians) and, per direction, the median over rounds of the
 round's backend/raw ratio (target >= 0.9).
 
-    python bench/storage_nixl.py [--rounds 5] [--pages 32] [--dir DIR]
+    python bench/storage_nixl.py [--rounds 5] [--pages 32] [--dir DIR] [--fallback]
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import anyio
 import numpy as np
 
-from bench.storage import BenchLayout, Shape, run_case
+from bench.storage import BenchLayout, CaseResult, Shape, run_case
 from hicache.backends.file import FileBackend
+from hicache.backends.file import native as file_native
 from hicache.backends.nixl import NixlBackend, NixlSpec, load_nixl, nixl_missing
 from hicache.backends.registered import address_of
 
@@ -98,13 +102,26 @@ class RawNixl:
         return t1 - t0, t2 - t1
 
 
-def compare(tokens: int, pages: int, rounds: int, root: str) -> dict[str, float]:
+async def _without_native(backend: NixlBackend, layout: BenchLayout, round_: int) -> CaseResult:
+    """`run_case` with the compiled module hidden, as where it cannot be built."""
+    real = file_native.native_file_io
+    file_native.native_file_io = lambda: None
+    try:
+        return await run_case(backend, layout, round_=round_, batch=BATCH)
+    finally:
+        file_native.native_file_io = real
+
+
+def compare(
+    tokens: int, pages: int, rounds: int, root: str, fallback: bool = False
+) -> dict[str, float]:
     layout = BenchLayout(Shape(tokens=tokens), pages)
     spec = NixlSpec.parse(f"nixl:{root}/nixl")
     raw = RawNixl(os.path.join(root, "raw"), layout, dict(spec.params))
     os.makedirs(raw.directory, exist_ok=True)
-    times: dict[str, list[tuple[float, float]]] = {"raw": [], "nixl": [], "file": []}
-    ratios: dict[str, list[float]] = {"set": [], "get": []}
+    names = ["raw", "nixl", "file", *(["fallback"] if fallback else [])]
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {"set": [], "get": [], "fallback set": [], "fallback get": []}
 
     async def rounds_of_backends() -> None:
         nixl = NixlBackend(spec, namespace=layout.namespace)
@@ -113,13 +130,18 @@ def compare(tokens: int, pages: int, rounds: int, root: str) -> dict[str, float]
         files = FileBackend(f"{root}/file", namespace=layout.namespace, threads=4)
         for r in range(rounds):
             order = ["raw", "nixl", "file"] if r % 2 else ["nixl", "raw", "file"]
+            if fallback:  # last in one round, first in the next
+                order = [*order, "fallback"] if r % 2 else ["fallback", *order]
             got: dict[str, tuple[float, float]] = {}
             for name in order:
                 if name == "raw":
                     got[name] = raw.round()
                     continue
-                backend = nixl if name == "nixl" else files
-                result = await run_case(backend, layout, round_=r, batch=BATCH)
+                backend = files if name == "file" else nixl
+                if name == "fallback":
+                    result = await _without_native(nixl, layout, r)
+                else:
+                    result = await run_case(backend, layout, round_=r, batch=BATCH)
                 total = layout.total_bytes / 1e9
                 got[name] = (total / result.set_gbps, total / result.get_gbps)
                 await backend.clear()
@@ -127,6 +149,9 @@ def compare(tokens: int, pages: int, rounds: int, root: str) -> dict[str, float]
                 times[name].append(t)
             ratios["set"].append(got["raw"][0] / got["nixl"][0])
             ratios["get"].append(got["raw"][1] / got["nixl"][1])
+            if fallback:
+                ratios["fallback set"].append(got["raw"][0] / got["fallback"][0])
+                ratios["fallback get"].append(got["raw"][1] / got["fallback"][1])
         await nixl.aclose()
         await files.aclose()
 
@@ -134,11 +159,11 @@ def compare(tokens: int, pages: int, rounds: int, root: str) -> dict[str, float]
     med = statistics.median
     page_mib = layout.shape.page_bytes / 2**20
     print(f"page {tokens} tokens ({page_mib:.0f} MiB, 64 pieces), {pages} pages per pass")
-    for name in ("raw", "nixl", "file"):
+    for name in names:
         set_s = med(t[0] for t in times[name])
         get_s = med(t[1] for t in times[name])
         print(
-            f"  {name:5s} put {pages / set_s:7.0f} pages/s {layout.total_bytes / set_s / 1e9:6.2f} GB/s"
+            f"  {name:8s} put {pages / set_s:7.0f} pages/s {layout.total_bytes / set_s / 1e9:6.2f} GB/s"
             f" | get {pages / get_s:7.0f} pages/s {layout.total_bytes / get_s / 1e9:6.2f} GB/s"
         )
     out = {f"{op} {tokens}-token pages": med(ratios[op]) for op in ("set", "get")}
@@ -146,6 +171,11 @@ def compare(tokens: int, pages: int, rounds: int, root: str) -> dict[str, float]
         f"  nixl / raw NIXL: put {out[f'set {tokens}-token pages']:.2f}"
         f"  get {out[f'get {tokens}-token pages']:.2f} (median of round ratios, target >= 0.9)"
     )
+    if fallback:
+        print(
+            f"  fallback / raw NIXL: put {med(ratios['fallback set']):.2f}"
+            f"  get {med(ratios['fallback get']):.2f} (without the compiled module)"
+        )
     return out
 
 
@@ -156,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--dir", default=None)
+    ap.add_argument(
+        "--fallback", action="store_true", help="also run the backend without the compiled module"
+    )
     args = ap.parse_args(argv)
     missing = nixl_missing()
     if missing:
@@ -165,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, float] | None:
     try:
         ratios: dict[str, float] = {}
         for tokens in (16, 64):
-            ratios.update(compare(tokens, args.pages, args.rounds, root))
+            ratios.update(compare(tokens, args.pages, args.rounds, root, args.fallback))
         return ratios
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -11,12 +11,16 @@ in slabs registered once and reused; pieces elsewhere (a test's buffers, the sea
 blocks) are registered for their batch.
 
 Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
-transfer is done, so readers never see part of a value; the pages' checksums are computed on
-the checksum pool while the transfer moves them, and each header is written (`pwrite`) after. A read transfers each present file's
-header and page in one batch, then checks the header and the CRC-32 where the bytes landed: a
-value that fails is a miss, a `storage.corrupt` event, and its file is deleted. `exists` stats
-the files. There is no size cap and no expiry: values stay until `delete` or `clear`, so give
-the store a directory (or a filesystem) sized for it.
+transfer is done, so readers never see part of a value; the pages' checksums are computed while
+the transfer moves them, and each header is written (`pwrite`) after. NIXL's Python binding holds
+the GIL while its plugin copies, so the checksums go through the file store's compiled module
+where it builds (framing.checksums_started: a native thread that never takes the GIL), through
+the checksum pool otherwise. A read transfers each present file's header and page in
+`READ_PARTS` transfers, each landed part's checksums computed on such a thread while the next
+part moves (one transfer, then `framing.checksums`, without the compiled module), then checks
+the headers and the CRC-32s where the bytes landed: a value that fails is a miss, a
+`storage.corrupt` event, and its file is deleted. `exists` stats the files. There is no size cap and no expiry: values stay until
+`delete` or `clear`, so give the store a directory (or a filesystem) sized for it.
 
 Every transfer runs in a worker thread and is bounded by `timeout` seconds: past it the
 transfer is released (NIXL aborts it) and the batch is a miss. A call cancelled at the cache's
@@ -30,6 +34,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -41,9 +46,11 @@ import numpy as np
 from hicache.backends.base import BackendUnavailable, EventSink
 from hicache.backends.framing import (
     CorruptValue,
+    PendingChecksums,
     checksums,
     checksums_started,
     decode_header,
+    native_checksums,
     pack_header,
 )
 from hicache.backends.keys import Namespace
@@ -66,6 +73,11 @@ POSIX_QUEUES = ("use_aio", "use_uring", "use_posix_aio")
 """The POSIX plugin's I/O queue choices. Without one in the spec the backend picks Linux AIO
 (`use_aio`): one `io_submit` per batch instead of a system call per descriptor, which measured
 2.6x faster than the plugin's own default on the replay (docs/benchmarks.md)."""
+
+READ_PARTS = 4
+"""A read batch moves in this many transfers (of whole pages), so that the checksums of a part
+that landed run, on a native thread, while the next part moves: only the last part's are left
+after the transfers, and the caller computes those with that thread (docs/benchmarks.md)."""
 
 _OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync", "params"})
 _agent_ids = itertools.count()
@@ -247,6 +259,7 @@ class NixlBackend(PageFileBackend):
                 except Exception as exc:  # NIXL raises its own error types
                     raise RuntimeError(f"NIXL could not start {self.spec.plugin}: {exc}") from exc
                 self._api, self._agent = api, agent
+                native_checksums()  # built (once per machine) here rather than in a batch
             for ptr, nbytes in self._pending_regions:
                 self._agent.register_memory([(ptr, nbytes, 0, "")], "DRAM")
             self._pending_regions.clear()
@@ -282,22 +295,14 @@ class NixlBackend(PageFileBackend):
 
     # -- worker-thread side: files and transfers; no counters, no events ------------------
 
-    def _transfer(
-        self,
-        op: str,
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
-        files: list[tuple[int, int]],
-        registered_first: int = 0,
-    ) -> str | None:
-        """One NIXL transfer of `local` DRAM descriptors to/from `remote` FILE descriptors
-        (offset, length, fd), registering the files `(fd, length)` and any DRAM outside the
-        registered regions for its duration (the first `registered_first` descriptors lie in
-        the backend's own slabs). None when done, else the failure."""
-        agent = self._ready()
-        loose = _loose(self._regions, local[registered_first:])
+    @contextlib.contextmanager
+    def _registered(
+        self, agent: Any, dram: list[tuple[int, int, int]], files: list[tuple[int, int]]
+    ) -> Iterator[None]:
+        """The files `(fd, length)`, and the DRAM of descriptors `dram` that lies outside the
+        registered regions, registered with the agent for the duration."""
+        loose = _loose(self._regions, dram)
         registered = []
-        handle = None
         try:
             with self._lock:
                 if loose:
@@ -307,6 +312,26 @@ class NixlBackend(PageFileBackend):
                 registered.append(
                     agent.register_memory([(0, n, fd, "") for fd, n in files], "FILE")
                 )
+            yield
+        finally:
+            with self._lock:
+                for reg in registered:
+                    with contextlib.suppress(Exception):
+                        agent.deregister_memory(reg)
+
+    def _move(
+        self,
+        agent: Any,
+        op: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        deadline: float,
+    ) -> str | None:
+        """One NIXL transfer of `local` DRAM descriptors to/from `remote` FILE descriptors
+        (offset, length, fd), all registered, given up at `deadline` (monotonic). None when
+        done, else the failure."""
+        handle = None
+        try:
             handle = agent.initialize_xfer(
                 op,
                 agent.get_xfer_descs(local, "DRAM"),
@@ -314,7 +339,6 @@ class NixlBackend(PageFileBackend):
                 agent.name,
             )
             state = agent.transfer(handle)
-            deadline = time.monotonic() + self.spec.timeout
             polls = 0
             while state == "PROC":
                 polls += 1
@@ -330,15 +354,28 @@ class NixlBackend(PageFileBackend):
             if handle is not None:
                 with contextlib.suppress(Exception):  # releasing also aborts a late transfer
                     agent.release_xfer_handle(handle)
-            with self._lock:
-                for reg in registered:
-                    with contextlib.suppress(Exception):
-                        agent.deregister_memory(reg)
+
+    def _transfer(
+        self,
+        op: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        files: list[tuple[int, int]],
+    ) -> str | None:
+        """One transfer (`_move`) with what it needs registered for its duration, bounded by
+        `timeout` seconds. None when done, else the failure."""
+        agent = self._ready()
+        deadline = time.monotonic() + self.spec.timeout
+        try:
+            with self._registered(agent, local, files):
+                return self._move(agent, op, local, remote, deadline)
+        except Exception as exc:  # noqa: BLE001 - a failed registration is a failed batch
+            return f"{type(exc).__name__}: {exc}"
 
     def _write_pages(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
     ) -> WriteResult:
-        # The checksums run on the checksum pool while the payload moves; each header is
+        # The checksums run on another thread while the payload moves; each header is
         # written once both are done, before its file is renamed into place.
         crcs_later = checksums_started(pages)
         hsize = self._header_size
@@ -386,20 +423,21 @@ class NixlBackend(PageFileBackend):
         result = ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
         hsize = self._header_size
         agent = self._ready()
+        deadline = time.monotonic() + self.spec.timeout
         slab = self._take_header_slab(agent, len(keys) * hsize)
         headers = slab[0]
         base = _array_address(headers)
         fds: list[int] = []
-        # the headers' descriptors (in the slab), then the pages'
-        local: list[tuple[int, int, int]] = []
-        remote: list[tuple[int, int, int]] = []
+        # the pages' descriptors, page i's from starts[i] to starts[i + 1]
         page_local: list[tuple[int, int, int]] = []
         page_remote: list[tuple[int, int, int]] = []
+        starts = [0]
         files: list[tuple[int, int]] = []
+        pending: list[PendingChecksums] = []
         try:
             # Only the present prefix is read: a miss ends what the count can report.
             wants = [sum(p.nbytes for p in pieces) for pieces in pages]
-            for i, (key, path, pieces, want) in enumerate(zip(keys, paths, pages, wants)):
+            for key, path, pieces, want in zip(keys, paths, pages, wants):
                 try:
                     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
@@ -413,26 +451,44 @@ class NixlBackend(PageFileBackend):
                     result.corrupt.append((key, size_mismatch(fd, key, size, want)))
                     unlink_all([path])
                     break
-                local.append((base + i * hsize, hsize, 0))
-                remote.append((0, hsize, fd))
                 _add_pieces(page_local, page_remote, pieces, fd, hsize)
+                starts.append(len(page_local))
                 files.append((fd, size))
             landed = len(files)
             if not landed:
                 return result
-            failure = self._transfer(
-                "READ", local + page_local, remote + page_remote, files, registered_first=landed
-            )
-            if failure is not None:
-                result.errors.append((keys[0], failure))
-                return result
-            crcs = checksums(pages[:landed])
-            for i in range(landed):
+            # The batch moves in parts, one after another; each landed part's checksums start
+            # on a native thread while the next part moves (NIXL holds the GIL meanwhile).
+            # Without the compiled module: one transfer, then `checksums` (the pool's thread
+            # would wait for the GIL during the transfers).
+            split = native_checksums() is not None
+            crcs: list[int] = []
+            try:
+                with self._registered(agent, page_local, files):
+                    for lo, hi in _parts(landed, READ_PARTS if split else 1):
+                        local = [(base + i * hsize, hsize, 0) for i in range(lo, hi)]
+                        remote = [(0, hsize, files[i][0]) for i in range(lo, hi)]
+                        local += page_local[starts[lo] : starts[hi]]
+                        remote += page_remote[starts[lo] : starts[hi]]
+                        failure = self._move(agent, "READ", local, remote, deadline)
+                        if failure is not None:
+                            result.errors.append((keys[lo], failure))
+                            break
+                        if split:
+                            pending.append(checksums_started(pages[lo:hi]))
+                        else:
+                            crcs = checksums(pages[lo:hi])
+            except Exception as exc:  # noqa: BLE001 - a failed registration is a failed batch
+                result.errors.append((keys[0], f"{type(exc).__name__}: {exc}"))
+            # the checksums of the parts that landed, in order
+            crcs = [crc for part in pending for crc in part.result()] + crcs
+            pending.clear()
+            for i, crc in enumerate(crcs):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
                     if header.payload_len != wants[i]:
                         raise CorruptValue("truncated", "header and file size disagree")
-                    if header.crc32 != crcs[i]:
+                    if header.crc32 != crc:
                         raise CorruptValue("checksum", f"checksum mismatch for {keys[i]!r}")
                 except CorruptValue as exc:
                     result.corrupt.append((keys[i], exc.reason))
@@ -441,6 +497,8 @@ class NixlBackend(PageFileBackend):
                 result.ok[i] = True
             return result
         finally:
+            for part in pending:  # their threads read the pages: done before they go back
+                part.result()
             self._give_header_slab(agent, slab)
             for fd in fds:
                 os.close(fd)
@@ -448,6 +506,12 @@ class NixlBackend(PageFileBackend):
 
 def _array_address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
+
+
+def _parts(n: int, parts: int) -> list[tuple[int, int]]:
+    """`n` items cut into at most `parts` consecutive runs [lo, hi) of near-equal length."""
+    k = max(1, min(n, parts))
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
 
 
 def _add_pieces(

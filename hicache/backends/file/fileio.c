@@ -2,13 +2,16 @@
    Each call takes a batch, holds the GIL only to read its arguments and build its results,
    and makes every system call of the batch with the GIL released. Semantics: io.py's
    write_value, read_value and count_present, page for page; results are raw codes that
-   native.py turns into the same objects. */
+   native.py turns into the same objects. crc32_values is framing.py's `checksums` for a
+   batch, with the GIL released once for all of it; crc32_start / crc32_finish the same on a
+   thread of its own. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +24,7 @@
 #define O_NOATIME 0
 #endif
 
-#define ABI 1
+#define ABI 2
 #define FIXED 24 /* "<4sHHQII": magic, version, key length, payload length, crc32, reserved */
 #define VERSION 1
 #define MARK_NS 424242LL
@@ -712,6 +715,175 @@ static PyObject *count_present(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(count);
 }
 
+/* ------------------------------------------------------------------ batch checksums */
+
+/* A batch of values to checksum: each value's buffers, held until the job is released. */
+typedef struct {
+    Py_ssize_t n, ready;
+    Py_ssize_t next; /* the next value to take (atomic: the job's thread and the waiter take) */
+    Py_buffer **views;
+    int *nviews;
+    piece_t **pieces;
+    int *npieces;
+    uint32_t *crcs;
+    pthread_t thread;
+    int running; /* a thread computes the crcs; join it before reading them */
+} crc_job_t;
+
+/* Checksum the values not taken yet, one at a time. Run by the job's thread and by whoever
+   waits for the job, so a thread that got no core early leaves the waiter at most one value
+   to wait for. */
+static void crc_job_run(crc_job_t *job) {
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->n) return;
+        uint32_t crc = 0;
+        for (int j = 0; j < job->npieces[i]; j++)
+            crc = crc32_of(crc, (const unsigned char *)job->pieces[i][j].ptr,
+                           (uint64_t)job->pieces[i][j].len);
+        job->crcs[i] = crc;
+    }
+}
+
+static void *crc_job_thread(void *arg) {
+    crc_job_run(arg);
+    return NULL;
+}
+
+/* Finish the job: take the values its thread has not, then wait for the thread (the GIL
+   released meanwhile). pthread_join makes the thread's checksums visible here. */
+static void crc_job_join(crc_job_t *job) {
+    if (!job->running) return;
+    Py_BEGIN_ALLOW_THREADS
+    crc_job_run(job);
+    pthread_join(job->thread, NULL);
+    Py_END_ALLOW_THREADS
+    job->running = 0;
+}
+
+/* Let go of the values' buffers, once the thread is done with them. */
+static void crc_job_release(crc_job_t *job) {
+    crc_job_join(job);
+    if (job->views && job->nviews && job->pieces) {
+        for (Py_ssize_t i = 0; i < job->ready; i++)
+            free_pieces(job->views[i], job->nviews[i], job->pieces[i]);
+    }
+    job->ready = 0;
+}
+
+static void crc_job_free(crc_job_t *job) {
+    if (!job) return;
+    crc_job_release(job);
+    PyMem_Free(job->views);
+    PyMem_Free(job->nviews);
+    PyMem_Free(job->pieces);
+    PyMem_Free(job->npieces);
+    PyMem_Free(job->crcs);
+    PyMem_Free(job);
+}
+
+/* The job for `arg` (a sequence of values, each a sequence of buffers), its buffers taken. */
+static crc_job_t *crc_job_new(PyObject *arg) {
+    if (!crc32_of) {
+        PyErr_SetString(PyExc_RuntimeError, "no checksum function set");
+        return NULL;
+    }
+    PyObject *values = PySequence_Fast(arg, "values must be a sequence");
+    if (!values) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(values), m = n ? n : 1;
+    crc_job_t *job = PyMem_Calloc(1, sizeof(crc_job_t));
+    if (!job) goto no_memory;
+    job->n = n;
+    job->views = PyMem_Calloc(m, sizeof(Py_buffer *));
+    job->nviews = PyMem_Calloc(m, sizeof(int));
+    job->pieces = PyMem_Calloc(m, sizeof(piece_t *));
+    job->npieces = PyMem_Calloc(m, sizeof(int));
+    job->crcs = PyMem_Calloc(m, sizeof(uint32_t));
+    if (!job->views || !job->nviews || !job->pieces || !job->npieces || !job->crcs) goto no_memory;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PySequence_Fast_GET_ITEM(values, i);
+        job->ready = i + 1; /* its views so far are released with the job */
+        if (get_pieces(value, 0, &job->views[i], &job->nviews[i], &job->pieces[i],
+                       &job->npieces[i]) != 0) {
+            crc_job_free(job);
+            Py_DECREF(values);
+            return NULL;
+        }
+    }
+    Py_DECREF(values);
+    return job;
+no_memory:
+    PyErr_NoMemory();
+    crc_job_free(job);
+    Py_DECREF(values);
+    return NULL;
+}
+
+static PyObject *crc_job_results(crc_job_t *job) {
+    PyObject *out = PyList_New(job->n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < job->n; i++) {
+        PyObject *item = PyLong_FromUnsignedLong(job->crcs[i]);
+        if (!item) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+/* crc32_values(values) -> the CRC-32 of each value, a sequence of buffers whose concatenation
+   it checksums (framing.py's `checksums`). The buffers are held while the GIL is released once
+   for the whole batch, so the checksums run beside threads that hold the GIL meanwhile. */
+static PyObject *crc32_values(PyObject *self, PyObject *arg) {
+    crc_job_t *job = crc_job_new(arg);
+    if (!job) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    crc_job_run(job);
+    Py_END_ALLOW_THREADS
+    PyObject *out = crc_job_results(job);
+    crc_job_free(job);
+    return out;
+}
+
+#define CRC_JOB "hicache.crc32_job"
+
+static void crc_job_capsule_free(PyObject *capsule) {
+    crc_job_t *job = PyCapsule_GetPointer(capsule, CRC_JOB);
+    if (job) __atomic_store_n(&job->next, job->n, __ATOMIC_RELAXED); /* nobody wants the rest */
+    crc_job_free(job);
+}
+
+/* crc32_start(values) -> a job: crc32_values computed on a thread of its own, which never
+   takes the GIL, so it runs beside a caller that holds the GIL (NIXL's binding does while its
+   plugin copies). crc32_finish computes what the thread has not taken yet, then waits for it.
+   The values' buffers are held until crc32_finish or the job is dropped. */
+static PyObject *crc32_start(PyObject *self, PyObject *arg) {
+    crc_job_t *job = crc_job_new(arg);
+    if (!job) return NULL;
+    if (job->n) {
+        if (pthread_create(&job->thread, NULL, crc_job_thread, job) == 0) {
+            job->running = 1;
+        } else { /* no thread to be had: the caller's, now */
+            Py_BEGIN_ALLOW_THREADS
+            crc_job_run(job);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyObject *capsule = PyCapsule_New(job, CRC_JOB, crc_job_capsule_free);
+    if (!capsule) crc_job_free(job);
+    return capsule;
+}
+
+/* crc32_finish(job) -> the CRC-32 of each value; the values' buffers are let go. */
+static PyObject *crc32_finish(PyObject *self, PyObject *capsule) {
+    crc_job_t *job = PyCapsule_GetPointer(capsule, CRC_JOB);
+    if (!job) return NULL;
+    crc_job_release(job);
+    return crc_job_results(job);
+}
+
 static PyObject *set_crc(PyObject *self, PyObject *args) {
     unsigned long long addr;
     if (!PyArg_ParseTuple(args, "K", &addr)) return NULL;
@@ -727,6 +899,9 @@ static PyMethodDef methods[] = {
     {"write_values", write_values, METH_VARARGS, NULL},
     {"read_values", read_values, METH_VARARGS, NULL},
     {"count_present", count_present, METH_VARARGS, NULL},
+    {"crc32_values", crc32_values, METH_O, NULL},
+    {"crc32_start", crc32_start, METH_O, NULL},
+    {"crc32_finish", crc32_finish, METH_O, NULL},
     {"set_crc", set_crc, METH_VARARGS, NULL},
     {"abi", abi, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},

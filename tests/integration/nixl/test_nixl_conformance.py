@@ -139,3 +139,60 @@ async def test_header_slabs_are_reused_bounded_and_freed_at_close(tmp_path: Path
     assert [slab.nbytes > small for slab, _ in backend._header_slabs] == [True]
     await backend.aclose()
     assert backend._header_slabs == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("native", [True, False], ids=["compiled-checksums", "per-piece"])
+async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """With the compiled checksums a batch is read in READ_PARTS transfers (each part's
+    checksums beside the next part's transfer); a part that fails ends the hits there, the
+    parts before it verified and kept, and is a `storage.error`. Without them: one transfer."""
+    from hicache.backends import nixl as nixl_module
+    from hicache.backends.file import native as native_module
+
+    if not native:
+        monkeypatch.setattr(native_module, "native_file_io", lambda: None)
+    elif native_module.native_file_io() is None:
+        pytest.skip(f"compiled file I/O not built: {native_module.unavailable_reason()}")
+    ns = namespace("parts")
+    keys = page_keys(ns, 8)
+    src = Pages(8).fill(4)
+    events: list[tuple[str, dict[str, Any]]] = []
+    backend = NixlBackend.from_spec(
+        f"nixl:{tmp_path}", namespace=ns, emit=lambda name, **f: events.append((name, f))
+    )
+    assert await backend.set_from(keys, src.buffers(range(8))) == 8
+    moves: list[int] = []
+    real_move = NixlBackend._move
+
+    def counted(self: NixlBackend, agent: Any, op: str, local: Any, *rest: Any) -> str | None:
+        moves.append(len(local))
+        return real_move(self, agent, op, local, *rest)
+
+    monkeypatch.setattr(NixlBackend, "_move", counted)
+    dst = Pages(8)
+    assert await backend.get_into(keys, dst.buffers(range(8))) == 8
+    assert np.array_equal(src.data, dst.data)
+    parts = nixl_module.READ_PARTS if native else 1
+    assert len(moves) == parts  # each move: its pages' headers and 4 pieces each
+    assert sum(moves) == 8 * 5
+
+    calls = 0
+
+    def second_fails(self: NixlBackend, *args: Any) -> str | None:
+        nonlocal calls
+        calls += 1
+        return "injected failure" if calls == 2 else real_move(self, *args)
+
+    monkeypatch.setattr(NixlBackend, "_move", second_fails)
+    dst = Pages(8)
+    got = await backend.get_into(keys, dst.buffers(range(8)))
+    first = 8 // parts if parts > 1 else 8  # the pages of the part before the failed one
+    assert got == first
+    assert np.array_equal(src.data[:, :, :got], dst.data[:, :, :got])
+    errors = [f for name, f in events if name == "storage.error"]
+    assert [e["error"] for e in errors] == (["injected failure"] if parts > 1 else [])
+    assert not [name for name, _ in events if name == "storage.corrupt"]
+    await backend.aclose()

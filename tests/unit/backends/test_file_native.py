@@ -10,6 +10,10 @@ import os
 import random
 import shutil
 import struct
+import sys
+import threading
+import time
+import zlib
 
 import pytest
 
@@ -260,3 +264,99 @@ def test_an_open_error_names_the_file_alike(tmp_path):
     assert isinstance(py, NotADirectoryError) and type(c) is type(py)
     assert (py.errno, py.filename) == (c.errno, str(tmp_path / "py" / "file" / "v"))
     assert c.filename == str(tmp_path / "c" / "file" / "v")
+
+
+def _crc_batches() -> list[list[list[object]]]:
+    rng = random.Random(31)
+    big = rng.randbytes((5 << 20) + 3)
+    return [
+        [],  # no values
+        [[]],  # a value of no pieces
+        [[b""], [b"", b""]],  # empty pieces
+        [[b"a"]],  # one byte, one piece
+        [[rng.randbytes(n)] for n in (7, 8, 9, 63, 4095, 4097)],  # sizes off a multiple of 8
+        [pieces_of(rng.randbytes(10_007), [1, 13, 13, 4096, 9999])],  # several, one empty
+        [[memoryview(big)], pieces_of(big, [1 << 20, (3 << 20) + 1]), [big[:-1], big[-1:]]],
+        [[bytearray(b"xy"), memoryview(b"z"), b"w" * 17] for _ in range(100)],  # many, mixed types
+    ]
+
+
+@needs_native
+@pytest.mark.parametrize("batch", _crc_batches())
+def test_batch_checksums_are_zlibs(batch):
+    """Each value's CRC-32 is zlib's over its pieces joined, in order, whatever the pieces."""
+    expected = [zlib.crc32(b"".join(bytes(p) for p in value)) for value in batch]
+    assert native.checksums(batch) == expected
+    if len(batch) > 1:  # a batch checksums as its values one by one
+        assert [native.checksums([v])[0] for v in batch] == expected
+
+
+@needs_native
+def test_batch_checksums_reject_what_is_not_a_buffer():
+    """A bad value is a clear error, and the buffers taken before it are let go (the bytearray
+    can be resized again afterwards)."""
+    held = bytearray(b"abc")
+    with pytest.raises(TypeError):
+        native.checksums([[held], ["not bytes"]])
+    with pytest.raises(TypeError):
+        native.checksums([[held], 5])
+    held.extend(b"d")  # BufferError if a view had leaked
+    assert native.checksums([[held]]) == [zlib.crc32(b"abcd")]
+
+
+@needs_native
+def test_batch_checksums_run_without_the_gil():
+    """Another Python thread runs while a large batch is checksummed (the GIL is released for
+    the batch, not taken back between pieces): a counter thread makes progress meanwhile."""
+    data = memoryview(bytes(64 << 20))
+    values = [[data[i : i + 4096] for i in range(0, len(data), 4096)]] * 4  # 256 MiB
+    progress = []
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            progress.append(1)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)  # the GIL is not handed over on a timer during the batch
+    try:
+        counter = threading.Thread(target=count)
+        counter.start()
+        while not progress:  # the counter holds the GIL in its loop now
+            time.sleep(0)
+        seen = len(progress)
+        native.checksums(values)
+        during = len(progress) - seen
+        stop.set()
+        counter.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert during > 0
+
+
+@needs_native
+@pytest.mark.parametrize("batch", _crc_batches())
+def test_started_batch_checksums_are_zlibs(batch):
+    """The same checksums computed on the module's own thread."""
+    expected = [zlib.crc32(b"".join(bytes(p) for p in value)) for value in batch]
+    started = native.checksums_started(batch)
+    assert started.result() == expected
+    assert started.result() == expected  # asked again: the same, nothing held any more
+
+
+@needs_native
+def test_started_batch_checksums_hold_the_buffers_until_done():
+    """The values' buffers are held while the thread may read them and let go at `result`, or
+    when the job is dropped without one."""
+    held = bytearray(3 << 20)
+    started = native.checksums_started([[held], [memoryview(held)[:5]]])
+    with pytest.raises(BufferError):
+        held.extend(b"x")  # the job still holds a view
+    assert started.result() == [zlib.crc32(bytes(3 << 20)), zlib.crc32(bytes(5))]
+    held.extend(b"x")
+    dropped = native.checksums_started([[held]])
+    del dropped  # its thread is waited for, then its views let go
+    held.extend(b"y")
+    with pytest.raises(TypeError):
+        native.checksums_started([[held], [object()]])
+    held.extend(b"z")  # a failed start let go of what it had taken

@@ -97,8 +97,8 @@ def test_checksums_started_match_checksums_in_order():
     rng = np.random.default_rng(5)
     values = [[memoryview(rng.integers(0, 256, n, dtype=np.uint8)), b"x"] for n in (9, 1 << 20, 0)]
     started = framing.checksums_started(values)
-    assert started.result(timeout=30) == [framing.checksum(v) for v in values]
-    assert framing.checksums_started([]).result(timeout=30) == []
+    assert started.result() == [framing.checksum(v) for v in values]
+    assert framing.checksums_started([]).result() == []
 
 
 def test_verify_payload_uses_a_given_checksum():
@@ -109,3 +109,90 @@ def test_verify_payload_uses_a_given_checksum():
     with pytest.raises(CorruptValue) as err:
         verify_payload(h, [b"payload"], checksum([b"pAyload"]))
     assert err.value.reason == "checksum"
+
+
+def _batch() -> list[list[object]]:
+    import numpy as np
+
+    rng = np.random.default_rng(31)
+    data = rng.integers(0, 256, (5 << 20) + 3, dtype=np.uint8).tobytes()
+    return [[], [b""], [data[:9]], [memoryview(data)[:4097], data[4097:]], [bytearray(data[:1])]]
+
+
+def test_checksums_without_the_compiled_module_use_the_per_piece_crc(monkeypatch):
+    """Where file/native.py cannot build, batches go through ISA-L (or zlib) piece by piece,
+    with the same results."""
+    import zlib
+
+    from hicache.backends import framing
+    from hicache.backends.file import native
+
+    monkeypatch.setattr(native, "native_file_io", lambda: None)
+    assert framing.native_checksums() is None
+    calls = []
+
+    def counted(piece: object, crc: int) -> int:
+        calls.append(piece)
+        return zlib.crc32(piece, crc)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(framing, "_crc32", counted)
+    values = _batch()
+    expected = [zlib.crc32(b"".join(bytes(p) for p in v)) for v in values]
+    assert framing.checksums(values) == expected
+    assert framing.checksums_started(values).result() == expected
+    assert len(calls) == 2 * sum(len(v) for v in values)  # every piece, both times
+
+
+def test_checksums_with_the_compiled_module_match_the_per_piece_crc(monkeypatch):
+    """Where it builds, a batch is one compiled call (no per-piece call), same results."""
+    import zlib
+
+    from hicache.backends import framing
+    from hicache.backends.file.native import native_file_io, unavailable_reason
+
+    if native_file_io() is None:
+        pytest.skip(f"compiled file I/O not built: {unavailable_reason()}")
+    assert framing.native_checksums() is not None
+    monkeypatch.setattr(framing, "_crc32", None)  # a per-piece call would fail
+    values = _batch()
+    expected = [zlib.crc32(b"".join(bytes(p) for p in v)) for v in values]
+    assert framing.checksums(values) == expected
+    assert framing.checksums_started(values).result() == expected
+
+
+_FALLBACK_PROBE = """
+import zlib
+from hicache.backends import framing
+from hicache.backends.file.native import unavailable_reason
+values = [[b"ab", b"", bytes(range(256)) * 99], [], [b"x" * 4097]]
+print("native:", framing.native_checksums(), unavailable_reason())
+print("same:", framing.checksums(values) == [zlib.crc32(b"".join(v)) for v in values])
+"""
+
+
+def test_checksums_fall_back_when_native_code_is_turned_off(tmp_path):
+    """`HICACHE_NATIVE=0`: nothing is built, and batches checksum as before."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[3])
+    done = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={
+            **os.environ,
+            "PYTHONPATH": root,
+            "HICACHE_NATIVE": "0",
+            "HICACHE_CACHE_DIR": str(tmp_path),
+        },
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "native: None disabled by HICACHE_NATIVE" in done.stdout
+    assert "same: True" in done.stdout
+    assert not list(tmp_path.iterdir())  # nothing built
