@@ -29,6 +29,7 @@ import anyio.to_thread
 
 from hicache.backends.base import BackendUnavailable, EventSink, PageBuffer
 from hicache.backends.batch import check_buffers, check_keys
+from hicache.backends.framing import native_checksums
 from hicache.backends.mooncake.io import (
     ChunkResult,
     get_chunk,
@@ -196,6 +197,7 @@ class MooncakeBackend:
                         f"Mooncake refused to register the staging arena: code {rc}"
                     )
                 self._client, self._arena = client, arena
+                native_checksums()  # the batch checksum built (once per machine) here, not in a batch
                 for lane in arena.lanes:
                     self._lanes.put(lane)
             for ptr, nbytes in self._wanted:
