@@ -113,5 +113,5 @@ def test_write_back_stores_when_vllm_frees_the_request(work, spec, baseline):
     # Pass 1 computes the same pages again: L2 has them all, no blocks are kept.
     assert p1["hit_l2_pages"] >= 1 and p1.get("write_back_requests", 0) == 0, p1
     again = run(work, "write-back-l3", dict(spec, passes=1, connector={"storage": f"file:{wb}"}))
-    same(baseline, again[0])
+    near(baseline, again[0])  # asynchronous loads: when each lands sets the batches (NEAR)
     assert [x["num_cached_tokens"] for x in again[0]] == [full_pages(p) for p in prompts()]

@@ -102,7 +102,7 @@ def test_a_store_that_goes_away(work, spec, baseline, first, store):
         logs,
     )
     for out in runs:
-        same(baseline, out)
+        near(baseline, out)  # asynchronous loads: when each lands sets the batches (NEAR)
     metrics = extra(work, "flaky")["metrics"]
     pages = len(distinct_pages())
     p0, p1, p2 = (pass_delta(metrics, n) for n in range(3))

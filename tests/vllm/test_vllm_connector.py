@@ -19,6 +19,7 @@ from vllm_helpers import (
     distinct_pages,
     extra,
     full_pages,
+    near,
     pass_delta,
     prompts,
     run,
@@ -56,7 +57,7 @@ def test_salts_separate_requests(baseline, first):
 def test_second_process_reads_the_prefixes_from_l3(work, spec, baseline, first, store):
     spec = dict(spec, connector={"storage": f"file:{store}"}, passes=1, log_stats=True)
     runs = run(work, "second", spec)
-    same(baseline, runs[0])
+    near(baseline, runs[0])  # asynchronous loads: when each lands sets the batches (NEAR)
     assert [x["num_cached_tokens"] for x in runs[0]] == [full_pages(p) for p in prompts()]
     # Each distinct page read once from L3, checksums all good, through asynchronous loads
     # (vLLM kept the requests waiting). A request sharing pages that another's load is
@@ -87,7 +88,7 @@ def test_corrupt_stored_values_are_recomputed(work, spec, baseline, first, store
     assert "'reason': 'checksum'" in logs[0]
     # ... and vLLM recomputed those blocks: the same tokens and logprobs. (vLLM still counts
     # the tokens it planned to load in num_cached_tokens: it decides that when scheduling.)
-    same(baseline, runs[0])
+    near(baseline, runs[0])  # asynchronous loads: when each lands sets the batches (NEAR)
     # The counters say the same: every planned L3 page failed, none landed.
     m = extra(work, "corrupt")["metrics"][0]
     assert m["hit_l3_pages"] == m["l3_read_failures"] == len(distinct_pages()), m

@@ -25,6 +25,7 @@ from vllm_helpers import (
     full_pages,
     logprob_gap,
     make_model,
+    near,
     pass_delta,
     prompts,
     run,
@@ -58,8 +59,8 @@ def hfirst(hybrid: Path, hspec: dict) -> list[list[dict]]:
 
 
 def test_hybrid_exact_and_served_from_l2(hybrid, hbaseline, hfirst):
-    for out in hfirst:
-        same(hbaseline, out)
+    same(hbaseline, hfirst[0])  # pass 0 loads nothing: bit for bit
+    near(hbaseline, hfirst[1])  # asynchronous loads: when each lands sets the batches (NEAR)
     # After the reset every whole page of every prompt comes from the connector: vLLM
     # allocated the full group's blocks and the sliding group's window, and the load filled
     # both.
@@ -84,7 +85,7 @@ def test_hybrid_second_process_reads_the_prefixes_from_l3(hybrid, hspec, hbaseli
         "second",
         dict(hspec, connector={"storage": f"file:{store}"}, passes=1, log_stats=True),
     )
-    same(hbaseline, runs[0])
+    near(hbaseline, runs[0])  # asynchronous loads: when each lands sets the batches (NEAR)
     assert [x["num_cached_tokens"] for x in runs[0]] == [full_pages(p) for p in prompts()]
     m = extra(hybrid, "second")["metrics"][0]
     pages = len(distinct_pages())
@@ -106,7 +107,7 @@ def test_hybrid_corrupt_store_is_recomputed_per_request(hybrid, hspec, hbaseline
         "corrupt",
         dict(hspec, connector={"storage": f"file:{bad}"}, passes=1, log_stats=True),
     )
-    same(hbaseline, runs[0])  # vLLM recomputed every request whose load failed
+    near(hbaseline, runs[0])  # recomputed where a load failed; when each failed sets batches
     m = extra(hybrid, "corrupt")["metrics"][0]
     assert m["hit_l3_pages"] == m["l3_read_failures"] == len(distinct_pages()), m
     assert m.get("l3_read_pages", 0) == 0 and m["load_errors"] >= m["hit_l3_pages"], m
