@@ -14,10 +14,10 @@ Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place 
 transfer is done, so readers never see part of a value; the pages' checksums are computed while
 the transfer moves them, and each header is written (`pwrite`) after. NIXL's Python binding holds
 the GIL while its plugin copies, so the checksums go through the file store's compiled module
-where it builds (framing.checksums_started: a native thread that never takes the GIL), through
+where it builds (batch_checksums.checksums_started: a native thread that never takes the GIL), through
 the checksum pool otherwise. A read transfers each present file's header and page in
 `READ_PARTS` transfers, each landed part's checksums computed on such a thread while the next
-part moves (one transfer, then `framing.checksums`, without the compiled module), then checks
+part moves (one transfer, then `batch_checksums.checksums`, without the compiled module), then checks
 the headers and the CRC-32s where the bytes landed: a value that fails is a miss, a
 `storage.corrupt` event, and its file is deleted. `exists` stats the files. There is no size cap and no expiry: values stay until
 `delete` or `clear`, so give the store a directory (or a filesystem) sized for it.
@@ -44,15 +44,13 @@ import anyio
 import numpy as np
 
 from hicache.backends.base import BackendUnavailable, EventSink
-from hicache.backends.framing import (
-    CorruptValue,
+from hicache.backends.batch_checksums import (
     PendingChecksums,
     checksums,
     checksums_started,
-    decode_header,
     native_checksums,
-    pack_header,
 )
+from hicache.backends.framing import CorruptValue, decode_header, pack_header
 from hicache.backends.keys import Namespace
 from hicache.backends.page_files import (
     PageFileBackend,

@@ -29,7 +29,7 @@ import anyio.to_thread
 
 from hicache.backends.base import BackendUnavailable, EventSink, PageBuffer
 from hicache.backends.batch import check_buffers, check_keys
-from hicache.backends.framing import native_checksums
+from hicache.backends.batch_checksums import native_checksums
 from hicache.backends.mooncake.io import (
     ChunkResult,
     get_chunk,

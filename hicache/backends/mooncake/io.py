@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.backends import framing
+from hicache.backends import batch_checksums, framing
 from hicache.backends.base import PageBuffer
 from hicache.backends.mooncake.memory import HEADER_SLOT, Lane
 from hicache.backends.registered import RegisteredRegions, address_of
@@ -122,7 +122,7 @@ def put_chunk(
     payload: list[int] = []
     result = ChunkResult()
     offset = 0
-    crcs = framing.checksums(pages)  # on several threads: one is slower than memory here
+    crcs = batch_checksums.checksums(pages)  # on several threads: one is slower than memory here
     for i, (key, page) in enumerate(zip(keys, pages)):
         ptrs, sizes, staged = page_plan(regions, page)
         header = framing.pack_header(key, sum(sizes), crcs[i])
@@ -205,7 +205,7 @@ def get_chunk(
             break
         at = staged_at[i]
         sources.append(page if at is None else [lane.staging[at : at + expected - len(slot)]])
-    crcs = framing.checksums(sources)
+    crcs = batch_checksums.checksums(sources)
     result = ChunkResult()
     for i, (key, page, code) in enumerate(zip(keys, pages, codes)):
         slot, expected = headers[i]

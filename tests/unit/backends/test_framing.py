@@ -77,12 +77,14 @@ def test_checksums_of_a_batch_match_one_by_one(sizes, monkeypatch):
     what the single-threaded `checksum` gives, whatever the split."""
     import numpy as np
 
-    from hicache.backends import framing
+    from hicache.backends import batch_checksums, framing
 
-    monkeypatch.setattr(framing, "CHECKSUM_THREADS", 3)  # more parts than this machine's cores
+    monkeypatch.setattr(
+        batch_checksums, "CHECKSUM_THREADS", 3
+    )  # more parts than this machine's cores
     rng = np.random.default_rng(len(sizes))
     values = [[memoryview(rng.integers(0, 256, n, dtype=np.uint8)), b"tail"] for n in sizes]
-    assert framing.checksums(values) == [framing.checksum(v) for v in values]
+    assert batch_checksums.checksums(values) == [framing.checksum(v) for v in values]
     assert len({framing.checksum(v) for v in values}) == len(
         values
     )  # distinct data: a swap would show
@@ -92,13 +94,13 @@ def test_checksums_started_match_checksums_in_order():
     """The checksums a writer starts before its transfer are each value's, in order."""
     import numpy as np
 
-    from hicache.backends import framing
+    from hicache.backends import batch_checksums, framing
 
     rng = np.random.default_rng(5)
     values = [[memoryview(rng.integers(0, 256, n, dtype=np.uint8)), b"x"] for n in (9, 1 << 20, 0)]
-    started = framing.checksums_started(values)
+    started = batch_checksums.checksums_started(values)
     assert started.result() == [framing.checksum(v) for v in values]
-    assert framing.checksums_started([]).result() == []
+    assert batch_checksums.checksums_started([]).result() == []
 
 
 def test_verify_payload_uses_a_given_checksum():
@@ -124,11 +126,11 @@ def test_checksums_without_the_compiled_module_use_the_per_piece_crc(monkeypatch
     with the same results."""
     import zlib
 
-    from hicache.backends import framing
+    from hicache.backends import batch_checksums, framing
     from hicache.backends.file import native
 
     monkeypatch.setattr(native, "native_file_io", lambda: None)
-    assert framing.native_checksums() is None
+    assert batch_checksums.native_checksums() is None
     calls = []
 
     def counted(piece: object, crc: int) -> int:
@@ -138,8 +140,8 @@ def test_checksums_without_the_compiled_module_use_the_per_piece_crc(monkeypatch
     monkeypatch.setattr(framing, "_crc32", counted)
     values = _batch()
     expected = [zlib.crc32(b"".join(bytes(p) for p in v)) for v in values]
-    assert framing.checksums(values) == expected
-    assert framing.checksums_started(values).result() == expected
+    assert batch_checksums.checksums(values) == expected
+    assert batch_checksums.checksums_started(values).result() == expected
     assert len(calls) == 2 * sum(len(v) for v in values)  # every piece, both times
 
 
@@ -147,26 +149,26 @@ def test_checksums_with_the_compiled_module_match_the_per_piece_crc(monkeypatch)
     """Where it builds, a batch is one compiled call (no per-piece call), same results."""
     import zlib
 
-    from hicache.backends import framing
+    from hicache.backends import batch_checksums, framing
     from hicache.backends.file.native import native_file_io, unavailable_reason
 
     if native_file_io() is None:
         pytest.skip(f"compiled file I/O not built: {unavailable_reason()}")
-    assert framing.native_checksums() is not None
+    assert batch_checksums.native_checksums() is not None
     monkeypatch.setattr(framing, "_crc32", None)  # a per-piece call would fail
     values = _batch()
     expected = [zlib.crc32(b"".join(bytes(p) for p in v)) for v in values]
-    assert framing.checksums(values) == expected
-    assert framing.checksums_started(values).result() == expected
+    assert batch_checksums.checksums(values) == expected
+    assert batch_checksums.checksums_started(values).result() == expected
 
 
 _FALLBACK_PROBE = """
 import zlib
-from hicache.backends import framing
+from hicache.backends import batch_checksums
 from hicache.backends.file.native import unavailable_reason
 values = [[b"ab", b"", bytes(range(256)) * 99], [], [b"x" * 4097]]
-print("native:", framing.native_checksums(), unavailable_reason())
-print("same:", framing.checksums(values) == [zlib.crc32(b"".join(v)) for v in values])
+print("native:", batch_checksums.native_checksums(), unavailable_reason())
+print("same:", batch_checksums.checksums(values) == [zlib.crc32(b"".join(v)) for v in values])
 """
 
 
