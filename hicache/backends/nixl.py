@@ -2,25 +2,25 @@
 
 Values are the standard framed values (framing.py: header, then the page), one file per page at
 the file store's paths (`DIR/<digest>/<h[0:2]>/<h[2]>/<h>`), so a directory written here reads
-the same with `file:DIR` and back. What NIXL adds is the data path: a batch is one NIXL
-transfer of DRAM descriptors (each page's pieces, and on reads its header slot) to FILE
-descriptors (each file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio or io_uring) by
-default, GDS / GDS_MT (cuFile) where a GPU and its driver are present. Nothing is copied:
-the host pool is registered with the agent once (`attach_host_pool`), and reads land headers
-in slabs registered once and reused; pieces elsewhere (a test's buffers, the sealing layer's
-blocks) are registered for their batch.
+the same with `file:DIR` and back. What NIXL adds is the data path: a batch moves as NIXL
+transfers of DRAM descriptors (each page's pieces, and on reads its header slot) to FILE
+descriptors (each file at its offsets) through a storage plugin: POSIX (pread/pwrite, libaio
+or io_uring) by default, GDS / GDS_MT (cuFile) where a GPU and its driver are present. Nothing
+is copied: the host pool is registered with the agent once (`attach_host_pool`), and reads land
+headers in slabs registered once and reused; pieces elsewhere (a test's buffers, the sealing
+layer's blocks) are registered for their batch.
 
-Writes go to a temporary file in `DIR/<digest>/tmp/` and are renamed into place once the
-transfer is done, so readers never see part of a value; the pages' checksums are computed while
-the transfer moves them, and each header is written (`pwrite`) after. NIXL's Python binding holds
-the GIL while its plugin copies, so the checksums go through the file store's compiled module
-where it builds (batch_checksums.checksums_started: a native thread that never takes the GIL), through
-the checksum pool otherwise. A read transfers each present file's header and page in
-`READ_PARTS` transfers, each landed part's checksums computed on such a thread while the next
-part moves (one transfer, then `batch_checksums.checksums`, without the compiled module), then checks
-the headers and the CRC-32s where the bytes landed: a value that fails is a miss, a
-`storage.corrupt` event, and its file is deleted. `exists` stats the files. There is no size cap and no expiry: values stay until
-`delete` or `clear`, so give the store a directory (or a filesystem) sized for it.
+A batch moves in `TRANSFER_PARTS` transfers of whole pages, one after another. NIXL's Python
+binding holds the GIL while its plugin copies, so each landed part's checksums run on a thread
+of the file store's compiled module that never takes the GIL (batch_checksums.checksums_started)
+while the next part moves; without that module, one transfer, then `batch_checksums.checksums`.
+Writes go to temporary files in `DIR/<digest>/tmp/`; once a page's part landed and its checksum
+is known its header is written (`pwrite`) and the file is renamed into place, so readers never
+see part of a value and the parts before a failed one are stored. Reads open the present files,
+move them, then check the headers and the CRC-32s where the bytes landed: a value that fails is
+a miss, a `storage.corrupt` event, and its file is deleted. `exists` stats the files. There is
+no size cap and no expiry: values stay until `delete` or `clear`, so give the store a directory
+(or a filesystem) sized for it.
 
 Every transfer runs in a worker thread and is bounded by `timeout` seconds: past it the
 transfer is released (NIXL aborts it) and the batch is a miss. A call cancelled at the cache's
@@ -72,10 +72,11 @@ POSIX_QUEUES = ("use_aio", "use_uring", "use_posix_aio")
 (`use_aio`): one `io_submit` per batch instead of a system call per descriptor, which measured
 2.6x faster than the plugin's own default on the replay (docs/benchmarks.md)."""
 
-READ_PARTS = 4
-"""A read batch moves in this many transfers (of whole pages), so that the checksums of a part
-that landed run, on a native thread, while the next part moves: only the last part's are left
-after the transfers, and the caller computes those with that thread (docs/benchmarks.md)."""
+TRANSFER_PARTS = 4
+"""A batch moves in this many transfers of whole pages, so that the checksums of a part that
+landed run, on a native thread, while the next part moves: only the last (shorter) part's are
+left after the transfers, and the caller computes those with that thread. Checksumming pages
+just moved also reads them while they are still in cache (docs/benchmarks.md)."""
 
 _OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync", "params"})
 _agent_ids = itertools.count()
@@ -353,35 +354,63 @@ class NixlBackend(PageFileBackend):
                 with contextlib.suppress(Exception):  # releasing also aborts a late transfer
                     agent.release_xfer_handle(handle)
 
-    def _transfer(
+    def _move_pages(
         self,
         op: str,
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
         files: list[tuple[int, int]],
-    ) -> str | None:
-        """One transfer (`_move`) with what it needs registered for its duration, bounded by
-        `timeout` seconds. None when done, else the failure."""
+        descs: _PageDescs,
+        pages: list[list[memoryview]],
+        header_slots: int | None = None,
+    ) -> tuple[list[int], str | None]:
+        """Move the pages of `files` (page i: descriptors `descs.of(i)`, and on reads its header
+        into slot i of the registered slab at `header_slots`) in `TRANSFER_PARTS` transfers of
+        whole pages, one after another, each landed part's checksums started on a native
+        thread while the next part moves (NIXL holds the GIL meanwhile). Without the compiled
+        module: one transfer, then `checksums` (the pool's threads would wait for the GIL
+        during it). Returns the CRC-32s of the pages that landed, a prefix, and the failure
+        that ended the rest (None when all landed). Each transfer is bounded by `timeout`."""
         agent = self._ready()
         deadline = time.monotonic() + self.spec.timeout
+        hsize = self._header_size
+        split = native_checksums() is not None
+        pending: list[PendingChecksums] = []
+        crcs: list[int] = []
+        failure = None
         try:
-            with self._registered(agent, local, files):
-                return self._move(agent, op, local, remote, deadline)
+            with self._registered(agent, descs.local, files):
+                for lo, hi in _parts(len(files), TRANSFER_PARTS if split else 1):
+                    local: list[tuple[int, int, int]] = []
+                    remote: list[tuple[int, int, int]] = []
+                    if header_slots is not None:
+                        local = [(header_slots + i * hsize, hsize, 0) for i in range(lo, hi)]
+                        remote = [(0, hsize, files[i][0]) for i in range(lo, hi)]
+                    local += descs.local[descs.starts[lo] : descs.starts[hi]]
+                    remote += descs.remote[descs.starts[lo] : descs.starts[hi]]
+                    failure = self._move(agent, op, local, remote, deadline)
+                    if failure is not None:
+                        break
+                    if split:
+                        pending.append(checksums_started(pages[lo:hi]))
+                    else:
+                        crcs = checksums(pages[lo:hi])
         except Exception as exc:  # noqa: BLE001 - a failed registration is a failed batch
-            return f"{type(exc).__name__}: {exc}"
+            failure = f"{type(exc).__name__}: {exc}"
+        finally:  # the threads read the pages: done before the pages go back to the caller
+            crcs = [crc for part in pending for crc in part.result()] + crcs
+        return crcs, failure
 
     def _write_pages(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
     ) -> WriteResult:
-        # The checksums run on another thread while the payload moves; each header is
-        # written once both are done, before its file is renamed into place.
-        crcs_later = checksums_started(pages)
+        # Each page's header is written once its part landed and its checksum is known,
+        # then its file is renamed into place: the pages of the parts before a failed one
+        # are stored.
         hsize = self._header_size
         opened: list[tuple[str, int]] = []  # (temporary path, fd), per page
         errors: list[tuple[str, str]] = []
-        local: list[tuple[int, int, int]] = []
-        remote: list[tuple[int, int, int]] = []
+        descs = _PageDescs()
         files: list[tuple[int, int]] = []
+        oks = [False] * len(keys)
         try:
             for key, pieces in zip(keys, pages):
                 try:
@@ -391,16 +420,16 @@ class NixlBackend(PageFileBackend):
                     errors.append((key, os_error(exc)))
                     break
                 opened.append((tmp, fd))
-                files.append((fd, _add_pieces(local, remote, pieces, fd, hsize)))
-            failure = self._transfer("WRITE", local, remote, files) if local else None
-            crcs = crcs_later.result()
-            oks = [False] * len(keys)
-            if failure is not None:
-                errors.append((keys[0], failure))
+                files.append((fd, descs.add(pieces, fd, hsize)))
+            if not files:
                 return oks, errors
-            for i, (tmp, fd) in enumerate(opened):
+            crcs, failure = self._move_pages("WRITE", files, descs, pages)
+            if failure is not None:
+                errors.insert(0, (keys[len(crcs)], failure))
+            for i, crc in enumerate(crcs):
+                tmp, fd = opened[i]
                 try:
-                    os.pwrite(fd, pack_header(keys[i], files[i][1] - hsize, crcs[i]), 0)
+                    os.pwrite(fd, pack_header(keys[i], files[i][1] - hsize, crc), 0)
                     if self.spec.fsync:
                         os.fsync(fd)
                     place(tmp, paths[i])
@@ -409,11 +438,11 @@ class NixlBackend(PageFileBackend):
                     errors.append((keys[i], os_error(exc)))
             return oks, errors
         finally:
-            crcs_later.result()  # the pages are the caller's again only once it is done
-            for tmp, fd in opened:
+            for (tmp, fd), placed in zip(opened, oks):
                 os.close(fd)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)  # placed ones were renamed away already
+                if not placed:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
 
     def _read_pages(
         self, keys: list[str], paths: list[str], pages: list[list[memoryview]]
@@ -421,17 +450,11 @@ class NixlBackend(PageFileBackend):
         result = ReadResult(ok=[False] * len(keys), corrupt=[], errors=[])
         hsize = self._header_size
         agent = self._ready()
-        deadline = time.monotonic() + self.spec.timeout
         slab = self._take_header_slab(agent, len(keys) * hsize)
         headers = slab[0]
-        base = _array_address(headers)
         fds: list[int] = []
-        # the pages' descriptors, page i's from starts[i] to starts[i + 1]
-        page_local: list[tuple[int, int, int]] = []
-        page_remote: list[tuple[int, int, int]] = []
-        starts = [0]
+        descs = _PageDescs()
         files: list[tuple[int, int]] = []
-        pending: list[PendingChecksums] = []
         try:
             # Only the present prefix is read: a miss ends what the count can report.
             wants = [sum(p.nbytes for p in pieces) for pieces in pages]
@@ -449,38 +472,15 @@ class NixlBackend(PageFileBackend):
                     result.corrupt.append((key, size_mismatch(fd, key, size, want)))
                     unlink_all([path])
                     break
-                _add_pieces(page_local, page_remote, pieces, fd, hsize)
-                starts.append(len(page_local))
+                descs.add(pieces, fd, hsize)
                 files.append((fd, size))
-            landed = len(files)
-            if not landed:
+            if not files:
                 return result
-            # The batch moves in parts, one after another; each landed part's checksums start
-            # on a native thread while the next part moves (NIXL holds the GIL meanwhile).
-            # Without the compiled module: one transfer, then `checksums` (the pool's thread
-            # would wait for the GIL during the transfers).
-            split = native_checksums() is not None
-            crcs: list[int] = []
-            try:
-                with self._registered(agent, page_local, files):
-                    for lo, hi in _parts(landed, READ_PARTS if split else 1):
-                        local = [(base + i * hsize, hsize, 0) for i in range(lo, hi)]
-                        remote = [(0, hsize, files[i][0]) for i in range(lo, hi)]
-                        local += page_local[starts[lo] : starts[hi]]
-                        remote += page_remote[starts[lo] : starts[hi]]
-                        failure = self._move(agent, "READ", local, remote, deadline)
-                        if failure is not None:
-                            result.errors.append((keys[lo], failure))
-                            break
-                        if split:
-                            pending.append(checksums_started(pages[lo:hi]))
-                        else:
-                            crcs = checksums(pages[lo:hi])
-            except Exception as exc:  # noqa: BLE001 - a failed registration is a failed batch
-                result.errors.append((keys[0], f"{type(exc).__name__}: {exc}"))
-            # the checksums of the parts that landed, in order
-            crcs = [crc for part in pending for crc in part.result()] + crcs
-            pending.clear()
+            crcs, failure = self._move_pages(
+                "READ", files, descs, pages, header_slots=_array_address(headers)
+            )
+            if failure is not None:
+                result.errors.append((keys[len(crcs)], failure))
             for i, crc in enumerate(crcs):
                 try:
                     header = decode_header(headers[i * hsize : (i + 1) * hsize].data, keys[i])
@@ -495,11 +495,34 @@ class NixlBackend(PageFileBackend):
                 result.ok[i] = True
             return result
         finally:
-            for part in pending:  # their threads read the pages: done before they go back
-                part.result()
             self._give_header_slab(agent, slab)
             for fd in fds:
                 os.close(fd)
+
+
+class _PageDescs:
+    """A batch's DRAM and FILE descriptors, page by page: page i's are
+    `local[starts[i]:starts[i + 1]]` and `remote[...]` (the same range)."""
+
+    __slots__ = ("local", "remote", "starts")
+
+    def __init__(self) -> None:
+        self.local: list[tuple[int, int, int]] = []
+        self.remote: list[tuple[int, int, int]] = []
+        self.starts = [0]
+
+    def add(self, pieces: list[memoryview], fd: int, offset: int) -> int:
+        """The descriptors that move `pieces` to or from consecutive offsets of file `fd` from
+        `offset`, as the next page; returns the offset after the last."""
+        local, remote = self.local, self.remote
+        for piece in pieces:
+            n = piece.nbytes
+            if n:
+                local.append((address_of(piece), n, 0))
+                remote.append((offset, n, fd))
+                offset += n
+        self.starts.append(len(local))
+        return offset
 
 
 def _array_address(array: np.ndarray) -> int:
@@ -507,27 +530,14 @@ def _array_address(array: np.ndarray) -> int:
 
 
 def _parts(n: int, parts: int) -> list[tuple[int, int]]:
-    """`n` items cut into at most `parts` consecutive runs [lo, hi) of near-equal length."""
+    """`n` pages cut into at most `parts` consecutive runs [lo, hi), none empty, the last about
+    half the others' length: what is left after the last transfer (its checksums) is small."""
     k = max(1, min(n, parts))
-    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
-
-
-def _add_pieces(
-    local: list[tuple[int, int, int]],
-    remote: list[tuple[int, int, int]],
-    pieces: list[memoryview],
-    fd: int,
-    offset: int,
-) -> int:
-    """Append the descriptors that move `pieces` to or from consecutive offsets of file `fd`
-    starting at `offset`; returns the offset after the last."""
-    for piece in pieces:
-        n = piece.nbytes
-        if n:
-            local.append((address_of(piece), n, 0))
-            remote.append((offset, n, fd))
-            offset += n
-    return offset
+    if k == 1:
+        return [(0, n)]
+    last = max(1, n // (2 * k))
+    head = n - last
+    return [(head * i // (k - 1), head * (i + 1) // (k - 1)) for i in range(k - 1)] + [(head, n)]
 
 
 def _loose(regions: RegisteredRegions, local: list[tuple[int, int, int]]) -> list[tuple[int, int]]:

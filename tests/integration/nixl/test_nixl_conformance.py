@@ -3,6 +3,7 @@ its own (spec parsing, files shared with the file store, registered host memory)
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ async def test_header_slabs_are_reused_bounded_and_freed_at_close(tmp_path: Path
 async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
-    """With the compiled checksums a batch is read in READ_PARTS transfers (each part's
+    """With the compiled checksums a batch is read in TRANSFER_PARTS transfers (each part's
     checksums beside the next part's transfer); a part that fails ends the hits there, the
     parts before it verified and kept, and is a `storage.error`. Without them: one transfer."""
     from hicache.backends import nixl as nixl_module
@@ -175,7 +176,7 @@ async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
     dst = Pages(8)
     assert await backend.get_into(keys, dst.buffers(range(8))) == 8
     assert np.array_equal(src.data, dst.data)
-    parts = nixl_module.READ_PARTS if native else 1
+    parts = nixl_module.TRANSFER_PARTS if native else 1
     assert len(moves) == parts  # each move: its pages' headers and 4 pieces each
     assert sum(moves) == 8 * 5
 
@@ -189,10 +190,77 @@ async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
     monkeypatch.setattr(NixlBackend, "_move", second_fails)
     dst = Pages(8)
     got = await backend.get_into(keys, dst.buffers(range(8)))
-    first = 8 // parts if parts > 1 else 8  # the pages of the part before the failed one
+    first = nixl_module._parts(8, parts)[0][1] if parts > 1 else 8  # the part before the failed one
     assert got == first
     assert np.array_equal(src.data[:, :, :got], dst.data[:, :, :got])
     errors = [f for name, f in events if name == "storage.error"]
     assert [e["error"] for e in errors] == (["injected failure"] if parts > 1 else [])
     assert not [name for name, _ in events if name == "storage.corrupt"]
     await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("native", [True, False], ids=["compiled-checksums", "per-piece"])
+async def test_a_write_moves_in_parts_and_a_failed_part_keeps_the_placed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """Writes move in the same parts; each landed page gets its header and is placed, so a
+    part that fails stores the pages before it (a `storage.error`), leaves no temporary file,
+    and what was stored reads back whole."""
+    from hicache.backends import nixl as nixl_module
+    from hicache.backends.file import native as native_module
+
+    if not native:
+        monkeypatch.setattr(native_module, "native_file_io", lambda: None)
+    elif native_module.native_file_io() is None:
+        pytest.skip(f"compiled file I/O not built: {native_module.unavailable_reason()}")
+    ns = namespace("write-parts")
+    keys = page_keys(ns, 8)
+    src = Pages(8).fill(6)
+    events: list[tuple[str, dict[str, Any]]] = []
+    backend = NixlBackend.from_spec(
+        f"nixl:{tmp_path}", namespace=ns, emit=lambda name, **f: events.append((name, f))
+    )
+    real_move = NixlBackend._move
+    moves: list[int] = []
+
+    def second_fails(self: NixlBackend, agent: Any, op: str, local: Any, *rest: Any) -> str | None:
+        moves.append(len(local))
+        if len(moves) == 2:
+            return "injected failure"
+        return real_move(self, agent, op, local, *rest)
+
+    monkeypatch.setattr(NixlBackend, "_move", second_fails)
+    stored = await backend.set_from(keys, src.buffers(range(8)))
+    parts = nixl_module.TRANSFER_PARTS if native else 1
+    first = nixl_module._parts(8, parts)[0][1] if parts > 1 else 8
+    if parts > 1:
+        assert len(moves) == 2 and stored == first
+        errors = [f for name, f in events if name == "storage.error"]
+        assert [(e["op"], e["key"], e["error"]) for e in errors] == [
+            ("set", keys[first], "injected failure")
+        ]
+    else:  # one transfer, the second call never comes
+        assert len(moves) == 1 and stored == 8
+    monkeypatch.setattr(NixlBackend, "_move", real_move)
+    assert await backend.exists(keys) == stored
+    dst = Pages(8)
+    assert await backend.get_into(keys, dst.buffers(range(8))) == stored
+    assert np.array_equal(src.data[:, :, :stored], dst.data[:, :, :stored])
+    assert list((tmp_path / ns.digest / "tmp").iterdir()) == []
+    assert not [name for name, _ in events if name == "storage.corrupt"]
+    await backend.aclose()
+
+
+def test_parts_cover_the_batch_in_order_none_empty_the_last_shortest() -> None:
+    from hicache.backends.nixl import _parts
+
+    for n in range(1, 70):
+        for parts in range(1, 7):
+            runs = _parts(n, parts)
+            assert runs[0][0] == 0 and runs[-1][1] == n
+            assert all(lo < hi for lo, hi in runs)
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+            assert len(runs) == min(n, parts)
+            sizes = [hi - lo for lo, hi in runs]
+            assert sizes[-1] <= min(sizes), (n, parts, sizes)
