@@ -10,8 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hicache.backends import nixl
 from hicache.backends.base import BackendUnavailable
 from hicache.backends.file import FileBackend
+from hicache.backends.file import native as native_module
 from hicache.backends.keys import Namespace
 from hicache.backends.nixl import NixlBackend, NixlSpec, nixl_missing
 from hicache.backends.registry import connect_backend
@@ -142,6 +144,23 @@ async def test_header_slabs_are_reused_bounded_and_freed_at_close(tmp_path: Path
     assert backend._header_slabs == []
 
 
+def _eight_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> tuple[NixlBackend, list[str], Pages, list[tuple[str, dict[str, Any]]]]:
+    """A backend recording its events, 8 keys and 8 filled pages; without the compiled module
+    where `native` is false (skipped where it is wanted and cannot be built)."""
+    if not native:
+        monkeypatch.setattr(native_module, "native_file_io", lambda: None)
+    elif native_module.native_file_io() is None:
+        pytest.skip(f"compiled file I/O not built: {native_module.unavailable_reason()}")
+    ns = namespace("parts")
+    events: list[tuple[str, dict[str, Any]]] = []
+    backend = NixlBackend.from_spec(
+        f"nixl:{tmp_path}", namespace=ns, emit=lambda name, **f: events.append((name, f))
+    )
+    return backend, page_keys(ns, 8), Pages(8).fill(4), events
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("native", [True, False], ids=["compiled-checksums", "per-piece"])
 async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
@@ -150,20 +169,7 @@ async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
     """With the compiled checksums a batch is read in TRANSFER_PARTS transfers (each part's
     checksums beside the next part's transfer); a part that fails ends the hits there, the
     parts before it verified and kept, and is a `storage.error`. Without them: one transfer."""
-    from hicache.backends import nixl as nixl_module
-    from hicache.backends.file import native as native_module
-
-    if not native:
-        monkeypatch.setattr(native_module, "native_file_io", lambda: None)
-    elif native_module.native_file_io() is None:
-        pytest.skip(f"compiled file I/O not built: {native_module.unavailable_reason()}")
-    ns = namespace("parts")
-    keys = page_keys(ns, 8)
-    src = Pages(8).fill(4)
-    events: list[tuple[str, dict[str, Any]]] = []
-    backend = NixlBackend.from_spec(
-        f"nixl:{tmp_path}", namespace=ns, emit=lambda name, **f: events.append((name, f))
-    )
+    backend, keys, src, events = _eight_pages(tmp_path, monkeypatch, native)
     assert await backend.set_from(keys, src.buffers(range(8))) == 8
     moves: list[int] = []
     real_move = NixlBackend._move
@@ -176,7 +182,7 @@ async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
     dst = Pages(8)
     assert await backend.get_into(keys, dst.buffers(range(8))) == 8
     assert np.array_equal(src.data, dst.data)
-    parts = nixl_module.TRANSFER_PARTS if native else 1
+    parts = nixl.TRANSFER_PARTS if native else 1
     assert len(moves) == parts  # each move: its pages' headers and 4 pieces each
     assert sum(moves) == 8 * 5
 
@@ -190,7 +196,7 @@ async def test_a_read_moves_in_parts_and_a_failed_part_keeps_the_verified_ones(
     monkeypatch.setattr(NixlBackend, "_move", second_fails)
     dst = Pages(8)
     got = await backend.get_into(keys, dst.buffers(range(8)))
-    first = nixl_module._parts(8, parts)[0][1] if parts > 1 else 8  # the part before the failed one
+    first = nixl._parts(8, parts)[0][1] if parts > 1 else 8  # the part before the failed one
     assert got == first
     assert np.array_equal(src.data[:, :, :got], dst.data[:, :, :got])
     errors = [f for name, f in events if name == "storage.error"]
@@ -207,20 +213,7 @@ async def test_a_write_moves_in_parts_and_a_failed_part_keeps_the_placed_ones(
     """Writes move in the same parts; each landed page gets its header and is placed, so a
     part that fails stores the pages before it (a `storage.error`), leaves no temporary file,
     and what was stored reads back whole."""
-    from hicache.backends import nixl as nixl_module
-    from hicache.backends.file import native as native_module
-
-    if not native:
-        monkeypatch.setattr(native_module, "native_file_io", lambda: None)
-    elif native_module.native_file_io() is None:
-        pytest.skip(f"compiled file I/O not built: {native_module.unavailable_reason()}")
-    ns = namespace("write-parts")
-    keys = page_keys(ns, 8)
-    src = Pages(8).fill(6)
-    events: list[tuple[str, dict[str, Any]]] = []
-    backend = NixlBackend.from_spec(
-        f"nixl:{tmp_path}", namespace=ns, emit=lambda name, **f: events.append((name, f))
-    )
+    backend, keys, src, events = _eight_pages(tmp_path, monkeypatch, native)
     real_move = NixlBackend._move
     moves: list[int] = []
 
@@ -232,8 +225,8 @@ async def test_a_write_moves_in_parts_and_a_failed_part_keeps_the_placed_ones(
 
     monkeypatch.setattr(NixlBackend, "_move", second_fails)
     stored = await backend.set_from(keys, src.buffers(range(8)))
-    parts = nixl_module.TRANSFER_PARTS if native else 1
-    first = nixl_module._parts(8, parts)[0][1] if parts > 1 else 8
+    parts = nixl.TRANSFER_PARTS if native else 1
+    first = nixl._parts(8, parts)[0][1] if parts > 1 else 8
     if parts > 1:
         assert len(moves) == 2 and stored == first
         errors = [f for name, f in events if name == "storage.error"]
@@ -247,17 +240,15 @@ async def test_a_write_moves_in_parts_and_a_failed_part_keeps_the_placed_ones(
     dst = Pages(8)
     assert await backend.get_into(keys, dst.buffers(range(8))) == stored
     assert np.array_equal(src.data[:, :, :stored], dst.data[:, :, :stored])
-    assert list((tmp_path / ns.digest / "tmp").iterdir()) == []
+    assert list((tmp_path / backend.namespace.digest / "tmp").iterdir()) == []
     assert not [name for name, _ in events if name == "storage.corrupt"]
     await backend.aclose()
 
 
 def test_parts_cover_the_batch_in_order_none_empty_the_last_shortest() -> None:
-    from hicache.backends.nixl import _parts
-
     for n in range(1, 70):
         for parts in range(1, 7):
-            runs = _parts(n, parts)
+            runs = nixl._parts(n, parts)
             assert runs[0][0] == 0 and runs[-1][1] == n
             assert all(lo < hi for lo, hi in runs)
             assert all(a[1] == b[0] for a, b in itertools.pairwise(runs))
