@@ -54,6 +54,7 @@ from hicache.backends.page_files import (
     size_mismatch,
     unlink_all,
 )
+from hicache.backends.spec_options import flag, integer, number
 
 _OPTIONS = ("threads", "timeout", "fsync", "entries", "iov_mb", "mount")
 
@@ -113,41 +114,13 @@ class Hf3fsSpec:
         values.update(options)
         return cls(
             root=root,
-            threads=int(_number(values.get("threads", 2), "threads", 1)),
-            timeout=_number(values.get("timeout", 30.0), "timeout", 0.0, open_lo=True),
-            fsync=_flag(values.get("fsync", False)),
-            entries=int(_number(values.get("entries", 64), "entries", 1)),
-            iov_mb=int(_number(values.get("iov_mb", 64), "iov_mb", 1)),
+            threads=integer(values.get("threads", 2), "hf3fs option threads", lo=1),
+            timeout=number(values.get("timeout", 30.0), "hf3fs option timeout", lo=0, open_lo=True),
+            fsync=flag(values.get("fsync", False), "hf3fs option fsync"),
+            entries=integer(values.get("entries", 64), "hf3fs option entries", lo=1),
+            iov_mb=integer(values.get("iov_mb", 64), "hf3fs option iov_mb", lo=1),
             mount=str(values.get("mount", "")),
         )
-
-
-def _number(value: object, name: str, lo: float, *, open_lo: bool = False) -> float:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"hf3fs option {name} must be a number, got {value!r}") from None
-    whole = name != "timeout"
-    if (
-        number != number
-        or number < lo
-        or (open_lo and number == lo)
-        or (whole and number != int(number))
-    ):
-        kind = "an integer" if whole else "a number"
-        raise ValueError(
-            f"hf3fs option {name} must be {kind} {'>' if open_lo else '>='} {lo:g}, got {value!r}"
-        )
-    return number
-
-
-def _flag(value: object) -> bool:
-    text = str(value).lower()
-    if isinstance(value, bool) or text in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-        return bool(value) if isinstance(value, bool) else text in ("1", "true", "yes", "on")
-    raise ValueError(f"hf3fs option fsync must be yes or no, got {value!r}")
 
 
 class _Lane:

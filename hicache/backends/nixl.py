@@ -63,6 +63,7 @@ from hicache.backends.page_files import (
     unlink_all,
 )
 from hicache.backends.registered import RegisteredRegions, address_of
+from hicache.backends.spec_options import flag, integer, number
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 """NIXL plugins that move memory to and from files; the backend runs over any of them."""
@@ -158,36 +159,11 @@ class NixlSpec:
         return cls(
             root=root,
             plugin=plugin,
-            threads=_number(values.get("threads", 2), int, "threads", lo=1),
-            timeout=_number(values.get("timeout", 30.0), float, "timeout", lo=0.0, open_lo=True),
-            fsync=_flag(values.get("fsync", False), "fsync"),
+            threads=integer(values.get("threads", 2), "nixl option threads", lo=1),
+            timeout=number(values.get("timeout", 30.0), "nixl option timeout", lo=0, open_lo=True),
+            fsync=flag(values.get("fsync", False), "nixl option fsync"),
             params=tuple(sorted((str(k), str(v)) for k, v in params.items())),
         )
-
-
-def _number(value: object, kind: type, name: str, *, lo: float, open_lo: bool = False) -> Any:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"nixl option {name} must be a number, got {value!r}") from None
-    if number < lo or (open_lo and number == lo) or number != number:
-        raise ValueError(
-            f"nixl option {name} must be {'>' if open_lo else '>='} {lo}, got {value!r}"
-        )
-    return number
-
-
-def _flag(value: object, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"nixl option {name} must be yes or no, got {value!r}")
 
 
 class NixlBackend(PageFileBackend):

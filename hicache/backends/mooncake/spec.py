@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
+from hicache.backends.spec_options import integer, number
 from hicache.secrets import redact_url, safe_repr
 
 _UNITS = {
@@ -52,26 +53,6 @@ def parse_size(value: object, what: str) -> int:
     if n < 0:
         raise ValueError(f"{what} must not be negative, got {value!r}")
     return n
-
-
-def _positive_int(value: object, what: str) -> int:
-    try:
-        n = int(str(value))
-    except ValueError:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}") from None
-    if n <= 0:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return n
-
-
-def _positive_float(value: object, what: str) -> float:
-    try:
-        x = float(str(value))
-    except ValueError:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}") from None
-    if not x > 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
-    return x
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,7 +148,7 @@ def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> Moonca
             f"Mooncake spec: metadata must be a http://, etcd:// or redis:// URL "
             f"or P2PHANDSHAKE, got {redact_url(metadata)!r}"
         )
-    lanes = _positive_int(merged.get("lanes", 4), "lanes")
+    lanes = integer(merged.get("lanes", 4), "Mooncake option lanes", lo=1)
     staging = parse_size(merged.get("staging", "64MiB"), "staging")
     if staging < lanes:
         raise ValueError(
@@ -184,7 +165,9 @@ def parse_spec(spec: str, options: Mapping[str, object] | None = None) -> Moonca
         local_buffer=parse_size(merged.get("local_buffer", "16MiB"), "local_buffer"),
         staging=staging,
         lanes=lanes,
-        batch=_positive_int(merged.get("batch", 128), "batch"),
-        probe_timeout=_positive_float(merged.get("probe_timeout", 5), "probe_timeout"),
-        retry=_positive_float(merged.get("retry", 1), "retry"),
+        batch=integer(merged.get("batch", 128), "Mooncake option batch", lo=1),
+        probe_timeout=number(
+            merged.get("probe_timeout", 5), "Mooncake option probe_timeout", lo=0, open_lo=True
+        ),
+        retry=number(merged.get("retry", 1), "Mooncake option retry", lo=0, open_lo=True),
     )

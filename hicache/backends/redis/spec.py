@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
+from hicache.backends import spec_options
 from hicache.secrets import load_credential, redact_text, redact_url
 
 DEFAULT_PORT = 6379
@@ -72,26 +73,25 @@ class RedisSpec:
         return f"{self.scheme}://{user}{where}/{self.db}"
 
 
-def _number(spec: str, name: str, raw: Any, kind: type, minimum: float) -> Any:
-    try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"{spec!r}: option {name}={raw!r} is not {what}") from None
-    if not value >= minimum or value == float("inf"):  # `not >=` also rejects NaN
-        raise ValueError(f"{spec!r}: option {name}={raw!r} must be at least {minimum}")
-    return value
+def _what(spec: str, name: str) -> str:
+    return f"{spec!r}: option {name}"
+
+
+def _integer(spec: str, name: str, raw: Any, lo: int) -> int:
+    return spec_options.integer(raw, _what(spec, name), lo=lo)
+
+
+def _seconds(spec: str, name: str, raw: Any) -> float:
+    return spec_options.number(raw, _what(spec, name), lo=0.001)
+
+
+# redis-py's words for certificate checks ("required", "none") read as yes and no too
+_YES = spec_options.YES | {"required"}
+_NO = (spec_options.NO - {""}) | {"none"}  # an empty value never turns a check off
 
 
 def _flag(spec: str, name: str, raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on", "required"):
-        return True
-    if text in ("0", "false", "no", "off", "none"):
-        return False
-    raise ValueError(f"{spec!r}: option {name}={raw!r} is not a yes/no value")
+    return spec_options.flag(raw, _what(spec, name), yes=_YES, no=_NO)
 
 
 def _endpoint(spec: str, text: str) -> tuple[str, int]:
@@ -104,7 +104,7 @@ def _endpoint(spec: str, text: str) -> tuple[str, int]:
         host, _, port_text = text.partition(":")
     if not host:
         raise ValueError(f"{spec!r}: address {text!r} has no host")
-    port = DEFAULT_PORT if not port_text else _number(spec, "port", port_text, int, 1)
+    port = DEFAULT_PORT if not port_text else _integer(spec, "port", port_text, 1)
     if port > 65535:
         raise ValueError(f"{spec!r}: port {port} is out of range")
     return host, port
@@ -169,13 +169,13 @@ def _parse(shown: str, spec: str, options: Mapping[str, Any] | None) -> RedisSpe
         if len(endpoints) > 1 and not scheme.endswith("+cluster"):
             raise ValueError(f"{shown!r}: several hosts need redis+cluster://")
         if db_text:
-            db = _number(shown, "db", db_text, int, 0)
+            db = _integer(shown, "db", db_text, 0)
     if userinfo:
         user_text, colon, pass_text = userinfo.partition(":")
         username = unquote(user_text) or None
         password = unquote(pass_text) if colon else None
     if "db" in opts:
-        db = _number(shown, "db", opts["db"], int, 0)
+        db = _integer(shown, "db", opts["db"], 0)
     if scheme.endswith("+cluster") and db != 0:
         raise ValueError(f"{shown!r}: Redis Cluster has only db 0, got db {db}")
     username = opts.get("username", username) or None
@@ -196,7 +196,7 @@ def _parse(shown: str, spec: str, options: Mapping[str, Any] | None) -> RedisSpe
             )
         password = stored.decode()
 
-    timeout = _number(shown, "timeout", opts.get("timeout", DEFAULT_TIMEOUT_S), float, 0.001)
+    timeout = _seconds(shown, "timeout", opts.get("timeout", DEFAULT_TIMEOUT_S))
     ttl = opts.get("ttl")
     tls_options = {"ca", "cert", "key", "verify", "check_hostname"} & set(opts)
     if tls_options and not scheme.startswith("rediss"):
@@ -212,15 +212,13 @@ def _parse(shown: str, spec: str, options: Mapping[str, Any] | None) -> RedisSpe
         db=db,
         username=username,
         password=password,
-        ttl_s=None if ttl in (None, "", 0, "0") else _number(shown, "ttl", ttl, float, 0.001),
+        ttl_s=None if ttl in (None, "", 0, "0") else _seconds(shown, "ttl", ttl),
         refresh_ttl=_flag(shown, "refresh_ttl", opts.get("refresh_ttl", True)),
-        pool=_number(shown, "pool", opts.get("pool", DEFAULT_POOL), int, 1),
+        pool=_integer(shown, "pool", opts.get("pool", DEFAULT_POOL), 1),
         timeout_s=timeout,
-        connect_timeout_s=_number(
-            shown, "connect_timeout", opts.get("connect_timeout", timeout), float, 0.001
-        ),
-        pipeline_bytes=_number(
-            shown, "pipeline_bytes", opts.get("pipeline_bytes", DEFAULT_PIPELINE_BYTES), int, 0
+        connect_timeout_s=_seconds(shown, "connect_timeout", opts.get("connect_timeout", timeout)),
+        pipeline_bytes=_integer(
+            shown, "pipeline_bytes", opts.get("pipeline_bytes", DEFAULT_PIPELINE_BYTES), 0
         ),
         tls_ca=opts.get("ca") or None,
         tls_cert=opts.get("cert") or None,

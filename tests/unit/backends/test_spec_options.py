@@ -1,0 +1,48 @@
+"""Backend spec option values read one way for every backend (spec_options.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.backends.spec_options import flag, integer, number
+
+
+def test_numbers_in_range_come_back_as_numbers() -> None:
+    assert number("2.5", "x", lo=0) == 2.5
+    assert number(3, "x", lo=3) == 3.0
+    assert integer("7", "x", lo=1) == 7 and isinstance(integer("7", "x", lo=1), int)
+    assert integer(8.0, "x", lo=1) == 8
+
+
+@pytest.mark.parametrize(
+    ("value", "options", "message"),
+    [
+        ("abc", {"lo": 0}, "opt t must be a number, got 'abc'"),
+        (None, {"lo": 0}, "opt t must be a number, got None"),
+        (True, {"lo": 0}, "opt t must be a number, got True"),
+        ("nan", {"lo": 0}, "opt t must be a number, got 'nan'"),
+        ("inf", {"lo": 0}, "opt t must be a number, got 'inf'"),
+        ("-1", {"lo": 0}, "opt t must be a number >= 0, got '-1'"),
+        ("0", {"lo": 0, "open_lo": True}, "opt t must be a number > 0, got '0'"),
+        ("1.5", {"lo": 1, "whole": True}, "opt t must be an integer, got '1.5'"),
+        ("0", {"lo": 1, "whole": True}, "opt t must be an integer >= 1, got '0'"),
+    ],
+)
+def test_bad_numbers_name_the_option_and_show_the_value(
+    value: object, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        number(value, "opt t", **options)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+
+
+def test_flags_take_bools_and_the_usual_words_in_any_case() -> None:
+    for yes in (True, "1", "true", "YES", " on "):
+        assert flag(yes, "f") is True
+    for no in (False, "0", "False", "no", "off", ""):
+        assert flag(no, "f") is False
+    assert flag("required", "f", yes=frozenset({"required"})) is True
+    with pytest.raises(ValueError, match="opt f must be yes or no, got 'maybe'"):
+        flag("maybe", "opt f")
+    with pytest.raises(ValueError, match="got ''"):
+        flag("", "f", no=frozenset({"no"}))  # a caller may refuse the empty value
