@@ -38,6 +38,7 @@ from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_c
 from hicache.backends.framing import header_size
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import _frame, unframe_values
+from hicache.backends.spec_options import integer
 
 _OPTIONS = frozenset({"threads", "ttl"})
 
@@ -176,10 +177,7 @@ class AibrixBackend:
                 raise ValueError(
                     f"aibrix spec {spec!r}: unknown option {name!r}; known: threads, ttl"
                 )
-            try:
-                values[name] = int(value)
-            except ValueError:
-                raise ValueError(f"aibrix spec {spec!r}: {name} must be an integer") from None
+            values[name] = integer(value, f"aibrix option {name}", lo=1)
         values.update(options)
         return cls(root, namespace=namespace, emit=emit, **values)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from hicache.backends.registry import open_backend
 from hicache.backends.spec_options import flag, integer, number
+from hicache.testing.conformance import namespace
 
 
 def test_numbers_in_range_come_back_as_numbers() -> None:
@@ -46,3 +48,24 @@ def test_flags_take_bools_and_the_usual_words_in_any_case() -> None:
         flag("maybe", "opt f")
     with pytest.raises(ValueError, match="got ''"):
         flag("", "f", no=frozenset({"no"}))  # a caller may refuse the empty value
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nixl:/d?threads=0", "nixl option threads must be an integer >= 1, got '0'"),
+        ("nixl:/d?timeout=inf", "nixl option timeout must be a number, got 'inf'"),
+        ("hf3fs:/d?entries=x", "hf3fs option entries must be an integer, got 'x'"),
+        ("hf3fs:/d?fsync=maybe", "hf3fs option fsync must be yes or no, got 'maybe'"),
+        ("mooncake://m:1?lanes=0", "Mooncake option lanes must be an integer >= 1, got '0'"),
+        ("mooncake://m:1?retry=0", "Mooncake option retry must be a number > 0, got '0'"),
+        ("redis://h?pool=0", "'redis://h?pool=0': option pool must be an integer >= 1, got '0'"),
+        ("aibrix:/d?ttl=-5", "aibrix option ttl must be an integer >= 1, got '-5'"),
+    ],
+)
+def test_every_backend_names_a_bad_option_value_the_same_way(spec: str, message: str) -> None:
+    """Through the registry, as a user's spec goes (building a backend needs neither its
+    library nor its server)."""
+    with pytest.raises(ValueError) as raised:
+        open_backend(spec, namespace=namespace("spec"))
+    assert str(raised.value) == message
