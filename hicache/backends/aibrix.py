@@ -29,7 +29,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import parse_qsl
 
 import anyio
 
@@ -38,7 +37,7 @@ from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_c
 from hicache.backends.framing import header_size
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import _frame, unframe_values
-from hicache.backends.spec_options import integer
+from hicache.backends.spec_options import integer, split_dir_spec
 
 _OPTIONS = frozenset({"threads", "ttl"})
 
@@ -161,25 +160,18 @@ class AibrixBackend:
         cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
     ) -> AibrixBackend:
         """Spec `aibrix:DIR[?threads=4&ttl=SECONDS]` (keywords override the query)."""
-        if not isinstance(spec, str) or not spec.startswith("aibrix:"):
-            raise ValueError(f"aibrix backend spec must be aibrix:DIR[?options], got {spec!r}")
-        root, _, query = spec[len("aibrix:") :].partition("?")
-        if not root:
-            raise ValueError("storage spec 'aibrix:' needs a directory, e.g. aibrix:/var/cache/kv")
-        if set(options) - _OPTIONS:
-            raise TypeError(
-                f"unknown aibrix backend options {sorted(set(options) - _OPTIONS)}; "
-                f"known: {sorted(_OPTIONS)}"
-            )
-        values: dict[str, Any] = {}
-        for name, value in parse_qsl(query, keep_blank_values=True):
-            if name not in _OPTIONS:
-                raise ValueError(
-                    f"aibrix spec {spec!r}: unknown option {name!r}; known: threads, ttl"
-                )
-            values[name] = integer(value, f"aibrix option {name}", lo=1)
-        values.update(options)
-        return cls(root, namespace=namespace, emit=emit, **values)
+        split = split_dir_spec(
+            spec, "aibrix", known=_OPTIONS, options=options, example="aibrix:/var/cache/kv"
+        )
+        given = split.values
+        ttl = given.get("ttl")
+        return cls(
+            split.root,
+            namespace=namespace,
+            emit=emit,
+            threads=integer(given.get("threads", 4), "aibrix option threads", lo=1),
+            ttl=None if ttl is None else integer(ttl, "aibrix option ttl", lo=1),
+        )
 
     async def connect(self) -> None:
         """Open (or share) the connector; BackendUnavailable when AIBrix is missing or the

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from types import ModuleType
 from typing import Any
-from urllib.parse import parse_qsl
 
 import anyio
 
@@ -54,7 +53,7 @@ from hicache.backends.page_files import (
     size_mismatch,
     unlink_all,
 )
-from hicache.backends.spec_options import flag, integer, number
+from hicache.backends.spec_options import flag, integer, number, split_dir_spec
 
 _OPTIONS = ("threads", "timeout", "fsync", "entries", "iov_mb", "mount")
 
@@ -96,22 +95,10 @@ class Hf3fsSpec:
     def parse(cls, spec: str, **options: Any) -> Hf3fsSpec:
         """Spec options in the query, overridden by keywords. Raises ValueError naming the
         option, TypeError for an unknown keyword."""
-        if not isinstance(spec, str) or not spec.startswith("hf3fs:"):
-            raise ValueError(f"hf3fs backend spec must be hf3fs:DIR[?options], got {spec!r}")
-        root, _, query = spec[len("hf3fs:") :].partition("?")
-        if not root:
-            raise ValueError("storage spec 'hf3fs:' needs a directory on a 3FS mount")
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise TypeError(f"unknown hf3fs backend options {sorted(unknown)}; known: {_OPTIONS}")
-        values: dict[str, Any] = {}
-        for name, value in parse_qsl(query, keep_blank_values=True):
-            if name not in _OPTIONS:
-                raise ValueError(
-                    f"hf3fs spec {spec!r}: unknown option {name!r}; known: {', '.join(_OPTIONS)}"
-                )
-            values[name] = value
-        values.update(options)
+        split = split_dir_spec(
+            spec, "hf3fs", known=_OPTIONS, options=options, example="hf3fs:/3fs/stage/hicache"
+        )
+        root, values = split.root, split.values
         return cls(
             root=root,
             threads=integer(values.get("threads", 2), "hf3fs option threads", lo=1),

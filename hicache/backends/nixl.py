@@ -38,7 +38,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
-from urllib.parse import parse_qsl
 
 import anyio
 import numpy as np
@@ -63,7 +62,7 @@ from hicache.backends.page_files import (
     unlink_all,
 )
 from hicache.backends.registered import RegisteredRegions, address_of
-from hicache.backends.spec_options import flag, integer, number
+from hicache.backends.spec_options import flag, integer, number, split_dir_spec
 
 FILE_PLUGINS = ("POSIX", "GDS", "GDS_MT")
 """NIXL plugins that move memory to and from files; the backend runs over any of them."""
@@ -79,7 +78,7 @@ landed run, on a native thread, while the next part moves: only the last (shorte
 left after the transfers, and the caller computes those with that thread. Checksumming pages
 just moved also reads them while they are still in cache (docs/benchmarks.md)."""
 
-_OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync", "params"})
+_OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync"})  # and the keyword `params`
 _agent_ids = itertools.count()
 
 
@@ -124,30 +123,16 @@ class NixlSpec:
     def parse(cls, spec: str, **options: Any) -> NixlSpec:
         """Spec options in the query, overridden by keywords. Raises ValueError naming the
         option, TypeError for an unknown keyword."""
-        if not isinstance(spec, str) or not spec.startswith("nixl:"):
-            raise ValueError(f"nixl backend spec must be nixl:DIR[?options], got {spec!r}")
-        root, _, query = spec[len("nixl:") :].partition("?")
-        if not root:
-            raise ValueError("storage spec 'nixl:' needs a directory, e.g. nixl:/var/cache/hicache")
-        unknown_kw = set(options) - _OPTIONS
-        if unknown_kw:
-            raise TypeError(
-                f"unknown nixl backend options {sorted(unknown_kw)}; known: {sorted(_OPTIONS)}"
-            )
-        values: dict[str, Any] = {}
-        params: dict[str, str] = {}
-        for name, value in parse_qsl(query, keep_blank_values=True):
-            if name.startswith("param."):  # passed to the plugin: nixl:DIR?param.use_uring=true
-                params[name[len("param.") :]] = value
-            elif name in _OPTIONS - {"params"}:
-                values[name] = value
-            else:
-                raise ValueError(
-                    f"nixl spec {spec!r}: unknown option {name!r}; known: plugin, threads, "
-                    "timeout, fsync, param.NAME (a plugin parameter)"
-                )
-        params.update(options.pop("params", None) or {})
-        values.update(options)
+        plugin_params = dict(options.pop("params", None) or {})
+        split = split_dir_spec(
+            spec,
+            "nixl",
+            known=_OPTIONS,
+            options=options,
+            example="nixl:/var/cache/hicache",
+            passthrough="param.",  # the plugin's: nixl:DIR?param.use_uring=true
+        )
+        root, values, params = split.root, split.values, {**split.passed, **plugin_params}
         plugin = str(values.get("plugin", "POSIX")).upper()
         if plugin == "POSIX" and not any(q in params for q in POSIX_QUEUES):
             params["use_aio"] = "true"

@@ -1,8 +1,13 @@
-"""A backend spec's option values (from its query string, or keywords to `from_spec`) read as
-numbers and yes/no flags, the same way for every backend. A bad value is a ValueError that
-names the option and shows the value; nothing is clamped or guessed."""
+"""A backend spec's options (from its query string, or keywords to `from_spec`): directory specs
+split and merged, values read as numbers and yes/no flags, the same way for every backend. A
+bad name or value is an error that names it; nothing is clamped or guessed."""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl
 
 YES = frozenset({"1", "true", "yes", "on"})
 NO = frozenset({"0", "false", "no", "off", ""})
@@ -42,3 +47,49 @@ def flag(value: object, what: str, *, yes: frozenset[str] = YES, no: frozenset[s
     if text in no:
         return False
     raise ValueError(f"{what} must be yes or no, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DirSpec:
+    """A `SCHEME:DIR[?name=value&...]` spec split (`split_dir_spec`)."""
+
+    root: str
+    values: dict[str, Any]  # the query's options, then the keywords over them
+    passed: dict[str, str]  # `PREFIX.name=value` options, for a library of the backend's own
+
+
+def split_dir_spec(
+    spec: object,
+    scheme: str,
+    *,
+    known: Collection[str],
+    options: Mapping[str, Any],
+    example: str,
+    passthrough: str | None = None,
+) -> DirSpec:
+    """Split a directory spec and merge its keyword `options` over the query's. Names outside
+    `known` are a ValueError (in the query: it names the spec) or a TypeError (a keyword);
+    query names starting with `passthrough` are kept apart, without it. A spec without the
+    scheme or the directory is a ValueError; `example` shows a right one."""
+    if not isinstance(spec, str) or not spec.startswith(f"{scheme}:"):
+        raise ValueError(f"{scheme} backend spec must be {scheme}:DIR[?options], got {spec!r}")
+    root, _, query = spec[len(scheme) + 1 :].partition("?")
+    if not root:
+        raise ValueError(f"storage spec '{scheme}:' needs a directory, e.g. {example}")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"unknown {scheme} backend options {unknown}; known: {sorted(known)}")
+    values: dict[str, Any] = {}
+    passed: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if passthrough and name.startswith(passthrough):
+            passed[name[len(passthrough) :]] = value
+        elif name in known:
+            values[name] = value
+        else:
+            names = sorted(known) + ([f"{passthrough}NAME"] if passthrough else [])
+            raise ValueError(
+                f"{scheme} spec {spec!r}: unknown option {name!r}; known: {', '.join(names)}"
+            )
+    values.update(options)
+    return DirSpec(root, values, passed)

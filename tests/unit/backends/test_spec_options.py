@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.backends.registry import open_backend
-from hicache.backends.spec_options import flag, integer, number
+from hicache.backends.spec_options import flag, integer, number, split_dir_spec
 from hicache.testing.conformance import namespace
 
 
@@ -68,4 +68,34 @@ def test_every_backend_names_a_bad_option_value_the_same_way(spec: str, message:
     library nor its server)."""
     with pytest.raises(ValueError) as raised:
         open_backend(spec, namespace=namespace("spec"))
+    assert str(raised.value) == message
+
+
+def test_a_directory_spec_splits_and_keywords_win() -> None:
+    split = split_dir_spec(
+        "x:/data/kv?a=1&p.q=2&b=",
+        "x",
+        known={"a", "b"},
+        options={"a": 5},
+        example="x:/d",
+        passthrough="p.",
+    )
+    assert (split.root, split.values, split.passed) == ("/data/kv", {"a": 5, "b": ""}, {"q": "2"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "options", "error", "message"),
+    [
+        ("y:/d", {}, ValueError, "x backend spec must be x:DIR[?options], got 'y:/d'"),
+        (7, {}, ValueError, "x backend spec must be x:DIR[?options], got 7"),
+        ("x:?a=1", {}, ValueError, "storage spec 'x:' needs a directory, e.g. x:/d"),
+        ("x:/d?c=1", {}, ValueError, "x spec 'x:/d?c=1': unknown option 'c'; known: a, p.NAME"),
+        ("x:/d", {"c": 1}, TypeError, "unknown x backend options ['c']; known: ['a']"),
+    ],
+)
+def test_a_bad_directory_spec_says_what_is_wrong(
+    spec: object, options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as raised:
+        split_dir_spec(spec, "x", known={"a"}, options=options, example="x:/d", passthrough="p.")
     assert str(raised.value) == message
