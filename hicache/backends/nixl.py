@@ -75,8 +75,7 @@ POSIX_QUEUES = ("use_aio", "use_uring", "use_posix_aio")
 TRANSFER_PARTS = 4
 """A batch moves in this many transfers of whole pages, so that the checksums of a part that
 landed run, on a native thread, while the next part moves: only the last (shorter) part's are
-left after the transfers, and the caller computes those with that thread. Checksumming pages
-just moved also reads them while they are still in cache (docs/benchmarks.md)."""
+left after the transfers, and the caller computes those with that thread (docs/benchmarks.md)."""
 
 _OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync"})  # and the keyword `params`
 _agent_ids = itertools.count()
@@ -323,7 +322,7 @@ class NixlBackend(PageFileBackend):
         pages: list[list[memoryview]],
         header_slots: int | None = None,
     ) -> tuple[list[int], str | None]:
-        """Move the pages of `files` (page i: descriptors `descs.of(i)`, and on reads its header
+        """Move the pages of `files` (page i: its descriptors in `descs`, and on reads its header
         into slot i of the registered slab at `header_slots`) in `TRANSFER_PARTS` transfers of
         whole pages, one after another, each landed part's checksums started on a native
         thread while the next part moves (NIXL holds the GIL meanwhile). Without the compiled
