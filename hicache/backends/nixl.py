@@ -77,7 +77,7 @@ TRANSFER_PARTS = 4
 landed run, on a native thread, while the next part moves: only the last (shorter) part's are
 left after the transfers, and the caller computes those with that thread (docs/benchmarks.md)."""
 
-_OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync"})  # and the keyword `params`
+_OPTIONS = frozenset({"plugin", "threads", "timeout", "fsync"})
 _agent_ids = itertools.count()
 
 
@@ -122,7 +122,6 @@ class NixlSpec:
     def parse(cls, spec: str, **options: Any) -> NixlSpec:
         """Spec options in the query, overridden by keywords. Raises ValueError naming the
         option, TypeError for an unknown keyword."""
-        plugin_params = dict(options.pop("params", None) or {})
         split = split_dir_spec(
             spec,
             "nixl",
@@ -130,8 +129,10 @@ class NixlSpec:
             options=options,
             example="nixl:/var/cache/hicache",
             passthrough="param.",  # the plugin's: nixl:DIR?param.use_uring=true
+            keyword_only=("params",),  # the same as a dict: params={"use_uring": "true"}
         )
-        root, values, params = split.root, split.values, {**split.passed, **plugin_params}
+        root, values = split.root, split.values
+        params = {**split.passed, **(values.pop("params", None) or {})}
         plugin = str(values.get("plugin", "POSIX")).upper()
         if plugin == "POSIX" and not any(q in params for q in POSIX_QUEUES):
             params["use_aio"] = "true"

@@ -66,19 +66,22 @@ def split_dir_spec(
     options: Mapping[str, Any],
     example: str,
     passthrough: str | None = None,
+    keyword_only: Collection[str] = (),
 ) -> DirSpec:
     """Split a directory spec and merge its keyword `options` over the query's. Names outside
-    `known` are a ValueError (in the query: it names the spec) or a TypeError (a keyword);
-    query names starting with `passthrough` are kept apart, without it. A spec without the
-    scheme or the directory is a ValueError; `example` shows a right one."""
+    `known` are a ValueError (in the query: it names the spec) or a TypeError (a keyword;
+    `keyword_only` names are allowed there too); query names starting with `passthrough` are
+    kept apart, without it. A spec without the scheme or the directory is a ValueError;
+    `example` shows a right one."""
     if not isinstance(spec, str) or not spec.startswith(f"{scheme}:"):
         raise ValueError(f"{scheme} backend spec must be {scheme}:DIR[?options], got {spec!r}")
     root, _, query = spec[len(scheme) + 1 :].partition("?")
     if not root:
         raise ValueError(f"storage spec '{scheme}:' needs a directory, e.g. {example}")
-    unknown = sorted(set(options) - set(known))
+    keywords = set(known) | set(keyword_only)
+    unknown = sorted(set(options) - keywords)
     if unknown:
-        raise TypeError(f"unknown {scheme} backend options {unknown}; known: {sorted(known)}")
+        raise TypeError(f"unknown {scheme} backend options {unknown}; known: {sorted(keywords)}")
     values: dict[str, Any] = {}
     passed: dict[str, str] = {}
     for name, value in parse_qsl(query, keep_blank_values=True):

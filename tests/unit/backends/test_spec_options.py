@@ -71,6 +71,19 @@ def test_every_backend_names_a_bad_option_value_the_same_way(spec: str, message:
     assert str(raised.value) == message
 
 
+def test_keyword_only_names_are_taken_as_keywords_listed_and_refused_in_the_query() -> None:
+    split = split_dir_spec(
+        "x:/d", "x", known={"a"}, options={"k": 1}, example="x:/d", keyword_only={"k"}
+    )
+    assert split.values == {"k": 1}
+    with pytest.raises(TypeError, match=r"known: \['a', 'k'\]"):
+        split_dir_spec(
+            "x:/d", "x", known={"a"}, options={"z": 1}, example="x:/d", keyword_only={"k"}
+        )
+    with pytest.raises(ValueError, match="unknown option 'k'"):
+        split_dir_spec("x:/d?k=1", "x", known={"a"}, options={}, example="x:/d", keyword_only={"k"})
+
+
 def test_a_directory_spec_splits_and_keywords_win() -> None:
     split = split_dir_spec(
         "x:/data/kv?a=1&p.q=2&b=",
