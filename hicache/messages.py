@@ -223,6 +223,9 @@ class LoadDone:
 class UploadDone:
     op: OpId
     stored_pages: int
+    # why pages were not stored (with stored_pages short): "store_full" (the store refused
+    # writes: it is full and backing off), "failed" (after the retries), "timed_out"
+    dropped: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -383,6 +386,7 @@ class IoDone:
     op: OpId
     pages: int
     error: str = ""
+    refused: bool = False  # the store would not take writes now (full): no retry helps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

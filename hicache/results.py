@@ -150,6 +150,9 @@ class CacheStats:
     host: TierStats
     storage_hit_tokens: int = 0
     bytes: dict[str, int] = field(default_factory=dict)  # "d2h", "h2d": bytes moved so far
+    # pages meant for L3 that did not get there, by reason: store_full, failed, timed_out,
+    # backlog_full, evicted (before its upload started), detached, l2_held_by_uploads
+    storage_dropped: dict[str, int] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)  # ops and requests in flight, by kind
 
 

@@ -109,6 +109,14 @@ def enforces_ttl(backend: object) -> bool:
     return getattr(backend, "enforces_ttl", False) is True
 
 
+def accepts_writes(backend: object) -> bool:
+    """Whether `backend` takes writes now. A store that answered "full" may say no for a
+    backoff (`backends/fullness.py`: it has an `accepts_writes()` method); a caller then
+    skips the write instead of retrying it. Backends without the method always take them."""
+    probe = getattr(backend, "accepts_writes", None)
+    return True if probe is None else bool(probe())
+
+
 def check_ttl(ttl: float | None) -> None:
     """A ttl is None or a finite number of seconds (bool is not a number here)."""
     if ttl is not None and (

@@ -113,8 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--storage-max-bytes",
         default=None,
-        help="size cap of a file store (64MiB, 10GB, bytes); default: what it holds at "
-        "open plus 90%% of the filesystem's free space",
+        help="size cap of a file or memory store (64MiB, 10GB, bytes); default for a file "
+        "store: what it holds at open plus 90%% of the filesystem's free space (a cap above "
+        "what the filesystem can hold is lowered to that, with a warning); for memory: half "
+        "the available memory",
     )
     r.add_argument(
         "--detach-at",

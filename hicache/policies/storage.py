@@ -13,7 +13,7 @@ Not thread-safe: the store that owns a policy serialises calls (under its own lo
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
@@ -39,6 +39,10 @@ class StorePolicy(Protocol):
     def __len__(self) -> int: ...
 
     def __contains__(self, key: object) -> bool: ...
+
+    def keys(self) -> Iterator[str]:
+        """The keys held, in no promised order (a rescan compares them with the disk)."""
+        ...
 
     def admit(self, key: str, size: int) -> bool:
         """Whether a write of `key` (not held) should be stored now. Pure: a refused write is
@@ -85,6 +89,9 @@ class LruStore:
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._order)
 
     def admit(self, key: str, size: int) -> bool:
         return True

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -73,8 +74,11 @@ from hicache.backends.file.io import (
     write_value,
 )
 from hicache.backends.file.native import NativeFileIO, native_file_io
+from hicache.backends.file.writers import WriterRegistry
 from hicache.backends.framing import CorruptValue, header_size
+from hicache.backends.fullness import FIRST_BACKOFF, WriteGate, is_full_error
 from hicache.backends.keys import Namespace
+from hicache.policies.storage import DEFAULT_STORE_POLICY
 
 _LOW_WATER = 0.9  # eviction goes down to this share of the cap; 1 - it is the rescan period
 _OPTIONS = {
@@ -85,6 +89,7 @@ _OPTIONS = {
     "stale_temp_s",
     "failure_streak",
     "clock",
+    "policy",
 }
 
 
@@ -119,6 +124,7 @@ class FileBackend:
         stale_temp_s: float = 600.0,
         failure_streak: int = 8,
         clock: Callable[[], float] = time.time,
+        policy: str = DEFAULT_STORE_POLICY,
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise TypeError(
@@ -134,6 +140,7 @@ class FileBackend:
         self._temp_seq = itertools.count()
         self._counters = Counters()
         self._expired = 0  # values found or swept expired
+        self._declined = 0  # pages the policy did not admit
         # Consecutive failed page writes (loop side); the streak is reported once it reaches
         # `failure_streak`, and its end once a write succeeds again.
         self.failure_streak = failure_streak
@@ -150,25 +157,44 @@ class FileBackend:
         clean_temps(self._tmp, stale_temp_s)
         # Expiry marks need nanosecond atimes: where they do not survive, a ttl is not enforced.
         self.enforces_ttl = marks_survive(self._tmp)
-        self._index = FileIndex()
+        # Sizes are counted as the filesystem allocates them (whole blocks): a 16 KiB page
+        # with its header takes five 4 KiB blocks, and the cap is about the disk.
+        self._block = _block_size(self._dir)
+        self._index = FileIndex(policy)
+        self._gate = WriteGate(clock)
         self._evicting: anyio.Event | None = None  # set while an eviction runs
         self._landed: anyio.Event | None = None  # set when a batch's writes end (if awaited)
-        self.max_bytes = 1  # set below, once the scan knows what the directory holds
-        self._rescan_bytes = 1
+        self._rescan: threading.Thread | None = None  # a rescan running beside the writes
+        self._rescans = 0
+        self._free_fraction = free_fraction
+        self._index.begin_scan()
+        self._index.merge_scan(scan(self._dir, self._block))
         self._expired += self._sweep_sync(None)[1]
-        self.max_bytes = (
+        self._writers = WriterRegistry(self._dir)
+        # The cap asked for (or the default), and the one in force: never more than the
+        # filesystem can hold for this store (what it holds plus what is free).
+        self.configured_max_bytes = (
             max_bytes
             if max_bytes is not None
             else default_cap(self._dir, self._index.stored, free_fraction)
         )
-        self._rescan_bytes = max(1, int(self.max_bytes * (1 - _LOW_WATER)))
+        self.max_bytes = self.configured_max_bytes
+        self._fit_cap_to_disk()
+        if max_bytes is not None and self.max_bytes < max_bytes:
+            self._emit(
+                "storage.cap_lowered",
+                directory=self._dir,
+                requested=max_bytes,
+                effective=self.max_bytes,
+                reason="filesystem",
+            )
 
     @classmethod
     def from_spec(
         cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
     ) -> FileBackend:
         """Spec `file:DIR`. Options: fsync, max_bytes, free_fraction, threads (0 = inline),
-        stale_temp_s, failure_streak, clock."""
+        stale_temp_s, failure_streak, clock, policy (policies/storage.py)."""
         if not isinstance(spec, str) or not spec.startswith("file:") or len(spec) == len("file:"):
             raise ValueError(f"file backend spec must be file:DIR, got {spec!r}")
         if set(options) - _OPTIONS:
@@ -196,27 +222,28 @@ class FileBackend:
         results = await self._map(_read_all, jobs)
         oks = []
         read = []  # (page hash, file size, expiry) of the values read, for the index
+        missed = []
         payload = 0
         for key, page_hash, result in zip(keys, hashes, results):
             if isinstance(result, Read):
                 payload += result.payload
-                read.append((page_hash, result.file_size, result.expiry))
+                read.append((page_hash, self._on_disk(result.file_size), result.expiry))
+            elif result is None:
+                missed.append(page_hash)
+                self._index.forget(page_hash)  # another process removed it
             elif isinstance(result, Expired):
                 self._expired += 1
-                self._index.put_many(read)  # in order: a value read before is put first
-                read.clear()
                 self._index.forget(page_hash)
             elif isinstance(result, CorruptValue):
                 self._counters.corrupt += 1
                 self._emit("storage.corrupt", key=key, reason=result.reason)
-                self._index.put_many(read)
-                read.clear()
                 self._index.forget(page_hash)
             elif isinstance(result, Exception):
                 self._error("get", key, result)
             oks.append(isinstance(result, Read))
         self._counters.bytes_read += payload
-        self._index.put_many(read)
+        self._index.was_read(read)
+        self._index.missed(missed)
         hits = prefix_count(oks)
         self._counters.get_hits += hits
         return hits
@@ -237,12 +264,21 @@ class FileBackend:
                 self._error("set", path, exc)
             self._counters.set_ok += len(keys)
             return len(keys)
-        sizes = [header_size(k) + _nbytes(page) for k, page in zip(keys, pages)]
-        need = sum(sizes)
+        if not self._gate.is_open():  # full a moment ago: refuse at once, no I/O
+            self._gate.refuse(len(keys))
+            return 0
+        hashes, paths = self._locate(keys)
+        sizes = [self._on_disk(header_size(k) + _nbytes(page)) for k, page in zip(keys, pages)]
+        # Pages the store's policy declines count as stored: not an error, and a retry
+        # would be declined the same way.
+        wanted = [self._index.admit(h, size) for h, size in zip(hashes, sizes)]
+        self._declined += wanted.count(False)
         fit = len(sizes)
+        need = sum(size for size, want in zip(sizes, wanted) if want)
         if need > self.max_bytes:  # a batch larger than the whole cap stores the prefix that fits
-            fit = prefix_count(total <= self.max_bytes for total in itertools.accumulate(sizes))
-            need = sum(sizes[:fit])
+            taken = itertools.accumulate(size if want else 0 for size, want in zip(sizes, wanted))
+            fit = prefix_count(total <= self.max_bytes for total in taken)
+            need = sum(size for size, want in zip(sizes[:fit], wanted) if want)
         await self._make_room(need)
         expiry = None if ttl is None else now + ttl
         now_ns = seconds_to_ns(now)
@@ -250,40 +286,47 @@ class FileBackend:
             expiry_to_atime_ns(expiry) if expiry is not None else plain_atime_ns(now_ns),
             now_ns,
         )
-        hashes, paths = self._locate(keys[:fit])
-        temps = self._temp_paths(hashes)
+        chosen = [i for i in range(fit) if wanted[i]]
+        hashes_w = [hashes[i] for i in chosen]
+        temps = self._temp_paths(hashes_w)
         fsync = self.fsync
-        jobs = [
-            (k, path, temp, p, fsync, times)
-            for k, path, temp, p in zip(keys[:fit], paths, temps, pages[:fit])
-        ]
-        self._index.reserve(hashes, need)  # counted from now: the cap holds while they are written
+        jobs = [(keys[i], paths[i], temp, pages[i], fsync, times) for i, temp in zip(chosen, temps)]
+        self._index.reserve(hashes_w, need)  # counted from now: the cap holds while written
         try:
-            results = await self._map(_write_all, jobs)
+            results = await self._map(_write_all, jobs) if jobs else []
         finally:
-            self._index.release(hashes, need)
+            self._index.release(hashes_w, need)
             if self._landed is not None:
                 self._landed.set()
                 self._landed = None
-        oks = []
+        ok_at = [True] * fit  # declined pages count as stored
         stored = []  # (page hash, file size, expiry) of the values written, for the index
         written = 0
-        for key, page_hash, result in zip(keys, hashes, results):
+        full = 0
+        for i, result in zip(chosen, results):
             if isinstance(result, Exception):
-                self._error("set", key, result)
+                ok_at[i] = False
+                if is_full_error(result):
+                    full += 1  # one "full" answer for the batch, not an error per page
+                    continue
+                self._error("set", keys[i], result)
                 self._write_failed(result)
-                oks.append(False)
                 continue
             if self._failed_writes:
                 self._write_succeeded()
             size, payload = result
             written += payload
-            stored.append((page_hash, size, expiry))
-            oks.append(True)
+            stored.append((hashes[i], self._on_disk(size), expiry))
         self._counters.set_ok += len(stored)
         self._counters.bytes_written += written
-        self._index.put_many(stored)
-        return prefix_count(oks)
+        self._index.wrote(stored)
+        if full:
+            await self._filled(full)
+        elif stored and self._gate.landed():
+            self._emit("storage.writes_resumed", directory=self._dir, stored_bytes=self.stored)
+        if self._index.unscanned > self._rescan_bytes:
+            self._start_rescan()
+        return prefix_count(ok_at) if fit == len(keys) else min(fit, prefix_count(ok_at))
 
     async def delete(self, keys: Sequence[str]) -> None:
         check_keys(self.namespace, keys)
@@ -301,11 +344,23 @@ class FileBackend:
         self._index.clear()
 
     async def sweep(self) -> int:
-        """Rescan the directory now, remove expired values (and least recently used ones if
-        the directory is over the cap); how many values were removed."""
+        """Rescan the directory now (learning what other processes wrote and removed), remove
+        expired values, and least recently used ones if the store is over its cap; how many
+        values were removed."""
         while self._evicting is not None:
             await self._evicting.wait()
+        self._join_rescan()
+        await self._runner.run(self._rescan_sync)
         return await self._evict(0)
+
+    def accepts_writes(self) -> bool:
+        """False while the filesystem was full a moment ago (writes back off; reads go on)."""
+        return self._gate.is_open()
+
+    @property
+    def stored(self) -> int:
+        """Bytes of the values this instance knows the directory holds."""
+        return self._index.stored
 
     def stats(self) -> Mapping[str, int | float]:
         out: dict[str, int | float] = dict(self._counters.as_dict())
@@ -313,26 +368,29 @@ class FileBackend:
         out["stored_bytes"] = self._index.stored
         out["peak_stored_bytes"] = self._index.peak
         out["max_bytes"] = self.max_bytes
+        out["configured_max_bytes"] = self.configured_max_bytes
         out["expired"] = self._expired
+        out["full"] = self._gate.full_answers
+        out["refused_pages"] = self._gate.refused_pages
+        out["declined_pages"] = self._declined
+        out["rescans"] = self._rescans
         return out
 
     async def aclose(self) -> None:
-        return None  # no open handles between calls
+        self._join_rescan()
+        self._writers.close()
 
     # -- the cap -------------------------------------------------------------------------
 
     async def _make_room(self, need: int) -> None:
         """Before writing `need` bytes: wait out a running eviction (its victims may still be
-        on disk), then evict if the bytes would take the total over the cap, or rescan if this
-        instance has written a rescan period's worth since its last scan."""
+        on disk), then, if the bytes would take the total over the cap, evict the policy's
+        victims from the index (no scan: O(values removed)) down to the low-water mark."""
         index = self._index
         while True:
             while self._evicting is not None:  # its victims may still be on disk: let it finish
                 await self._evicting.wait()
-            if (
-                index.total + need <= self.max_bytes
-                and index.unscanned + need <= self._rescan_bytes
-            ):
+            if index.total + need <= self.max_bytes:
                 return
             await self._evict(need)  # down to the low-water mark, counting writes in flight
             if index.total + need <= self.max_bytes:
@@ -341,6 +399,8 @@ class FileBackend:
                 # Writes in flight fill the cap: once one lands, its values can be evicted.
                 self._landed = self._landed or anyio.Event()
                 await self._landed.wait()
+            elif not len(index):
+                return  # nothing left to evict (the cap is smaller than this batch's need)
             # Otherwise the writes that were in flight when the eviction chose its victims
             # landed while it ran: their values count as stored, not reserved, so they can be
             # evicted. Evict again rather than return over the cap.
@@ -364,13 +424,10 @@ class FileBackend:
         return removed
 
     def _sweep_sync(self, need: int | None) -> tuple[int, int]:
-        """Worker thread (or the constructor, with need=None: no cap yet): rebuild the index
-        from the directory, drop expired values and, if `need` more bytes would pass the cap,
-        the least recently used down to the low-water mark. Returns (removed, of which
-        expired)."""
+        """Worker thread (or the constructor, with need=None: no cap yet): drop expired values
+        and, if `need` more bytes would pass the cap, the policy's victims down to the
+        low-water mark; unlink their files. Returns (removed, of which expired)."""
         index = self._index
-        index.begin_scan()
-        index.replace(scan(self._dir))
         limit = None
         if need is not None and index.total + need > self.max_bytes:
             limit = max(0, int(self.max_bytes * _LOW_WATER) - need)
@@ -378,6 +435,75 @@ class FileBackend:
         digest = self.namespace.digest
         unlink_all([value_path(self.root, digest, h) for h in victims])
         return len(victims), expired
+
+    async def _filled(self, pages: int) -> None:
+        """The filesystem refused `pages` for lack of space: what the store holds now is
+        what it can hold. The cap in force comes down to it, the store evicts to its
+        low-water mark, and writes stop for the gate's backoff."""
+        self._gate.refuse(pages)
+        first = self._gate.full() == FIRST_BACKOFF
+        self.max_bytes = max(1, min(self.max_bytes, self._index.stored))
+        self._rescan_bytes = max(1, int(self.max_bytes * (1 - _LOW_WATER)))
+        if first:
+            self._emit(
+                "storage.full",
+                directory=self._dir,
+                stored_bytes=self._index.stored,
+                effective_max_bytes=self.max_bytes,
+                configured_max_bytes=self.configured_max_bytes,
+            )
+        while self._evicting is not None:
+            await self._evicting.wait()
+        await self._evict(0)
+
+    def _fit_cap_to_disk(self) -> None:
+        """The cap in force: the configured one, or less where the filesystem cannot hold
+        it (what the store holds plus `free_fraction` of the free space); rechecked each
+        rescan period, so room freed on the disk raises it again up to the configured cap."""
+        try:
+            # writes in flight already take their part of the free space: not counted twice
+            room = default_cap(self._dir, self._index.stored, self._free_fraction)
+        except OSError:
+            room = self.configured_max_bytes
+        self.max_bytes = max(1, min(self.configured_max_bytes, room))
+        self._rescan_bytes = max(1, int(self.max_bytes * (1 - _LOW_WATER)))
+
+    def _on_disk(self, size: int) -> int:
+        block = self._block
+        return -(-size // block) * block
+
+    # -- other writers ---------------------------------------------------------------------
+
+    def _start_rescan(self) -> None:
+        """A rescan period's worth written: check the cap against the disk and, where other
+        instances write the same directory, rescan it beside the writes (the writes never
+        wait for it; with threads=0, inline)."""
+        self._fit_cap_to_disk()
+        if self._rescan is not None and self._rescan.is_alive():
+            return
+        if not self._writers.others():
+            self._index.skip_scan()  # alone in the directory: the index is the truth
+            return
+        self._index.begin_scan()
+        if self._runner.inline:
+            self._rescan_sync(begun=True)
+            return
+        self._rescan = threading.Thread(
+            target=self._rescan_sync, kwargs={"begun": True}, name="hicache-file-rescan"
+        )
+        self._rescan.start()
+
+    def _rescan_sync(self, begun: bool = False) -> None:
+        """Any thread: learn what other processes wrote and removed since the last scan."""
+        if not begun:
+            self._index.begin_scan()
+        self._index.merge_scan(scan(self._dir, self._block))
+        self._rescans += 1
+
+    def _join_rescan(self) -> None:
+        rescan, self._rescan = self._rescan, None
+        if rescan is not None:
+            rescan.join()
 
     # -- helpers (loop side unless noted) ---------------------------------------------------
 
@@ -457,6 +583,14 @@ def _nbytes(pieces: list[memoryview]) -> int:
     for piece in pieces:
         n += piece.nbytes
     return n
+
+
+def _block_size(directory: str) -> int:
+    """The filesystem's allocation unit under `directory` (4096 where it cannot be read)."""
+    try:
+        return os.statvfs(directory).f_frsize or 4096
+    except OSError:
+        return 4096
 
 
 def _native() -> NativeFileIO | None:

@@ -18,13 +18,16 @@ overshoot). Thread-safe: the event loop updates it, a worker thread rebuilds it 
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 
+from hicache.policies.storage import DEFAULT_STORE_POLICY, make_store_policy
+
 TMP_DIR = "tmp"
+WRITERS_DIR = "writers"  # writers.py: one lock file per open instance
 _MARK_NS = 424_242  # atime's tail within its millisecond when atime is an expiry deadline
 _NS = 1_000_000_000
 
@@ -110,13 +113,13 @@ def default_cap(directory: str, held: int, fraction: float) -> int:
     return held + int(st.f_bavail * st.f_frsize * fraction)
 
 
-def scan(directory: str) -> list[tuple[int, str, int, float | None]]:
-    """Every value file under a namespace directory as (mtime_ns, page hash, size, expiry),
-    oldest first. Files vanishing during the scan are skipped."""
+def scan(directory: str, block: int = 1) -> list[tuple[int, str, int, float | None]]:
+    """Every value file under a namespace directory as (mtime_ns, page hash, size in whole
+    `block`s, expiry), oldest first. Files vanishing during the scan are skipped."""
     found: list[tuple[int, str, int, float | None]] = []
     append = found.append
     for top in _entries(directory, dirs=True):
-        if top.name == TMP_DIR:
+        if top.name in (TMP_DIR, WRITERS_DIR):
             continue
         for mid in _entries(top.path, dirs=True):
             for entry in _entries(mid.path, dirs=False):
@@ -126,7 +129,8 @@ def scan(directory: str) -> list[tuple[int, str, int, float | None]]:
                     continue
                 atime = st.st_atime_ns  # atime_ns_to_expiry, inlined: a scan stats every value
                 expiry = (atime - _MARK_NS) / _NS if atime % 1_000_000 == _MARK_NS else None
-                append((st.st_mtime_ns, entry.name, st.st_size, expiry))
+                size = -(-st.st_size // block) * block  # whole blocks, as allocated
+                append((st.st_mtime_ns, entry.name, size, expiry))
     found.sort()
     return found
 
@@ -146,64 +150,68 @@ def _entries(path: str, *, dirs: bool) -> list[os.DirEntry[str]]:
 class FileIndex:
     """One instance's view of its namespace directory; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = DEFAULT_STORE_POLICY) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
-        self._during_scan: dict[str, Entry] | None = None
-        self.stored = 0  # bytes of the indexed values
+        self.policy = policy
+        self._book = make_store_policy(policy)  # which values are held, in eviction order
+        self._expiry: dict[str, float] = {}  # the values that have a deadline
+        self._deadlines: list[tuple[float, str]] = []  # heap over them (stale rows skipped)
+        # While a rescan runs: what this instance learnt meanwhile (an entry; None: gone),
+        # which beats what the scan saw.
+        self._during_scan: dict[str, Entry | None] | None = None
         self.reserved = 0  # bytes of writes in flight
         self._in_flight: dict[str, int] = {}  # their page hashes (how many writes of each)
         self.unscanned = 0  # bytes this instance reserved since its last scan
-        self.peak = 0  # most of stored + reserved seen
+        self.peak = 0  # the most bytes ever held (indexed values)
+
+    @property
+    def stored(self) -> int:
+        """Bytes of the indexed values."""
+        return self._book.held_bytes
 
     @property
     def total(self) -> int:
         return self.stored + self.reserved
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._book)
 
     def __contains__(self, page_hash: str) -> bool:
-        return page_hash in self._entries
+        return page_hash in self._book
 
-    def put(self, page_hash: str, size: int, expiry: float | None) -> None:
-        """A value written or read: indexed (or re-indexed) as the most recent."""
+    def admit(self, page_hash: str, size: int) -> bool:
+        """Whether the policy takes a write of this value (one it holds always is)."""
         with self._lock:
-            self._put(page_hash, (size, expiry))
-            if self._during_scan is not None:
-                self._during_scan[page_hash] = (size, expiry)
-            self.peak = max(self.peak, self.stored + self.reserved)
+            return page_hash in self._book or self._book.admit(page_hash, size)
 
-    def put_many(self, entries: Iterable[tuple[str, int, float | None]]) -> None:
-        """`put` of each (page hash, size, expiry), in order, under one lock."""
+    def wrote(self, entries: Iterable[tuple[str, int, float | None]]) -> None:
+        """Values written (page hash, file size, expiry), in order: each the most recent."""
         with self._lock:
-            during = self._during_scan
-            index = self._entries
-            stored, peak, reserved = self.stored, self.peak, self.reserved
             for page_hash, size, expiry in entries:
-                entry = (size, expiry)
-                old = index.get(page_hash)
-                if old is None:
-                    index[page_hash] = entry
-                    stored += size
-                    peak = max(peak, stored + reserved)
-                else:  # re-indexed: the most recent now
-                    index.move_to_end(page_hash)
-                    if old != entry:
-                        index[page_hash] = entry
-                        stored += size - old[0]
-                        peak = max(peak, stored + reserved)
-                if during is not None:
-                    during[page_hash] = entry
-            self.stored, self.peak = stored, peak
+                self._hold(page_hash, size, expiry)
+            self.peak = max(self.peak, self._book.held_bytes)
+
+    def was_read(self, entries: Iterable[tuple[str, int, float | None]]) -> None:
+        """Values read, in order: each the most recent (indexed if another process wrote it
+        since the last scan)."""
+        with self._lock:
+            book = self._book
+            for page_hash, size, expiry in entries:
+                if page_hash in book:
+                    book.touch(page_hash)
+                else:
+                    self._hold(page_hash, size, expiry)
+            self.peak = max(self.peak, book.held_bytes)
+
+    def missed(self, page_hashes: Iterable[str]) -> None:
+        """Reads or probes that found nothing (admission policies remember them)."""
+        with self._lock:
+            for page_hash in page_hashes:
+                self._book.missed(page_hash)
 
     def forget(self, page_hash: str) -> None:
         with self._lock:
-            old = self._entries.pop(page_hash, None)
-            if old is not None:
-                self.stored -= old[0]
-            if self._during_scan is not None:
-                self._during_scan.pop(page_hash, None)
+            self._drop(page_hash)
 
     def reserve(self, page_hashes: list[str], nbytes: int) -> None:
         """Count a batch's bytes before it is written (its values are put when written)."""
@@ -212,7 +220,6 @@ class FileIndex:
             self.unscanned += nbytes
             for page_hash in page_hashes:
                 self._in_flight[page_hash] = self._in_flight.get(page_hash, 0) + 1
-            self.peak = max(self.peak, self.stored + self.reserved)
 
     def release(self, page_hashes: list[str], nbytes: int) -> None:
         with self._lock:
@@ -224,68 +231,93 @@ class FileIndex:
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self.stored = 0
+            self._book = make_store_policy(self.policy)
+            self._expiry.clear()
+            self._deadlines.clear()
 
     def begin_scan(self) -> None:
-        """Values put from now until `replace` are kept even if the scan missed them."""
+        """Values put or forgotten from now until `merge_scan` keep what this instance knows
+        of them, whatever the scan saw."""
         with self._lock:
             self._during_scan = {}
+            self.unscanned = 0
 
-    def replace(self, scanned: Iterable[tuple[int, str, int, float | None]]) -> None:
-        """Rebuild from a scan (oldest first), keeping values put since `begin_scan`; values
-        being written are left to their writes' `put` (already counted as reserved)."""
-        # Built outside the lock (a scan holds every value of the directory), then fixed up
-        # under it for the few values put or being written meanwhile.
-        fresh: OrderedDict[str, Entry] = OrderedDict()
-        stored = 0
-        for _mtime, page_hash, size, expiry in scanned:
-            old = fresh.pop(page_hash, None)
-            if old is not None:
-                stored -= old[0]
-            fresh[page_hash] = (size, expiry)
-            stored += size
+    def skip_scan(self) -> None:
+        """A rescan period passed with no other writer: nothing to learn."""
+        with self._lock:
+            self.unscanned = 0
+
+    def merge_scan(self, scanned: Iterable[tuple[int, str, int, float | None]]) -> tuple[int, int]:
+        """Bring the index in line with a scan (oldest first): values other processes wrote
+        are held (the most recent, in the scan's order), values no longer on disk are
+        forgotten; what this instance changed during the scan, and values being written,
+        are left as they are. Returns (values learnt, values forgotten)."""
+        on_disk = {page_hash: (size, expiry) for _mtime, page_hash, size, expiry in scanned}
         with self._lock:
             during = self._during_scan or {}
             self._during_scan = None
-            for page_hash in self._in_flight:
-                old = fresh.pop(page_hash, None)
-                if old is not None:
-                    stored -= old[0]
-            for page_hash, entry in during.items():
-                old = fresh.pop(page_hash, None)
-                if old is not None:
-                    stored -= old[0]
-                fresh[page_hash] = entry
-                stored += entry[0]
-            self._entries = fresh
-            self.stored = stored
-            self.unscanned = 0
-            self.peak = max(self.peak, self.stored + self.reserved)
+            book = self._book
+            gone = [h for h in list(book.keys()) if h not in on_disk and h not in during]
+            for page_hash in gone:
+                if page_hash not in self._in_flight:
+                    self._drop(page_hash)
+            learnt = 0
+            for page_hash, (size, expiry) in on_disk.items():
+                if page_hash in book or page_hash in during or page_hash in self._in_flight:
+                    continue
+                self._hold(page_hash, size, expiry)
+                learnt += 1
+            self.peak = max(self.peak, book.held_bytes)
+            return learnt, len(gone)
 
     def take_victims(self, now: float, limit: int | None) -> tuple[list[str], int]:
-        """Remove from the index every expired value, then (with `limit`) the least recently
-        used ones until stored + reserved <= limit. Returns (page hashes, how many expired)."""
+        """Remove from the index every expired value, then (with `limit`) the policy's
+        victims until stored + reserved <= limit. O(values removed). Returns (page hashes,
+        how many expired)."""
         with self._lock:
-            victims = [h for h, (_, exp) in self._entries.items() if exp is not None and exp <= now]
-            for page_hash in victims:
-                self.stored -= self._entries.pop(page_hash)[0]
+            victims: list[str] = []
+            heap, expiry = self._deadlines, self._expiry
+            while heap and heap[0][0] <= now:
+                deadline, page_hash = heapq.heappop(heap)
+                if expiry.get(page_hash) == deadline:  # else a stale row: rewritten or gone
+                    self._drop(page_hash)
+                    victims.append(page_hash)
             expired = len(victims)
             if limit is not None:
-                while self._entries and self.stored + self.reserved > limit:
-                    page_hash, (size, _) = self._entries.popitem(last=False)
-                    self.stored -= size
+                book = self._book
+                while book.held_bytes + self.reserved > limit:
+                    victim = book.pop_victim()
+                    if victim is None:
+                        break
+                    page_hash = victim[0]
+                    self._expiry.pop(page_hash, None)
+                    if self._during_scan is not None:
+                        self._during_scan[page_hash] = None
                     victims.append(page_hash)
             return victims, expired
 
-    def _put(self, page_hash: str, entry: Entry) -> None:
-        old = self._entries.pop(page_hash, None)
-        self.stored += entry[0] - (old[0] if old is not None else 0)
-        self._entries[page_hash] = entry
+    # -- under the lock -------------------------------------------------------------------
+
+    def _hold(self, page_hash: str, size: int, expiry: float | None) -> None:
+        self._book.insert(page_hash, size)
+        if expiry is None:
+            self._expiry.pop(page_hash, None)
+        elif self._expiry.get(page_hash) != expiry:
+            self._expiry[page_hash] = expiry
+            heapq.heappush(self._deadlines, (expiry, page_hash))
+        if self._during_scan is not None:
+            self._during_scan[page_hash] = (size, expiry)
+
+    def _drop(self, page_hash: str) -> None:
+        self._book.remove(page_hash)
+        self._expiry.pop(page_hash, None)
+        if self._during_scan is not None:
+            self._during_scan[page_hash] = None
 
 
 __all__ = [
     "TMP_DIR",
+    "WRITERS_DIR",
     "FileIndex",
     "atime_ns_to_expiry",
     "check_options",

@@ -17,7 +17,7 @@ import time
 from typing import Any, NamedTuple
 
 from hicache.backends.batch import prefix_count
-from hicache.backends.file.index import TMP_DIR, atime_ns_to_expiry
+from hicache.backends.file.index import TMP_DIR, WRITERS_DIR, atime_ns_to_expiry
 from hicache.backends.framing import CorruptValue, checksum, decode_header, header_size, pack_header
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -82,7 +82,11 @@ def clear_values(namespace_dir: str) -> None:
     """Remove a namespace's shard directories and every temporary file."""
     try:
         with os.scandir(namespace_dir) as it:
-            tops = [e.path for e in it if e.name != TMP_DIR and e.is_dir(follow_symlinks=False)]
+            tops = [
+                e.path
+                for e in it
+                if e.name not in (TMP_DIR, WRITERS_DIR) and e.is_dir(follow_symlinks=False)
+            ]
     except FileNotFoundError:
         tops = []
     for top in tops:

@@ -23,6 +23,7 @@ from hicache.backends.base import (
     EventSink,
     PageBuffer,
     StorageBackend,
+    accepts_writes,
     enforces_ttl,
     no_events,
     set_from_ttl,
@@ -94,6 +95,9 @@ class SealedBackend:
     @property
     def enforces_ttl(self) -> bool:
         return enforces_ttl(self.inner)
+
+    def accepts_writes(self) -> bool:
+        return accepts_writes(self.inner)
 
     async def set_from(
         self, keys: Sequence[str], sources: Sequence[PageBuffer], *, ttl: float | None = None

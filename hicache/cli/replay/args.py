@@ -22,14 +22,28 @@ def scratch_dir() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+# The option that caps each kind of store, by the spec's scheme. Other stores size
+# themselves: Redis/Valkey by the server's maxmemory (and its eviction policy), Mooncake by
+# its segments, NIXL, AIBrix and 3FS by what their engine or filesystem holds.
+_CAP_OPTION = {"file": "max_bytes", "memory": "capacity_bytes"}
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, object]:
-    """Backend options from the flags: the file store's cap."""
+    """Backend options from the flags: the store's cap, for the stores that have one."""
     cap = getattr(args, "storage_max_bytes", None)
     if cap is None:
         return {}
     from hicache.backends.mooncake.spec import parse_size
 
-    return {"max_bytes": parse_size(cap, "--storage-max-bytes")}
+    scheme = str(args.storage).split(":", 1)[0]
+    option = _CAP_OPTION.get(scheme)
+    if option is None:
+        raise ValueError(
+            f"--storage-max-bytes caps a file or memory store, not {scheme!r}: Redis/Valkey "
+            "are capped by the server's maxmemory, Mooncake by its segments, NIXL, AIBrix "
+            "and 3FS by their own engine or filesystem (docs/backends.md)"
+        )
+    return {option: parse_size(cap, "--storage-max-bytes")}
 
 
 def cache_config(args: argparse.Namespace, *, kv: str, tmp: str) -> CacheConfig:

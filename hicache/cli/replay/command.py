@@ -64,6 +64,20 @@ from hicache.types import RequestId
 _T = TypeVar("_T")
 
 
+def _warn_if_cap_lowered(backend: object) -> None:
+    """Say at start when the store's cap in force is below the one asked for (a file store
+    on a filesystem that cannot hold it)."""
+    stats = getattr(backend, "stats", None)
+    got = dict(stats()) if callable(stats) else {}
+    asked, cap = got.get("configured_max_bytes"), got.get("max_bytes")
+    if isinstance(asked, int) and isinstance(cap, int) and cap < asked:
+        print(
+            f"hicache replay: L3 cap lowered to {cap:,} bytes (asked {asked:,}): that is "
+            "what the store holds plus 90% of its filesystem's free space",
+            file=sys.stderr,
+        )
+
+
 async def replay(
     cfg: CacheConfig,
     requests: list[TraceRequest],
@@ -112,6 +126,7 @@ async def replay(
                 f"hicache replay: Prometheus metrics on http://localhost:{exporter.port}/metrics",
                 file=sys.stderr,
             )
+        _warn_if_cap_lowered(cache.backend)
         pins = pin_first_block
         hc = HybridCache(cache, hybrid, states=states) if hybrid is not None else None
         for step in scheduler_steps(requests, batch, budget=cfg.device_tokens // 2):
@@ -168,6 +183,7 @@ async def replay(
             "run_s": time.perf_counter() - opened,  # first step to the last write flushed
             "bytes": {**stats.bytes},
             "evictions": {"device": stats.device.evictions, "host": stats.host.evictions},
+            "storage_dropped": dict(stats.storage_dropped),
         }
         if backend is not None:
             backend_stats = dict(backend.stats())

@@ -38,6 +38,7 @@ def summarize(
         ),
         "bytes": {"d2h": 0, "h2d": 0, "h2s": 0, "s2h": 0, **extra.get("bytes", {})},
         "evictions": extra.get("evictions", {}),
+        "storage_dropped_pages": extra.get("storage_dropped", {}),
         "rejected_requests": tally.rejected,
         "verified_pages": tally.verified_pages,
         "corrupt_pages": tally.corrupt_pages,
@@ -173,6 +174,10 @@ def print_table(s: dict[str, Any]) -> None:
                 f"{problems['errors']:,} / {problems['corrupt_values']:,}  (misses; see --events)",
             )
         )
+    dropped = s.get("storage_dropped_pages") or {}
+    if dropped:  # pages that never reached L3: a store too slow, too full or too small
+        why = ", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]))
+        rows.append(("L3 pages dropped", f"{sum(dropped.values()):,}  ({why})"))
     store = s.get("storage_stats", {})
     if "peak_stored_bytes" in store:  # a file store: how full it got against its cap
         sizes = (store["stored_bytes"], store["peak_stored_bytes"], store["max_bytes"])

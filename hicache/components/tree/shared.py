@@ -22,11 +22,19 @@ class Counters:
     host_evictions: int = 0
     d2h_bytes: int = 0
     h2d_bytes: int = 0
-    skipped_uploads: int = 0  # the upload backlog was full
+    skipped_uploads: int = 0  # nodes not uploaded: the upload backlog was full, or detached
     evict_backups: int = 0  # backups an L1 eviction waited for (write_back, exclusive, L3 on)
     anchor_backups: int = 0  # nodes backed up for a prefetch anchor that had no L2 copy
     upload_timeouts: int = 0
     abandoned_ops: int = 0  # ended at close past its deadline
+    # pages meant for L3 that did not get there, by reason (tree.storage_dropped events)
+    storage_dropped: dict[str, int] = field(default_factory=dict)
+
+    def dropped(self, step: Step, reason: str, pages: int) -> None:
+        """Count pages that will not reach L3 (never silent: an event and the counter)."""
+        if pages > 0:
+            self.storage_dropped[reason] = self.storage_dropped.get(reason, 0) + pages
+            step.out.info("tree.storage_dropped", reason=reason, pages=pages)
 
 
 @dataclass(slots=True)

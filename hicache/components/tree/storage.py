@@ -34,7 +34,7 @@ from hicache.messages import AttachStorage, DetachStorage
 class Uploads(Protocol):
     """What a detach asks of the write flows (`writes.py`, which ask this switch)."""
 
-    def drop_upload_backlog(self) -> int: ...
+    def drop_upload_backlog(self, step: Step) -> int: ...
 
     def in_flight(self) -> dict[str, int]: ...
 
@@ -107,7 +107,7 @@ class StorageSwitch:
     def _start_detach(self, step: Step, writes: Uploads, prefetches: Prefetches) -> _Detaching:
         """Storage off for new work; stop what would still start storage calls."""
         self.on = False
-        skipped = writes.drop_upload_backlog()
+        skipped = writes.drop_upload_backlog(step)
         running = prefetches.stop_all(step)
         return _Detaching(
             started=step.now,

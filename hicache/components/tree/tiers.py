@@ -86,6 +86,7 @@ class Tiers:
             ),
             storage_hit_tokens=c.storage_hit_tokens,
             bytes={"d2h": c.d2h_bytes, "h2d": c.h2d_bytes},
+            storage_dropped=dict(c.storage_dropped),
             inflight=inflight,
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Final, Literal
 
 import numpy as np
 
@@ -24,6 +25,10 @@ from hicache.components.tree.tiers import Tiers
 from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
+HELD_BY_UPLOADS: Final = "l2_held_by_uploads"
+"""An eviction backup's answer when L2's only room is pages uploads are still reading: the
+L1 eviction drops the node instead of waiting for storage (`Tiers.discard`)."""
+
 
 class WriteFlows:
     def __init__(self, shared: Shared, tiers: Tiers, storage: StorageSwitch, credits: int) -> None:
@@ -33,11 +38,12 @@ class WriteFlows:
         self.writes: dict[OpId, WriteOp] = {}
         self.uploads: dict[OpId, UploadOp] = {}
         self.write_backlog: deque[NodeId] = deque()  # waiting for a write credit or host room
-        self.upload_backlog: deque[tuple[NodeId, ...]] = deque()  # waiting for an upload credit
+        # waiting for an upload credit: a node's pieces, and their pages (counted if dropped)
+        self.upload_backlog: deque[tuple[tuple[NodeId, ...], int]] = deque()
         self.write_credits = self.upload_credits = credits
         # completions that arrived and are not applied yet (applied at sync points)
         self._arrived_writes: dict[OpId, tuple[bool, str]] = {}
-        self._arrived_uploads: dict[OpId, int] = {}
+        self._arrived_uploads: dict[OpId, tuple[int, str]] = {}  # stored pages, why short
 
     def tables(self) -> dict[str, int]:
         return {
@@ -65,9 +71,9 @@ class WriteFlows:
                 for op in ops:
                     if op in self.writes:
                         self._arrived_writes.setdefault(op, (ok, error))
-            case UploadDone(op=op, stored_pages=stored):
+            case UploadDone(op=op, stored_pages=stored, dropped=dropped):
                 if op in self.uploads:
-                    self._arrived_uploads.setdefault(op, stored)
+                    self._arrived_uploads.setdefault(op, (stored, dropped))
             case UploadTimedOut(op=op):
                 self.upload_timed_out(op)
 
@@ -98,8 +104,8 @@ class WriteFlows:
         ended = False
         for op, (arrived,), _ in agreed.rows():
             if arrived:
-                self._arrived_uploads.pop(op, None)
-                self.finish_upload(step, op)
+                stored, dropped = self._arrived_uploads.pop(op)
+                self.finish_upload(step, op, stored=stored, dropped=dropped)
                 ended = True
         return ended
 
@@ -167,6 +173,12 @@ class WriteFlows:
                 started = self.start_backup(step, node, evicting=True)
                 if isinstance(started, Wait):
                     wait = started  # the rest stay on L1, found again by the next eviction
+                elif started == HELD_BY_UPLOADS:
+                    # L2's only room is pages uploads are still reading: waiting would tie
+                    # this call to the store's pace. The node leaves L1 uncopied (counted).
+                    gone = tiers.discard(step, node, HELD_BY_UPLOADS)
+                    shared.counters.dropped(step, HELD_BY_UPLOADS, gone // shared.cfg.page_size)
+                    freed += gone
                 elif not started and back_up and tree.needs_backup(node):
                     # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
                     # L3 attached it leaves L1 as without L3, rather than fail the allocation.
@@ -177,7 +189,8 @@ class WriteFlows:
 
     def host(self, step: Step, n: int) -> np.ndarray | Wait | None:
         """Host slots for n tokens, evicting L2; when what is left is pinned by uploads, a
-        Wait for the oldest (never for one past its deadline)."""
+        Wait for the oldest (never for one past its deadline). Only a prefetch's read and a
+        write-through backlog wait on it; an eviction's backup does not (`HELD_BY_UPLOADS`)."""
         slots = self._tiers.host(step, n)
         if slots is not None:
             return slots
@@ -194,9 +207,13 @@ class WriteFlows:
         )
 
     # ------------------------------------------------------------------ L1 -> L2
-    def start_backup(self, step: Step, node: NodeId, *, evicting: bool) -> bool | Wait:
+    def start_backup(
+        self, step: Step, node: NodeId, *, evicting: bool
+    ) -> bool | Wait | Literal["l2_held_by_uploads"]:
         """Copy a device-only node to L2. True when started. A write-through backup with no
-        credit or no host room goes to the backlog (False); an eviction's returns the `Wait`."""
+        credit or no host room goes to the backlog (False); an eviction's returns the `Wait`
+        for a write credit, and `HELD_BY_UPLOADS` when only uploads hold the room it needs
+        (an eviction never waits on storage)."""
         tree = self._shared.tree
         if self.write_credits == 0:
             oldest = self._oldest_write()
@@ -208,9 +225,9 @@ class WriteFlows:
             return False
         length = tree.num_tokens(node)
         host = self.host(step, length)
-        if isinstance(host, Wait):
+        if isinstance(host, Wait):  # only uploads hold what L2 could give up
             if evicting:
-                return host
+                return HELD_BY_UPLOADS
             self.write_backlog.append(node)
             return False
         if host is None or not tree.needs_backup(node):
@@ -290,6 +307,7 @@ class WriteFlows:
             if len(self.upload_backlog) >= shared.cfg.max_upload_backlog:
                 # Storage is slower than the writes: skip rather than queue without bound.
                 shared.counters.skipped_uploads += 1
+                shared.counters.dropped(step, "backlog_full", self._pages(pieces))
                 step.out.warning(
                     "tree.upload_skipped",
                     node=node,
@@ -297,7 +315,7 @@ class WriteFlows:
                     backlog=len(self.upload_backlog),
                 )
                 return
-            self.upload_backlog.append(pieces)
+            self.upload_backlog.append((pieces, self._pages(pieces)))
             return
         hashes = [h for p in pieces for h in self.node_hashes(p)]
         host_slots = np.concatenate([tree.host_slots(p) for p in pieces])
@@ -310,10 +328,12 @@ class WriteFlows:
             "uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots, ttl=ttl)
         )
 
-    def drop_upload_backlog(self) -> int:
+    def drop_upload_backlog(self, step: Step) -> int:
         """Storage is being detached: what waits for an upload credit is not uploaded (its
         pages were never protected for it). How many nodes were dropped (counted as skipped)."""
         dropped = len(self.upload_backlog)
+        pages = sum(pages for _, pages in self.upload_backlog)
+        self._shared.counters.dropped(step, "detached", pages)
         self.upload_backlog.clear()
         self._shared.counters.skipped_uploads += dropped
         return dropped
@@ -324,17 +344,22 @@ class WriteFlows:
             job.timed_out = True
             self._shared.counters.upload_timeouts += 1
 
-    def finish_upload(self, step: Step, op_id: OpId) -> None:
+    def finish_upload(
+        self, step: Step, op_id: OpId, *, stored: int = 0, dropped: str = "abandoned"
+    ) -> None:
         tree = self._shared.tree
         job = self.uploads.pop(op_id)
         self.upload_credits += 1
         tree.release_host(job.node)
+        if stored < job.pages:
+            self._shared.counters.dropped(step, dropped or "failed", job.pages - stored)
         while self.upload_backlog and self.upload_credits:
-            pieces = self.upload_backlog.popleft()
+            pieces, pages = self.upload_backlog.popleft()
             if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
                 self._upload(step, pieces)
             else:  # L2 evicted it while it waited (a backlog does not protect): never stored
                 self._shared.counters.skipped_uploads += 1
+                self._shared.counters.dropped(step, "evicted", pages)
                 step.out.warning(
                     "tree.upload_skipped",
                     node=pieces[-1],
@@ -342,6 +367,11 @@ class WriteFlows:
                     backlog=len(self.upload_backlog),
                 )
         self.retry_backlog(step)  # host pages may be evictable again
+
+    def _pages(self, pieces: tuple[NodeId, ...]) -> int:
+        """Whole pages of a node's pieces (what an upload of them would store)."""
+        tree = self._shared.tree
+        return sum(tree.num_tokens(p) for p in pieces) // self._shared.cfg.page_size
 
     def node_hashes(self, node: NodeId) -> tuple[PageHash, ...]:
         """The node's chained page hashes, computed on first use from its parent's last one."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import anyio
 from typing_extensions import assert_never
 
-from hicache.backends.base import StorageBackend, set_from_ttl
+from hicache.backends.base import StorageBackend, accepts_writes, set_from_ttl
 from hicache.backends.keys import Namespace
 from hicache.components.deadline import CallDeadline
 from hicache.kernels.pools import HostPool
@@ -94,10 +94,19 @@ class UploaderActor(Actor[UploaderInbox]):
                     "uploader.timeout", op=op, pages=len(job.msg.hashes), timeout=self._timeout
                 )
                 self._tree.send_nowait(UploadTimedOut(op=op))  # reserved room: one per op
-            case IoDone(op=op, pages=pages, error=error):
+            case IoDone(op=op, pages=pages, error=error, refused=refused):
                 job = self._jobs[op]
                 job.deadline.disarm()
                 wanted = len(job.msg.hashes)
+                if refused and pages < wanted:
+                    # The store is full and backing off: the pages go unstored now, and
+                    # their host pages back to L2 at once (no retry holds them).
+                    del self._jobs[op]
+                    self.log.info("uploader.refused", op=op, pages=wanted - pages, stored=pages)
+                    self._tree.send_nowait(
+                        UploadDone(op=op, stored_pages=pages, dropped="store_full")
+                    )
+                    return
                 if pages < wanted and job.attempt < self._retries and not job.timed_out:
                     job.attempt += 1
                     delay = self._backoff * 2 ** (job.attempt - 1)
@@ -134,7 +143,8 @@ class UploaderActor(Actor[UploaderInbox]):
                         seconds=seconds,
                         last_hash=job.msg.hashes[-1] if job.msg.hashes else None,
                     )
-                self._tree.send_nowait(UploadDone(op=op, stored_pages=pages))
+                dropped = "" if pages >= wanted else "timed_out" if job.timed_out else "failed"
+                self._tree.send_nowait(UploadDone(op=op, stored_pages=pages, dropped=dropped))
             case _:
                 assert_never(msg)
 
@@ -153,6 +163,9 @@ class UploaderActor(Actor[UploaderInbox]):
         if backend is None:  # not sent by the tree: storage is off
             self.inbox.send_nowait(IoDone(op=op, pages=0, error="no storage attached"))
             return
+        if not accepts_writes(backend):  # full a moment ago: no I/O, no retry
+            self.inbox.send_nowait(IoDone(op=op, pages=0, error="store full", refused=True))
+            return
         keys = self._ns.keys(job.hashes)
         pages = self._host.page_buffers(job.host_slots)
         stored, error = 0, ""
@@ -163,4 +176,6 @@ class UploaderActor(Actor[UploaderInbox]):
                 stored, error = 0, f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             stored, error = 0, f"timed out after {self._timeout} s"
-        self.inbox.send_nowait(IoDone(op=op, pages=stored, error=error))  # reserved room
+        # A short write to a store that has just said "full" is not worth a retry.
+        refused = stored < len(keys) and not error and not accepts_writes(backend)
+        self.inbox.send_nowait(IoDone(op=op, pages=stored, error=error, refused=refused))

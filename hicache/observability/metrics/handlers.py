@@ -126,6 +126,10 @@ def _on_upload_skipped(m: MetricSet, e: dict[str, Any], i: str) -> None:
     m.skipped_uploads.labels(i).inc()
 
 
+def _on_storage_dropped(m: MetricSet, e: dict[str, Any], i: str) -> None:
+    m.storage_dropped_pages.labels(i, str(e.get("reason", "unknown"))).inc(int(e.get("pages", 0)))
+
+
 def _on_load_deferred(m: MetricSet, e: dict[str, Any], i: str) -> None:
     m.skipped_loads.labels(i, "deferred").inc()
 
@@ -170,6 +174,7 @@ HANDLERS: dict[str, Callable[[MetricSet, dict[str, Any], str], None]] = {
     "prefetcher.io_error": _on_io_error,
     "storage.corrupt": _on_corrupt,
     "tree.upload_skipped": _on_upload_skipped,
+    "tree.storage_dropped": _on_storage_dropped,
     "tree.load_deferred": _on_load_deferred,
     "tree.load_skipped": _on_load_skipped,
     "tree.load_failed": _on_load_failed,

@@ -134,6 +134,12 @@ class MetricSet:
             "hicache_skipped_uploads",
             "Backed-up nodes not uploaded: the upload backlog was full (max_upload_backlog)",
         )
+        self.storage_dropped_pages = counter(
+            "hicache_storage_dropped_pages",
+            "Pages meant for L3 that did not get there, by reason (store_full, failed, "
+            "timed_out, backlog_full, evicted, detached, l2_held_by_uploads)",
+            ["reason"],
+        )
         self.failed_uploads = counter(
             "hicache_failed_uploads",
             "Uploads still short after every retry (their pages are later misses)",

@@ -43,15 +43,23 @@ class Clock:
 
 
 def dir_bytes(root, ns: Namespace) -> int:
-    """Bytes of every file under the namespace directory, temporary files included."""
+    """Bytes every file under the namespace directory takes on its filesystem (whole
+    blocks, as the store counts them), temporary files included."""
+    block = os.statvfs(root).f_frsize
     total = 0
     for dirpath, _, files in os.walk(os.path.join(root, ns.digest)):
         for name in files:
             try:
-                total += os.stat(os.path.join(dirpath, name)).st_size
+                total += -(-os.stat(os.path.join(dirpath, name)).st_size // block) * block
             except FileNotFoundError:
                 pass
     return total
+
+
+def on_disk(root, size: int) -> int:
+    """A value of `size` bytes as the store counts it: in whole filesystem blocks."""
+    block = os.statvfs(root).f_frsize
+    return -(-size // block) * block
 
 
 def big_pool(pages: int = BATCH) -> FakeHostPool:
@@ -94,7 +102,7 @@ async def test_64_mib_cap_never_exceeded_by_more_than_one_batch(tmp_path, ns):
     for b in range(48):  # 96 MiB offered, 1.5 x the cap
         await store(backend, ns, pool, b * BATCH, BATCH)
         worst = max(worst, dir_bytes(tmp_path, ns))
-    batch_bytes = BATCH * (PAGE + 200)
+    batch_bytes = BATCH * (PAGE + 4096)  # a value: the page and its header, in 4 KiB blocks
     assert worst <= CAP + batch_bytes
     assert backend.stats()["peak_stored_bytes"] <= CAP + batch_bytes
     assert backend.stats()["stored_bytes"] == dir_bytes(tmp_path, ns) <= CAP
@@ -148,7 +156,7 @@ async def test_a_batch_landing_during_an_eviction_is_evicted_before_the_next_bat
 
 async def test_recently_read_values_outlive_older_unread_ones(tmp_path, ns):
     clock = Clock()
-    value = PAGE + header_size(page_keys(ns, 1)[0])
+    value = on_disk(tmp_path, PAGE + header_size(page_keys(ns, 1)[0]))
     backend = FileBackend(tmp_path, namespace=ns, max_bytes=18 * value, clock=clock)
     pool = big_pool()
     a = await store(backend, ns, pool, 0, 8)  # oldest written ...
@@ -165,7 +173,7 @@ async def test_recently_read_values_outlive_older_unread_ones(tmp_path, ns):
 
 async def test_reopened_store_keeps_its_values_in_recency_order(tmp_path, ns):
     clock = Clock()
-    value = PAGE + header_size(page_keys(ns, 1)[0])
+    value = on_disk(tmp_path, PAGE + header_size(page_keys(ns, 1)[0]))
     first = FileBackend(tmp_path, namespace=ns, clock=clock)
     pool = big_pool()
     a = await store(first, ns, pool, 0, 8)
@@ -225,7 +233,7 @@ def test_two_processes_sharing_a_directory_stay_within_the_overshoot(tmp_path, n
         assert child.exitcode == 0
     # 160 MiB offered to a 64 MiB cap by two writers; docs/backends.md's bound for P = 2:
     # cap + (P - 1) x (0.1 x cap + one batch), plus one batch per process in flight.
-    batch_bytes = BATCH * (PAGE + 200)
+    batch_bytes = BATCH * (PAGE + 4096)  # a value: the page and its header, in 4 KiB blocks
     bound = CAP + int(0.1 * CAP) + 3 * batch_bytes
     assert max(worst) <= bound, (max(worst) / MiB, bound / MiB)
     assert dir_bytes(tmp_path, ns) <= bound

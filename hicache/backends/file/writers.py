@@ -1,0 +1,84 @@
+"""Who else writes a file store's directory: one lock file per open instance.
+
+Each instance creates `DIR/<namespace digest>/writers/<pid>.<n>` and holds an exclusive
+`flock` on it while open. Another instance tells a live writer from a dead one by trying the
+same lock without blocking: held means alive; granted means its owner is gone (closed, or
+killed: the kernel drops a dead process's locks), and the file is removed. An instance alone
+in its directory therefore knows it and skips the rescans that only serve to see other
+writers' values (backend.py); the check is one small directory listing per rescan period.
+
+Where `flock` is missing or refused (some network filesystems), every other file counts as a
+live writer: rescans then run as if the directory were shared, which is always safe.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+
+from hicache.backends.file.index import WRITERS_DIR
+
+_SEQ = itertools.count()
+
+
+class WriterRegistry:
+    """This instance's lock file in a namespace directory, and a count of the others."""
+
+    def __init__(self, namespace_dir: str) -> None:
+        self._dir = os.path.join(namespace_dir, WRITERS_DIR)
+        self._fd: int | None = None
+        self._path = os.path.join(self._dir, f"{os.getpid()}.{next(_SEQ)}")
+        try:
+            os.makedirs(self._dir, mode=0o700, exist_ok=True)
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError:
+            return  # others then see no file of ours: they treat the directory as theirs
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        self._fd = fd
+
+    def others(self) -> int:
+        """How many other instances have the directory open now (dead ones' files are
+        removed on the way)."""
+        try:
+            with os.scandir(self._dir) as it:
+                paths = [e.path for e in it if e.path != self._path]
+        except OSError:
+            return 0
+        return sum(1 for path in paths if _alive(path))
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _alive(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return True  # no flock here: assume a writer
+        try:
+            os.unlink(path)  # its owner is gone
+        except OSError:
+            pass
+        return False
+    finally:
+        os.close(fd)
