@@ -138,7 +138,7 @@ def test_a_store_at_its_cap_keeps_the_cache_calls_whole(tmp_path, cap_pages):
         backends.append(backend)
         return backend
 
-    took, dropped, _ = run_requests(open_file, log=log)
+    took, _dropped, _ = run_requests(open_file, log=log)
     assert took < DEADLINE / 10
     stats = backends[0].stats()
     assert stats["evictions"] > 0  # it ran at its cap
