@@ -459,7 +459,10 @@ class FileBackend:
     def _fit_cap_to_disk(self) -> None:
         """The cap in force: the configured one, or less where the filesystem cannot hold
         it (what the store holds plus `free_fraction` of the free space); rechecked each
-        rescan period, so room freed on the disk raises it again up to the configured cap."""
+        rescan period, so room freed on the disk raises it again up to the configured cap
+        (not while writes back off from a "full" answer: that cap stands until then)."""
+        if not self._gate.is_open():
+            return
         try:
             # writes in flight already take their part of the free space: not counted twice
             room = default_cap(self._dir, self._index.stored, self._free_fraction)

@@ -1,0 +1,146 @@
+"""The file store at its cap and on a full filesystem: eviction from the index (no scan), a
+rescan only where another writer shares the directory, "full" as one condition with a
+backoff, and a cap the filesystem cannot hold lowered at open."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hicache.backends.file import FileBackend
+from hicache.backends.file import backend as file_backend
+from hicache.backends.file.writers import WriterRegistry
+from hicache.backends.fullness import FIRST_BACKOFF
+
+from .conftest import FakeHostPool, page_keys
+from .harness import Events
+
+pytestmark = pytest.mark.anyio
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool_of(n: int) -> FakeHostPool:
+    pool = FakeHostPool(pages=n)
+    for i in range(n):
+        pool.fill(i, seed=i)
+    return pool
+
+
+async def write(backend, ns, first: int, n: int) -> tuple[list[str], int]:
+    pool = pool_of(n)
+    keys = page_keys(ns, n, start=first * ns.page_size)
+    return keys, await backend.set_from(keys, [pool.page_buffer(i) for i in range(n)])
+
+
+def one_value(tmp_path, ns) -> int:
+    return FileBackend(tmp_path / "probe", namespace=ns)._on_disk(1)  # one block
+
+
+async def test_eviction_at_the_cap_takes_the_index_victims_without_a_scan(
+    tmp_path, ns, monkeypatch
+):
+    value = one_value(tmp_path, ns)
+    backend = FileBackend(tmp_path / "s", namespace=ns, max_bytes=20 * value, threads=0)
+
+    def no_scan(*args, **kw):
+        raise AssertionError("a single writer's eviction scanned the directory")
+
+    monkeypatch.setattr(file_backend, "scan", no_scan)
+    for batch in range(10):  # 80 values into a cap of 20
+        assert (await write(backend, ns, 100 * batch, 8))[1] == 8
+    stats = backend.stats()
+    assert stats["evictions"] >= 60 and stats["rescans"] == 0
+    assert stats["stored_bytes"] <= 20 * value
+    last, _ = await write(backend, ns, 5000, 2)
+    assert await backend.exists(last) == 2
+
+
+async def test_a_second_writer_on_the_directory_brings_rescans_that_see_its_values(tmp_path, ns):
+    value = one_value(tmp_path, ns)
+    a = FileBackend(tmp_path, namespace=ns, max_bytes=40 * value, threads=0)
+    b = FileBackend(tmp_path, namespace=ns, max_bytes=40 * value, threads=0)
+    b_keys, _ = await write(b, ns, 10_000, 8)
+    for batch in range(4):  # past a's rescan period (0.1 x cap)
+        await write(a, ns, 100 * batch, 8)
+    assert a.stats()["rescans"] >= 1
+    assert a.stats()["stored_bytes"] >= 40 * value * 0.5  # b's values counted as well as its own
+    await b.aclose()
+    alone = FileBackend(tmp_path / "alone", namespace=ns, max_bytes=40 * value, threads=0)
+    for batch in range(4):
+        await write(alone, ns, 100 * batch, 8)
+    assert alone.stats()["rescans"] == 0  # nobody else there: nothing to learn
+    await a.aclose()
+    await alone.aclose()
+
+
+def test_a_dead_writers_lock_file_is_swept_and_a_live_one_counted(tmp_path):
+    ns_dir = str(tmp_path)
+    mine = WriterRegistry(ns_dir)
+    other = WriterRegistry(ns_dir)  # another instance, alive
+    assert mine.others() == 1
+    # a process that opened the directory and was killed: its lock died with it
+    code = (
+        "import os,sys; from hicache.backends.file.writers import WriterRegistry;"
+        "WriterRegistry(sys.argv[1]); os._exit(0)"
+    )
+    subprocess.run([sys.executable, "-c", code, ns_dir], check=True)
+    assert len(os.listdir(os.path.join(ns_dir, "writers"))) == 3
+    assert mine.others() == 1
+    assert len(os.listdir(os.path.join(ns_dir, "writers"))) == 2  # the dead one's file is gone
+    other.close()
+    assert mine.others() == 0
+    mine.close()
+
+
+async def test_a_full_filesystem_closes_writes_for_a_backoff_with_one_event(
+    tmp_path, ns, monkeypatch
+):
+    clock = Clock()
+    events = Events()
+    backend = FileBackend(tmp_path, namespace=ns, threads=0, clock=clock, emit=events)
+    real = file_backend.write_value
+    space = [12]  # values the filesystem still takes
+
+    def write_value(job):
+        if space[0] <= 0:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), job[2])
+        space[0] -= 1
+        return real(job)
+
+    monkeypatch.setattr(file_backend, "write_value", write_value)
+    assert (await write(backend, ns, 0, 8))[1] == 8
+    keys, stored = await write(backend, ns, 100, 8)  # 4 land, then the disk is full
+    assert stored == 4
+    assert not backend.accepts_writes()
+    assert events.named("storage.full") and not events.named("storage.error")
+    stats = backend.stats()
+    assert stats["errors"] == 0 and stats["full"] == 1
+    assert stats["max_bytes"] <= stats["stored_bytes"]  # the cap in force: what it could hold
+    _, refused = await write(backend, ns, 200, 8)  # inside the backoff: no I/O at all
+    assert refused == 0 and backend.stats()["refused_pages"] >= 8
+    assert await backend.exists(keys[:4]) == 4  # reads go on
+    space[0] = 100
+    clock.now += FIRST_BACKOFF  # the backoff passed: writes resume
+    assert backend.accepts_writes()
+    assert (await write(backend, ns, 300, 2))[1] == 2
+    assert events.named("storage.writes_resumed")
+
+
+async def test_a_cap_the_filesystem_cannot_hold_is_lowered_at_open(tmp_path, ns, monkeypatch):
+    events = Events()
+    monkeypatch.setattr(file_backend, "default_cap", lambda directory, held, fraction: 1 << 20)
+    backend = FileBackend(tmp_path, namespace=ns, max_bytes=1 << 30, emit=events)
+    assert backend.max_bytes == 1 << 20 and backend.configured_max_bytes == 1 << 30
+    (lowered,) = events.named("storage.cap_lowered")
+    assert lowered["requested"] == 1 << 30 and lowered["effective"] == 1 << 20
