@@ -30,9 +30,11 @@ import anyio.to_thread
 from hicache.backends.base import BackendUnavailable, EventSink, PageBuffer
 from hicache.backends.batch import check_buffers, check_keys
 from hicache.backends.batch_checksums import native_checksums
+from hicache.backends.fullness import WriteGate
 from hicache.backends.mooncake.io import (
     ChunkResult,
     get_chunk,
+    is_no_space,
     is_unreachable,
     page_plan,
     put_chunk,
@@ -117,8 +119,11 @@ class MooncakeBackend:
         self._limiter = anyio.CapacityLimiter(spec.lanes)
         self._down_until = float("-inf")
         self._closed = False
+        self._gate = WriteGate(time.monotonic)  # closed for a while after a "no space" answer
         self._stats: dict[str, int] = dict.fromkeys(
             (
+                "full",
+                "refused_pages",
                 "gets",
                 "get_hits",
                 "sets",
@@ -261,6 +266,15 @@ class MooncakeBackend:
             if is_unreachable(code):
                 self._unreachable(op, code)
                 break
+            if op == "set" and is_no_space(code):
+                # The segments are full: one condition, not an error per page. Writes back
+                # off while the master's own eviction makes room; reads go on.
+                self._stats["full"] += 1
+                streaks = self._gate.streaks
+                self._gate.full()
+                if self._gate.streaks > streaks:
+                    self._emit("storage.full", backend="mooncake", key=key, code=code)
+                break
             self._stats["errors"] += 1
             self._emit("storage.error", op=op, key=key, code=code)
         self._stats["staged_pages"] += result.staged
@@ -297,6 +311,9 @@ class MooncakeBackend:
         check_buffers(self.namespace, keys, pages, writable=op == "get")
         self._stats["gets" if op == "get" else "sets"] += len(keys)  # pages asked for
         if not keys or not self._available(op):
+            return 0
+        if op == "set" and not self._gate.is_open():
+            self._stats["refused_pages"] += len(keys)
             return 0
         chunk_fn = get_chunk if op == "get" else put_chunk
 
@@ -342,6 +359,8 @@ class MooncakeBackend:
             else:
                 self._stats["set_pages"] += result.done
                 self._stats["bytes_written"] += result.nbytes
+                if result.done and not result.errors and self._gate.landed():
+                    self._emit("storage.writes_resumed", backend="mooncake")
         if failure is not None:
             self._unreachable(op, _CONNECT_FAILED, str(failure))
         return done
@@ -359,6 +378,10 @@ class MooncakeBackend:
 
     def stats(self) -> Mapping[str, int | float]:
         return dict(self._stats)
+
+    def accepts_writes(self) -> bool:
+        """False for a backoff after the store answered it has no space (reads go on)."""
+        return self._gate.is_open()
 
     def _check_keys(self, keys: Sequence[str]) -> list[str]:
         """The keys as a list; each must be a key of this namespace (a caller's bug otherwise)."""

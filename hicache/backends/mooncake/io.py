@@ -30,6 +30,14 @@ NOT_FOUND = -704
 ALREADY_EXISTS = -705
 
 
+NO_SPACE = frozenset({-101, -200})  # AVAILABLE_SEGMENT_EMPTY, NO_AVAILABLE_HANDLE
+
+
+def is_no_space(code: int) -> bool:
+    """The master found no segment room for the value (the store is full)."""
+    return code in NO_SPACE
+
+
 def is_unreachable(code: int) -> bool:
     """RPC-class failures (-900…-999): the master or a peer could not be reached."""
     return -999 <= code <= -900

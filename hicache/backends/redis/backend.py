@@ -199,6 +199,10 @@ class RedisBackend:
         ]
         if not keys:
             return 0
+        if not self._calls.gate.is_open():  # the server was out of memory a moment ago
+            self._counters.sets += len(keys)
+            self._counters.refused_pages += len(keys)
+            return 0
         sizes = [sum(p.nbytes for p in page) for page in pages]
         ok = [False] * len(keys)
 
@@ -258,6 +262,10 @@ class RedisBackend:
 
     def stats(self) -> Mapping[str, int | float]:
         return asdict(self._counters)
+
+    def accepts_writes(self) -> bool:
+        """False for a backoff after the server answered OOM (reads go on)."""
+        return self._calls.gate.is_open()
 
     async def aclose(self) -> None:
         if not self._closed:

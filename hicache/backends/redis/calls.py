@@ -5,6 +5,7 @@ open-time check. Used from the backend's event loop only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 
 from hicache.backends.base import BackendUnavailable, EventSink
+from hicache.backends.fullness import WriteGate
 from hicache.backends.redis.client import FAILURES, RedisLink, is_unreachable, is_wrong_type
 from hicache.backends.redis.direct import Target
 from hicache.backends.redis.spec import RedisSpec
@@ -47,6 +49,16 @@ class Counters:
     errors: int = 0  # calls (pipelines or single commands) that failed
     unavailable: int = 0  # storage.unavailable events
     reconnected: int = 0  # storage.reconnected events
+    full: int = 0  # write pipelines the server refused for memory (OOM, no eviction policy)
+    refused_pages: int = 0  # pages not sent while writes backed off from a full server
+
+
+def is_out_of_memory(reply: Any) -> bool:
+    """The server's "OOM command not allowed when used memory > 'maxmemory'" answer (a
+    full server under `maxmemory-policy noeviction`), as either parser reports it."""
+    return isinstance(reply, Exception) and (
+        type(reply).__name__ == "OutOfMemoryError" or str(reply).startswith("OOM ")
+    )
 
 
 def pipelines(sizes: Sequence[int], limit: int) -> list[range]:
@@ -74,6 +86,7 @@ class RedisCalls:
         # timeout and would turn load into misses) and a cluster node never runs out.
         self.permits = anyio.Semaphore(spec.pool)
         self._reachable = True
+        self.gate = WriteGate(time.monotonic)  # closed for a while after an OOM answer
 
     async def run(
         self,
@@ -108,6 +121,10 @@ class RedisCalls:
             )
             if failure is None:
                 self.succeeded()
+                if op == "set" and self.gate.landed():
+                    self._emit("storage.writes_resumed", backend="redis")
+            elif op == "set" and is_out_of_memory(failure):
+                self.full(failure)
             else:
                 self.failed(op, failure)
             for index, reply in zip(group, replies):
@@ -139,6 +156,20 @@ class RedisCalls:
                 server=self.spec.redacted(),
                 op=op,
                 error=message,
+            )
+
+    def full(self, error: BaseException) -> None:
+        """The server is out of memory: writes back off (reads go on), one event a streak."""
+        self.succeeded()  # it answered
+        self._counters.full += 1
+        streaks = self.gate.streaks
+        self.gate.full()
+        if self.gate.streaks > streaks:
+            self._emit(
+                "storage.full",
+                backend="redis",
+                server=self.spec.redacted(),
+                error=redact_text(f"{type(error).__name__}: {error}", self.spec.password),
             )
 
     def succeeded(self) -> None:

@@ -94,7 +94,7 @@ async def test_restart_reconnects_and_new_writes_hit(server, ns, events):
     await backend.aclose()
 
 
-async def test_refused_write_is_a_failed_set_and_an_error_event(server_factory, ns, events):
+async def test_a_full_server_is_full_writes_back_off_and_reads_go_on(server_factory, ns, events):
     server = server_factory("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
     # One pipeline, so the pages arrive in order and the first ones fit.
     backend = RedisBackend.from_spec(server.url, namespace=ns, emit=events, pipeline_bytes=1 << 40)
@@ -102,9 +102,15 @@ async def test_refused_write_is_a_failed_set_and_an_error_event(server_factory, 
     pages = Pages(12, piece_bytes=128 * 1024).fill(seed=4)  # 512 KiB pages: 3 MiB fills up
     stored = await backend.set_from(keys, pages.buffers(range(12)))
     assert 0 < stored < 12
-    errors = events.named("storage.error")
-    assert errors and all("OutOfMemoryError" in e["error"] and e["op"] == "set" for e in errors)
+    # OOM is one condition, not an error per write: one event, and writes back off
+    (full,) = events.named("storage.full")
+    assert "OutOfMemoryError" in full["error"] or "OOM" in full["error"]
+    assert not events.named("storage.error") and backend.stats()["errors"] == 0
     assert "storage.unavailable" not in events.names()  # the server is there, it said no
+    assert not backend.accepts_writes()
+    more = page_keys(ns, 2, start=1000)
+    assert await backend.set_from(more, pages.buffers(range(2))) == 0  # refused, no I/O
+    assert backend.stats()["refused_pages"] == 2
     assert (
         await backend.get_into(keys, Pages(12, piece_bytes=128 * 1024).buffers(range(12))) == stored
     )

@@ -179,3 +179,26 @@ def test_room_outside_registered_memory_falls_back_to_the_header_slot() -> None:
         .integers(0, 256, (2, room + page), dtype=np.uint8)[0, :room]
         .tobytes()
     )
+
+
+def test_a_store_with_no_space_is_full_once_not_an_error_per_page() -> None:
+    # The backend's report of a put chunk, without a master: -200 (NO_AVAILABLE_HANDLE)
+    # closes writes for a backoff with one event, and counts no error.
+    import time
+
+    from hicache.backends.fullness import WriteGate
+    from hicache.backends.mooncake.backend import MooncakeBackend
+    from hicache.backends.mooncake.io import ChunkResult
+
+    seen: list[tuple[str, dict[str, object]]] = []
+    backend = MooncakeBackend.__new__(MooncakeBackend)
+    backend._stats = {"full": 0, "errors": 0, "corrupt": 0, "staged_pages": 0}
+    backend._gate = WriteGate(time.monotonic)
+    backend._emit = lambda name, **fields: seen.append((name, fields))
+    for _ in range(2):  # two batches meet the full store
+        result = ChunkResult()
+        result.errors = [("k1", -200), ("k2", -200)]
+        backend._report("set", result)
+    assert [name for name, _ in seen] == ["storage.full"]
+    assert backend._stats["full"] == 2 and backend._stats["errors"] == 0
+    assert not backend.accepts_writes()
