@@ -70,7 +70,7 @@ async def test_a_second_writer_on_the_directory_brings_rescans_that_see_its_valu
     value = one_value(tmp_path, ns)
     a = FileBackend(tmp_path, namespace=ns, max_bytes=40 * value, threads=0)
     b = FileBackend(tmp_path, namespace=ns, max_bytes=40 * value, threads=0)
-    b_keys, _ = await write(b, ns, 10_000, 8)
+    await write(b, ns, 10_000, 8)
     for batch in range(4):  # past a's rescan period (0.1 x cap)
         await write(a, ns, 100 * batch, 8)
     assert a.stats()["rescans"] >= 1
