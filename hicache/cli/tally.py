@@ -21,6 +21,7 @@ class Tally:
     corrupt_pages: int = 0
     loaded: int = 0  # tokens loaded back so far (the live hit rate; host_hit is the cache's)
     control_s: float = 0.0
+    control_by_call: dict[str, float] = field(default_factory=dict)  # of it, by cache call
     extra: dict[str, Any] = field(default_factory=dict)
     # with --salts: salt -> [input tokens, hit tokens (L1 at match + loaded back)]
     per_salt: dict[str, list[int]] = field(default_factory=dict)

@@ -175,7 +175,7 @@ async def replay(
                 on_step(tally)
             await switches.after(cache, tally.requests)
         backend = cache.backend
-        with timer:
+        with timer("flush"):
             if stop is None or stop.signum is None:  # stopped: close without waiting on L3
                 await cache.flush()
             stats = await cache.stats()

@@ -183,7 +183,7 @@ async def run_hybrid_request(
         if verify
         else np.zeros(0, dtype=np.int64)
     )
-    with timer:
+    with timer("match_prefetch"):
         before = len(tokens)  # L1+L2 before the prefetch: the hit beyond it came from L3
         if storage_on:
             found = await cache.match(rid, tokens, salt=salt)
@@ -205,7 +205,7 @@ async def run_hybrid_request(
             ht.verified_states = 1
             ht.corrupt_states = int(hit.state != want)
     try:
-        with timer:
+        with timer("allocate"):
             fresh = await hc.allocate(rid, len(tokens) - hit.length)
     except CapacityError:
         await hc.release(rid)
@@ -217,7 +217,7 @@ async def run_hybrid_request(
     hint = [] if hit.snapshot_hint is None else [hit.snapshot_hint]
     points = sorted({p for p in [*model.snapshot_points(len(tokens)), *hint] if p > hit.length})
     states = prefix_states(tokens, points, model.state_bytes) if points else {}
-    with timer:
+    with timer("cache"):
         _, kept = await hc.cache_finished(
             rid,
             tokens,

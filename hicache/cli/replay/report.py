@@ -44,6 +44,10 @@ def summarize(
         "corrupt_pages": tally.corrupt_pages,
         "wall_s": round(wall, 3),
         "control_us_per_request": round(tally.control_s / max(tally.requests, 1) * 1e6, 1),
+        "control_us_per_request_by_call": {
+            name: round(s / max(tally.requests, 1) * 1e6, 1)
+            for name, s in sorted(tally.control_by_call.items(), key=lambda kv: -kv[1])
+        },
         "config": {
             "kv": cfg.kv,
             "page_size": cfg.page_size,
@@ -125,6 +129,9 @@ def print_table(s: dict[str, Any]) -> None:
         ("wall", f"{s['wall_s']:.2f} s"),
         ("time in cache calls", f"{s['control_us_per_request']:.0f} us/request"),
     ]
+    by_call = s.get("control_us_per_request_by_call") or {}
+    if by_call:
+        rows.append(("  by call", ", ".join(f"{k} {v:,.0f}" for k, v in by_call.items())))
     link = s.get("link")
     if link is not None:  # bytes moved L1<->L2 over the wall, against the link's own copy rate
         moved = f"{link['moved_gbps']:.1f} GB/s moved in {link['run_s']:.2f} s"

@@ -19,16 +19,26 @@ __all__ = ["Timer", "run_step"]
 
 
 class Timer:
-    """Accumulates the time spent inside cache calls (the control plane)."""
+    """Accumulates the time spent inside cache calls (the control plane), in all and by call
+    (`with timer("match"):`; a bare `with timer:` counts as "other")."""
 
     def __init__(self, tally: Tally) -> None:
         self._tally = tally
+        self._name = "other"
+
+    def __call__(self, name: str) -> Timer:
+        self._name = name
+        return self
 
     def __enter__(self) -> None:
         self._t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        self._tally.control_s += time.perf_counter() - self._t0
+        took = time.perf_counter() - self._t0
+        tally = self._tally
+        tally.control_s += took
+        tally.control_by_call[self._name] = tally.control_by_call.get(self._name, 0.0) + took
+        self._name = "other"
 
 
 async def run_step(
@@ -61,14 +71,14 @@ async def run_step(
         if verify
         else {}
     )
-    with timer:
+    with timer("match"):
         matches = await cache.match_many((rid, t, salt[rid]) for rid, t in toks.items())
     if storage_on:
-        with timer:
+        with timer("prefetch"):
             await cache.prefetch_many((rid, t, salt[rid]) for rid, t in toks.items())
             for rid in toks:
                 await cache.prefetch_wait(rid)
-    with timer:
+    with timer("load_back"):
         loads = await cache.load_back_many(toks)
     tally.loaded += sum(lb.loaded_tokens for lb in loads)
     bad = verified = 0
@@ -81,7 +91,7 @@ async def run_step(
                     pool, lb.device_slots[first:], seeds[lb.rid], page_size=page, first=first
                 )
                 verified += lb.loaded_tokens // page
-    with timer:
+    with timer("allocate"):
         news = await cache.allocate_many(
             (lb.rid, len(toks[lb.rid]) - len(lb.device_slots)) for lb in loads
         )
@@ -91,7 +101,7 @@ async def run_step(
             fill(pool, new, seeds[lb.rid], page_size=page, first=len(lb.device_slots))
         slots = np.concatenate([lb.device_slots, new])
         items.append((lb.rid, toks[lb.rid], slots, True, salt[lb.rid]))
-    with timer:
+    with timer("cache"):
         await cache.cache_many(items)
         if pin_first_block:
             await _pin_first_blocks(cache, step, toks, salt, block_tokens, pin_first_block, tally)
