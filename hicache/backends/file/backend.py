@@ -11,15 +11,20 @@ progress. Values are created 0600, directories 0700. Guarantees:
   fails is a miss, a `storage.corrupt` event, and is deleted.
 - Zero-copy: reads `readv` straight into the page's pieces, writes `writev` from them.
 - Bounded (per namespace directory): `max_bytes`, by default what the directory holds at open
-  plus `free_fraction` (0.9) of the filesystem's free space at open. Opening scans the
-  directory into an LRU index (mtime order: a restart keeps what was there); reads and writes
-  move a value to the recent end, and touch its mtime so other processes see the recency.
-  Room is reserved before a batch is written: when it would take the total over the cap the
-  backend rescans the directory (counting other writers' values) and removes expired values,
-  then the least recently used, down to 0.9 x the cap (batches wait for a running eviction,
-  or for writes in flight to land when those alone fill the cap). It also rescans after
-  writing 0.1 x cap since its last scan, so P processes sharing a directory keep it within
-  cap + (P - 1) x (0.1 x cap + one batch) (docs/backends.md).
+  plus `free_fraction` (0.9) of the filesystem's free space at open, and never more than the
+  filesystem can hold for it. Sizes count whole filesystem blocks. Opening scans the directory
+  into an index ordered by the store's policy (policies/storage.py; mtime order at open, so a
+  restart keeps what was there); reads and writes update it, and touch the file's mtime so
+  other processes see the recency. Room is reserved before a batch is written: when it would
+  take the total over the cap, the policy's victims leave the index and their files are
+  unlinked, down to 0.9 x the cap: O(values removed), never a scan (batches wait for a running
+  eviction, or for writes in flight to land when those alone fill the cap).
+- Shared directories: P open instances (writers.py counts them) each keep at most cap / P of
+  what they wrote; beside others an instance rescans once per 0.1 x its share written, in a
+  thread the writes never wait for, and a departed instance's values are adopted by the next
+  rescan (docs/backends.md).
+- Full filesystems: ENOSPC / EDQUOT lower the cap in force to what the store holds, evict, and
+  close writes for a backoff (fullness.py): one `storage.full` event, no error per page.
 - Expiry: `set_from(..., ttl=s)` values are misses `s` seconds later on `clock`, and removed by
   the next read, rescan or `sweep()`; the deadline lives in the file's atime (index.py).
 - Self-healing directories: a write whose temporary directory (or the namespace directory)
@@ -37,6 +42,7 @@ otherwise, and whenever a test has replaced one of the calls they stand for.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -166,11 +172,13 @@ class FileBackend:
         self._landed: anyio.Event | None = None  # set when a batch's writes end (if awaited)
         self._rescan: threading.Thread | None = None  # a rescan running beside the writes
         self._rescans = 0
+        self._adopt_pending = False  # a departed instance's values wait for the next rescan
         self._free_fraction = free_fraction
         self._index.begin_scan()
-        self._index.merge_scan(scan(self._dir, self._block))
+        self._index.merge_scan(scan(self._dir, self._block), adopt=True)
         self._expired += self._sweep_sync(None)[1]
         self._writers = WriterRegistry(self._dir)
+        self._peers = 1 + self._writers.census()[0]  # instances sharing the cap, this one too
         # The cap asked for (or the default), and the one in force: never more than the
         # filesystem can hold for this store (what it holds plus what is free).
         self.configured_max_bytes = (
@@ -275,9 +283,12 @@ class FileBackend:
         self._declined += wanted.count(False)
         fit = len(sizes)
         need = sum(size for size, want in zip(sizes, wanted) if want)
-        if need > self.max_bytes:  # a batch larger than the whole cap stores the prefix that fits
+        if self._writers.changed() and self._recount():  # one left: its values need a holder
+            self._start_rescan(left=True)
+        share = self._share()
+        if need > share:  # a batch larger than the whole cap stores the prefix that fits
             taken = itertools.accumulate(size if want else 0 for size, want in zip(sizes, wanted))
-            fit = prefix_count(total <= self.max_bytes for total in taken)
+            fit = prefix_count(total <= share for total in taken)
             need = sum(size for size, want in zip(sizes[:fit], wanted) if want)
         await self._make_room(need)
         expiry = None if ttl is None else now + ttl
@@ -344,13 +355,16 @@ class FileBackend:
         self._index.clear()
 
     async def sweep(self) -> int:
-        """Rescan the directory now (learning what other processes wrote and removed), remove
-        expired values, and least recently used ones if the store is over its cap; how many
-        values were removed."""
+        """Rescan the directory now (forgetting what other processes removed, taking up the
+        values nobody else holds), remove expired values, and the policy's victims if the
+        store is over its share of the cap; how many values were removed."""
         while self._evicting is not None:
             await self._evicting.wait()
         self._join_rescan()
-        await self._runner.run(self._rescan_sync)
+        others, _dead = self._writers.census()
+        self._peers = 1 + others
+        # alone, it holds whatever the directory has; beside others, only its own values
+        await self._runner.run(functools.partial(self._rescan_sync, adopt=not others))
         return await self._evict(0)
 
     def accepts_writes(self) -> bool:
@@ -369,6 +383,8 @@ class FileBackend:
         out["peak_stored_bytes"] = self._index.peak
         out["max_bytes"] = self.max_bytes
         out["configured_max_bytes"] = self.configured_max_bytes
+        out["share_bytes"] = self._share()
+        out["writers"] = self._peers
         out["expired"] = self._expired
         out["full"] = self._gate.full_answers
         out["refused_pages"] = self._gate.refused_pages
@@ -382,18 +398,24 @@ class FileBackend:
 
     # -- the cap -------------------------------------------------------------------------
 
+    def _share(self) -> int:
+        """What this instance may hold: the cap in force, divided among the instances that
+        have the directory open (counted once per rescan period)."""
+        return max(1, self.max_bytes // self._peers)
+
     async def _make_room(self, need: int) -> None:
         """Before writing `need` bytes: wait out a running eviction (its victims may still be
-        on disk), then, if the bytes would take the total over the cap, evict the policy's
-        victims from the index (no scan: O(values removed)) down to the low-water mark."""
+        on disk), then, if the bytes would take this instance's total over its share of the
+        cap, evict the policy's victims from the index (no scan: O(values removed)) down to
+        the low-water mark."""
         index = self._index
         while True:
             while self._evicting is not None:  # its victims may still be on disk: let it finish
                 await self._evicting.wait()
-            if index.total + need <= self.max_bytes:
+            if index.total + need <= self._share():
                 return
             await self._evict(need)  # down to the low-water mark, counting writes in flight
-            if index.total + need <= self.max_bytes:
+            if index.total + need <= self._share():
                 return
             if index.reserved:
                 # Writes in flight fill the cap: once one lands, its values can be evicted.
@@ -429,8 +451,8 @@ class FileBackend:
         low-water mark; unlink their files. Returns (removed, of which expired)."""
         index = self._index
         limit = None
-        if need is not None and index.total + need > self.max_bytes:
-            limit = max(0, int(self.max_bytes * _LOW_WATER) - need)
+        if need is not None and index.total + need > (share := self._share()):
+            limit = max(0, int(share * _LOW_WATER) - need)
         victims, expired = index.take_victims(self._clock(), limit)
         digest = self.namespace.digest
         unlink_all([value_path(self.root, digest, h) for h in victims])
@@ -442,8 +464,9 @@ class FileBackend:
         low-water mark, and writes stop for the gate's backoff."""
         self._gate.refuse(pages)
         first = self._gate.full() == FIRST_BACKOFF
-        self.max_bytes = max(1, min(self.max_bytes, self._index.stored))
-        self._rescan_bytes = max(1, int(self.max_bytes * (1 - _LOW_WATER)))
+        # every instance on the directory holds about its share: the directory, P of them
+        self.max_bytes = max(1, min(self.max_bytes, self._index.stored * self._peers))
+        self._rescan_bytes = max(1, int(self._share() * (1 - _LOW_WATER)))
         if first:
             self._emit(
                 "storage.full",
@@ -464,12 +487,14 @@ class FileBackend:
         if not self._gate.is_open():
             return
         try:
-            # writes in flight already take their part of the free space: not counted twice
-            room = default_cap(self._dir, self._index.stored, self._free_fraction)
+            # The directory holds about P shares like this instance's; writes in flight
+            # already take their part of the free space, so they are not counted twice.
+            held = self._index.stored * self._peers
+            room = default_cap(self._dir, held, self._free_fraction)
         except OSError:
             room = self.configured_max_bytes
         self.max_bytes = max(1, min(self.configured_max_bytes, room))
-        self._rescan_bytes = max(1, int(self.max_bytes * (1 - _LOW_WATER)))
+        self._rescan_bytes = max(1, int(self._share() * (1 - _LOW_WATER)))
 
     def _on_disk(self, size: int) -> int:
         block = self._block
@@ -477,30 +502,47 @@ class FileBackend:
 
     # -- other writers ---------------------------------------------------------------------
 
-    def _start_rescan(self) -> None:
-        """A rescan period's worth written: check the cap against the disk and, where other
-        instances write the same directory, rescan it beside the writes (the writes never
-        wait for it; with threads=0, inline)."""
+    def _recount(self) -> bool:
+        """Count the instances that have the directory open (this one's share of the cap
+        follows); True when one left, closed or killed, since the last count: the values it
+        wrote are nobody's until a rescan adopts them."""
+        others, dead = self._writers.census()
+        left = dead > 0 or 1 + others < self._peers
+        self._peers = 1 + others
+        return left
+
+    def _start_rescan(self, *, left: bool | None = None) -> None:
+        """Each rescan period's worth written (and whenever an instance left): recount the
+        instances, check the cap against the disk and, where others write the same
+        directory or one left values behind, rescan it beside the writes (the writes never
+        wait for it; with threads=0, inline). A rescan forgets what others removed, takes
+        the recency of their reads, and adopts what a departed instance left."""
+        if left is None:
+            left = self._recount()
         self._fit_cap_to_disk()
         if self._rescan is not None and self._rescan.is_alive():
+            self._adopt_pending = self._adopt_pending or left
             return
-        if not self._writers.others():
+        adopt, self._adopt_pending = left or self._adopt_pending, False
+        if self._peers == 1 and not adopt:
             self._index.skip_scan()  # alone in the directory: the index is the truth
             return
         self._index.begin_scan()
+        kwargs = {"begun": True, "adopt": adopt}
         if self._runner.inline:
-            self._rescan_sync(begun=True)
+            self._rescan_sync(**kwargs)
             return
         self._rescan = threading.Thread(
-            target=self._rescan_sync, kwargs={"begun": True}, name="hicache-file-rescan"
+            target=self._rescan_sync, kwargs=kwargs, name="hicache-file-rescan"
         )
         self._rescan.start()
 
-    def _rescan_sync(self, begun: bool = False) -> None:
-        """Any thread: learn what other processes wrote and removed since the last scan."""
+    def _rescan_sync(self, begun: bool = False, adopt: bool = False) -> None:
+        """Any thread: forget the values others removed, take the recency of their reads
+        and, with `adopt`, hold the values nobody holds (a dead writer's)."""
         if not begun:
             self._index.begin_scan()
-        self._index.merge_scan(scan(self._dir, self._block))
+        self._index.merge_scan(scan(self._dir, self._block), adopt=adopt)
         self._rescans += 1
 
     def _join_rescan(self) -> None:

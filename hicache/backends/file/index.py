@@ -163,6 +163,7 @@ class FileIndex:
         self._in_flight: dict[str, int] = {}  # their page hashes (how many writes of each)
         self.unscanned = 0  # bytes this instance reserved since its last scan
         self.peak = 0  # the most bytes ever held (indexed values)
+        self._seen_mtime_ns = 0  # the newest mtime the last scan saw: later ones were touched
 
     @property
     def stored(self) -> int:
@@ -247,28 +248,38 @@ class FileIndex:
         with self._lock:
             self.unscanned = 0
 
-    def merge_scan(self, scanned: Iterable[tuple[int, str, int, float | None]]) -> tuple[int, int]:
-        """Bring the index in line with a scan (oldest first): values other processes wrote
-        are held (the most recent, in the scan's order), values no longer on disk are
-        forgotten; what this instance changed during the scan, and values being written,
-        are left as they are. Returns (values learnt, values forgotten)."""
-        on_disk = {page_hash: (size, expiry) for _mtime, page_hash, size, expiry in scanned}
+    def merge_scan(
+        self, scanned: list[tuple[int, str, int, float | None]], *, adopt: bool
+    ) -> tuple[int, int]:
+        """Bring the index in line with a scan (oldest first): values no longer on disk are
+        forgotten, held values another process read since the last scan (a newer mtime) move
+        to the recent end in mtime order, and with `adopt` the values nobody holds (at
+        open; a dead writer's) are held, in the scan's order. What this instance changed
+        during the scan, and values being written, are left as they are. Returns (values
+        adopted, values forgotten)."""
+        on_disk = {page_hash for _mtime, page_hash, _size, _expiry in scanned}
         with self._lock:
             during = self._during_scan or {}
             self._during_scan = None
-            book = self._book
+            book, in_flight = self._book, self._in_flight
             gone = [h for h in list(book.keys()) if h not in on_disk and h not in during]
             for page_hash in gone:
-                if page_hash not in self._in_flight:
+                if page_hash not in in_flight:
                     self._drop(page_hash)
-            learnt = 0
-            for page_hash, (size, expiry) in on_disk.items():
-                if page_hash in book or page_hash in during or page_hash in self._in_flight:
+            seen, adopted = self._seen_mtime_ns, 0
+            for mtime, page_hash, size, expiry in scanned:
+                if page_hash in during or page_hash in in_flight:
                     continue
-                self._hold(page_hash, size, expiry)
-                learnt += 1
+                if page_hash in book:
+                    if mtime > seen:
+                        book.touch(page_hash)
+                elif adopt:
+                    self._hold(page_hash, size, expiry)
+                    adopted += 1
+            if scanned:
+                self._seen_mtime_ns = max(seen, scanned[-1][0])
             self.peak = max(self.peak, book.held_bytes)
-            return learnt, len(gone)
+            return adopted, len(gone)
 
     def take_victims(self, now: float, limit: int | None) -> tuple[list[str], int]:
         """Remove from the index every expired value, then (with `limit`) the policy's

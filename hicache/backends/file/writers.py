@@ -28,6 +28,7 @@ class WriterRegistry:
     def __init__(self, namespace_dir: str) -> None:
         self._dir = os.path.join(namespace_dir, WRITERS_DIR)
         self._fd: int | None = None
+        self._seen_ns = -1  # the directory's mtime at the last census
         self._path = os.path.join(self._dir, f"{os.getpid()}.{next(_SEQ)}")
         try:
             os.makedirs(self._dir, mode=0o700, exist_ok=True)
@@ -40,15 +41,33 @@ class WriterRegistry:
             pass
         self._fd = fd
 
-    def others(self) -> int:
-        """How many other instances have the directory open now (dead ones' files are
-        removed on the way)."""
+    def changed(self) -> bool:
+        """Whether an instance opened or closed the directory since the last census: one
+        `stat` (a killed one shows only at a census)."""
         try:
+            return os.stat(self._dir).st_mtime_ns != self._seen_ns
+        except OSError:
+            return False
+
+    def census(self) -> tuple[int, int]:
+        """(other instances with the directory open now, dead ones found): a dead one's file
+        is removed on the way, and the values it wrote belong to nobody until an instance
+        adopts them (backend.py rescans then)."""
+        try:
+            self._seen_ns = os.stat(self._dir).st_mtime_ns
             with os.scandir(self._dir) as it:
                 paths = [e.path for e in it if e.path != self._path]
         except OSError:
-            return 0
-        return sum(1 for path in paths if _alive(path))
+            return 0, 0
+        alive = sum(1 for path in paths if _alive(path))
+        return alive, len(paths) - alive
+
+    def others(self) -> int:
+        """How many other instances have the directory open now."""
+        return self.census()[0]
+
+    def __del__(self) -> None:  # an instance dropped without aclose (the process goes on)
+        self.close()
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes, check_kv_spec
 from hicache.backends.mooncake.spec import parse_size
+from hicache.cli.replay.step import Timer
 from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest
 from hicache.config import ConfigError
@@ -170,7 +170,7 @@ async def run_hybrid_request(
     *,
     storage_on: bool,
     verify: bool,
-    timer: AbstractContextManager[None],
+    timer: Timer,
 ) -> tuple[dict[str, int], HybridTally]:
     """One request through `hc`. Returns its counts (`device`, `host`, `storage`: hit tokens
     per tier; `verified_pages`, `corrupt_pages`) and its hybrid tally. CapacityError
@@ -239,7 +239,7 @@ async def run_hybrid_step(
     hc: HybridCache,
     step: list[TraceRequest],
     tally: Tally,
-    timer: AbstractContextManager[None],
+    timer: Timer,
     *,
     block_tokens: int,
     verify: bool,

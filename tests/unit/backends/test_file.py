@@ -76,7 +76,7 @@ async def test_trailing_bytes_are_corrupt(tmp_path, ns):
     assert [e["reason"] for e in events.named("storage.corrupt")] == ["truncated"]
 
 
-async def test_size_cap_evicts_oldest_and_counts_other_writers(tmp_path, ns):
+async def test_size_cap_evicts_oldest_and_takes_up_what_it_found_at_open(tmp_path, ns):
     probe = FileBackend(tmp_path / "probe", namespace=ns)
     await fill_and_store(probe, ns, 1)
     value_size = probe.stats()["stored_bytes"]  # one value as the store counts it: whole blocks
@@ -84,6 +84,7 @@ async def test_size_cap_evicts_oldest_and_counts_other_writers(tmp_path, ns):
     old_keys, _ = await fill_and_store(other, ns, 4, start=0)
     for i, k in enumerate(old_keys):  # make them clearly oldest, in order
         os.utime(value_path(tmp_path, ns.digest, ns.page_hash_of(k)), ns=(10**9 * (i + 1),) * 2)
+    await other.aclose()  # gone: what it wrote is the next instance's to hold
     capped = FileBackend(tmp_path, namespace=ns, max_bytes=6 * value_size)
     assert capped.stats()["stored_bytes"] > 0  # the open-time scan saw the 4 values
     new_keys, _ = await fill_and_store(capped, ns, 4, start=10)

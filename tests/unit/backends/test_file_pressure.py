@@ -66,22 +66,51 @@ async def test_eviction_at_the_cap_takes_the_index_victims_without_a_scan(
     assert await backend.exists(last) == 2
 
 
-async def test_a_second_writer_on_the_directory_brings_rescans_that_see_its_values(tmp_path, ns):
+async def test_writers_on_one_directory_share_its_cap_and_rescan_only_then(tmp_path, ns):
     value = one_value(tmp_path, ns)
-    a = FileBackend(tmp_path, namespace=ns, max_bytes=40 * value, threads=0)
-    b = FileBackend(tmp_path, namespace=ns, max_bytes=40 * value, threads=0)
-    await write(b, ns, 10_000, 8)
-    for batch in range(4):  # past a's rescan period (0.1 x cap)
+    cap = 40 * value
+    a = FileBackend(tmp_path, namespace=ns, max_bytes=cap, threads=0)
+    b = FileBackend(tmp_path, namespace=ns, max_bytes=cap, threads=0)
+    assert a.stats()["writers"] == 1 and b.stats()["writers"] == 2  # a counts at its period
+    for batch in range(8):  # 64 values each into a cap of 40: both evict
         await write(a, ns, 100 * batch, 8)
-    assert a.stats()["rescans"] >= 1
-    assert a.stats()["stored_bytes"] >= 40 * value * 0.5  # b's values counted as well as its own
+        await write(b, ns, 10_000 + 100 * batch, 8)
+    assert a.stats()["writers"] == 2 and a.stats()["rescans"] >= 1
+    for backend in (a, b):
+        assert backend.stats()["share_bytes"] == cap // 2
+        assert backend.stats()["stored_bytes"] <= cap // 2
+    on_disk = sum(
+        1 for _, _, files in os.walk(os.path.join(tmp_path, ns.digest)) for f in files
+    )
+    assert on_disk * value <= cap + 2 * value  # together within the cap (the lock files: 0 B)
     await b.aclose()
-    alone = FileBackend(tmp_path / "alone", namespace=ns, max_bytes=40 * value, threads=0)
-    for batch in range(4):
+    for batch in range(8, 12):  # a's next period sees it alone: the whole cap is its again
+        await write(a, ns, 100 * batch, 8)
+    assert a.stats()["writers"] == 1 and a.stats()["share_bytes"] == cap
+    alone = FileBackend(tmp_path / "alone", namespace=ns, max_bytes=cap, threads=0)
+    for batch in range(8):
         await write(alone, ns, 100 * batch, 8)
     assert alone.stats()["rescans"] == 0  # nobody else there: nothing to learn
     await a.aclose()
     await alone.aclose()
+
+
+async def test_a_dead_writers_values_are_adopted_by_the_next_rescan(tmp_path, ns):
+    value = one_value(tmp_path, ns)
+    cap = 40 * value
+    survivor = FileBackend(tmp_path, namespace=ns, max_bytes=cap, threads=0)
+    ghost = FileBackend(tmp_path, namespace=ns, max_bytes=cap, threads=0)
+    await write(ghost, ns, 50_000, 16)
+    os.close(ghost._writers._fd)  # its lock dies with its descriptor, as with SIGKILL
+    ghost._writers._fd = None
+    for batch in range(6):  # past the survivor's period: it finds the dead one, adopts
+        await write(survivor, ns, 100 * batch, 8)
+    stats = survivor.stats()
+    assert stats["writers"] == 1 and stats["rescans"] >= 1
+    assert stats["stored_bytes"] <= cap
+    held = sum(1 for _, _, files in os.walk(os.path.join(tmp_path, ns.digest)) for _ in files)
+    assert held * value <= cap + value  # the dead writer's values count against the cap again
+    await survivor.aclose()
 
 
 def test_a_dead_writers_lock_file_is_swept_and_a_live_one_counted(tmp_path):
@@ -92,7 +121,7 @@ def test_a_dead_writers_lock_file_is_swept_and_a_live_one_counted(tmp_path):
     # a process that opened the directory and was killed: its lock died with it
     code = (
         "import os,sys; from hicache.backends.file.writers import WriterRegistry;"
-        "WriterRegistry(sys.argv[1]); os._exit(0)"
+        "kept = WriterRegistry(sys.argv[1]); os._exit(0)"
     )
     subprocess.run([sys.executable, "-c", code, ns_dir], check=True)
     assert len(os.listdir(os.path.join(ns_dir, "writers"))) == 3
