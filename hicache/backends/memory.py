@@ -4,8 +4,9 @@ Values are kept as framed bytes (header + payload), so the read path checks them
 like a remote store would. Capacity rule (`hicache/policies/storage.py`, `StoreBook`): a value
 that fits beside the framed total under `capacity_bytes` is stored; one that does not is
 offered to the store policy (`policy=`, default `DEFAULT_STORE_POLICY`), which may refuse it
-(a failed set) or name the values to evict until it fits; a value larger than the whole
-capacity is not stored (a failed set, not an error). Gets are reads and misses for the policy,
+or name the values to evict until it fits. A refused value is dropped as if evicted at once:
+the set succeeds (an uploader would retry a failed one, offering it again) and `refused`
+counts it. A value larger than the whole capacity is not stored (a failed set, not an error). Gets are reads and misses for the policy,
 `contains` a probe. By default the capacity is half the memory available when the store is
 made (`default_capacity`), so a long run cannot take the process's memory;
 `capacity_bytes=None` means unbounded. Calls run inline (no threads): a dict needs none, and
@@ -95,8 +96,9 @@ class MemoryStore:
 
     def put(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         """Store `value` (expiring `ttl` seconds from now, if given; a ttl <= 0 only removes
-        the old value); False when it alone exceeds the capacity or the policy does not
-        admit it (nothing held changes then). Costs O(values evicted), amortised."""
+        the old value); False when it alone exceeds the capacity (nothing changes then). A
+        value the policy does not admit is not kept (`refused` counts it) but the put is not
+        a failure: True. Costs O(values evicted), amortised."""
         size = len(value)
         book = self._book
         with self._lock:
@@ -111,7 +113,10 @@ class MemoryStore:
                 self._drop_expired(self._clock())
             evicted = book.write(key, size)
             if evicted is None:
-                return False
+                # Not admitted: a decision, not a failure. Dropped like a value evicted at
+                # once (an uploader retries a failed set, which would undo the decision).
+                self._drop(key)
+                return True
             for victim in evicted:
                 self._forget(victim)
             self.evictions += len(evicted)

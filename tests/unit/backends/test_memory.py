@@ -177,12 +177,15 @@ def test_every_policy_runs_the_store_within_its_cap(policy, ns):
     assert backend.store.policy == policy
 
 
-def test_a_refused_write_is_a_failed_set_and_counted():
+def test_a_refused_write_is_not_kept_not_a_failure_and_counted():
+    """A set the policy refuses succeeds (an uploader retries failed sets, which would offer
+    the value again and undo the decision) but keeps nothing."""
     store = MemoryStore(20, policy="second-hit")
     assert store.put("a", bytes(10)) and store.put("b", bytes(10))
-    assert not store.put("c", bytes(10))  # would evict: first offer refused
+    assert store.put("c", bytes(10))  # would evict: first offer refused
     assert store.refused == 1 and sorted(k for k in "abc" if store.contains(k)) == ["a", "b"]
-    assert store.put("c", bytes(10)) and store.contains("c")
+    assert store.put("c", bytes(10)) and store.contains("c") and store.refused == 1
+    store.check_integrity()
 
 
 def test_memory_policy_errors(ns):
