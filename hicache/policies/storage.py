@@ -18,7 +18,7 @@ The policies (docs/benchmarks.md, "L3 admission and eviction" has their hit rate
   key was offered, missed or evicted recently (remembered in a bounded ghost list).
 - `tinylfu`: LRU behind a frequency filter (TinyLFU, Einziger et al. 2017): a count-min sketch
   of recent offers, reads and misses; a value that would evict others is taken only if its key
-  is more frequent than the value it would evict first.
+  is at least as frequent as the value it would evict first.
 
 Every call is O(1) amortised; remembered keys (ghost lists) and the sketch are bounded by a
 multiple of the values held (with a small floor), never by the keys ever seen.
@@ -263,7 +263,8 @@ class _CountMin:
 class TinyLfuStore(LruStore):
     """LRU behind a frequency filter (TinyLFU): offers, reads and misses are counted in a
     count-min sketch; a write that would evict others is taken only when its key's count
-    is above that of the value LRU would evict first. The sketch has 4 rows of 4 to 16
+    is at least that of the value LRU would evict first (ties taken: on the shipped trace
+    that did better at every cap measured than TinyLFU's strict "above"). The sketch has 4 rows of 4 to 16
     counters per value held (`GHOST_FLOOR` at least), rebuilt empty when it is resized."""
 
     name = "tinylfu"
@@ -289,7 +290,7 @@ class TinyLfuStore(LruStore):
     def admit(self, key: str, size: int) -> bool:
         self._count(key)
         victim = self.peek_victim()
-        return victim is None or self._sketch.estimate(key) > self._sketch.estimate(victim)
+        return victim is None or self._sketch.estimate(key) >= self._sketch.estimate(victim)
 
     def touch(self, key: str) -> None:
         if key in self._order:
