@@ -21,7 +21,7 @@ async def test_capacity_evicts_least_recently_used(ns, pool):
         pool.fill(i, seed=i)
     await backend.set_from(keys[:1], [pool.page_buffer(0)])
     value_bytes = store.nbytes
-    capped = MemoryBackend(namespace=ns, capacity_bytes=3 * value_bytes)
+    capped = MemoryBackend(namespace=ns, capacity_bytes=3 * value_bytes, policy="lru")
     assert await capped.set_from(keys[:3], [pool.page_buffer(i) for i in range(3)]) == 3
     out = FakeHostPool(pages=1)
     assert await capped.get_into(keys[:1], [out.page_buffer(0)]) == 1  # key 0 now most recent
