@@ -10,7 +10,12 @@ does under the replay (tests/integration/test_sweep.py checks it equals the repl
 token), so a cell is what a capped memory store with that policy would give. No bytes and
 no clock: the figures are exact and the same on every machine.
 
+With `--against-replay`, every capped cell is also replayed for real (`hicache replay`'s
+pipeline with actors, a memory store of that capacity and policy, no verification) and the
+cell shows both L3 hit rates, model / replay; use it with `--limit` (a full replay per cell).
+
 Run: python bench/l3_policies.py [--limit N] [--policies lru,s3fifo] [--fractions 0.1,0.25]
+     [--against-replay]
 """
 
 from __future__ import annotations
@@ -19,15 +24,19 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import anyio
 import numpy as np
 
 from hicache.cli.coremodel import Tally, replay_trace
 from hicache.cli.main import _REPO_TRACE
+from hicache.cli.replay.command import replay
 from hicache.cli.sweep.grid import fmt_tokens
+from hicache.cli.tally import Tally as ReplayTally
 from hicache.cli.trace import TraceRequest, read_trace
 from hicache.config import CacheConfig
 from hicache.policies.storage import DEFAULT_STORE_POLICY, STORE_POLICIES
@@ -41,6 +50,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--policies", default=",".join(sorted(STORE_POLICIES)))
     ap.add_argument("--fractions", default="0.1,0.25,0.5", help="caps, of the working set")
+    ap.add_argument("--against-replay", action="store_true", help="replay every cell too")
     args = ap.parse_args()
     policies = [p.strip() for p in args.policies.split(",")]
     unknown = [p for p in policies if p not in STORE_POLICIES]
@@ -76,6 +86,24 @@ def main() -> int:
             tokens_of=tokens_of,
         )
 
+    def run_replay(cap: int, policy: str) -> int:
+        """Tokens read from L3 in the real replay with a memory store capped at `cap` bytes."""
+        real_cfg = replace(cfg, storage="memory", extra={"capacity_bytes": cap, "policy": policy})
+
+        async def go() -> tuple[ReplayTally, dict[str, object]]:
+            return await replay(
+                real_cfg,
+                requests,
+                block_tokens=512,
+                batch=8,
+                verify=False,
+                log=None,
+                progress=lambda done: None,
+            )
+
+        real, _ = anyio.run(go)
+        return real.storage_hit
+
     t0 = time.perf_counter()
     whole = run(None, DEFAULT_STORE_POLICY)
     working = whole.storage_pages
@@ -102,6 +130,9 @@ def main() -> int:
         for cap in caps:
             t = run(cap * page, policy)
             best[cap] = max(best.get(cap, (-1, "")), (t.storage_hit, policy))
+            if args.against_replay:
+                cells.append(f"{rate(t)} / {run_replay(cap * page, policy) / inputs:.4f}")
+                continue
             cells.append(
                 f"{rate(t)} ({t.storage_evictions:,} evicted"
                 + (f", {t.storage_refused:,} refused)" if t.storage_refused else ")")
