@@ -277,3 +277,40 @@ def test_the_sweep_replays_calls_that_wait(write_policy, exclusive, storage):
     assert s["requests"] == 60 and tally.device_evictions > 0
     assert 0 < s["hit_rate"] <= bound_hit_rate(requests, block_tokens=512, page_size=64)
     assert (tally.storage_hit > 0) == storage
+
+
+def test_a_capped_sweep_writes_its_cap_policy_and_what_l3_did(tmp_path):
+    assert (
+        main(
+            [
+                "sweep",
+                "--trace",
+                str(SHIPPED),
+                "--limit",
+                "100",
+                "--device",
+                "100k",
+                "--host",
+                "2x",
+                "--storage",
+                "0,300k,100MB,inf",
+                "--store-policy",
+                "second-hit",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    rows = read_csv(tmp_path / "sweep.csv")
+    assert [r["storage"] for r in rows] == ["0", "300k", "100MB", "inf"]
+    page = 16_501  # framed, under the sweep's default --kv
+    assert [r["storage_cap_bytes"] for r in rows] == [0, 299_968 // 64 * page, 100_000_000, 0]
+    assert [r["store_policy"] for r in rows] == ["", "second-hit", "second-hit", ""]
+    none, small, large, unbounded = rows
+    assert none["storage_hit_tokens"] == 0
+    assert small["storage_refused_pages"] > 0 and small["storage_evicted_pages"] > 0
+    assert unbounded["storage_evicted_pages"] == unbounded["storage_refused_pages"] == 0
+    assert small["storage_hit_tokens"] < unbounded["storage_hit_tokens"]
+    assert small["storage_hit_tokens"] <= large["storage_hit_tokens"]

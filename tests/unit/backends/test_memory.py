@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.backends.base import enforces_ttl, set_from_ttl
 from hicache.backends.memory import MemoryBackend, MemoryStore
@@ -193,3 +195,44 @@ def test_memory_policy_errors(ns):
         MemoryBackend.from_spec("memory", namespace=ns, policy="mru")
     with pytest.raises(ValueError, match="not both"):
         MemoryBackend(namespace=ns, store=MemoryStore(), policy="lru")
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "second-hit", "tinylfu"])
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "put_ttl", "get", "contains", "delete", "tick"]),
+            st.integers(0, 30),
+            st.integers(1, 40),
+        ),
+        max_size=200,
+    )
+)
+def test_the_store_is_its_book_under_any_calls(policy, ops):
+    """Puts (with and without a ttl), reads, probes, deletes and a clock that moves: after
+    each call the byte total is the values', the book holds the values' keys, the cap holds,
+    a value read back is the last one put, and an expired value is never returned."""
+    now = [0.0]
+    store = MemoryStore(200, policy=policy, clock=lambda: now[0])
+    last: dict[str, tuple[bytes, float]] = {}  # key -> (value, deadline) of its last put
+    for op, n, size in ops:
+        key = f"k{n}"
+        if op in ("put", "put_ttl"):
+            value = bytes([n]) * size
+            ttl = float(size % 7) if op == "put_ttl" else None
+            assert store.put(key, value, ttl=ttl)
+            last[key] = (value, now[0] + ttl if ttl is not None else float("inf"))
+        elif op == "get":
+            got = store.get(key)
+            if got is not None:
+                assert got == last[key][0] and last[key][1] > now[0]
+        elif op == "contains":
+            if store.contains(key):
+                assert last[key][1] > now[0]
+        elif op == "delete":
+            store.delete(key)
+            assert not store.contains(key)
+        else:
+            now[0] += size / 10
+        store.check_integrity()
