@@ -5,12 +5,13 @@ it wrote, read, missed and removed, asks it whether to take a value it does not 
 (`admit`) and, when it needs room, which value goes next (`pop_victim`, one at a time, so
 freeing room costs O(values removed)). `StoreBook` joins a policy to a byte cap: the rule
 "a write that does not fit asks for admission, then evicts victims until it fits" lives there
-once. The memory store and the sizing sweep's model of L3 both run a `StoreBook`, and the file
-store's index the same policies, so the sweep predicts what a capped store keeps.
+once. The memory store and the sizing sweep's model of L3 both run a `StoreBook`, so the
+sweep predicts what a capped memory store keeps (and what any store keeps that runs its
+policy through a `StoreBook` with the same calls).
 
 The policies (docs/benchmarks.md, "L3 admission and eviction" has their hit rates):
 - `lru`: least recently used goes first; every write is taken.
-- `s3fifo`: S3-FIFO (Yang et al., SOSP 2023): new values enter a small FIFO; those read
+- `s3fifo` (the default, `DEFAULT_STORE_POLICY`): S3-FIFO (Yang et al., SOSP 2023): new values enter a small FIFO; those read
   while there move to the main FIFO, the others leave and are remembered in a ghost list, so
   a value written again soon after enters the main FIFO directly. The main FIFO gives a value
   read since its last pass another pass (up to 3). One-time values leave quickly.
@@ -113,7 +114,11 @@ class _Ghost:
         self.trim()
 
     def discard(self, key: str) -> bool:
-        return self._keys.pop(key, 0) is None
+        """Forget `key`: whether it was remembered."""
+        if key in self._keys:
+            del self._keys[key]
+            return True
+        return False
 
     def trim(self) -> None:
         """Forget the oldest keys beyond the limit (amortised O(1): each key leaves once)."""
@@ -431,7 +436,9 @@ class StoreBook:
     joins them. A write that fits is taken; one that would not fit is offered to the policy
     (`admit`), and if taken, the policy's victims are evicted until it fits. A value larger
     than the cap is never taken. Pure (no I/O): the caller does what the answers say, e.g.
-    deletes the evicted keys' values."""
+    deletes the evicted keys' values. A store should answer a refused write as a set that
+    succeeded and kept nothing (the memory store does): a failed set is retried by the
+    uploader, and the second offer would undo the refusal."""
 
     __slots__ = ("capacity_bytes", "evictions", "policy", "refused")
 
