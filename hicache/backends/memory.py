@@ -1,16 +1,20 @@
 """`memory`: framed page values in a process-local dict, for tests and single-process runs.
 
 Values are kept as framed bytes (header + payload), so the read path checks them exactly
-like a remote store would. Capacity rule: storing a value evicts the least recently used
-values (by get or put) until the framed total fits `capacity_bytes`; a value larger than the
-whole capacity is not stored (a failed set, not an error). By default the capacity is half the
-memory available when the store is made (`default_capacity`), so a long run cannot take the
-process's memory; `capacity_bytes=None` means unbounded. Calls run inline (no threads): a dict
-needs none, and deterministic runs need their absence.
+like a remote store would. Capacity rule (`hicache/policies/storage.py`, `StoreBook`): a value
+that fits beside the framed total under `capacity_bytes` is stored; one that does not is
+offered to the store policy (`policy=`, default `DEFAULT_STORE_POLICY`), which may refuse it
+or name the values to evict until it fits. A refused value is dropped as if evicted at once:
+the set succeeds (an uploader would retry a failed one, offering it again) and `refused`
+counts it. A value larger than the whole capacity is not stored (a failed set, not an error). Gets are reads and misses for the policy,
+`contains` a probe. By default the capacity is half the memory available when the store is
+made (`default_capacity`), so a long run cannot take the process's memory;
+`capacity_bytes=None` means unbounded. Calls run inline (no threads): a dict needs none, and
+deterministic runs need their absence.
 
 Expiry: a value put with `ttl` seconds is a miss (and dropped) once `clock()` (monotonic by
 default) has passed its deadline; expired values are also the first to go when the capacity
-needs room.
+needs room (found through a heap of deadlines: a put costs O(values dropped), not a scan).
 
 Several backends (e.g. two cache instances in one test) share values by being given the same
 `MemoryStore`; `clear` then removes only the caller's namespace.
@@ -18,15 +22,16 @@ Several backends (e.g. two cache instances in one test) share values by being gi
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from hicache.backends.base import EventSink
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import SimpleStoreBackend
+from hicache.policies.storage import DEFAULT_STORE_POLICY, StoreBook
 from hicache.sizing import available_memory
 
 DEFAULT_FRACTION = 0.5
@@ -49,8 +54,8 @@ DEFAULT_CAPACITY: Any = _Default()
 
 
 class MemoryStore:
-    """A dict of framed values with an optional LRU byte capacity and per-value expiry.
-    Thread-safe; every method but `get`'s recency update leaves other keys alone."""
+    """A dict of framed values under a `StoreBook` (a byte cap and its admission and eviction
+    policy) and per-value expiry. Thread-safe."""
 
     enforces_ttl = True
 
@@ -58,63 +63,73 @@ class MemoryStore:
         self,
         capacity_bytes: int | None = DEFAULT_CAPACITY,
         *,
+        policy: str = DEFAULT_STORE_POLICY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_bytes is DEFAULT_CAPACITY:
             capacity_bytes = default_capacity()
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
-        ):
-            raise ValueError(
-                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
-            )
+        self._book = StoreBook(policy, capacity_bytes)  # checks both
         self.capacity_bytes = capacity_bytes
-        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self.policy = policy
+        self._values: dict[str, bytes] = {}
         self._deadlines: dict[str, float] = {}  # only values put with a ttl
+        # (deadline, key) of every value put with a ttl, soonest first; an entry whose key
+        # was since dropped or put again is stale and skipped when it comes up.
+        self._expiry: list[tuple[float, str]] = []
         self._clock = clock
-        self._bytes = 0
         self.peak_bytes = 0  # the most framed bytes ever held
         self._lock = threading.Lock()
-        self.evictions = 0  # values dropped to stay within capacity
+        self.evictions = 0  # values dropped to stay within capacity (expired ones included)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
             if self._expired(key, self._clock()):
                 self._drop(key)
-            value = self._values.get(key)
-            if value is not None:
-                self._values.move_to_end(key)
-            return value
+            self._book.read(key)  # a hit is a read for the policy, a miss a miss
+            return self._values.get(key)
 
     def contains(self, key: str) -> bool:
         with self._lock:
-            return key in self._values and not self._expired(key, self._clock())
+            if self._expired(key, self._clock()):
+                self._drop(key)
+            return self._book.probe(key)
 
     def put(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         """Store `value` (expiring `ttl` seconds from now, if given; a ttl <= 0 only removes
-        the old value); False when it alone exceeds the capacity (nothing changes then)."""
+        the old value); False when it alone exceeds the capacity (nothing changes then). A
+        value the policy does not admit is not kept (`refused` counts it) but the put is not
+        a failure: True. Costs O(values evicted), amortised."""
         size = len(value)
+        book = self._book
         with self._lock:
             if self.capacity_bytes is not None and size > self.capacity_bytes:
                 return False
-            self._drop(key)
             if ttl is not None and ttl <= 0:
+                self._drop(key)
                 return True
+            old = self._values.get(key)
+            growth = size - (len(old) if old is not None else 0)
+            if not book.fits(growth):
+                self._drop_expired(self._clock())
+            evicted = book.write(key, size)
+            if evicted is None:
+                # Not admitted: a decision, not a failure. Dropped like a value evicted at
+                # once (an uploader retries a failed set, which would undo the decision).
+                self._drop(key)
+                return True
+            for victim in evicted:
+                self._forget(victim)
+            self.evictions += len(evicted)
             self._values[key] = bytes(value)
-            self._bytes += size
+            self._deadlines.pop(key, None)
             if ttl is not None:
-                self._deadlines[key] = self._clock() + ttl
-            if self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
-                now = self._clock()
-                for expired in [k for k in self._deadlines if self._expired(k, now)]:
-                    self._drop(expired)
-                    self.evictions += 1
-            while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
-                self._drop(next(iter(self._values)))
-                self.evictions += 1
-            self.peak_bytes = max(self.peak_bytes, self._bytes)
+                deadline = self._clock() + ttl
+                self._deadlines[key] = deadline
+                heapq.heappush(self._expiry, (deadline, key))
+                if len(self._expiry) > 2 * len(self._deadlines) + 64:  # mostly stale: rebuild
+                    self._expiry = [(d, k) for k, d in self._deadlines.items()]
+                    heapq.heapify(self._expiry)
+            self.peak_bytes = max(self.peak_bytes, book.held_bytes)
             return True
 
     def delete(self, key: str) -> None:
@@ -125,10 +140,23 @@ class MemoryStore:
         deadline = self._deadlines.get(key)
         return deadline is not None and deadline <= now
 
+    def _drop_expired(self, now: float) -> None:
+        """Drop every value whose deadline has passed: O(values dropped + stale entries)."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            deadline, key = heapq.heappop(expiry)
+            if self._deadlines.get(key) == deadline:
+                self._drop(key)
+                self.evictions += 1
+
     def _drop(self, key: str) -> None:
-        old = self._values.pop(key, None)
-        if old is not None:
-            self._bytes -= len(old)
+        if key in self._values:
+            self._book.remove(key)
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        """The value of `key` (no longer in the book) is gone."""
+        del self._values[key]
         self._deadlines.pop(key, None)
 
     def scan(self, prefix: str) -> Iterator[str]:
@@ -138,16 +166,31 @@ class MemoryStore:
     @property
     def nbytes(self) -> int:
         """Framed bytes held."""
-        return self._bytes
+        return self._book.held_bytes
+
+    @property
+    def refused(self) -> int:
+        """Writes the policy did not admit."""
+        return self._book.refused
 
     def __len__(self) -> int:
         return len(self._values)
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert self._bytes == sum(len(v) for v in self._values.values()), "byte total drifted"
+            book = self._book
+            assert book.held_bytes == sum(len(v) for v in self._values.values()), (
+                "byte total drifted"
+            )
+            assert len(book) == len(self._values) and all(k in book for k in self._values), (
+                "the book and the values disagree"
+            )
+            assert self._deadlines.keys() <= self._values.keys(), "a deadline without a value"
             if self.capacity_bytes is not None:
-                assert self._bytes <= self.capacity_bytes, "over capacity"
+                assert book.held_bytes <= self.capacity_bytes, "over capacity"
+            check = getattr(book.policy, "check_integrity", None)
+            if callable(check):
+                check()
 
 
 class MemoryBackend(SimpleStoreBackend):
@@ -162,13 +205,17 @@ class MemoryBackend(SimpleStoreBackend):
         emit: EventSink | None = None,
         store: MemoryStore | None = None,
         capacity_bytes: int | None = DEFAULT_CAPACITY,
+        policy: str | None = None,
     ) -> None:
-        if store is not None and capacity_bytes is not DEFAULT_CAPACITY:
+        if store is not None and (capacity_bytes is not DEFAULT_CAPACITY or policy is not None):
             raise ValueError(
-                "give either store or capacity_bytes, not both (the store has its own capacity)"
+                "give either store or capacity_bytes and policy, not both (the store has its "
+                "own capacity and policy)"
             )
         super().__init__(
-            store if store is not None else MemoryStore(capacity_bytes),
+            store
+            if store is not None
+            else MemoryStore(capacity_bytes, policy=policy or DEFAULT_STORE_POLICY),
             namespace=namespace,
             emit=emit,
             threads=0,
@@ -179,19 +226,22 @@ class MemoryBackend(SimpleStoreBackend):
         cls, spec: str, *, namespace: Namespace, emit: EventSink | None = None, **options: Any
     ) -> MemoryBackend:
         """Spec `memory`. Options: `store` (a shared MemoryStore), `capacity_bytes` (default:
-        half the available memory; None: unbounded)."""
+        half the available memory; None: unbounded), `policy` (a store policy's name, default
+        `DEFAULT_STORE_POLICY`)."""
         if spec != "memory":
             raise ValueError(f"memory backend spec is exactly 'memory', got {spec!r}")
-        unknown = set(options) - {"store", "capacity_bytes"}
+        unknown = set(options) - {"store", "capacity_bytes", "policy"}
         if unknown:
             raise TypeError(
-                f"unknown memory backend options {sorted(unknown)}; known: capacity_bytes, store"
+                f"unknown memory backend options {sorted(unknown)}; known: capacity_bytes, "
+                "policy, store"
             )
         return cls(namespace=namespace, emit=emit, **options)
 
     def stats(self) -> dict[str, int | float]:
         out = dict(super().stats())
         out["evictions"] = self.store.evictions
+        out["refused"] = self.store.refused
         out["stored_bytes"] = self.store.nbytes
         out["peak_stored_bytes"] = self.store.peak_bytes
         out["max_bytes"] = self.store.capacity_bytes or 0  # 0: unbounded

@@ -31,6 +31,7 @@ from hicache.messages import (
     PrefetchWait,
     ReleaseBatch,
 )
+from hicache.policies.storage import DEFAULT_STORE_POLICY
 from hicache.results import CacheStats, CapacityError
 from hicache.testing.instant import InstantCache
 from hicache.types import RequestId
@@ -50,6 +51,10 @@ class Tally:
     host_evictions: int = 0
     d2h_tokens: int = 0
     h2d_tokens: int = 0
+    storage_bytes: int = 0  # framed bytes L3 holds at the end
+    storage_pages: int = 0  # pages L3 holds at the end
+    storage_evictions: int = 0  # pages L3 gave up to stay within its cap
+    storage_refused: int = 0  # page writes L3's policy did not admit
 
     def summary(self) -> dict[str, Any]:
         tokens = self.input_tokens or 1
@@ -66,6 +71,12 @@ class Tally:
             "evictions": {"device": self.device_evictions, "host": self.host_evictions},
             "rejected_requests": self.rejected,
             "transfer_tokens": {"d2h": self.d2h_tokens, "h2d": self.h2d_tokens},
+            "storage": {
+                "bytes": self.storage_bytes,
+                "pages": self.storage_pages,
+                "evictions": self.storage_evictions,
+                "refused": self.storage_refused,
+            },
         }
 
 
@@ -114,14 +125,20 @@ def replay_trace(
     requests: list[TraceRequest],
     *,
     storage: bool,
+    storage_capacity: int | None = None,
+    store_policy: str = DEFAULT_STORE_POLICY,
     block_tokens: int = 512,
     batch: int = 8,
     progress: Callable[[int], object] | None = None,
     tokens_of: TokensOf | None = None,
 ) -> Tally:
-    """The whole trace through a `InstantCache`, in the replay's scheduler steps. `tokens_of`
-    (request -> uint32 tokens) may be shared by the runs of one sweep."""
-    model = InstantCache(config, storage=storage)
+    """The whole trace through a `InstantCache`, in the replay's scheduler steps. L3 (with
+    `storage`) is capped at `storage_capacity` framed bytes (None: unbounded) and runs
+    `store_policy`. `tokens_of` (request -> uint32 tokens) may be shared by the runs of one
+    sweep."""
+    model = InstantCache(
+        config, storage=storage, storage_capacity=storage_capacity, store_policy=store_policy
+    )
     tally = Tally()
     if tokens_of is None:
 
@@ -150,6 +167,9 @@ def replay_trace(
     tally.host_hit, tally.storage_hit = stats.host.hit_tokens, stats.storage_hit_tokens
     tally.device_evictions, tally.host_evictions = stats.device.evictions, stats.host.evictions
     tally.d2h_tokens, tally.h2d_tokens = counters.d2h_bytes, counters.h2d_bytes
+    l3 = model.stored
+    tally.storage_bytes, tally.storage_pages = l3.held_bytes, len(l3)
+    tally.storage_evictions, tally.storage_refused = l3.evictions, l3.refused
     ledgers, tables = model.drain()
     leaked = {tier: led["used"] for tier, led in ledgers.items() if led["used"]}
     left = {name: n for name, n in tables.items() if n}

@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from hicache.config import EVICTION_POLICIES, WRITE_POLICIES
 from hicache.policies.prefetch import PREFETCH_POLICIES
+from hicache.policies.storage import DEFAULT_STORE_POLICY, STORE_POLICIES
 from hicache.secrets import redact_text
 
 _REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
@@ -239,7 +240,19 @@ def _parser() -> argparse.ArgumentParser:
         help="L1 sizes in tokens (100k, 1.5M, 65536), rounded down to whole pages",
     )
     s.add_argument("--host", default="2x,4x", help="L2 sizes: multiples of L1 (2x) or tokens")
-    s.add_argument("--storage", default="0,inf", help="L3: 0 (none) and/or inf (unbounded)")
+    s.add_argument(
+        "--storage",
+        default="0,inf",
+        help="L3 sizes: 0 (none), inf (unbounded), tokens (140k: that many tokens' pages) or "
+        "bytes (36MB, 2GiB: the framed bytes a store counts against its cap, pages sized by "
+        "--kv)",
+    )
+    s.add_argument(
+        "--store-policy",
+        choices=sorted(STORE_POLICIES),
+        default=DEFAULT_STORE_POLICY,
+        help="admission and eviction of a capped L3 (docs/configuration.md)",
+    )
     s.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru")
     s.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
     s.add_argument(
@@ -256,8 +269,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv",
         default="mha:2:1:32:float16",
-        help="with --hybrid: the pool's heads, head dim and dtype (its layer count is the "
-        "spec's layers kept as pages)",
+        help="the KV geometry, which sizes a page in a capped L3; with --hybrid: the pool's "
+        "heads, head dim and dtype (its layer count is the spec's layers kept as pages)",
     )
     s.add_argument(
         "--state-snapshots",

@@ -4,9 +4,19 @@ or time (what `hicache sweep` replays, `hicache/cli/coremodel.py`).
 `InstantCache` drives the tree actor's own controller (`hicache/components/tree/controller.py`)
 in one thread, as `actor.py` drives it, and carries out the effects it returns with workers
 that take no time and never fail: a backup or a load has landed as soon as it is asked for, an
-upload puts its page hashes in a set (L3, when on: an unbounded store that never loses a
-page), a prefetch probes that set and reads what it holds. No KV bytes exist: slots are only
-counted (on the controller's own ledgers). Its clock is the count of steps it has taken.
+upload writes its pages to L3, a prefetch probes L3 and reads what it holds. No KV bytes
+exist: slots are only counted (on the controller's own ledgers). Its clock is the count of
+steps it has taken.
+
+L3, when on, is a `StoreBook` (`hicache/policies/storage.py`) over the pages' keys: unbounded,
+or capped with a store policy, each page counted at the framed size a store holds for it
+(header, key and the page's bytes under `config.kv`). Its calls are the memory store's under
+the replay's storage workers: an upload writes each page in order, a probe asks for the
+pages in order until the first one missing, a read asks for a batch of
+`storage_batch_pages` at a time (every page of it) and stops after a short batch. A capped
+store may therefore evict a page between its probe and its read, or refuse one (a set that
+succeeds, keeping nothing). Values have no ttl here, and a page never exceeds the cap
+(`hicache sweep` refuses a cap below one page).
 
 Time is the order of calls: every completion a worker would report (a backup, a load, an
 upload, a prefetch's probe and read) is applied before the next frontend call, as the actor
@@ -22,6 +32,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from hicache.assembly import storage_namespace
+from hicache.backends.batch import prefix_count
+from hicache.backends.framing import header_size
 from hicache.components.topology import Topology
 from hicache.components.tree.controller import Controller
 from hicache.components.tree.effects import (
@@ -34,6 +47,7 @@ from hicache.components.tree.effects import (
     SubmitLoad,
 )
 from hicache.config import CacheConfig
+from hicache.kernels.geometry import parse_geometry
 from hicache.messages import (
     Backup,
     Drain,
@@ -48,13 +62,22 @@ from hicache.messages import (
     WriteDone,
 )
 from hicache.policies.eviction import make_strategy
+from hicache.policies.storage import DEFAULT_STORE_POLICY, StoreBook
 from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree
 from hicache.types import OpId, PageHash
 
-__all__ = ["InstantCache"]
+__all__ = ["InstantCache", "framed_page_bytes"]
 
 Work = Backup | SubmitLoad | Upload | StartPrefetch | ReadPrefetch | StopPrefetch
+
+
+def framed_page_bytes(config: CacheConfig) -> int:
+    """The bytes a store holds for one page of `config` (resolved here): the page's KV under
+    `config.kv` and the framing header with its key (`hicache/backends/framing.py`)."""
+    cfg, _ = config.resolve()
+    key = storage_namespace(cfg).key(PageHash("0" * 64))
+    return parse_geometry(cfg.kv).bytes_per_token * cfg.page_size + header_size(key)
 
 
 class _Reply:
@@ -95,10 +118,18 @@ _LANDED = _Landed()
 
 class InstantCache:
     """One cache's control plane, driven synchronously. `config` as for `HiCache` (resolved
-    here); `storage`: an unbounded L3 or none. With L3, the `wait_complete` prefetch policy
-    only: the others stop prefetches at times only a clock decides."""
+    here); `storage`: L3 on or off; `storage_capacity`: L3's cap in framed bytes (None:
+    unbounded) and `store_policy` its policy's name. With L3, the `wait_complete` prefetch
+    policy only: the others stop prefetches at times only a clock decides."""
 
-    def __init__(self, config: CacheConfig, *, storage: bool) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        storage: bool,
+        storage_capacity: int | None = None,
+        store_policy: str = DEFAULT_STORE_POLICY,
+    ) -> None:
         cfg, _ = config.resolve()
         if storage and cfg.prefetch_policy != "wait_complete":
             raise ValueError(
@@ -121,8 +152,15 @@ class InstantCache:
         )
         self.controller.tiers.lease_host(0, cfg.host_capacity)  # no allocator: all of L2 at once
         self.storage = storage
-        self.stored: set[PageHash] = set()  # L3: every page uploaded
+        self._keys = storage_namespace(cfg)
+        self.page_bytes = parse_geometry(cfg.kv).bytes_per_token * cfg.page_size + header_size(
+            self._keys.key(PageHash("0" * 64))
+        )  # what a store holds for one page: its framed value
+        self._store_policy = store_policy
+        self._storage_capacity = storage_capacity
+        self.stored = StoreBook(store_policy, storage_capacity)  # L3, by key
         self._probed: dict[OpId, int] = {}  # the prefetcher's ops: op -> pages storage has
+        self._probe_hashes: dict[OpId, tuple[PageHash, ...]] = {}  # ... and their hashes
         self._owed: deque[Work] = deque()  # what the workers were asked, not reported yet
         self._clock = 0
 
@@ -167,7 +205,9 @@ class InstantCache:
         elif isinstance(work, SubmitLoad):
             report = LoadDone(op=work.op, ok=True)
         elif isinstance(work, Upload):
-            self.stored.update(work.hashes)
+            for key in self._keys.keys(work.hashes):
+                self.stored.write(key, self.page_bytes)
+            # A refused page is a set that succeeded, as the memory store answers it.
             report = UploadDone(op=work.op, stored_pages=len(work.hashes))
         else:
             report = self._prefetch(work)
@@ -183,22 +223,29 @@ class InstantCache:
     ) -> PrefetchProgress | None:
         """The prefetcher's report (`components/prefetcher/actor.py`), its I/O instant."""
         op = work.op
+        stored = self.stored
         if isinstance(work, StartPrefetch):
-            hit = 0
-            for h in work.hashes:
-                if h not in self.stored:
-                    break
-                hit += 1
+            hit = prefix_count(stored.probe(k) for k in self._keys.keys(work.hashes))
             if hit:
                 self._probed[op] = hit
+                self._probe_hashes[op] = work.hashes
             return PrefetchProgress(op=op, hit_pages=hit, done_pages=0, finished=hit == 0)
         hit = self._probed.pop(op, -1)
+        hashes = self._probe_hashes.pop(op, ())
         if hit < 0:  # over already: a stop or a read that came after the end is dropped
             return None
         if isinstance(work, StopPrefetch):
             return PrefetchProgress(op=op, hit_pages=hit, done_pages=0, finished=True, stopped=True)
         hit = min(hit, len(work.host_slots) // self.cfg.page_size)
-        return PrefetchProgress(op=op, hit_pages=hit, done_pages=hit, finished=True)
+        keys = self._keys.keys(hashes[:hit])
+        done, batch = 0, self.cfg.storage_batch_pages
+        while done < hit:  # the prefetcher's reads: a batch at a time, every page asked
+            chunk = keys[done : done + batch]
+            got = prefix_count([stored.read(k) for k in chunk])
+            done += got
+            if got < len(chunk):
+                break
+        return PrefetchProgress(op=op, hit_pages=hit, done_pages=done, finished=True)
 
     def _execute(self, effects: list[Effect]) -> None:
         """Carry out the controller's effects, as the actor does (events and timers: none)."""
@@ -215,7 +262,7 @@ class InstantCache:
             elif isinstance(effect, Fail):
                 effect.reply.fail(effect.error)
             elif isinstance(effect, ClearBackend):
-                self.stored.clear()
+                self.stored = StoreBook(self._store_policy, self._storage_capacity)
                 effect.reply.set(True)
             elif isinstance(effect, Drained):
                 for reply in effect.replies:

@@ -4,16 +4,23 @@ and PNG it writes."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import anyio
 import pytest
 
+from hicache.backends.framing import header_size
 from hicache.cli.coremodel import replay_trace
 from hicache.cli.main import main
+from hicache.cli.replay.command import replay
 from hicache.cli.sweep.grid import grid, parse_tokens
+from hicache.cli.sweep.points import storage_cap_bytes
 from hicache.cli.sweep.table import CSV_FIELDS, read_csv
 from hicache.cli.trace import bound_hit_rate, read_trace
 from hicache.config import CacheConfig
+from hicache.policies.storage import STORE_POLICIES
+from hicache.testing.instant import framed_page_bytes
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_trace_400.jsonl"
 LIMIT = "200"
@@ -143,11 +150,89 @@ def test_grid_and_sizes():
     for device, host, storage, message in [
         ("10", "2x", "0", "one page"),
         ("100k", "0.5x", "0", "larger than L1"),
-        ("100k", "2x", "5G", r"0 \(none\) or inf"),
+        ("100k", "2x", "5 pages", r"0 \(none\), inf \(unbounded\), a token count"),
+        ("100k", "2x", "10", "at least one page"),
+        ("100k", "2x", "12XB", "not a byte size"),
         ("lots", "2x", "0", "not a token count"),
     ]:
         with pytest.raises(ValueError, match=message):
             grid(device, host, storage, page_size=64)
+
+
+def test_a_capped_l3_is_tokens_or_bytes():
+    points = grid("100k", "2x", "0,140k,36MB,2GiB,inf", page_size=64)
+    assert [(p.storage, p.storage_tokens, p.storage_bytes) for p in points] == [
+        (False, None, None),
+        (True, 139_968, None),  # whole pages
+        (True, None, 36_000_000),
+        (True, None, 2 << 30),
+        (True, None, None),
+    ]
+    assert [p.storage_label for p in points] == ["0", "140k", "36MB", "2GiB", "inf"]
+    cfg = CacheConfig(
+        kv="mha:2:1:32:float16", page_size=64, device_tokens=65536, host_tokens=131072
+    )
+    page = framed_page_bytes(cfg)
+    assert page == 2 * 2 * 1 * 32 * 2 * 64 + header_size("hicache:" + "0" * 20 + ":" + "0" * 64)
+    assert storage_cap_bytes(points[1], cfg) == 139_968 // 64 * page
+    assert storage_cap_bytes(points[2], cfg) == 36_000_000
+    assert storage_cap_bytes(points[4], cfg) is None
+    with pytest.raises(ValueError, match=r"--storage 16kB: smaller than one page \(16501 bytes"):
+        storage_cap_bytes(grid("100k", "2x", "16kB", page_size=64)[0], cfg)
+
+
+SHIPPED = TRACE.parent / "mooncake_synthetic_trace.jsonl"
+CAP_PAGES = 12_000  # about a fifth of the 54,131 pages L3 holds after these 300 requests unbounded
+
+
+@pytest.mark.parametrize("policy", sorted(STORE_POLICIES))
+def test_sweep_at_a_capped_l3_equals_the_replay_with_that_cap(policy):
+    """The sweep's capped L3 is a StoreBook run as the memory store runs it under the
+    replay's storage workers: at a cap that evicts (and, for the admission policies,
+    refuses), the hits per tier, the pages evicted and refused, and the bytes held are the
+    replay's with a memory store of that capacity and policy, to the token."""
+    requests = read_trace(SHIPPED, limit=300, block_tokens=512)
+    cfg = CacheConfig(
+        kv="mha:2:1:32:float16",
+        page_size=64,
+        device_tokens=200_000,
+        host_tokens=400_000,
+        prefetch_policy="wait_complete",
+        model_id="sweep",
+    )
+    cap = CAP_PAGES * framed_page_bytes(cfg)
+    model = replay_trace(cfg, requests, storage=True, storage_capacity=cap, store_policy=policy)
+    real_cfg = replace(cfg, storage="memory", extra={"capacity_bytes": cap, "policy": policy})
+
+    async def run_replay():
+        return await replay(
+            real_cfg,
+            requests,
+            block_tokens=512,
+            batch=8,
+            verify=False,
+            log=None,
+            progress=lambda done: None,
+        )
+
+    real, extra = anyio.run(run_replay)
+    store = extra["backend"]
+    s = model.summary()
+    assert s["hit_tokens"] == {
+        "device": real.device_hit,
+        "host": real.host_hit - real.storage_hit,
+        "storage": real.storage_hit,
+    }
+    assert s["storage"] == {
+        "bytes": store["stored_bytes"],
+        "pages": CAP_PAGES,
+        "evictions": store["evictions"],
+        "refused": store["refused"],
+    }
+    assert store["stored_bytes"] == cap and store["evictions"] > 0
+    assert (store["refused"] > 0) == (policy in ("second-hit", "tinylfu"))
+    unbounded = replay_trace(cfg, requests, storage=True)
+    assert 0 < s["hit_tokens"]["storage"] != unbounded.storage_hit
 
 
 def test_bad_sweep_flags_are_clear_errors(capsys, tmp_path):
@@ -192,3 +277,40 @@ def test_the_sweep_replays_calls_that_wait(write_policy, exclusive, storage):
     assert s["requests"] == 60 and tally.device_evictions > 0
     assert 0 < s["hit_rate"] <= bound_hit_rate(requests, block_tokens=512, page_size=64)
     assert (tally.storage_hit > 0) == storage
+
+
+def test_a_capped_sweep_writes_its_cap_policy_and_what_l3_did(tmp_path):
+    assert (
+        main(
+            [
+                "sweep",
+                "--trace",
+                str(SHIPPED),
+                "--limit",
+                "100",
+                "--device",
+                "100k",
+                "--host",
+                "2x",
+                "--storage",
+                "0,300k,100MB,inf",
+                "--store-policy",
+                "second-hit",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    rows = read_csv(tmp_path / "sweep.csv")
+    assert [r["storage"] for r in rows] == ["0", "300k", "100MB", "inf"]
+    page = 16_501  # framed, under the sweep's default --kv
+    assert [r["storage_cap_bytes"] for r in rows] == [0, 299_968 // 64 * page, 100_000_000, 0]
+    assert [r["store_policy"] for r in rows] == ["", "second-hit", "second-hit", ""]
+    none, small, large, unbounded = rows
+    assert none["storage_hit_tokens"] == 0
+    assert small["storage_refused_pages"] > 0 and small["storage_evicted_pages"] > 0
+    assert unbounded["storage_evicted_pages"] == unbounded["storage_refused_pages"] == 0
+    assert small["storage_hit_tokens"] < unbounded["storage_hit_tokens"]
+    assert small["storage_hit_tokens"] <= large["storage_hit_tokens"]

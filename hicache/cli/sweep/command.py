@@ -8,7 +8,9 @@ actor's own controller driven synchronously, with instant workers (`hicache/cli/
 L3 setting, the trace's bound dashed).
 
 Sizes: `100k`, `1.5M`, `262144` (tokens, rounded down to whole pages); L2 sizes may also be a
-multiple of the L1 size (`2x`). L3: `0` (none) or `inf` (an unbounded store).
+multiple of the L1 size (`2x`). L3: `0` (none), `inf` (an unbounded store), or a capped store:
+tokens (`140k`) or bytes (`36MB`, `2GiB`, the framed bytes a store counts, each page sized by
+`--kv`), running `--store-policy` as the memory store does (`hicache/policies/storage.py`).
 
 `--hybrid SPEC` (as `hicache replay --hybrid`): a hybrid model's hits depend on the snapshot
 bytes kept in the pools, which the control plane alone does not have, so every point is then
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                 exclusive=args.exclusive,
                 bound=bound,
                 state_snapshots=state_sizes,
+                store_policy=args.store_policy,
             )
         else:
             row = run_point(
@@ -83,12 +86,14 @@ def run(args: argparse.Namespace) -> int:
                 exclusive=args.exclusive,
                 bound=bound,
                 tokens_of=tokens_of,
+                kv=args.kv,
+                store_policy=args.store_policy,
             )
         rows.append(row)
         if show:
             print(
                 f"[{n}/{len(points)}] L1 {fmt_tokens(point.device_tokens):>6}  "
-                f"L2 {fmt_tokens(point.host_tokens):>6}  L3 {point.storage_label:>3}  "
+                f"L2 {fmt_tokens(point.host_tokens):>6}  L3 {point.storage_label:>5}  "
                 f"hit rate {row['hit_rate']:.4f} (L1 {row['device_hit_rate']:.4f}, "
                 f"L2 {row['host_hit_rate']:.4f}, L3 {row['storage_hit_rate']:.4f})  "
                 f"{row['seconds']:.1f} s",

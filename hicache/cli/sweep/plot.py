@@ -25,7 +25,7 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str, by_ratio: bool =
         return ("abs", row["host_tokens"])
 
     hosts = sorted({host_key(r) for r in rows}, key=lambda k: k[1])
-    stores = sorted({r["storage"] for r in rows})
+    stores = list(dict.fromkeys(r["storage"] for r in rows))  # as the grid gave them
     bound = rows[0]["bound_hit_rate"]
     fig, axes = plt.subplots(
         len(stores),
@@ -73,7 +73,9 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str, by_ratio: bool =
             ax.set_ylim(0, max(1.05 * bound, 0.05))
             ax.grid(True, alpha=0.3)
             l2 = f"L2 = {hk[1]:g} x L1" if hk[0] == "x" else f"L2 = {fmt_tokens(hk[1])} tokens"
-            l3 = "L3 unbounded" if store == "inf" else "no L3"
+            l3 = {"inf": "L3 unbounded", "0": "no L3"}.get(store, f"L3 capped at {store}")
+            if pts[0].get("store_policy"):
+                l3 += f" ({pts[0]['store_policy']})"
             ax.set_title(f"{l2}, {l3}", fontsize=10)
             if i == len(stores) - 1:
                 ax.set_xlabel("L1 (device) capacity, tokens")

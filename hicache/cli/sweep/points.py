@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -16,8 +17,10 @@ from hicache.cli.sweep.table import HYBRID_FIELDS, csv_row
 from hicache.cli.trace import TraceRequest
 from hicache.config import CacheConfig
 from hicache.hybrid import HybridModel
+from hicache.policies.storage import DEFAULT_STORE_POLICY
+from hicache.testing.instant import framed_page_bytes
 
-__all__ = ["run_hybrid_point", "run_point"]
+__all__ = ["run_hybrid_point", "run_point", "storage_cap_bytes"]
 
 
 def run_point(
@@ -32,9 +35,13 @@ def run_point(
     exclusive: bool,
     bound: float,
     tokens_of: Callable[[TraceRequest], np.ndarray] | None = None,
+    kv: str = "mha:2:1:32:float16",
+    store_policy: str = DEFAULT_STORE_POLICY,
 ) -> dict[str, Any]:
-    """One point through the control plane alone (`coremodel.replay_trace`): its CSV row."""
+    """One point through the control plane alone (`coremodel.replay_trace`): its CSV row.
+    `kv` sizes a page as a store holds it (a capped L3's cap counts those bytes)."""
     cfg = CacheConfig(
+        kv=kv,
         page_size=page_size,
         device_tokens=point.device_tokens,
         host_tokens=point.host_tokens,
@@ -43,11 +50,14 @@ def run_point(
         exclusive=exclusive,
         prefetch_policy="wait_complete",
     )
+    cap = storage_cap_bytes(point, cfg)
     t0 = time.perf_counter()
     tally = replay_trace(
         cfg,
         requests,
         storage=point.storage,
+        storage_capacity=cap,
+        store_policy=store_policy,
         block_tokens=block_tokens,
         batch=batch,
         tokens_of=tokens_of,
@@ -69,7 +79,23 @@ def run_point(
         evictions=(s["evictions"]["device"], s["evictions"]["host"]),
         rejected=s["rejected_requests"],
         seconds=seconds,
+        store=(cap, store_policy, s["storage"]),
     )
+
+
+def storage_cap_bytes(point: Point, cfg: CacheConfig) -> int | None:
+    """A point's L3 cap in the framed bytes a store counts (None: unbounded or no L3)."""
+    page = framed_page_bytes(cfg)
+    if point.storage_bytes is not None:
+        if point.storage_bytes < page:
+            raise ValueError(
+                f"--storage {point.storage_label}: smaller than one page ({page} bytes framed "
+                f"with --kv {cfg.kv} and --page-size {cfg.page_size})"
+            )
+        return point.storage_bytes
+    if point.storage_tokens is not None:
+        return point.storage_tokens // cfg.page_size * page
+    return None
 
 
 def run_hybrid_point(
@@ -86,9 +112,11 @@ def run_hybrid_point(
     exclusive: bool,
     bound: float,
     state_snapshots: tuple[int | None, int | None] | None = None,
+    store_policy: str = DEFAULT_STORE_POLICY,
 ) -> dict[str, Any]:
-    """One point as `hicache replay --hybrid` (verified, in-memory L3): the row's fields.
-    `state_snapshots` as replay's (a states cache; (None, None): sized for each point)."""
+    """One point as `hicache replay --hybrid` (verified, in-memory L3, capped as the point
+    says): the row's fields. `state_snapshots` as replay's (a states cache; (None, None):
+    sized for each point)."""
     cfg = CacheConfig(
         kv=kv,
         page_size=model.page_size,
@@ -101,6 +129,9 @@ def run_hybrid_point(
         model_id="sweep",
         prefetch_policy="wait_complete",
     )
+    cap = storage_cap_bytes(point, cfg)
+    if point.storage:
+        cfg = replace(cfg, extra={"capacity_bytes": cap, "policy": store_policy})
     t0 = time.perf_counter()
 
     async def main() -> tuple[Any, dict[str, Any]]:
@@ -132,6 +163,7 @@ def run_hybrid_point(
         evictions=(extra["evictions"]["device"], extra["evictions"]["host"]),
         rejected=tally.rejected,
         seconds=time.perf_counter() - t0,
+        store=(cap, store_policy, None),
     )
     more = {
         **hy,

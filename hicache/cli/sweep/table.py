@@ -31,6 +31,10 @@ CSV_FIELDS = (
     "device_evicted_tokens",
     "host_evicted_tokens",
     "rejected_requests",
+    "storage_cap_bytes",
+    "store_policy",
+    "storage_evicted_pages",
+    "storage_refused_pages",
     "seconds",
 )
 HYBRID_FIELDS = (
@@ -62,8 +66,12 @@ def csv_row(
     evictions: tuple[int, int],
     rejected: int,
     seconds: float,
+    store: tuple[int | None, str, dict[str, int] | None] = (None, "", None),
 ) -> dict[str, Any]:
-    """One CSV row: a point's configuration and its hits (L1, L2, L3 tokens) per tier."""
+    """One CSV row: a point's configuration and its hits (L1, L2, L3 tokens) per tier.
+    `store`: L3's cap in framed bytes (None: unbounded), its policy and what it did
+    (evictions, refused; None: not known)."""
+    cap, policy, l3 = store
     tokens = input_tokens or 1
     device, host, storage = hits
     return {
@@ -87,6 +95,10 @@ def csv_row(
         "device_evicted_tokens": evictions[0],
         "host_evicted_tokens": evictions[1],
         "rejected_requests": rejected,
+        "storage_cap_bytes": cap or 0,  # 0: unbounded (or no L3)
+        "store_policy": policy if point.capped else "",
+        "storage_evicted_pages": (l3 or {}).get("evictions", 0),
+        "storage_refused_pages": (l3 or {}).get("refused", 0),
         "seconds": round(seconds, 3),
     }
 
@@ -106,7 +118,7 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         for row in csv.DictReader(f):
             parsed: dict[str, Any] = {}
             for k, v in row.items():
-                if k in ("storage", "write_policy", "eviction", "hybrid", "kv"):
+                if k in ("storage", "write_policy", "eviction", "hybrid", "kv", "store_policy"):
                     parsed[k] = v
                 elif k == "exclusive":
                     parsed[k] = v == "True"

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.backends.base import enforces_ttl, set_from_ttl
 from hicache.backends.memory import MemoryBackend, MemoryStore
@@ -21,7 +23,7 @@ async def test_capacity_evicts_least_recently_used(ns, pool):
         pool.fill(i, seed=i)
     await backend.set_from(keys[:1], [pool.page_buffer(0)])
     value_bytes = store.nbytes
-    capped = MemoryBackend(namespace=ns, capacity_bytes=3 * value_bytes)
+    capped = MemoryBackend(namespace=ns, capacity_bytes=3 * value_bytes, policy="lru")
     assert await capped.set_from(keys[:3], [pool.page_buffer(i) for i in range(3)]) == 3
     out = FakeHostPool(pages=1)
     assert await capped.get_into(keys[:1], [out.page_buffer(0)]) == 1  # key 0 now most recent
@@ -129,3 +131,108 @@ async def test_a_store_without_expiry_keeps_the_value_and_drops_the_ttl(ns, pool
     assert not enforces_ttl(backend)
     assert await set_from_ttl(backend, keys, [pool.page_buffer(0)], ttl=5) == 1
     assert await backend.exists(keys) == 1
+
+
+def test_expired_values_go_first_when_the_capacity_needs_room():
+    now = [0.0]
+    store = MemoryStore(40, policy="lru", clock=lambda: now[0])
+    store.put("a", b"x" * 10)
+    store.put("b", b"x" * 10, ttl=5)
+    store.put("c", b"x" * 10, ttl=50)
+    store.put("d", b"x" * 10)
+    store.get("a")  # most recent: LRU alone would evict "b", then "c"
+    now[0] = 10.0
+    assert store.put("e", b"x" * 20)  # needs 10 bytes beyond the expired "b": LRU's "c"
+    assert sorted(k for k in "abcde" if store.contains(k)) == ["a", "d", "e"]
+    assert store.evictions == 2
+    store.check_integrity()
+
+
+def test_a_put_at_the_cap_pops_only_expired_deadlines_not_every_value():
+    """Many values with far deadlines and a put at the cap: the deadlines looked at are the
+    ones that passed (the heap's head), not all of them."""
+    now = [0.0]
+    store = MemoryStore(1000, policy="lru", clock=lambda: now[0])
+    for n in range(100):
+        store.put(f"k{n}", b"x" * 10, ttl=1000 + n)
+    for n in range(100):  # puts again: the old heap entries are stale and get compacted
+        store.put(f"k{n}", b"x" * 10, ttl=2000 + n)
+    assert len(store._expiry) <= 2 * len(store._deadlines) + 64
+    now[0] = 2000.5  # only k0's deadline has passed
+    assert store.put("new", b"x" * 10)
+    assert not store.contains("k0") and store.contains("k1") and store.evictions == 1
+    store.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "second-hit", "tinylfu"])
+def test_every_policy_runs_the_store_within_its_cap(policy, ns):
+    store = MemoryStore(100, policy=policy)
+    for n in range(300):
+        store.put(f"k{n % 37}", bytes(7 + n % 3))
+        store.get(f"k{(n * 7) % 41}")
+        store.contains(f"k{(n * 5) % 43}")
+        if n % 11 == 0:
+            store.delete(f"k{n % 13}")
+        store.check_integrity()
+    assert store.nbytes <= 100 and store.evictions > 0
+    backend = MemoryBackend.from_spec("memory", namespace=ns, capacity_bytes=100, policy=policy)
+    assert backend.store.policy == policy
+
+
+def test_a_refused_write_is_not_kept_not_a_failure_and_counted():
+    """A set the policy refuses succeeds (an uploader retries failed sets, which would offer
+    the value again and undo the decision) but keeps nothing."""
+    store = MemoryStore(20, policy="second-hit")
+    assert store.put("a", bytes(10)) and store.put("b", bytes(10))
+    assert store.put("c", bytes(10))  # would evict: first offer refused
+    assert store.refused == 1 and sorted(k for k in "abc" if store.contains(k)) == ["a", "b"]
+    assert store.put("c", bytes(10)) and store.contains("c") and store.refused == 1
+    store.check_integrity()
+
+
+def test_memory_policy_errors(ns):
+    with pytest.raises(ValueError, match="unknown store policy 'mru'"):
+        MemoryBackend.from_spec("memory", namespace=ns, policy="mru")
+    with pytest.raises(ValueError, match="not both"):
+        MemoryBackend(namespace=ns, store=MemoryStore(), policy="lru")
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "second-hit", "tinylfu"])
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "put_ttl", "get", "contains", "delete", "tick"]),
+            st.integers(0, 30),
+            st.integers(1, 40),
+        ),
+        max_size=200,
+    )
+)
+def test_the_store_is_its_book_under_any_calls(policy, ops):
+    """Puts (with and without a ttl), reads, probes, deletes and a clock that moves: after
+    each call the byte total is the values', the book holds the values' keys, the cap holds,
+    a value read back is the last one put, and an expired value is never returned."""
+    now = [0.0]
+    store = MemoryStore(200, policy=policy, clock=lambda: now[0])
+    last: dict[str, tuple[bytes, float]] = {}  # key -> (value, deadline) of its last put
+    for op, n, size in ops:
+        key = f"k{n}"
+        if op in ("put", "put_ttl"):
+            value = bytes([n]) * size
+            ttl = float(size % 7) if op == "put_ttl" else None
+            assert store.put(key, value, ttl=ttl)
+            last[key] = (value, now[0] + ttl if ttl is not None else float("inf"))
+        elif op == "get":
+            got = store.get(key)
+            if got is not None:
+                assert got == last[key][0] and last[key][1] > now[0]
+        elif op == "contains":
+            if store.contains(key):
+                assert last[key][1] > now[0]
+        elif op == "delete":
+            store.delete(key)
+            assert not store.contains(key)
+        else:
+            now[0] += size / 10
+        store.check_integrity()
