@@ -359,6 +359,9 @@ class S3FifoStore:
     def __contains__(self, key: object) -> bool:
         return key in self._reads
 
+    def keys(self) -> Iterator[str]:
+        return iter(self._reads)
+
     def admit(self, key: str, size: int) -> bool:
         return True
 

@@ -60,6 +60,7 @@ def test_the_book_is_what_was_inserted_and_not_yet_given_up(name, ops):
         assert policy.held_bytes == sum(held.values())
         assert len(policy) == len(held)
         assert {k for k in (f"k{i}" for i in range(41)) if k in policy} == set(held)
+        assert sorted(policy.keys()) == sorted(held)
         policy.check_integrity()  # type: ignore[attr-defined]
     given_up = []
     while (victim := policy.pop_victim()) is not None:

@@ -275,17 +275,21 @@ class FileBackend:
         if not self._gate.is_open():  # full a moment ago: refuse at once, no I/O
             self._gate.refuse(len(keys))
             return 0
-        hashes, paths = self._locate(keys)
-        sizes = [self._on_disk(header_size(k) + _nbytes(page)) for k, page in zip(keys, pages)]
-        # Pages the store's policy declines count as stored: not an error, and a retry
-        # would be declined the same way.
-        wanted = [self._index.admit(h, size) for h, size in zip(hashes, sizes)]
-        self._declined += wanted.count(False)
-        fit = len(sizes)
-        need = sum(size for size, want in zip(sizes, wanted) if want)
         if self._writers.changed() and self._recount():  # one left: its values need a holder
             self._start_rescan(left=True)
         share = self._share()
+        hashes, paths = self._locate(keys)
+        sizes = [self._on_disk(header_size(k) + _nbytes(page)) for k, page in zip(keys, pages)]
+        # A batch that fits is taken whole; one that would evict is offered to the policy
+        # page by page. Pages it declines count as stored: not an error, and a retry would
+        # be declined the same way.
+        if self._index.total + sum(sizes) <= share:
+            wanted = [True] * len(sizes)
+        else:
+            wanted = [self._index.admit(h, size) for h, size in zip(hashes, sizes)]
+        self._declined += wanted.count(False)
+        fit = len(sizes)
+        need = sum(size for size, want in zip(sizes, wanted) if want)
         if need > share:  # a batch larger than the whole cap stores the prefix that fits
             taken = itertools.accumulate(size if want else 0 for size, want in zip(sizes, wanted))
             fit = prefix_count(total <= share for total in taken)
