@@ -93,9 +93,12 @@ def main() -> int:
             shutil.rmtree(path, ignore_errors=True)
             return f"file:{path}"
 
-        probe = replay(args.limit, fresh("probe"))
+        probe_store = fresh("probe")
+        probe = replay(args.limit, probe_store)
         working_set = int(probe["storage_stats"]["stored_bytes"])
         tenth = max(1, working_set // 10)
+        values = sum(len(files) for _, _, files in os.walk(probe_store.removeprefix("file:")))
+        page_on_disk = working_set // max(values, 1)  # whole blocks, as the store counts them
         rows: list[tuple[str, str, int, str, tuple[str, ...]]] = [
             ("uncapped", "ref-big", args.limit, "uncapped", ()),
             (
@@ -147,7 +150,8 @@ def main() -> int:
             )
         if not mounted:
             print("a full filesystem: not measured (no tmpfs could be mounted here: needs root)")
-        sweep = sweep_lru(args.limit, tenth)
+        # the sweep counts pages, not blocks: an LRU store holding as many pages
+        sweep = sweep_lru(args.limit, tenth // page_on_disk * 64)
         if sweep is not None:
             got = results[1][-1]["hit_tokens"]["storage"] / (results[1][-1]["input_tokens"] or 1)
             print(f"1/10 cap: L3 hit rate {got:.4f} replayed, {sweep:.4f} in the sweep's LRU model")
@@ -158,9 +162,9 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def sweep_lru(limit: int, cap_bytes: int) -> float | None:
-    """The sweep's L3 hit rate for an LRU store of `cap_bytes` at the replay's defaults, where
-    the sweep models a capped L3 (None where it does not)."""
+def sweep_lru(limit: int, cap_tokens: int) -> float | None:
+    """The sweep's L3 hit rate for an LRU store of `cap_tokens` tokens' pages at the replay's
+    defaults (64-token pages), where the sweep models a capped L3 (None where it does not)."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             *HICACHE,
