@@ -176,7 +176,7 @@ def sweep_lru(limit: int, cap_tokens: int) -> float | None:
             "--host",
             "2x",
             "--storage",
-            f"{cap_bytes}B",
+            str(cap_tokens),
             "--store-policy",
             "lru",
             "--out",
