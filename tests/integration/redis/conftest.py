@@ -21,6 +21,13 @@ def _need_server() -> None:
 
 
 @pytest.fixture
+def redis_installed() -> None:
+    """Skip, with the line every Redis test gives, where no redis-server is installed: for the
+    tests that start servers of their own."""
+    _need_server()
+
+
+@pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # redis.asyncio runs on asyncio only
 

@@ -61,6 +61,7 @@ async def test_corrupt_value_on_a_shard(cluster):
     await backend.aclose()
 
 
+@pytest.mark.usefixtures("redis_installed")
 async def test_lost_shard_is_misses_and_an_event_not_a_hang(tmp_path):
     # Its own cluster: this test breaks it.
     with RedisClusterServers(tmp_path / "lost") as lost:
