@@ -79,9 +79,7 @@ async def test_writers_on_one_directory_share_its_cap_and_rescan_only_then(tmp_p
     for backend in (a, b):
         assert backend.stats()["share_bytes"] == cap // 2
         assert backend.stats()["stored_bytes"] <= cap // 2
-    on_disk = sum(
-        1 for _, _, files in os.walk(os.path.join(tmp_path, ns.digest)) for f in files
-    )
+    on_disk = sum(1 for _, _, files in os.walk(os.path.join(tmp_path, ns.digest)) for f in files)
     assert on_disk * value <= cap + 2 * value  # together within the cap (the lock files: 0 B)
     await b.aclose()
     for batch in range(8, 12):  # a's next period sees it alone: the whole cap is its again
