@@ -152,7 +152,7 @@ def on_disk(st: os.stat_result, block: int) -> int:
 
 
 def block_of(store: Path) -> int:
-    return os.statvfs(store).f_frsize
+    return os.statvfs(store.parent).f_frsize  # the store may not exist yet
 
 
 def stored_bytes(store: Path) -> int:
