@@ -42,16 +42,19 @@ class WriteGate:
     def refuse(self, pages: int) -> None:
         self.refused_pages += pages
 
-    def full(self) -> float:
-        """The store said full: close for the current backoff (returned), then double it.
-        Reported once per streak by the caller when `first` (streaks grew)."""
-        if self._backoff == FIRST_BACKOFF:
-            self.streaks += 1
+    def full(self) -> bool:
+        """The store said full: close for the current backoff, then double it. Calls that
+        were in flight when it closed and answer full meanwhile change nothing. True when
+        this began a streak (the caller reports it once)."""
         self.full_answers += 1
-        delay = self._backoff
-        self._until = self._clock() + delay
+        now = self._clock()
+        if now < self._until:
+            return False
+        began = self._backoff == FIRST_BACKOFF
+        self.streaks += began
+        self._until = now + self._backoff
         self._backoff = min(self._backoff * 2, LONGEST_BACKOFF)
-        return delay
+        return began
 
     def landed(self) -> bool:
         """A write landed: the next full answer starts a new streak. True when this ended

@@ -82,7 +82,7 @@ from hicache.backends.file.io import (
 from hicache.backends.file.native import NativeFileIO, native_file_io
 from hicache.backends.file.writers import WriterRegistry
 from hicache.backends.framing import CorruptValue, header_size
-from hicache.backends.fullness import FIRST_BACKOFF, WriteGate, is_full_error
+from hicache.backends.fullness import WriteGate, is_full_error
 from hicache.backends.keys import Namespace
 from hicache.policies.storage import DEFAULT_STORE_POLICY
 
@@ -341,7 +341,7 @@ class FileBackend:
             self._emit("storage.writes_resumed", directory=self._dir, stored_bytes=self.stored)
         if self._index.unscanned > self._rescan_bytes:
             self._start_rescan()
-        return prefix_count(ok_at) if fit == len(keys) else min(fit, prefix_count(ok_at))
+        return prefix_count(ok_at)
 
     async def delete(self, keys: Sequence[str]) -> None:
         check_keys(self.namespace, keys)
@@ -467,7 +467,7 @@ class FileBackend:
         what it can hold. The cap in force comes down to it, the store evicts to its
         low-water mark, and writes stop for the gate's backoff."""
         self._gate.refuse(pages)
-        first = self._gate.full() == FIRST_BACKOFF
+        first = self._gate.full()
         # every instance on the directory holds about its share: the directory, P of them
         self.max_bytes = max(1, min(self.max_bytes, self._index.stored * self._peers))
         self._rescan_bytes = max(1, int(self._share() * (1 - _LOW_WATER)))

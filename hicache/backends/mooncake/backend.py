@@ -270,9 +270,7 @@ class MooncakeBackend:
                 # The segments are full: one condition, not an error per page. Writes back
                 # off while the master's own eviction makes room; reads go on.
                 self._stats["full"] += 1
-                streaks = self._gate.streaks
-                self._gate.full()
-                if self._gate.streaks > streaks:
+                if self._gate.full():
                     self._emit("storage.full", backend="mooncake", key=key, code=code)
                 break
             self._stats["errors"] += 1

@@ -162,9 +162,7 @@ class RedisCalls:
         """The server is out of memory: writes back off (reads go on), one event a streak."""
         self.succeeded()  # it answered
         self._counters.full += 1
-        streaks = self.gate.streaks
-        self.gate.full()
-        if self.gate.streaks > streaks:
+        if self.gate.full():
             self._emit(
                 "storage.full",
                 backend="redis",
