@@ -148,6 +148,22 @@ $(AIBRIX_STAMP): pyproject.toml
 
 aibrix-env: $(AIBRIX_STAMP)
 
+# The package as pip installs it: `python -m build` makes the sdist and, from it, the wheel (so the
+# sdist is shown complete too); the wheel goes into a fresh venv of its own (torch first, the local
+# CPU build: the wheel's bare torch requirement then downloads nothing) and replays 50 requests of
+# the trace the wheel ships, run from outside the clone.
+WHEEL_DIR := .wheel-test
+wheel-test: $(STAMP)
+	rm -rf $(WHEEL_DIR)
+	$(VPY) -m build -q --no-isolation --outdir $(WHEEL_DIR)/dist . >/dev/null
+	ls $(WHEEL_DIR)/dist/hicache-*.tar.gz $(WHEEL_DIR)/dist/hicache-*.whl
+	$(PY) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q $(WHEEL_DIR)/dist/hicache-*.whl
+	cd $(WHEEL_DIR) && venv/bin/python -c "import hicache.data as d; print('trace:', d.default_trace())" \
+	  && venv/bin/hicache replay --limit 50
+	rm -rf $(WHEEL_DIR)
+
 # A separate venv with SGLang for hicache's SGLang storage backend (hicache.integrations.sglang,
 # docs/sglang.md) and its tests (`.venv-sglang/bin/python -m pytest tests/sglang`). SGLang is
 # installed without its dependency tree (which pulls a CUDA torch and pins torch 2.14); only what
@@ -179,4 +195,4 @@ sglang-test: $(SGLANG_STAMP)
 	$(SGLANG_PY) -m pytest -q tests/sglang
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AIBRIX_VENV) $(SGLANG_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AIBRIX_VENV) $(SGLANG_VENV) $(WHEEL_DIR) .pytest_cache .hypothesis .mypy_cache .ruff_cache
