@@ -134,3 +134,15 @@ def test_without_a_model_name_the_start_fails_naming_model_id() -> None:
         HiCacheL3Storage(config({"storage": "memory"}, model_name=None))
     with pytest.raises(ValueError, match="tp_lcm_size"):
         HiCacheL3Storage(config({"storage": "memory"}, should_split_heads=True))
+
+
+def test_calls_after_close_are_misses() -> None:
+    pool = LayerFirstPool()
+    backend = HiCacheL3Storage(config({"storage": "memory"}))
+    backend.register_mem_pool_host(pool)
+    assert backend.batch_set_v1(["a" * 64], torch.arange(0, 4)) == [True]
+    backend.close()
+    backend.close()  # idempotent
+    assert backend.batch_get_v1(["a" * 64], torch.arange(8, 12)) == [False]
+    assert backend.batch_exists(["a" * 64]) == 0
+    assert backend.batch_set(["a" * 64], [pool.get_data_page(0)]) is False

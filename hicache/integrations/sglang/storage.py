@@ -14,6 +14,7 @@ returns only once the backend has stopped writing into the host pool.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -51,15 +52,33 @@ class LoopThread:
 
     def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        """`coro`'s result (or its exception). Past `timeout` (None: none), or once the loop
+        is closed, it is cancelled and RuntimeError raised."""
+        if self._closed.is_set():
+            coro.close()
+            raise RuntimeError("the storage loop is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            done, _ = concurrent.futures.wait([future], timeout=wait)
+            if done:
+                return future.result()
+            if self._closed.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                future.cancel()
+                raise RuntimeError(
+                    "the storage call did not finish (loop closed or past its bound)"
+                )
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._closed.is_set():
             return
+        self._closed.set()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
