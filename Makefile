@@ -184,7 +184,7 @@ $(SGLANG_STAMP): pyproject.toml
 	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(SGLANG_PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 	$(SGLANG_PY) -m pip install -q "torch==$$($(SGLANG_PY) -c 'import torch; print(torch.__version__)')" \
-	  $(SGLANG_DEPS) -e . pytest pytest-timeout cryptography
+	  $(SGLANG_DEPS) -e '.[redis]' pytest pytest-timeout cryptography
 	$(SGLANG_PY) -c "import sys; sys.path.insert(0, 'tests/sglang'); import sglang_cpu; \
 	  why = sglang_cpu.sglang_missing(); sys.exit(why)"
 	touch $(SGLANG_STAMP)

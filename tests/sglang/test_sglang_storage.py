@@ -354,3 +354,28 @@ def test_open_needs_a_reachable_store(tmp_path: Path) -> None:
     with pytest.raises((BackendUnavailable, ValueError)):
         open_dynamic(host, f"file:{blocker / 'store'}")
     assert os.path.isfile(blocker)
+
+
+def test_a_redis_store_and_a_server_that_dies(tmp_path: Path, closing: Any) -> None:
+    pytest.importorskip("redis")
+    from hicache.testing.redis_server import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed here (make services installs it)")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        host = mha_host("page_first", page_size=PAGE)
+        backend = open_dynamic(host, server.url, options={"storage_timeout": 5})
+        closing(backend)
+        keys = hashes(3)
+        assert backend.batch_set_v1(keys, slots(0, 3)) == [True] * 3
+        assert backend.batch_get_v1(keys, slots(8, 3)) == [True] * 3
+        assert [page_bytes(host, 8 + i) for i in range(3)] == [
+            page_bytes(host, i) for i in range(3)
+        ]
+        server.kill()
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, slots(4, 3)) == [False] * 3
+        assert backend.batch_set_v1(hashes(1, base=77), slots(3, 1)) == [False]
+    finally:
+        server.stop()
