@@ -146,3 +146,37 @@ def test_calls_after_close_are_misses() -> None:
     assert backend.batch_get_v1(["a" * 64], torch.arange(8, 12)) == [False]
     assert backend.batch_exists(["a" * 64]) == 0
     assert backend.batch_set(["a" * 64], [pool.get_data_page(0)]) is False
+
+
+def test_every_difference_in_a_pool_gives_other_keys() -> None:
+    from hicache.integrations.sglang import pool_namespace
+
+    pool = LayerFirstPool()
+
+    def digest(p: Any = pool, name: str = "kv", salt: str = "", **kw: Any) -> str:
+        ns = pool_namespace(
+            p, name, config=config({}, **kw), model="m", salt=salt, seal=None, page_bytes=96
+        )
+        return ns.digest
+
+    base = digest()
+    others = [
+        digest(pp_rank=1, pp_size=2),
+        digest(tp_rank=1, tp_size=2),
+        digest(tp_size=2),
+        digest(attn_cp_rank=1, attn_cp_size=2),
+        digest(salt="tenant"),
+        digest(name="mamba"),
+    ]
+    paged = LayerFirstPool()
+    paged.layout = "page_first"
+    others.append(digest(paged))
+    wide = LayerFirstPool()
+    wide.dtype = torch.bfloat16
+    others.append(digest(wide))
+    assert len({base, *others}) == len(others) + 1
+
+    mla = LayerFirstPool()
+    mla.kv_lora_rank, mla.qk_rope_head_dim = 16, 8
+    assert digest(mla, tp_rank=0, tp_size=2) == digest(mla, tp_rank=1, tp_size=2), "MLA: one copy"
+    assert digest(mla) != base
