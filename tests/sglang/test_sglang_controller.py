@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_cpu import cpu_standins, dynamic_extra, mha_host, sglang_missing
+from sglang_cpu import MHA_LAYOUTS, cpu_standins, dynamic_extra, mha_host, sglang_missing
 
 if sglang_missing() is not None:  # one line in the summary, not one per test
     pytest.skip(str(sglang_missing()), allow_module_level=True)
@@ -40,8 +40,9 @@ def controller(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
         64, PAGE, torch.bfloat16, 2, 8, 3, "cpu", False, start_layer=0, end_layer=2
     )
     allocator = PagedTokenToKVPoolAllocator(64, PAGE, torch.int64, "cpu", device, False)
-    host = mha_host("layer_first", page_size=PAGE)
-    extra = dynamic_extra(f"file:{tmp_path}", interface_v1=request.param)
+    interface_v1, layout = request.param
+    host = mha_host(layout, page_size=PAGE)
+    extra = dynamic_extra(f"file:{tmp_path}", interface_v1=interface_v1)
     cc = HiCacheController(
         allocator,
         host,
@@ -63,7 +64,15 @@ def page(host: Any, slot: int) -> bytes:
     return bytes(host.get_data_page(slot, flat=True).contiguous().view(torch.uint8).numpy())
 
 
-@pytest.mark.parametrize("controller", [1, 0], ids=["interface_v1", "legacy"], indirect=True)
+CASES = [(v1, layout) for v1 in (1, 0) for layout in MHA_LAYOUTS]
+
+
+@pytest.mark.parametrize(
+    "controller",
+    CASES,
+    ids=[f"{'interface_v1' if v1 else 'legacy'}-{layout}" for v1, layout in CASES],
+    indirect=True,
+)
 def test_the_controller_backs_up_and_prefetches_through_hicache(controller: Any) -> None:
     cc = controller
     assert isinstance(cc.storage_backend, HiCacheL3Storage)
