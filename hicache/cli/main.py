@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import NoReturn
 
 from hicache.config import EVICTION_POLICIES, WRITE_POLICIES
+from hicache.data import default_trace
 from hicache.policies.prefetch import PREFETCH_POLICIES
 from hicache.policies.storage import DEFAULT_STORE_POLICY, STORE_POLICIES
 from hicache.secrets import redact_text
 
-_REPO_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
+_REPO_TRACE = default_trace()  # a clone's data/, else the copy shipped in the package
 
 
 _HYBRID_HELP = (

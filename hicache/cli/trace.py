@@ -5,10 +5,13 @@ up to and including that block). Block id h stands for token ids h*B .. h*B+B-1.
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -32,11 +35,22 @@ class TraceRequest:
         return (ids[:, None] * block_tokens + offsets[None, :]).reshape(-1)[: self.input_length]
 
 
+def open_trace(path: str | Path) -> TextIO:
+    """A trace file as text: plain, or compressed by name (`.xz`, `.gz`; the package ships
+    its trace as `.xz`)."""
+    name = str(path)
+    if name.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def read_trace(
     path: str | Path, *, limit: int | None = None, block_tokens: int = 512
 ) -> list[TraceRequest]:
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    with open_trace(path) as f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
