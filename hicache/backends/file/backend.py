@@ -173,6 +173,7 @@ class FileBackend:
         self._rescan: threading.Thread | None = None  # a rescan running beside the writes
         self._rescans = 0
         self._adopt_pending = False  # a departed instance's values wait for the next rescan
+        self._peers_once_adopted = 0  # the count of instances to take once they are adopted
         self._free_fraction = free_fraction
         self._index.begin_scan()
         self._index.merge_scan(scan(self._dir, self._block), adopt=True)
@@ -365,10 +366,12 @@ class FileBackend:
         while self._evicting is not None:
             await self._evicting.wait()
         self._join_rescan()
-        others, _dead = self._writers.census()
-        self._peers = 1 + others
-        # alone, it holds whatever the directory has; beside others, only its own values
-        await self._runner.run(functools.partial(self._rescan_sync, adopt=not others))
+        left = self._recount()
+        # alone, it holds whatever the directory has; beside others, its own values and
+        # what a departed one left
+        adopt = left or self._adopt_pending or self._peers == 1
+        self._adopt_pending = False
+        await self._runner.run(functools.partial(self._rescan_sync, adopt=adopt))
         return await self._evict(0)
 
     def accepts_writes(self) -> bool:
@@ -509,10 +512,15 @@ class FileBackend:
     def _recount(self) -> bool:
         """Count the instances that have the directory open (this one's share of the cap
         follows); True when one left, closed or killed, since the last count: the values it
-        wrote are nobody's until a rescan adopts them."""
+        wrote are nobody's until a rescan adopts them, and until then the share stays as it
+        was (a larger share before the orphans count again would let the directory pass
+        the cap)."""
         others, dead = self._writers.census()
         left = dead > 0 or 1 + others < self._peers
-        self._peers = 1 + others
+        if left:
+            self._peers_once_adopted = 1 + others
+        else:
+            self._peers = 1 + others
         return left
 
     def _start_rescan(self, *, left: bool | None = None) -> None:
@@ -547,6 +555,8 @@ class FileBackend:
         if not begun:
             self._index.begin_scan()
         self._index.merge_scan(scan(self._dir, self._block), adopt=adopt)
+        if adopt and self._peers_once_adopted:  # the orphans count now: the share may grow
+            self._peers, self._peers_once_adopted = self._peers_once_adopted, 0
         self._rescans += 1
 
     def _join_rescan(self) -> None:
