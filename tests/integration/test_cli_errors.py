@@ -111,6 +111,18 @@ CASES = [
         ],
         ["do not fit", "L2", "available"],
     ),
+    (
+        "a cap for a store that caps itself",
+        lambda t: [
+            "replay",
+            *SMALL,
+            "--storage",
+            "redis://127.0.0.1:1",
+            "--storage-max-bytes",
+            "256MB",
+        ],
+        ["--storage-max-bytes", "'redis'", "maxmemory"],
+    ),
 ]
 
 
@@ -193,3 +205,14 @@ def test_summary_shows_rejections_storage_problems_and_what_its_terms_mean(tmp_p
     assert "time in cache calls: wall time inside" in table
     mooncake_like = {"errors": 2, "unreachable": 3, "corrupt": 1}
     assert storage_problems(mooncake_like) == {"errors": 5, "corrupt_values": 1}
+
+
+def test_storage_max_bytes_caps_a_memory_store(tmp_path):
+    out = tmp_path / "summary.json"
+    done = hicache(
+        ["replay", *SMALL, "--storage", "memory", "--storage-max-bytes", "3MB", "--json", str(out)],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(out.read_text())["storage_stats"]
+    assert stats["max_bytes"] == 3_000_000 and stats["stored_bytes"] <= 3_000_000
