@@ -303,25 +303,29 @@ class HiCacheL3Storage(StorageBase):
     ) -> list[bool]:
         """Read each key's page into the host pool at `host_indices` (page by page); a
         leading run of True, then False from the first miss."""
-        try:
-            pool = self._pool(KV_POOL)
-            slots = None if pool is None else self._slots(pool, len(keys), host_indices)
-            got = 0 if pool is None or slots is None else self._read(pool, keys, slots)
-        except Exception as exc:  # noqa: BLE001 - never raise into SGLang's threads
-            log.warning("hicache storage batch_get_v1 failed (misses): %r", exc)
-            got = 0
-        return [i < got for i in range(len(keys))]
+        return self._v1("batch_get_v1", self._read, keys, host_indices)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Store the host pool's pages at `host_indices` under `keys`."""
+        return self._v1("batch_set_v1", self._write, keys, host_indices)
+
+    def _v1(
+        self,
+        call: str,
+        move: Callable[[_Pool, Sequence[str], Sequence[int]], int],
+        keys: list[str],
+        host_indices: torch.Tensor,
+    ) -> list[bool]:
+        """One v1 call over the KV pool's pages at `host_indices`: a leading run of True for
+        the pages moved; anything that goes wrong is a miss or a failed write."""
         try:
             pool = self._pool(KV_POOL)
             slots = None if pool is None else self._slots(pool, len(keys), host_indices)
-            got = 0 if pool is None or slots is None else self._write(pool, keys, slots)
+            got = 0 if pool is None or slots is None else move(pool, keys, slots)
         except Exception as exc:  # noqa: BLE001 - never raise into SGLang's threads
-            log.warning("hicache storage batch_set_v1 failed: %r", exc)
+            log.warning("hicache storage %s failed (misses): %r", call, exc)
             got = 0
         return [i < got for i in range(len(keys))]
 
