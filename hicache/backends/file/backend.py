@@ -34,7 +34,7 @@ progress. Values are created 0600, directories 0700. Guarantees:
   `storage.writes_failing` (once per streak), and on the next success `storage.writes_recovered`.
 
 Blocking calls run in worker threads under a limiter of `threads` (or inline with threads=0),
-a batch's pages in runs of at least `_STRIPE_PAGES` per thread call; io.py holds them.
+a batch in runs of at least `_STRIPE_BYTES` of pages per thread call; io.py holds them.
 Where the compiled loops build (native.py: the same calls and results, a whole run per
 call without the GIL), reads, writes and `exists` go through them; io.py's Python loops
 otherwise, and whenever a test has replaced one of the calls they stand for.
@@ -228,7 +228,7 @@ class FileBackend:
         hashes, paths = self._locate(keys)
         jobs = [(k, path, p, now, now_ns) for k, path, p in zip(keys, paths, pages)]
         self._counters.gets += len(jobs)
-        results = await self._map(_read_all, jobs)
+        results = await self._map(_read_all, jobs, _nbytes(pages[0]) if pages else 0)
         oks = []
         read = []  # (page hash, file size, expiry) of the values read, for the index
         missed = []
@@ -309,7 +309,8 @@ class FileBackend:
         jobs = [(keys[i], paths[i], temp, pages[i], fsync, times) for i, temp in zip(chosen, temps)]
         self._index.reserve(hashes_w, need)  # counted from now: the cap holds while written
         try:
-            results = await self._map(_write_all, jobs) if jobs else []
+            page_bytes = _nbytes(pages[chosen[0]]) if chosen else 0
+            results = await self._map(_write_all, jobs, page_bytes) if jobs else []
         finally:
             self._index.release(hashes_w, need)
             if self._landed is not None:
@@ -567,11 +568,13 @@ class FileBackend:
     # -- helpers (loop side unless noted) ---------------------------------------------------
 
     async def _map(
-        self, run_all: Callable[[list[_Job]], list[_Result]], jobs: list[_Job]
+        self, run_all: Callable[[list[_Job]], list[_Result]], jobs: list[_Job], page_bytes: int
     ) -> list[_Result]:
-        """`run_all` over `jobs` cut into runs of at least `_STRIPE_PAGES` (one worker-thread
-        call each, at most `threads` at once); the results in order."""
-        runs = max(1, min(self._runner.threads, len(jobs) // _STRIPE_PAGES))
+        """`run_all` over `jobs` (pages of `page_bytes`) cut into runs of at least
+        `_STRIPE_BYTES` (one worker-thread call each, at most `threads` at once); the results
+        in order."""
+        stripes = len(jobs) * page_bytes // _STRIPE_BYTES
+        runs = max(1, min(self._runner.threads, len(jobs), stripes))
         bounds = [len(jobs) * i // runs for i in range(runs + 1)]
         parts = await self._runner.map(run_all, [jobs[a:b] for a, b in itertools.pairwise(bounds)])
         return [result for part in parts for result in part]
@@ -627,11 +630,14 @@ class FileBackend:
 
 
 _HEX = "0123456789abcdef"  # a page hash is 64 of these (keys.py)
-_STRIPE_PAGES = 128
-"""Fewest pages per worker-thread call of a batch (a batch of 128 pages, a prefetch's, is one
-call; 512 or more go out as `threads` calls). Handing a call to a worker thread costs the event
-loop tens of microseconds, and the batches in flight at once already spread over the threads:
-`hicache replay --limit 2500` used 13-16 % less CPU than with runs of 32 (docs/benchmarks.md)."""
+_STRIPE_BYTES = 128 * 16384
+"""Fewest page bytes per worker-thread call of a batch: 128 pages of 16 KiB (a prefetch's batch
+at the replay's geometry) are one call, 512 or more go out as `threads` calls; a batch of
+large pages (2 MiB: 16 layers of a real model) spreads over the threads from a few pages on,
+so its checksums and copies run on every core. Handing a call to a worker thread costs the
+event loop tens of microseconds, and the batches in flight at once already spread over the
+threads: `hicache replay --limit 2500` used 13-16 % less CPU than with runs of 32 small
+pages (docs/benchmarks.md)."""
 
 _Job = tuple[Any, ...]
 _Result = Any
