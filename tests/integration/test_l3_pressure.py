@@ -144,3 +144,55 @@ def test_a_store_at_its_cap_keeps_the_cache_calls_whole(tmp_path, cap_pages):
     assert stats["evictions"] > 0  # it ran at its cap
     assert stats["peak_stored_bytes"] <= stats["max_bytes"]
     assert stats["errors"] == 0 and stats["corrupt"] == 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs mounted for the test (root only): a filesystem that really fills."""
+    import shutil
+    import subprocess
+
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8); the ENOSPC stand-in covers it")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"no tmpfs could be mounted here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, check=False)
+
+
+def test_a_real_full_tmpfs_is_full_and_the_calls_do_not_wait(small_tmpfs):
+    log = EventLog(capture=True)
+    backends = []
+
+    def open_file(cfg):
+        # the cap asked for is far above what 256 KiB holds: lowered at open, and the writes
+        # still meet ENOSPC (temporary files, directories) before the lowered cap
+        backend = FileBackend(
+            small_tmpfs,
+            namespace=namespace_of(cfg),
+            threads=0,
+            max_bytes=1 << 30,
+            emit=log.bind("storage").warning,
+        )
+        backends.append(backend)
+        return backend
+
+    took, _dropped, _ = run_requests(open_file, log=log, requests=48)
+    assert took < DEADLINE / 10
+    stats = backends[0].stats()
+    names = [e["event"] for e in log.events]
+    assert "storage.cap_lowered" in names and stats["max_bytes"] < 1 << 30
+    assert stats["errors"] == 0 and "storage.error" not in names
+    assert names.count("uploader.retry") == 0
+    assert stats["stored_bytes"] <= 256 * 1024
+    assert stats["evictions"] > 0 or stats["full"] > 0  # it filled: evicting, or said full
