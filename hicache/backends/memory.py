@@ -22,13 +22,13 @@ Several backends (e.g. two cache instances in one test) share values by being gi
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from hicache.backends.base import EventSink
+from hicache.backends.deadlines import Deadlines
 from hicache.backends.keys import Namespace
 from hicache.backends.simple import SimpleStoreBackend
 from hicache.policies.storage import DEFAULT_STORE_POLICY, StoreBook
@@ -72,10 +72,7 @@ class MemoryStore:
         self.capacity_bytes = capacity_bytes
         self.policy = policy
         self._values: dict[str, bytes] = {}
-        self._deadlines: dict[str, float] = {}  # only values put with a ttl
-        # (deadline, key) of every value put with a ttl, soonest first; an entry whose key
-        # was since dropped or put again is stale and skipped when it comes up.
-        self._expiry: list[tuple[float, str]] = []
+        self._deadlines = Deadlines()  # only values put with a ttl
         self._clock = clock
         self.peak_bytes = 0  # the most framed bytes ever held
         self._lock = threading.Lock()
@@ -121,14 +118,10 @@ class MemoryStore:
                 self._forget(victim)
             self.evictions += len(evicted)
             self._values[key] = bytes(value)
-            self._deadlines.pop(key, None)
-            if ttl is not None:
-                deadline = self._clock() + ttl
-                self._deadlines[key] = deadline
-                heapq.heappush(self._expiry, (deadline, key))
-                if len(self._expiry) > 2 * len(self._deadlines) + 64:  # mostly stale: rebuild
-                    self._expiry = [(d, k) for k, d in self._deadlines.items()]
-                    heapq.heapify(self._expiry)
+            if ttl is None:
+                self._deadlines.drop(key)
+            else:
+                self._deadlines.set(key, self._clock() + ttl)
             self.peak_bytes = max(self.peak_bytes, book.held_bytes)
             return True
 
@@ -141,13 +134,10 @@ class MemoryStore:
         return deadline is not None and deadline <= now
 
     def _drop_expired(self, now: float) -> None:
-        """Drop every value whose deadline has passed: O(values dropped + stale entries)."""
-        expiry = self._expiry
-        while expiry and expiry[0][0] <= now:
-            deadline, key = heapq.heappop(expiry)
-            if self._deadlines.get(key) == deadline:
-                self._drop(key)
-                self.evictions += 1
+        """Drop every value whose deadline has passed: O(values dropped + stale rows)."""
+        for key in self._deadlines.due(now):
+            self._drop(key)
+            self.evictions += 1
 
     def _drop(self, key: str) -> None:
         if key in self._values:
@@ -157,7 +147,7 @@ class MemoryStore:
     def _forget(self, key: str) -> None:
         """The value of `key` (no longer in the book) is gone."""
         del self._values[key]
-        self._deadlines.pop(key, None)
+        self._deadlines.drop(key)
 
     def scan(self, prefix: str) -> Iterator[str]:
         with self._lock:
@@ -186,6 +176,7 @@ class MemoryStore:
                 "the book and the values disagree"
             )
             assert self._deadlines.keys() <= self._values.keys(), "a deadline without a value"
+            assert self._deadlines.rows() <= 2 * len(self._deadlines) + 64, "stale rows grew"
             if self.capacity_bytes is not None:
                 assert book.held_bytes <= self.capacity_bytes, "over capacity"
             check = getattr(book.policy, "check_integrity", None)

@@ -341,7 +341,7 @@ class FileBackend:
             await self._filled(full)
         elif stored and self._gate.landed():
             self._emit("storage.writes_resumed", directory=self._dir, stored_bytes=self.stored)
-        if self._index.unscanned > self._rescan_bytes:
+        if self._index.unscanned > self._share() * (1 - _LOW_WATER):  # a rescan period
             self._start_rescan()
         return prefix_count(ok_at)
 
@@ -474,7 +474,6 @@ class FileBackend:
         first = self._gate.full()
         # every instance on the directory holds about its share: the directory, P of them
         self.max_bytes = max(1, min(self.max_bytes, self._index.stored * self._peers))
-        self._rescan_bytes = max(1, int(self._share() * (1 - _LOW_WATER)))
         if first:
             self._emit(
                 "storage.full",
@@ -502,7 +501,6 @@ class FileBackend:
         except OSError:
             room = self.configured_max_bytes
         self.max_bytes = max(1, min(self.configured_max_bytes, room))
-        self._rescan_bytes = max(1, int(self._share() * (1 - _LOW_WATER)))
 
     def _on_disk(self, size: int) -> int:
         block = self._block

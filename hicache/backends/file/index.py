@@ -18,12 +18,12 @@ overshoot). Thread-safe: the event loop updates it, a worker thread rebuilds it 
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import threading
 from collections.abc import Iterable
 
+from hicache.backends.deadlines import Deadlines
 from hicache.policies.storage import DEFAULT_STORE_POLICY, make_store_policy
 
 TMP_DIR = "tmp"
@@ -154,8 +154,7 @@ class FileIndex:
         self._lock = threading.Lock()
         self.policy = policy
         self._book = make_store_policy(policy)  # which values are held, in eviction order
-        self._expiry: dict[str, float] = {}  # the values that have a deadline
-        self._deadlines: list[tuple[float, str]] = []  # heap over them (stale rows skipped)
+        self._deadlines = Deadlines()  # of the values that have one
         # While a rescan runs: what this instance learnt meanwhile (an entry; None: gone),
         # which beats what the scan saw.
         self._during_scan: dict[str, Entry | None] | None = None
@@ -179,6 +178,10 @@ class FileIndex:
 
     def __contains__(self, page_hash: str) -> bool:
         return page_hash in self._book
+
+    def deadline_rows(self) -> int:
+        """Rows of the expiry heap (stale ones included): bounded by the values with one."""
+        return self._deadlines.rows()
 
     def admit(self, page_hash: str, size: int) -> bool:
         """Whether the policy takes a write of this value (one it holds always is)."""
@@ -233,7 +236,6 @@ class FileIndex:
     def clear(self) -> None:
         with self._lock:
             self._book = make_store_policy(self.policy)
-            self._expiry.clear()
             self._deadlines.clear()
 
     def begin_scan(self) -> None:
@@ -286,13 +288,9 @@ class FileIndex:
         victims until stored + reserved <= limit. O(values removed). Returns (page hashes,
         how many expired)."""
         with self._lock:
-            victims: list[str] = []
-            heap, expiry = self._deadlines, self._expiry
-            while heap and heap[0][0] <= now:
-                deadline, page_hash = heapq.heappop(heap)
-                if expiry.get(page_hash) == deadline:  # else a stale row: rewritten or gone
-                    self._drop(page_hash)
-                    victims.append(page_hash)
+            victims = self._deadlines.due(now)
+            for page_hash in victims:
+                self._drop(page_hash)
             expired = len(victims)
             if limit is not None:
                 book = self._book
@@ -301,7 +299,7 @@ class FileIndex:
                     if victim is None:
                         break
                     page_hash = victim[0]
-                    self._expiry.pop(page_hash, None)
+                    self._deadlines.drop(page_hash)
                     if self._during_scan is not None:
                         self._during_scan[page_hash] = None
                     victims.append(page_hash)
@@ -312,16 +310,15 @@ class FileIndex:
     def _hold(self, page_hash: str, size: int, expiry: float | None) -> None:
         self._book.insert(page_hash, size)
         if expiry is None:
-            self._expiry.pop(page_hash, None)
-        elif self._expiry.get(page_hash) != expiry:
-            self._expiry[page_hash] = expiry
-            heapq.heappush(self._deadlines, (expiry, page_hash))
+            self._deadlines.drop(page_hash)
+        else:
+            self._deadlines.set(page_hash, expiry)
         if self._during_scan is not None:
             self._during_scan[page_hash] = (size, expiry)
 
     def _drop(self, page_hash: str) -> None:
         self._book.remove(page_hash)
-        self._expiry.pop(page_hash, None)
+        self._deadlines.drop(page_hash)
         if self._during_scan is not None:
             self._during_scan[page_hash] = None
 

@@ -62,10 +62,6 @@ class WriterRegistry:
         alive = sum(1 for path in paths if _alive(path))
         return alive, len(paths) - alive
 
-    def others(self) -> int:
-        """How many other instances have the directory open now."""
-        return self.census()[0]
-
     def __del__(self) -> None:  # an instance dropped without aclose (the process goes on)
         self.close()
 

@@ -115,7 +115,7 @@ def test_a_dead_writers_lock_file_is_swept_and_a_live_one_counted(tmp_path):
     ns_dir = str(tmp_path)
     mine = WriterRegistry(ns_dir)
     other = WriterRegistry(ns_dir)  # another instance, alive
-    assert mine.others() == 1
+    assert mine.census()[0] == 1
     # a process that opened the directory and was killed: its lock died with it
     code = (
         "import os,sys; from hicache.backends.file.writers import WriterRegistry;"
@@ -123,10 +123,10 @@ def test_a_dead_writers_lock_file_is_swept_and_a_live_one_counted(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code, ns_dir], check=True)
     assert len(os.listdir(os.path.join(ns_dir, "writers"))) == 3
-    assert mine.others() == 1
+    assert mine.census()[0] == 1
     assert len(os.listdir(os.path.join(ns_dir, "writers"))) == 2  # the dead one's file is gone
     other.close()
-    assert mine.others() == 0
+    assert mine.census()[0] == 0
     mine.close()
 
 
@@ -171,3 +171,15 @@ async def test_a_cap_the_filesystem_cannot_hold_is_lowered_at_open(tmp_path, ns,
     assert backend.max_bytes == 1 << 20 and backend.configured_max_bytes == 1 << 30
     (lowered,) = events.named("storage.cap_lowered")
     assert lowered["requested"] == 1 << 30 and lowered["effective"] == 1 << 20
+
+
+def test_the_expiry_heap_stays_bounded_by_the_values_with_a_deadline():
+    from hicache.backends.file.index import FileIndex
+
+    index = FileIndex("lru")
+    for rewrite in range(1000):  # the same 10 values, each written again with a new deadline
+        index.wrote((f"h{i}", 4096, 1000.0 + rewrite) for i in range(10))
+    assert index.deadline_rows() <= 2 * 10 + 64 + 1
+    victims, expired = index.take_victims(now=10_000.0, limit=None)
+    assert sorted(victims) == sorted(f"h{i}" for i in range(10)) and expired == 10
+    assert index.deadline_rows() == 0 and len(index) == 0

@@ -157,7 +157,7 @@ def test_a_put_at_the_cap_pops_only_expired_deadlines_not_every_value():
         store.put(f"k{n}", b"x" * 10, ttl=1000 + n)
     for n in range(100):  # puts again: the old heap entries are stale and get compacted
         store.put(f"k{n}", b"x" * 10, ttl=2000 + n)
-    assert len(store._expiry) <= 2 * len(store._deadlines) + 64
+    assert store._deadlines.rows() <= 2 * len(store._deadlines) + 64
     now[0] = 2000.5  # only k0's deadline has passed
     assert store.put("new", b"x" * 10)
     assert not store.contains("k0") and store.contains("k1") and store.evictions == 1
