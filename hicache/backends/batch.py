@@ -29,6 +29,9 @@ def check_buffers(
         raise ValueError(f"{len(keys)} keys but {len(buffers)} page buffers")
     pages: list[list[memoryview]] = []
     for i, pieces in enumerate(buffers):
+        if getattr(pieces, "checked", False):  # a host pool's page: checked when made
+            pages.append(pieces)  # type: ignore[arg-type]  # a PagePieces is a list
+            continue
         if isinstance(pieces, (bytes, bytearray, memoryview)):
             raise TypeError(f"page {i}: a page buffer is a sequence of pieces, got one buffer")
         views = []

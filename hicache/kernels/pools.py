@@ -34,13 +34,31 @@ class PagePieces(list[memoryview]):
     byte memoryviews, in value order) and `header_room`, how many bytes right before the first
     piece hold no KV and are free for the backend working on this page to write (a value
     header, so header and page move as one piece). 0 means none; a backend must not touch
-    memory outside the pieces then."""
+    memory outside the pieces then. `checked` says the pieces are already what a backend
+    checks for (writable, C-contiguous, one-dimensional byte views): the pool sets it on the
+    pages it hands out, so a batch of them is not checked piece by piece again."""
 
-    __slots__ = ("header_room",)
+    __slots__ = ("checked", "header_room")
 
-    def __init__(self, pieces: Iterable[memoryview] = (), header_room: int = 0) -> None:
+    def __init__(
+        self, pieces: Iterable[memoryview] = (), header_room: int = 0, *, checked: bool = False
+    ) -> None:
         super().__init__(pieces)
         self.header_room = header_room
+        self.checked = checked
+
+
+def _pool_page(piece: memoryview, header_room: int) -> PagePieces:
+    """`PagePieces((piece,), header_room, checked=True)` without the Python-level __init__
+    (a host pool makes one per page moved to or from storage)."""
+    page = _new_pieces(PagePieces)
+    page.append(piece)
+    page.header_room = header_room
+    page.checked = True
+    return page
+
+
+_new_pieces = PagePieces.__new__
 
 
 def _check_page_size(page_size: int) -> None:
@@ -374,14 +392,18 @@ class HostPool:
             nbytes = self.page_size * self.geometry.bytes_per_token
             whole = self._whole
             starts = (room + pages * (nbytes + room)).tolist()
-            return [PagePieces((whole[o : o + nbytes],), room) for o in starts]
+            return [_pool_page(whole[o : o + nbytes], room) for o in starts]
         out = []
         for page in pages.tolist():
             pieces = page_pieces(
                 self.layout, self.geometry, self.size, self.page_size, page, self.header_room
             )
             out.append(
-                PagePieces([self._bytes[o : o + n].data for o, n in pieces], self.header_room)
+                PagePieces(
+                    [self._bytes[o : o + n].data for o, n in pieces],
+                    self.header_room,
+                    checked=True,
+                )
             )
         return out
 

@@ -142,7 +142,10 @@ class FileBackend:
         self.fsync = bool(fsync)
         self._emit = emit or no_events
         self._clock = clock
-        self._runner = BlockingRunner(threads)
+        self._runner = BlockingRunner(threads)  # writes, removals, scans
+        # Reads have threads of their own: a prefetch (a request waiting) never queues
+        # behind uploads (background work) for a thread.
+        self._reader = BlockingRunner(threads)
         self._temp_seq = itertools.count()
         self._counters = Counters()
         self._expired = 0  # values found or swept expired
@@ -217,9 +220,17 @@ class FileBackend:
 
     async def exists(self, keys: Sequence[str]) -> int:
         check_keys(self.namespace, keys)
-        paths = self._locate(keys)[1]
+        hashes, paths = self._locate(keys)
         self._counters.exists_calls += 1
-        return await self._runner.run(_count_present, paths, self._clock())
+        now = self._clock()
+        if self._writers.changed() and self._recount():
+            self._start_rescan(left=True)
+        if self._peers == 1:
+            # Alone in the directory, the index is every value there is (written here or
+            # found by the scan at open): no system call. A file removed behind the store's
+            # back is a miss when read, as every read is checked.
+            return self._index.held_prefix(hashes, now)
+        return await self._reader.run(_count_present, paths, now)
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
         pages = check_buffers(self.namespace, keys, targets, writable=True)
@@ -228,7 +239,7 @@ class FileBackend:
         hashes, paths = self._locate(keys)
         jobs = [(k, path, p, now, now_ns) for k, path, p in zip(keys, paths, pages)]
         self._counters.gets += len(jobs)
-        results = await self._map(_read_all, jobs, _nbytes(pages[0]) if pages else 0)
+        results = await self._map(_read_all, jobs, _nbytes(pages[0]) if pages else 0, self._reader)
         oks = []
         read = []  # (page hash, file size, expiry) of the values read, for the index
         missed = []
@@ -566,15 +577,20 @@ class FileBackend:
     # -- helpers (loop side unless noted) ---------------------------------------------------
 
     async def _map(
-        self, run_all: Callable[[list[_Job]], list[_Result]], jobs: list[_Job], page_bytes: int
+        self,
+        run_all: Callable[[list[_Job]], list[_Result]],
+        jobs: list[_Job],
+        page_bytes: int,
+        runner: BlockingRunner | None = None,
     ) -> list[_Result]:
         """`run_all` over `jobs` (pages of `page_bytes`) cut into runs of at least
         `_STRIPE_BYTES` (one worker-thread call each, at most `threads` at once); the results
         in order."""
         stripes = len(jobs) * page_bytes // _STRIPE_BYTES
-        runs = max(1, min(self._runner.threads, len(jobs), stripes))
+        runner = runner or self._runner
+        runs = max(1, min(runner.threads, len(jobs), stripes))
         bounds = [len(jobs) * i // runs for i in range(runs + 1)]
-        parts = await self._runner.map(run_all, [jobs[a:b] for a, b in itertools.pairwise(bounds)])
+        parts = await runner.map(run_all, [jobs[a:b] for a, b in itertools.pairwise(bounds)])
         return [result for part in parts for result in part]
 
     def _path(self, key: str) -> str:

@@ -183,6 +183,20 @@ class FileIndex:
         """Rows of the expiry heap (stale ones included): bounded by the values with one."""
         return self._deadlines.rows()
 
+    def held_prefix(self, page_hashes: Iterable[str], now: float) -> int:
+        """How many leading values this index holds unexpired at `now`."""
+        with self._lock:
+            book, deadline = self._book, self._deadlines.get
+            n = 0
+            for page_hash in page_hashes:
+                if page_hash not in book:
+                    break
+                expiry = deadline(page_hash)
+                if expiry is not None and expiry <= now:
+                    break
+                n += 1
+            return n
+
     def admit(self, page_hash: str, size: int) -> bool:
         """Whether the policy takes a write of this value (one it holds always is)."""
         with self._lock:

@@ -183,3 +183,34 @@ def test_the_expiry_heap_stays_bounded_by_the_values_with_a_deadline():
     victims, expired = index.take_victims(now=10_000.0, limit=None)
     assert sorted(victims) == sorted(f"h{i}" for i in range(10)) and expired == 10
     assert index.deadline_rows() == 0 and len(index) == 0
+
+
+async def test_a_store_alone_answers_probes_from_its_index(tmp_path, ns, monkeypatch):
+    backend = FileBackend(tmp_path, namespace=ns, threads=0)
+    keys, stored = await write(backend, ns, 0, 6)
+    assert stored == 6
+
+    def no_stat(*args, **kw):
+        raise AssertionError("a store alone in its directory probed the filesystem")
+
+    monkeypatch.setattr(file_backend, "_count_present", no_stat)
+    assert await backend.exists(keys) == 6
+    # A value removed behind the store's back: the probe still counts it, the read that
+    # follows checks every value and stops there (a miss, never other bytes).
+    os.unlink(backend._locate(keys[3:4])[1][0])
+    assert await backend.exists(keys) == 6
+    pool = FakeHostPool(pages=6)
+    assert await backend.get_into(keys, [pool.page_buffer(i) for i in range(6)]) == 3
+    assert await backend.exists(keys) == 3  # the read taught the index
+    await backend.aclose()
+
+
+async def test_a_shared_store_probes_the_files(tmp_path, ns):
+    a = FileBackend(tmp_path, namespace=ns, threads=0)
+    b = FileBackend(tmp_path, namespace=ns, threads=0)
+    keys, _ = await write(a, ns, 0, 6)
+    assert await b.exists(keys) == 6  # written by the other instance: found on disk
+    os.unlink(a._locate(keys[2:3])[1][0])
+    assert await a.exists(keys) == 2
+    await a.aclose()
+    await b.aclose()

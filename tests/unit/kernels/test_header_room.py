@@ -68,3 +68,15 @@ def test_no_room_pieces_say_so():
     host = HostPool(device, 16, "layer_first")
     (pieces,) = host.page_buffers(np.arange(4))
     assert pieces.header_room == 0 and len(pieces) == 2 * 2
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pool_pages_are_marked_checked_and_are_what_a_backend_checks(layout):
+    device = DevicePool.allocate(SMALL, 8, 4)
+    host = HostPool(device, 16, layout)
+    for pieces in host.page_buffers(np.arange(8)):
+        assert pieces.checked  # a backend takes them without a check per piece...
+        for piece in pieces:  # ...because each is what that check asks for
+            assert piece.c_contiguous and not piece.readonly and piece.ndim == 1
+            assert piece.format == "B"
+    assert not PagePieces([memoryview(b"x")]).checked  # anything else is checked
