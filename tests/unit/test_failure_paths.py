@@ -179,6 +179,35 @@ async def test_file_store_whose_directory_vanishes_makes_it_again(tmp_path, anyi
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_file_store_alone_sees_its_directory_removed_without_a_write(
+    tmp_path, anyio_backend, threads
+):
+    """Alone in its directory the store answers probes from its index; once the directory is
+    removed, the next probe sees it (no write in between) and answers a miss, and a store
+    opened again later holds only what is on disk."""
+    import shutil
+
+    from tests.unit.backends.conftest import FakeHostPool, page_keys
+
+    ns = Namespace(model="test/model", kv="mha:2:2:4:bfloat16", page_size=PAGE)
+    backend = FileBackend(tmp_path / "store", namespace=ns, threads=threads)
+    pool = FakeHostPool(pages=3)
+    for page in range(3):
+        pool.fill(page, seed=page)
+    keys = page_keys(ns, 3)
+    assert await backend.set_from(keys, [pool.page_buffer(p) for p in range(3)]) == 3
+    assert await backend.exists(keys) == 3
+    shutil.rmtree(tmp_path / "store")
+    assert await backend.exists(keys) == 0
+    assert backend.stats()["stored_bytes"] == 0
+    assert await backend.set_from(keys[:1], [pool.page_buffer(0)]) == 1
+    assert await backend.exists(keys) == 1
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_mooncake_without_its_client_library_fails_at_open(anyio_backend):
     from hicache.backends.mooncake import MooncakeBackend
     from hicache.backends.mooncake.spec import parse_spec

@@ -525,8 +525,14 @@ class FileBackend:
         wrote are nobody's until a rescan adopts them, and until then the share stays as it
         was (a larger share before the orphans count again would let the directory pass
         the cap)."""
+        removed = self._writers.reregister_if_removed()
+        if removed:
+            # The directory went with everything in it: the index describes nothing that is
+            # there. Forgotten values are misses; the rescan that follows adopts what was
+            # written since.
+            self._index.clear()
         others, dead = self._writers.census()
-        left = dead > 0 or 1 + others < self._peers
+        left = removed or dead > 0 or 1 + others < self._peers
         if left:
             self._peers_once_adopted = 1 + others
         else:

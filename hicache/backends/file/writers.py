@@ -30,6 +30,9 @@ class WriterRegistry:
         self._fd: int | None = None
         self._seen_ns = -1  # the directory's mtime at the last census
         self._path = os.path.join(self._dir, f"{os.getpid()}.{next(_SEQ)}")
+        self._register()
+
+    def _register(self) -> None:
         try:
             os.makedirs(self._dir, mode=0o700, exist_ok=True)
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -42,12 +45,24 @@ class WriterRegistry:
         self._fd = fd
 
     def changed(self) -> bool:
-        """Whether an instance opened or closed the directory since the last census: one
-        `stat` (a killed one shows only at a census)."""
+        """Whether an instance opened or closed the directory since the last census, or the
+        directory was removed: one `stat` (a killed one shows only at a census)."""
         try:
             return os.stat(self._dir).st_mtime_ns != self._seen_ns
+        except FileNotFoundError:
+            return True
         except OSError:
             return False
+
+    def reregister_if_removed(self) -> bool:
+        """True when the directory was removed under this instance (with every value in it);
+        this instance's lock file is then made again."""
+        if self._fd is None or os.path.exists(self._path):
+            return False
+        os.close(self._fd)
+        self._fd = None
+        self._register()
+        return True
 
     def census(self) -> tuple[int, int]:
         """(other instances with the directory open now, dead ones found): a dead one's file
