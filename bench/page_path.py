@@ -1,0 +1,202 @@
+"""One page's way to the store and back, stage by stage (16 KiB pages, the replay's geometry).
+
+Each stage runs alone over the same pages, in batches of one request's pages (the size the
+uploader and the prefetcher hand a store), and prints its cost per page: what the store's
+calls are made of, so that the per-page work beyond the bytes can be set against memcpy of the
+same bytes (one large numpy copy, same run). Then the whole calls (set_from, exists, get_into)
+of the memory and the file store over the same pages, for the sum to be checked against.
+
+Stages: the chained page hash of a request's tokens; the storage keys and the file paths; the
+host pool's page views; the batch checks; the CRC-32 of a page, one page per call and a batch
+in one native call; the value's header; the file store's index (a batch written, a batch
+probed); the file system calls of a value written (open, writev, utime, close, rename) and
+read (open, fstat, read, close, checksum) in one native call per batch; a worker-thread hop
+per batch.
+
+Run: python bench/page_path.py [--pages N] [--repeats R] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import anyio
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from storage import SMALL_BATCH, SMALL_KV, memcpy_seconds_per_byte, small_case
+
+from hicache.backends.batch import check_buffers
+from hicache.backends.blocking import BlockingRunner
+from hicache.backends.file import FileBackend
+from hicache.backends.file.index import TMP_DIR, FileIndex, plain_atime_ns
+from hicache.backends.file.native import native_file_io
+from hicache.backends.framing import checksum, pack_header
+from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.memory import MemoryBackend
+
+PAGE_TOKENS = 64
+
+
+def best_of(repeats: int, fn: Callable[[], object]) -> float:
+    took = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - t0)
+    return min(took)
+
+
+def batches(n: int) -> list[slice]:
+    return [slice(s, min(s + SMALL_BATCH, n)) for s in range(0, n, SMALL_BATCH)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", type=int, default=4800, help="pages per pass")
+    ap.add_argument("--repeats", type=int, default=5, help="passes; the best is kept")
+    ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    args = ap.parse_args()
+
+    import torch
+
+    from hicache.kernels import DevicePool, HostPool
+    from hicache.kernels.geometry import parse_geometry
+
+    geometry = parse_geometry(SMALL_KV)
+    pages = args.pages
+    device = DevicePool.allocate(geometry, PAGE_TOKENS * 2, PAGE_TOKENS, device=torch.device("cpu"))
+    host = HostPool(device, 2 * pages * PAGE_TOKENS, "page_first", pin_memory=False)
+    page_bytes = PAGE_TOKENS * geometry.bytes_per_token
+    host.buffer.numpy()[:] = np.random.default_rng(0).integers(
+        0, 256, host.buffer.numpy().size, dtype=np.uint8
+    )
+    namespace = Namespace(model="bench-path", kv=SMALL_KV, page_size=PAGE_TOKENS)
+    tokens = np.arange(pages * PAGE_TOKENS, dtype=np.int64)
+    slots = np.arange(pages * PAGE_TOKENS, dtype=np.int64)
+    memcpy_us = page_bytes * memcpy_seconds_per_byte(pages * page_bytes) * 1e6
+    native = native_file_io()
+    root = tempfile.mkdtemp(prefix="hicache-bench-path-", dir=args.dir)
+    rows: list[tuple[str, float]] = []
+
+    def stage(name: str, fn: Callable[[], object]) -> None:
+        rows.append((name, best_of(args.repeats, fn) / pages * 1e6))
+
+    try:
+        store = FileBackend(root, namespace=namespace, threads=0)
+        parts = batches(pages)
+        token_runs = [tokens[p.start * PAGE_TOKENS : p.stop * PAGE_TOKENS] for p in parts]
+        stage(
+            "page hash (chained sha256)",
+            lambda: [chain_page_hashes(t, PAGE_TOKENS) for t in token_runs],
+        )
+        hashes = chain_page_hashes(tokens, PAGE_TOKENS)
+        keys = namespace.keys(hashes)
+        stage("storage keys", lambda: [namespace.keys(hashes[p]) for p in parts])
+        stage("file paths", lambda: [store._locate(keys[p]) for p in parts])
+        slot_runs = [slots[p.start * PAGE_TOKENS : p.stop * PAGE_TOKENS] for p in parts]
+        stage("host page views", lambda: [host.page_buffers(s) for s in slot_runs])
+        views = host.page_buffers(slots)
+        stage(
+            "batch checks",
+            lambda: [check_buffers(namespace, keys[p], views[p], writable=False) for p in parts],
+        )
+        stage("CRC-32, one page a call", lambda: [checksum(v) for v in views])
+        if native is not None:
+            stage(
+                "CRC-32, a batch a call (native)",
+                lambda: [native.checksums(views[p]) for p in parts],
+            )
+        stage("header", lambda: [pack_header(k, page_bytes, 0) for k in keys])
+        entries = [(h, page_bytes + 4096, None) for h in hashes]
+
+        def index_writes() -> None:
+            index = FileIndex()
+            for p in parts:
+                index.wrote(entries[p])
+
+        stage("index: a batch written", index_writes)
+        index = FileIndex()
+        index.wrote(entries)
+        stage("index: a batch probed", lambda: [index.held_prefix(hashes[p], 0.0) for p in parts])
+        if native is not None:
+            _, paths = store._locate(keys)
+            now_ns = time.time_ns()
+            times = (plain_atime_ns(now_ns), now_ns)
+            tmp = os.path.join(store._dir, TMP_DIR)
+            seq = iter(range(10**9))
+
+            def write_files() -> None:
+                for p in parts:
+                    native.write_values(
+                        [
+                            (k, path, f"{tmp}/{k[-64:]}.{next(seq)}.tmp", v, False, times)
+                            for k, path, v in zip(keys[p], paths[p], views[p])
+                        ]
+                    )
+
+            stage("files written (open, writev, utime, close, rename)", write_files)
+            out = host.page_buffers(slots + pages * PAGE_TOKENS)
+            now = time.time()
+
+            def read_files() -> None:
+                for p in parts:
+                    native.read_values(
+                        [(k, path, v, now, now_ns) for k, path, v in zip(keys[p], paths[p], out[p])]
+                    )
+
+            stage("files read and checked (open, fstat, read, close, CRC)", read_files)
+        runner = BlockingRunner(2)
+
+        async def hops() -> None:
+            for _ in parts:
+                await runner.run(int)
+
+        stage("worker-thread hop, one a batch", lambda: anyio.run(hops))
+        anyio.run(store.clear)
+        anyio.run(store.aclose)  # the stores below are then alone in the directory
+        whole: list[tuple[str, float]] = []
+        for name in ("memory", "file"):
+            best: dict[str, float] = {}
+            for r in range(args.repeats):
+                backend = (
+                    MemoryBackend(namespace=namespace, capacity_bytes=None)
+                    if name == "memory"
+                    else FileBackend(root, namespace=namespace)
+                )
+                try:
+                    took = anyio.run(small_case, backend, host, namespace, pages, r)
+                finally:
+                    anyio.run(backend.clear)
+                for op, s in took.items():
+                    best[op] = min(best.get(op, s), s)
+            whole += [(f"{name} {op}", s * 1e6) for op, s in best.items()]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(
+        f"page {page_bytes // 1024} KiB, {pages} pages in batches of {SMALL_BATCH}, best of "
+        f"{args.repeats}; memcpy of a page {memcpy_us:.2f} us"
+    )
+    print(f"{'stage':<58}{'us/page':>9}")
+    for name, us in rows:
+        print(f"{name:<58}{us:>9.2f}")
+    print(
+        f"{'whole call (bench/storage.py --backends small)':<58}{'us/page':>9}{'beyond bytes':>14}"
+    )
+    for name, us in whole:
+        beyond = us - (0 if name.endswith("exists") else memcpy_us)
+        print(f"{name:<58}{us:>9.2f}{beyond:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
