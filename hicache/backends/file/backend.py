@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -220,7 +221,7 @@ class FileBackend:
 
     async def exists(self, keys: Sequence[str]) -> int:
         check_keys(self.namespace, keys)
-        hashes, paths = self._locate(keys)
+        hashes = self._hashes(keys)
         self._counters.exists_calls += 1
         now = self._clock()
         if self._writers.changed() and self._recount():
@@ -230,7 +231,7 @@ class FileBackend:
             # found by the scan at open): no system call. A file removed behind the store's
             # back is a miss when read, as every read is checked.
             return self._index.held_prefix(hashes, now)
-        return await self._reader.run(_count_present, paths, now)
+        return await self._reader.run(_count_present, self._paths(hashes), now)
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
         pages = check_buffers(self.namespace, keys, targets, writable=True)
@@ -602,21 +603,27 @@ class FileBackend:
     def _path(self, key: str) -> str:
         return value_path(self.root, self.namespace.digest, self.namespace.page_hash_of(key))
 
-    def _locate(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
-        """The page hash and `_path` of each key (keys already checked to be in the
-        namespace), the path built by concatenation (`value_path`'s result); a suffix that
-        is not a page hash goes through `page_hash_of`, which raises."""
+    def _hashes(self, keys: Sequence[str]) -> list[str]:
+        """The page hash of each key (keys already checked to be in the namespace), checked
+        for the whole batch at once; a suffix that is not a page hash raises ValueError
+        (through `page_hash_of`, which names the key)."""
         start = len(self.namespace.prefix)
+        hashes = [key[start:] for key in keys]
+        if not (all(len(h) == 64 for h in hashes) and _HEX_RUN.fullmatch("".join(hashes))):
+            for key in keys:
+                self.namespace.page_hash_of(key)
+        return hashes
+
+    def _locate(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The page hash and `_path` of each key, the path built by concatenation
+        (`value_path`'s result)."""
+        hashes = self._hashes(keys)
+        return hashes, self._paths(hashes)
+
+    def _paths(self, hashes: Sequence[str]) -> list[str]:
         base = self._dir + os.sep
         sep = os.sep
-        hashes, paths = [], []
-        for key in keys:
-            h = key[start:]
-            if len(h) != 64 or h.strip(_HEX):
-                self.namespace.page_hash_of(key)  # raises ValueError for a non-hash suffix
-            hashes.append(h)
-            paths.append(f"{base}{h[:2]}{sep}{h[2]}{sep}{h}")
-        return hashes, paths
+        return [f"{base}{h[:2]}{sep}{h[2]}{sep}{h}" for h in hashes]
 
     def _temp_paths(self, hashes: Sequence[str]) -> list[str]:
         # unique without a syscall per page: pid, this instance, a counter (next() is atomic
@@ -649,7 +656,7 @@ class FileBackend:
         self._failed_writes = 0
 
 
-_HEX = "0123456789abcdef"  # a page hash is 64 of these (keys.py)
+_HEX_RUN = re.compile("[0-9a-f]*")  # page hashes, joined (keys.py)
 _STRIPE_BYTES = 128 * 16384
 """Fewest page bytes per worker-thread call of a batch: 128 pages of 16 KiB (a prefetch's batch
 at the replay's geometry) are one call, 512 or more go out as `threads` calls; a batch of

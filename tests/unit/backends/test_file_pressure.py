@@ -214,3 +214,19 @@ async def test_a_shared_store_probes_the_files(tmp_path, ns):
     assert await a.exists(keys) == 2
     await a.aclose()
     await b.aclose()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_key_whose_suffix_is_not_a_page_hash_is_refused_by_name(tmp_path, ns, shared):
+    a = FileBackend(tmp_path, namespace=ns, threads=0)
+    b = FileBackend(tmp_path, namespace=ns, threads=0) if shared else None
+    keys, _ = await write(a, ns, 0, 3)
+    bad = ns.prefix + "zz" * 32
+    with pytest.raises(ValueError, match="zz"):
+        await a.exists([keys[0], bad])
+    with pytest.raises(ValueError, match=keys[1][-20:-1]):
+        await a.exists([keys[0], keys[1][:-1]])
+    assert await a.exists(keys) == 3  # nothing lost to the refused calls
+    await a.aclose()
+    if b is not None:
+        await b.aclose()
