@@ -292,7 +292,12 @@ class FileBackend:
             self._start_rescan(left=True)
         share = self._share()
         hashes, paths = self._locate(keys)
-        sizes = [self._on_disk(header_size(k) + _nbytes(page)) for k, page in zip(keys, pages)]
+        # Every key of the namespace has one length (the page hashes were checked): one
+        # header size, and one size on disk per payload size.
+        hsize = header_size(keys[0]) if keys else 0
+        payloads = [_nbytes(page) for page in pages]
+        on_disk = {n: self._on_disk(hsize + n) for n in set(payloads)}
+        sizes = [on_disk[n] for n in payloads]
         # A batch that fits is taken whole; one that would evict is offered to the policy
         # page by page. Pages it declines count as stored: not an error, and a retry would
         # be declined the same way.

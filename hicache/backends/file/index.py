@@ -205,8 +205,16 @@ class FileIndex:
     def wrote(self, entries: Iterable[tuple[str, int, float | None]]) -> None:
         """Values written (page hash, file size, expiry), in order: each the most recent."""
         with self._lock:
-            for page_hash, size, expiry in entries:
-                self._hold(page_hash, size, expiry)
+            insert = self._book.insert
+            deadlines, during = self._deadlines, self._during_scan
+            for page_hash, size, expiry in entries:  # `_hold`, inlined: once per page
+                insert(page_hash, size)
+                if expiry is not None:
+                    deadlines.set(page_hash, expiry)
+                elif deadlines:
+                    deadlines.drop(page_hash)
+                if during is not None:
+                    during[page_hash] = (size, expiry)
             self.peak = max(self.peak, self._book.held_bytes)
 
     def was_read(self, entries: Iterable[tuple[str, int, float | None]]) -> None:
