@@ -57,7 +57,9 @@ class SimpleStoreBackend:
         self.store = store
         self.namespace = namespace
         self._emit = emit or no_events
-        self._runner = BlockingRunner(threads)
+        self._runner = BlockingRunner(threads)  # writes, deletes, clears
+        # Reads on threads of their own: a prefetch never queues behind a backlog of uploads.
+        self._reader = BlockingRunner(threads)
         self._counters = Counters()
 
     @property
@@ -72,12 +74,12 @@ class SimpleStoreBackend:
         self._counters.exists_calls += 1
         contains = getattr(self.store, "contains", None)
         probe = contains if callable(contains) else (lambda k: self.store.get(k) is not None)
-        return await self._runner.run(_count_present, probe, keys)
+        return await self._reader.run(_count_present, probe, keys)
 
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
         pages = check_buffers(self.namespace, keys, targets, writable=True)
         self._counters.gets += len(keys)
-        values = await self._runner.map(self._fetch, list(keys))
+        values = await self._reader.map(self._fetch, list(keys))
         for key, value in zip(keys, values):
             if isinstance(value, Exception):
                 self._error("get", key, value)
