@@ -5,7 +5,7 @@ derived from the secret (HKDF-SHA-256): the namespace digest is
 `HMAC(k_names, "namespace" || fields)` and a page's key suffix
 `HMAC(k_names, "page" || digest || page hash)`, so someone who can list or read the store can
 neither test whether a prompt is cached nor compute the key to plant a value under. The tree's
-chained page hashes (keys.chain_page_hashes) are unchanged; only their names in the store are.
+chained page hashes (hicache/radix/hashes.py) are unchanged; only their names in the store are.
 
 Each value's payload then starts with a seal block (after the framing header, framing.py):
 

@@ -119,6 +119,6 @@ def salt_prior(salt: str | None) -> PageHash | None:
     those of an embedded HiCache matching the same tokens under the same salt."""
     if not salt:
         return None
-    from hicache.radix.structure import salt_seed
+    from hicache.radix.hashes import salt_seed
 
     return salt_seed(salt.encode())

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
+from hicache.radix.hashes import chain_page_hashes
 from hicache.types import PageHash
 
 
