@@ -47,7 +47,7 @@ from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree
 from hicache.runtime import ActorSystem, Mailbox
 from hicache.secrets import redact_url
-from hicache.sizing import TierBytes, check_fits, cuda_free
+from hicache.sizing import TierBytes, cuda_free, shortfall
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -348,12 +348,13 @@ def check_pools_fit(cfg: CacheConfig, bytes_per_token: int, *, own_device_pool: 
         l1=cfg.device_tokens * bytes_per_token if own_device_pool else 0,
         l2=cfg.host_capacity * bytes_per_token,
     )
-    check_fits(
-        need,
-        what=f"kv={cfg.kv} is {bytes_per_token:,} bytes per token; device_tokens="
-        f"{cfg.device_tokens:,}, host_tokens={cfg.host_capacity:,}",
-        device_free=cuda_free,
-    )
+    problems = shortfall(need, device_free=cuda_free)
+    if problems:
+        what = (
+            f"kv={cfg.kv} is {bytes_per_token:,} bytes per token; device_tokens="
+            f"{cfg.device_tokens:,}, host_tokens={cfg.host_capacity:,}"
+        )
+        raise ConfigError(f"the pools do not fit: {problems} ({what})")
 
 
 def _device(spec: str) -> str:

@@ -2,7 +2,7 @@
 
 A `Namespace` covers everything that shapes the stored bytes (model, attention kind, geometry,
 dtype, page size, host layout), a tenant salt, and for MHA the tensor-parallel rank and size, so
-no two of those ever share a key. With a `Seal` (sealing/seal.py: a secret), the digest and every
+no two of those ever share a key. With a `Seal` (hicache/seal.py: a secret), the digest and every
 page's key suffix are HMAC-SHA-256 under keys derived from the secret instead, so the store's
 names say nothing a reader without the secret can test. Pure functions and immutable values only.
 """
@@ -14,8 +14,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hicache.backends.sealing.seal import Seal
 from hicache.radix.hashes import page_hash_bytes
+from hicache.seal import Seal
 from hicache.types import PageHash
 
 _HEX_RE = re.compile(r"[0-9a-f]*")
