@@ -36,7 +36,7 @@ from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
-from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, u32_ids, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
 from hicache.kernels.streams.nokv import NoKVStreams
@@ -124,6 +124,7 @@ async def _assemble(
         eviction=make_strategy(cfg.eviction),
         write_policy=write_policy(cfg.write_policy),
         default_priority=cfg.default_priority,
+        u32_ids=u32_ids,
     )
     tree_actor = TreeActor(
         config=cfg,
