@@ -38,7 +38,7 @@ from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.native.rowcopy import native_rows, u32_ids, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
-from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
+from hicache.kernels.streams import FaultHook, TransferStreams, cuda_driver_status, make_streams
 from hicache.kernels.streams.nokv import NoKVStreams
 from hicache.messages import StorageAttachment, TreeInbox
 from hicache.observability import EventLog
@@ -361,7 +361,5 @@ def check_pools_fit(cfg: CacheConfig, bytes_per_token: int, *, own_device_pool: 
 def _device(spec: str) -> str:
     if spec != "auto":
         return spec
-    from hicache.kernels.streams import cuda_driver_status
-
     usable, _why = cuda_driver_status()
     return "cuda" if usable else "cpu"
