@@ -37,7 +37,7 @@ from hicache.observability.kv_events import (  # noqa: E402
 )
 from hicache.radix.hashes import chain_page_hashes  # noqa: E402
 from hicache.types import RequestId  # noqa: E402
-from tests.unit.tree_helpers import SlotSource, make_tree, toks  # noqa: E402
+from tests.unit.radix.tree_helpers import SlotSource, make_tree, toks  # noqa: E402
 
 TRACE = "data/mooncake_synthetic_trace.jsonl"
 
