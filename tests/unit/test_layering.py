@@ -14,6 +14,9 @@ Rules:
 - `LAYERS` below assigns every hicache module a layer, and every import goes to the same or a
   lower layer; a new package or top-level module must be placed in the table;
 - `WITHIN_A_LAYER`: the few imports the table allows that are still wrong;
+- whatever order the table takes, some packages stay strictly apart (the radix core below the
+  data plane, the data plane below storage, storage below the runtime, the test kit below the
+  CLI, ...: `test_the_table_keeps_these_apart`);
 - no cycle among hicache modules, counting module-level and type-only imports (an import in a
   function body runs after every module has loaded, so it cannot take part in an import cycle);
 - `hicache.config` stays cheap to import: what its module-level imports load (package
