@@ -41,8 +41,9 @@ from hicache.backends.file import FileBackend
 from hicache.backends.file.index import TMP_DIR, FileIndex, plain_atime_ns
 from hicache.backends.file.native import native_file_io
 from hicache.backends.framing import checksum, pack_header
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend
+from hicache.radix.hashes import chain_page_hashes
 
 PAGE_TOKENS = 64
 

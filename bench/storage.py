@@ -48,7 +48,8 @@ if __package__ in (None, ""):
 
 from hicache.backends.base import StorageBackend
 from hicache.backends.file import FileBackend
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
+from hicache.radix.hashes import chain_page_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +228,7 @@ async def small_case(
 ) -> dict[str, float]:
     """Seconds per page of set_from, exists and get_into over `pages` host pages in batches
     of SMALL_BATCH, the pages read back into other slots and compared."""
-    from hicache.backends.keys import chain_page_hashes
+    from hicache.radix.hashes import chain_page_hashes
 
     size = host.page_size
     tokens = np.arange(pages * size, dtype=np.int64) + round_ * 10**7

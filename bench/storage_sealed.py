@@ -33,7 +33,7 @@ from bench.storage import BenchLayout, CaseResult, Shape, run_case
 from hicache.backends.base import StorageBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.sealing.backend import seal_backend
-from hicache.backends.sealing.seal import Seal
+from hicache.seal import Seal
 
 SECRET = b"bench-secret-of-32-bytes-exactly"
 MODES = ("plain", "tag", "aes-gcm")

@@ -280,8 +280,8 @@ def print_bounds(g, nbytes: int, reps: int, reference, threads: int) -> None:
     no device-side scatter: an upper bound for the per-layer `load` rows."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hicache.kernels.huge_pages import cpu_bytes
     from hicache.kernels.native.rowcopy import native_rows
+    from hicache.kernels.pinning import cpu_bytes
 
     copier = native_rows()
     if copier is None:

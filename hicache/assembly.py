@@ -36,9 +36,9 @@ from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
-from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
+from hicache.kernels.native.rowcopy import native_rows, u32_ids, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
-from hicache.kernels.streams import FaultHook, TransferStreams, make_streams
+from hicache.kernels.streams import FaultHook, TransferStreams, cuda_driver_status, make_streams
 from hicache.kernels.streams.nokv import NoKVStreams
 from hicache.messages import StorageAttachment, TreeInbox
 from hicache.observability import EventLog
@@ -47,7 +47,7 @@ from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree
 from hicache.runtime import ActorSystem, Mailbox
 from hicache.secrets import redact_url
-from hicache.sizing import TierBytes, check_fits, cuda_free
+from hicache.sizing import TierBytes, cuda_free, shortfall
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -124,6 +124,7 @@ async def _assemble(
         eviction=make_strategy(cfg.eviction),
         write_policy=write_policy(cfg.write_policy),
         default_priority=cfg.default_priority,
+        u32_ids=u32_ids,
     )
     tree_actor = TreeActor(
         config=cfg,
@@ -348,18 +349,17 @@ def check_pools_fit(cfg: CacheConfig, bytes_per_token: int, *, own_device_pool: 
         l1=cfg.device_tokens * bytes_per_token if own_device_pool else 0,
         l2=cfg.host_capacity * bytes_per_token,
     )
-    check_fits(
-        need,
-        what=f"kv={cfg.kv} is {bytes_per_token:,} bytes per token; device_tokens="
-        f"{cfg.device_tokens:,}, host_tokens={cfg.host_capacity:,}",
-        device_free=cuda_free,
-    )
+    problems = shortfall(need, device_free=cuda_free)
+    if problems:
+        what = (
+            f"kv={cfg.kv} is {bytes_per_token:,} bytes per token; device_tokens="
+            f"{cfg.device_tokens:,}, host_tokens={cfg.host_capacity:,}"
+        )
+        raise ConfigError(f"the pools do not fit: {problems} ({what})")
 
 
 def _device(spec: str) -> str:
     if spec != "auto":
         return spec
-    from hicache.kernels.streams import cuda_driver_status
-
     usable, _why = cuda_driver_status()
     return "cuda" if usable else "cpu"

@@ -19,6 +19,7 @@ import numpy as np
 from typing_extensions import Self
 
 from hicache.assembly import Parts, adopt_storage, assemble, open_storage
+from hicache.backends.base import StorageBackend
 from hicache.components.tree.agreement import RankAgreement, SingleRank
 from hicache.config import CacheConfig, ConfigError
 from hicache.kernels.pools import DevicePool
@@ -66,7 +67,6 @@ from hicache.types import RequestId
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from hicache.backends.base import StorageBackend
     from hicache.backends.keys import Namespace
     from hicache.kernels.streams.base import FaultHook, TransferStreams
     from hicache.observability.kv_events import TreeKVEvents
@@ -450,9 +450,7 @@ class HiCache:
                 host=self.host_pool,
             )
         else:
-            from hicache.backends.base import StorageBackend as Backend
-
-            if not isinstance(storage, Backend):
+            if not isinstance(storage, StorageBackend):
                 raise TypeError(
                     "attach_storage takes a spec string or a StorageBackend, "
                     f"got {type(storage).__name__}"

@@ -11,13 +11,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
-from hicache.backends.sealing.seal import MIN_SECRET_BYTES, Seal, crypto_missing
-
 # The names come from the registries that implement them (all four modules are torch-free).
 from hicache.kernels.names import DEFAULT_TRANSFER_SMS, IO_BACKENDS, LAYOUTS, MAX_TRANSFER_SMS
 from hicache.policies.eviction import STRATEGIES
 from hicache.policies.prefetch import PREFETCH_POLICIES
 from hicache.policies.write import WRITE_POLICIES as _WRITE_POLICIES
+from hicache.seal import MIN_SECRET_BYTES, Seal, crypto_missing
 from hicache.secrets import load_credential, redact_text, redact_url, safe_repr
 
 EVICTION_POLICIES: tuple[str, ...] = tuple(STRATEGIES)

@@ -3,7 +3,8 @@ allocated: a configuration too large fails with the sizes, not with `Cannot allo
 
 The pools are faulted in at open (docs/data-plane.md), so their bytes are taken at once: L1 on
 its device (host memory when that is the CPU), L2 in host memory. The check compares them with
-the memory available now (Linux: MemAvailable; CUDA: the device's free memory).
+the memory available now (Linux: MemAvailable; CUDA: the device's free memory). Numbers in,
+words out: the caller turns a shortfall into its own error (assembly.py: a `ConfigError`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hicache.config import ConfigError
-
-__all__ = ["TierBytes", "available_memory", "check_fits", "cuda_free", "fmt_bytes"]
+__all__ = ["TierBytes", "available_memory", "cuda_free", "fmt_bytes", "shortfall"]
 
 
 def available_memory() -> int | None:
@@ -55,16 +54,14 @@ class TierBytes:
         return self.l2 + (self.l1 if self.device == "cpu" else 0)
 
 
-def check_fits(
+def shortfall(
     need: TierBytes,
     *,
-    what: str,
     host_free: Callable[[], int | None] = available_memory,
     device_free: Callable[[str], int | None] | None = None,
-) -> None:
-    """ConfigError naming each tier's bytes, `what` (the fields that set them) and what is
-    available, when the pools cannot fit; nothing when they fit or the free memory is
-    unknown."""
+) -> str | None:
+    """What does not fit, each tier's bytes against what is available ("L2 30 GB of host
+    memory, 20 GB available; ..."), or None when the pools fit or the free memory is unknown."""
     problems = []
     free = host_free()
     if free is not None and need.host > free:
@@ -78,8 +75,7 @@ def check_fits(
             problems.append(
                 f"L1 {fmt_bytes(need.l1)} on {need.device}, {fmt_bytes(on_device)} free there"
             )
-    if problems:
-        raise ConfigError(f"the pools do not fit: {'; '.join(problems)} ({what})")
+    return "; ".join(problems) or None
 
 
 def cuda_free(device: str) -> int | None:

@@ -12,8 +12,9 @@ store's compiled module where it builds (file/native.py: one call per batch, the
 for all of it, so it runs beside threads that hold the GIL), through the per-piece calls
 otherwise; the results are the same.
 
-With a secret, the payload itself starts with a seal block (sealing/seal.py: an HMAC or AES-GCM tag
-over the header's fields and the page), added and checked by sealing/backend.py around any backend.
+With a secret, the payload itself starts with a seal block (hicache/seal.py: an HMAC or AES-GCM
+tag over the header's fields and the page), added and checked by sealing/backend.py around any
+backend.
 """
 
 from __future__ import annotations

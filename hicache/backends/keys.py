@@ -1,13 +1,8 @@
-"""L3 keys: chained SHA-256 page hashes under a namespace.
-
-A page's hash encodes its whole prefix: `h_i = SHA256(h_{i-1} || tokens of page i)`, where
-`h_{-1}` is empty (or a given prior hash, as raw 32 bytes) and each token id is 4 bytes
-little-endian; for bigram (tuple) tokens each tuple contributes its ids in order. Equal tokens
-at different positions or after different prefixes therefore get different hashes.
+"""L3 keys: a page's hash (hicache/radix/hashes.py) under a namespace.
 
 A `Namespace` covers everything that shapes the stored bytes (model, attention kind, geometry,
 dtype, page size, host layout), a tenant salt, and for MHA the tensor-parallel rank and size, so
-no two of those ever share a key. With a `Seal` (sealing/seal.py: a secret), the digest and every
+no two of those ever share a key. With a `Seal` (hicache/seal.py: a secret), the digest and every
 page's key suffix are HMAC-SHA-256 under keys derived from the secret instead, so the store's
 names say nothing a reader without the secret can test. Pure functions and immutable values only.
 """
@@ -19,13 +14,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from hicache.backends.sealing.seal import Seal
+from hicache.radix.hashes import page_hash_bytes
+from hicache.seal import Seal
 from hicache.types import PageHash
 
-HASH_HEX_LEN = 64
-_HASH_RE = re.compile(r"[0-9a-f]{64}")
 _HEX_RE = re.compile(r"[0-9a-f]*")
 KEY_SCHEME_VERSION = 2  # 2: MHA namespaces carry tp_size
 
@@ -43,62 +35,6 @@ KV_DTYPES = {
 """dtype names accepted in a kv spec, with their item sizes."""
 
 _KV_SPEC_RE = re.compile(r"(mha|mla):(\d+):(\d+):(\d+):([a-z0-9_]+)")
-
-
-def chain_page_hashes(
-    tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
-    page_size: int,
-    *,
-    prior: PageHash | None = None,
-) -> list[PageHash]:
-    """The chained hash of every whole page of `tokens` (a trailing partial page gets none).
-
-    `tokens` is a 1-D sequence of token ids, or for bigram keys a sequence of equal-length
-    tuples (a 2-D array). `prior` is the hash of the page just before `tokens[0]`. Pure.
-    """
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    prior_bytes = b"" if prior is None else _hash_bytes(prior, "prior")
-    ids = _as_token_array(tokens)
-    pages = ids.shape[0] // page_size
-    if pages == 0:
-        return []
-    # One conversion for the whole run; each page is then a zero-copy slice of it.
-    raw = np.ascontiguousarray(ids[: pages * page_size], dtype="<u4").data.cast("B")
-    stride = raw.nbytes // pages
-    out: list[PageHash] = []
-    prev = prior_bytes
-    for i in range(pages):
-        h = hashlib.sha256(prev)
-        h.update(raw[i * stride : (i + 1) * stride])
-        prev = h.digest()
-        out.append(PageHash(prev.hex()))
-    return out
-
-
-def _hash_bytes(value: str, what: str) -> bytes:
-    if not isinstance(value, str) or not _HASH_RE.fullmatch(value):
-        raise ValueError(f"{what} must be a 64-character lowercase hex SHA-256, got {value!r}")
-    return bytes.fromhex(value)
-
-
-def _as_token_array(tokens: object) -> np.ndarray:
-    try:
-        ids = np.asarray(tokens)
-    except ValueError as exc:  # ragged tuples
-        raise ValueError(f"tokens must be ids or equal-length tuples of ids: {exc}") from None
-    if ids.size == 0:
-        return ids.reshape(0)
-    if ids.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-    if ids.ndim not in (1, 2):
-        raise ValueError(f"tokens must be 1-D (ids) or 2-D (bigram tuples), got {ids.ndim}-D")
-    if ids.ndim == 2 and ids.shape[1] == 0:
-        raise ValueError("bigram tuples must not be empty")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi > 0xFFFFFFFF:
-        raise ValueError(f"token ids must fit in 32 bits unsigned, got range [{lo}, {hi}]")
-    return ids
 
 
 def check_kv_spec(spec: str) -> str:
@@ -215,7 +151,7 @@ class Namespace:
     def key(self, page_hash: PageHash | str) -> str:
         """The full L3 key of one page: the prefix, then the page hash, or with a seal its
         keyed name (HMAC of the digest and the hash)."""
-        raw = _hash_bytes(page_hash, "page_hash")
+        raw = page_hash_bytes(page_hash, "page_hash")
         if self.seal is None:
             return self.prefix + page_hash
         return self.prefix + self.seal.page_name(self.digest, raw)
@@ -237,5 +173,5 @@ class Namespace:
         if not key.startswith(self.prefix):
             raise ValueError(f"key {key!r} is not in namespace {self.prefix!r}")
         rest = key[len(self.prefix) :]
-        _hash_bytes(rest, "key suffix")
+        page_hash_bytes(rest, "key suffix")
         return PageHash(rest)

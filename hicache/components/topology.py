@@ -58,7 +58,7 @@ class Topology:
 
     def edges(self) -> dict[str, Bounds]:
         """Every actor's inbox by name -> its bounds. The cache builds each actor with these
-        (the uploader and prefetcher only with storage on); tests/unit/test_topology.py checks
+        (the uploader and prefetcher only with storage on); tests/unit/components/test_topology.py checks
         that every inbox it builds has them."""
         return {
             "tree": Bounds(self.capacity, self.tree_reserve),

@@ -102,12 +102,3 @@ def mapped_bytes(nbytes: int) -> tuple[torch.Tensor, Mapping]:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip : skip + nbytes], mapping
-
-
-def cpu_bytes(nbytes: int, *, pin: bool = False, threads: int | None = None) -> torch.Tensor:
-    """A zeroed uint8 CPU tensor of exactly `nbytes` (`pinning.host_memory`'s buffer: at least
-    one huge page long, a huge-page advised mapping faulted in on up to `threads` threads and,
-    with `pin`, registered with CUDA; smaller buffers come from torch)."""
-    from hicache.kernels.pinning import host_memory
-
-    return host_memory(nbytes, pin=pin, threads=threads).buffer

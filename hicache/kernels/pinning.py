@@ -102,6 +102,13 @@ def host_memory(
     return HostMemory(torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True), f"torch: {why}", 0)
 
 
+def cpu_bytes(nbytes: int, *, pin: bool = False, threads: int | None = None) -> torch.Tensor:
+    """A zeroed uint8 CPU tensor of exactly `nbytes` (`host_memory`'s buffer: at least one huge
+    page long, a huge-page advised mapping faulted in on up to `threads` threads and, with
+    `pin`, registered with CUDA; smaller buffers come from torch)."""
+    return host_memory(nbytes, pin=pin, threads=threads).buffer
+
+
 class LazyHostMemory:
     """A zeroed uint8 CPU buffer of exactly `nbytes` that is made usable range by range
     (`prepare`): each 4 KiB page of a range faulted in once, on threads for large ranges, and

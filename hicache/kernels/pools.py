@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from hicache.kernels.geometry import Geometry
-from hicache.kernels.huge_pages import cpu_bytes
-from hicache.kernels.indices import SlotArray
+from hicache.kernels.indices import SlotArray, as_slot_array, check_pages
 from hicache.kernels.layouts import (
     PAGE_CONTIGUOUS_LAYOUTS,
     check_layout,
@@ -26,7 +25,7 @@ from hicache.kernels.layouts import (
     word_dtype,
 )
 from hicache.kernels.layouts import header_room as header_room_of
-from hicache.kernels.pinning import LazyHostMemory
+from hicache.kernels.pinning import LazyHostMemory, cpu_bytes
 
 
 class PagePieces(list[memoryview]):
@@ -383,8 +382,6 @@ class HostPool:
         """For each page of `host_slots` (whole pages, in order): its pieces as C-contiguous byte
         memoryviews aliasing this pool (writing them writes the pool), with the page's header
         room (`PagePieces`). Does not mutate."""
-        from hicache.kernels.indices import as_slot_array, check_pages
-
         slots = as_slot_array(host_slots, "host_slots")
         pages = check_pages(slots, self.page_size, self.size, "host_slots")
         room = self.header_room

@@ -8,12 +8,15 @@ the same run writes the same bytes.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+import anyio
 import numpy as np
 import structlog
 
@@ -58,10 +61,18 @@ def slot_runs(slots: np.ndarray) -> list[list[int]]:
     return [[int(arr[s]), int(arr[e - 1]) + 1] for s, e in zip(starts, ends)]
 
 
-def _default_clock() -> Callable[[], float]:
-    from hicache.runtime.clock import MonotonicClock
-
-    return MonotonicClock().now
+def loop_time() -> float:
+    """The running event loop's monotonic time: virtual under `run_deterministic` (trio's
+    `MockClock`), real otherwise; `time.monotonic()` outside a loop. What events are stamped
+    with by default, and what the runtime's `MonotonicClock` reads, so the two always agree."""
+    try:  # asyncio's own clock first: what anyio reads there, without finding the backend
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # trio, or no loop at all
+        pass
+    try:
+        return anyio.current_time()
+    except RuntimeError:  # no running event loop (sniffio cannot tell which library)
+        return time.monotonic()
 
 
 class EventLog:
@@ -82,7 +93,7 @@ class EventLog:
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"unknown log level {level!r}; expected one of {sorted(LEVELS)}")
-        self._clock = clock if clock is not None else _default_clock()
+        self._clock = clock if clock is not None else loop_time
         self._sink = sink
         self._seq = 0
         self._events: list[dict[str, Any]] | None = [] if capture else None

@@ -4,5 +4,6 @@
 and the facts kept about them, locks, queries, the integrity check), `eviction` (leaf-first
 eviction from both tiers) and `tree` (match and insert, retention and pins, backups and loads
 back); `results` holds what crosses the boundary (`TreeError`, `NodeState`, the records calls
-return, slot arrays) and `keys` turns token ids into the bytes the tree compares.
+return, slot arrays), `keys` turns token ids into the bytes the tree compares and `hashes`
+chains the page hashes the tree keeps per node (a page's name in L3).
 """

@@ -20,17 +20,17 @@ Rules (docs/tree.md):
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from hicache.radix.hashes import salt_seed
 from hicache.radix.keys import KeyCodec
 from hicache.radix.results import ClearedSlots, NodeState, TreeError, concat
 from hicache.types import EMPTY_SLOTS, NodeId, PageHash
 
-__all__ = ["INF", "Node", "Tier", "TreeObserver", "TreeStructure", "salt_seed"]
+__all__ = ["INF", "Node", "Tier", "TreeObserver", "TreeStructure"]
 
 INF = float("inf")
 
@@ -57,13 +57,6 @@ class TreeObserver(Protocol):
     def node_lost(self, node: NodeId, tier: Tier) -> None: ...
 
     def tree_cleared(self) -> None: ...
-
-
-def salt_seed(salt: bytes) -> PageHash:
-    """What a salt's page hash chain starts from (the empty salt starts from nothing, so its
-    L3 keys are those of a cache without salts): equal salts give equal keys on every
-    instance, so instances of one tenant share a store."""
-    return PageHash(hashlib.sha256(b"hicache salt\0" + salt).hexdigest())
 
 
 class Node:

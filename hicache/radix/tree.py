@@ -21,7 +21,7 @@ import numpy as np
 from hicache.policies.eviction import EvictionStrategy
 from hicache.policies.write import WritePolicy
 from hicache.radix.eviction import EvictingTree
-from hicache.radix.keys import KeyCodec
+from hicache.radix.keys import KeyCodec, U32Ids
 from hicache.radix.results import (
     InsertHostResult,
     InsertResult,
@@ -56,13 +56,15 @@ class RadixTree(EvictingTree):
         bigram: bool = False,
         observer: TreeObserver | None = None,
         default_priority: int = 0,
+        u32_ids: U32Ids | None = None,
     ) -> None:
+        """``u32_ids``: a faster conversion of int64 token ids for the key codec (``KeyCodec``)."""
         if page_size < 1:
             raise TreeError(f"page_size must be >= 1, got {page_size}")
         super().__init__(
             eviction=eviction,
             write_policy=write_policy,
-            codec=KeyCodec(page_size=page_size, bigram=bigram),
+            codec=KeyCodec(page_size=page_size, bigram=bigram, u32_ids=u32_ids),
             observer=observer,
             default_priority=default_priority,
         )

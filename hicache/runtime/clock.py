@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Protocol, runtime_checkable
 
 import anyio
+
+from hicache.observability.events import loop_time
 
 
 @runtime_checkable
@@ -38,14 +38,7 @@ class MonotonicClock:
     __slots__ = ()
 
     def now(self) -> float:
-        try:  # asyncio's own clock first: what anyio reads there, without finding the backend
-            return asyncio.get_running_loop().time()
-        except RuntimeError:  # trio, or no loop at all
-            pass
-        try:
-            return anyio.current_time()
-        except RuntimeError:  # no running event loop (sniffio cannot tell which library)
-            return time.monotonic()
+        return loop_time()  # the time events are stamped with by default, too
 
     async def sleep(self, delay: float) -> None:
         await anyio.sleep(delay)

@@ -56,9 +56,10 @@ import numpy as np
 import pytest
 
 from hicache.backends.base import StorageBackend, enforces_ttl, set_from_ttl
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
 from hicache.backends.sealing.backend import seal_backend
-from hicache.backends.sealing.seal import Seal
+from hicache.radix.hashes import chain_page_hashes
+from hicache.seal import Seal
 
 KV = "mha:2:2:8:bfloat16"
 MODEL = "conformance/model"

@@ -48,6 +48,7 @@ from hicache.components.tree.effects import (
 )
 from hicache.config import CacheConfig
 from hicache.kernels.geometry import parse_geometry
+from hicache.kernels.native.rowcopy import u32_ids
 from hicache.messages import (
     Backup,
     Drain,
@@ -142,6 +143,7 @@ class InstantCache:
             eviction=make_strategy(cfg.eviction),
             write_policy=write_policy(cfg.write_policy),
             default_priority=cfg.default_priority,
+            u32_ids=u32_ids,
         )
         self.controller = Controller(
             config=cfg,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.backends.keys import chain_page_hashes
+from hicache.radix.hashes import chain_page_hashes
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 
 if TYPE_CHECKING:

@@ -27,7 +27,6 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-from hicache.backends.keys import chain_page_hashes  # noqa: E402
 from hicache.cache import HiCache  # noqa: E402
 from hicache.cli.trace import read_trace  # noqa: E402
 from hicache.config import CacheConfig, ConfigError  # noqa: E402
@@ -36,8 +35,9 @@ from hicache.observability.kv_events import (  # noqa: E402
     TreeKVEvents,
     start_kv_events,
 )
+from hicache.radix.hashes import chain_page_hashes  # noqa: E402
 from hicache.types import RequestId  # noqa: E402
-from tests.unit.tree_helpers import SlotSource, make_tree, toks  # noqa: E402
+from tests.unit.radix.tree_helpers import SlotSource, make_tree, toks  # noqa: E402
 
 TRACE = "data/mooncake_synthetic_trace.jsonl"
 

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from hicache import HiCache
-from hicache.backends.keys import chain_page_hashes
 from hicache.cli.main import main
-from hicache.radix.structure import salt_seed
+from hicache.radix.hashes import chain_page_hashes, salt_seed
 from hicache.results import InvalidRequest
 from hicache.testing import bad_pages, run_virtual
 from tests.integration.storage_helpers import PAGE, compute_into, config, seeds_for, tokens_from

@@ -10,9 +10,9 @@ import pytest
 
 from hicache import HiCache
 from hicache.backends.file import value_path
-from hicache.backends.keys import chain_page_hashes
 from hicache.backends.memory import MemoryStore
 from hicache.observability import EventLog
+from hicache.radix.hashes import chain_page_hashes
 from hicache.testing import ScriptedScheduler, run_virtual
 from tests.integration.storage_helpers import (
     PAGE,

@@ -7,8 +7,9 @@ import anyio
 import pytest
 
 from hicache.backends.file import FileBackend
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend
+from hicache.radix.hashes import chain_page_hashes
 from hicache.testing import BackendFaults, FaultyBackend, run_virtual
 
 NS = Namespace(model="sim/faults", kv="mha:2:2:4:bfloat16", page_size=4)

@@ -21,7 +21,7 @@ from hicache.backends.file import FileBackend
 from hicache.backends.keys import Namespace
 from hicache.backends.memory import MemoryBackend, MemoryStore
 from hicache.backends.registry import connect_backend
-from hicache.sizing import TierBytes, check_fits
+from hicache.sizing import TierBytes, shortfall
 from hicache.testing import run_virtual, virtual_config
 
 PAGE = 4
@@ -105,14 +105,14 @@ def test_pools_too_large_fail_before_allocating_with_the_sizes():
         run_virtual(main)
 
 
-def test_check_fits_names_each_tier():
+def test_shortfall_names_each_tier():
     need = TierBytes(device="cuda:0", l1=8_000_000_000, l2=30_000_000_000)
-    with pytest.raises(ConfigError) as e:
-        check_fits(need, what="kv=x", host_free=lambda: 20_000_000_000, device_free=lambda d: 10)
-    assert "L2 30 GB of host memory, 20 GB available" in str(e.value)
-    assert "L1 8 GB on cuda:0, 10 B free there" in str(e.value)
-    check_fits(need, what="", host_free=lambda: 10**12, device_free=lambda d: 10**12)
-    check_fits(need, what="", host_free=lambda: None)  # unknown: nothing to check against
+    problems = shortfall(need, host_free=lambda: 20_000_000_000, device_free=lambda d: 10)
+    assert problems is not None
+    assert "L2 30 GB of host memory, 20 GB available" in problems
+    assert "L1 8 GB on cuda:0, 10 B free there" in problems
+    assert shortfall(need, host_free=lambda: 10**12, device_free=lambda d: 10**12) is None
+    assert shortfall(need, host_free=lambda: None) is None  # unknown: nothing to check against
 
 
 def test_memory_store_is_bounded_by_default(monkeypatch):

@@ -2,20 +2,25 @@
 
 What counts as an import of module A by module B:
 - every `import`/`from ... import` of a hicache module in B, at module level, inside class
-  bodies, `if`/`try`/`with` blocks, and inside `if TYPE_CHECKING:` (a type-only import is still
-  a dependency a reader and a type checker follow, and a cycle there is a cycle in the design);
-- not an import inside a function body: it runs when the function is called, after every module
-  has loaded (that is how optional or heavy dependencies -- torch.distributed, cuda-python,
-  one stream kind -- stay off the import path), so it cannot take part in an import cycle. The
-  layer rules below (kernels, testing) count those too: a deferred import is still a dependency.
+  bodies, `if`/`try`/`with` blocks, inside `if TYPE_CHECKING:` (a type-only import is still a
+  dependency a reader and a type checker follow) and inside function bodies (a deferred import
+  is still a dependency: deferring is for optional or heavy third-party packages -- torch,
+  cuda-python, triton, prometheus, zmq -- or the hicache modules that load them, never a way
+  around a rule);
 - `from P import name` depends on `P` (its `__init__`) and, where `P.name` is a module, on that
   module. A package's `__init__` running before its submodules is not counted as an edge.
 
-Rules: no cycle among hicache modules; nothing in `hicache.kernels` (the data plane) imports
-`hicache.backends` (storage); nothing in `hicache.testing` imports `hicache.cli`; nothing below
-the cache (components, kernels, backends, runtime) imports `hicache.hybrid`; and
-`hicache.config` stays cheap to import: what its module-level imports load (package `__init__`s
-included, the top-level `hicache` facade excepted) imports no torch.
+Rules:
+- `LAYERS` below assigns every hicache module a layer, and every import goes to the same or a
+  lower layer; a new package or top-level module must be placed in the table;
+- `WITHIN_A_LAYER`: the few imports the table allows that are still wrong;
+- whatever order the table takes, some packages stay strictly apart (the radix core below the
+  data plane, the data plane below storage, storage below the runtime, the test kit below the
+  CLI, ...: `test_the_table_keeps_these_apart`);
+- no cycle among hicache modules, counting module-level and type-only imports (an import in a
+  function body runs after every module has loaded, so it cannot take part in an import cycle);
+- `hicache.config` stays cheap to import: what its module-level imports load (package
+  `__init__`s included, the top-level `hicache` facade excepted) imports no torch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,89 @@ import ast
 from pathlib import Path
 
 import pytest
+
+# Lowest first: (layer, its members, why it sits there). A module belongs to the member that is
+# the longest prefix of its dotted name; it may import its own layer and the layers below.
+LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    (
+        "vocabulary",
+        ("hicache.types", "hicache.data"),
+        "ids, the empty slot array and the packaged trace: what every layer may name",
+    ),
+    (
+        "core",
+        ("hicache.policies", "hicache.radix"),
+        (
+            "the cache's pure decisions: the policies, and the radix tree with its keys and page "
+            "hashes; plain values in and out, no torch, no native code, no I/O"
+        ),
+    ),
+    (
+        "data plane",
+        ("hicache.kernels",),
+        (
+            "pools, copies and transfer streams (torch, the compiled copiers); knows nothing of the "
+            "cache above it, so the core's decisions never wait on it to import or build"
+        ),
+    ),
+    (
+        "configuration",
+        ("hicache.config", "hicache.sizing", "hicache.secrets", "hicache.seal"),
+        (
+            "what an instance is told and checked against: config validates names the core and the "
+            "data plane own; secrets, and the seal a secret derives; sizing's arithmetic"
+        ),
+    ),
+    (
+        "observability",
+        ("hicache.observability",),
+        "events, metrics and KV events: read configs and tree facts, drive nothing",
+    ),
+    (
+        "storage",
+        ("hicache.backends",),
+        "L3 stores and their keys; no actors, so engine integrations use them alone",
+    ),
+    (
+        "runtime",
+        ("hicache.runtime",),
+        "actors, mailboxes, replies and the clock: generic machinery that stamps events",
+    ),
+    (
+        "protocol",
+        ("hicache.results", "hicache.messages"),
+        (
+            "what crosses the actors' and the API's boundaries: results carry load handles, "
+            "messages carry replies, backends and load handles"
+        ),
+    ),
+    (
+        "components",
+        ("hicache.components",),
+        "the actors and the controller: cores and stores driven by messages",
+    ),
+    ("assembly", ("hicache.assembly",), "builds and wires the components for one config"),
+    ("cache", ("hicache.cache",), "the HiCache facade over the assembled actors"),
+    (
+        "public API",
+        ("hicache", "hicache.hybrid"),
+        "the package's re-exports, and hybrid models' caches made of several caches",
+    ),
+    (
+        "users",
+        ("hicache.integrations", "hicache.testing"),
+        "engines' adapters and the test kit: they use the public API and what it stands on",
+    ),
+    ("commands", ("hicache.cli",), "the CLI: may use everything, the test kit included"),
+)
+
+# Imports the table allows that are still wrong: (importer, imported, why).
+WITHIN_A_LAYER: tuple[tuple[str, str, str], ...] = (
+    ("hicache.sizing", "hicache.config", "sizing is arithmetic on numbers; callers word errors"),
+    ("hicache.secrets", "hicache", "secrets is the standard library alone: all others use it"),
+    ("hicache.seal", "hicache", "the seal is hashlib/hmac (and cryptography): a plain value"),
+    ("hicache.types", "hicache", "ids name things; they import none of them"),
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hicache"
@@ -159,35 +247,62 @@ def test_no_import_cycles():
     assert not cycles, detail
 
 
-def _offenders(layer: str, forbidden: str) -> dict[str, list[str]]:
-    out = {}
-    for name in MODULES:
-        if _within(name, layer):
-            bad = sorted(
-                {
-                    imported
-                    for imported, _ in IMPORTS[name]
-                    if any(_within(t, forbidden) for t in _hicache_targets(imported))
-                }
-            )
-            if bad:
-                out[name] = bad
-    return out
+def _layer_of(name: str) -> int | None:
+    """Index in LAYERS of the member that is the longest prefix of `name` (None: unplaced)."""
+    best: tuple[int, int] | None = None
+    for index, (_layer, members, _why) in enumerate(LAYERS):
+        for member in members:
+            if _within(name, member) and (best is None or len(member) > best[0]):
+                best = (len(member), index)
+    return None if best is None else best[1]
 
 
-def test_the_data_plane_knows_nothing_of_storage():
-    assert _offenders("hicache.kernels", "hicache.backends") == {}
+ALL_KINDS = ("module", "typing", "function")
 
 
-def test_the_test_kit_does_not_import_the_cli():
-    assert _offenders("hicache.testing", "hicache.cli") == {}
+def test_every_module_has_a_layer():
+    members = [m for _layer, ms, _why in LAYERS for m in ms]
+    assert len(members) == len(set(members)), "a member listed twice"
+    assert not [m for m in members if m not in MODULES], "a member that is not a module"
+    assert [name for name in MODULES if _layer_of(name) is None] == []
+
+
+def test_imports_go_to_the_same_or_a_lower_layer():
+    upward = {
+        name: [
+            f"{target} ({LAYERS[_layer_of(target) or 0][0]})"
+            for target in sorted(_edges(name, ALL_KINDS))
+            if (_layer_of(target) or 0) > (_layer_of(name) or 0)
+        ]
+        for name in MODULES
+    }
+    assert {name: up for name, up in upward.items() if up} == {}
+
+
+@pytest.mark.parametrize("importer, imported, why", WITHIN_A_LAYER)
+def test_within_a_layer(importer, imported, why):
+    bad = {
+        name: sorted(t for t in _edges(name, ALL_KINDS) if _within(t, imported))
+        for name in MODULES
+        if _within(name, importer)
+    }
+    assert {name: targets for name, targets in bad.items() if targets} == {}, why
 
 
 @pytest.mark.parametrize(
-    "below", ["hicache.components", "hicache.kernels", "hicache.backends", "hicache.runtime"]
+    "lower, higher",
+    [
+        ("hicache.radix", "hicache.kernels"),  # the tree needs no native code
+        ("hicache.kernels", "hicache.backends"),  # the data plane knows nothing of storage
+        ("hicache.config", "hicache.backends"),
+        ("hicache.observability", "hicache.runtime"),
+        ("hicache.backends", "hicache.runtime"),  # stores are usable without actors
+        ("hicache.cache", "hicache.hybrid"),  # nothing below the cache knows hybrid models
+        ("hicache.testing", "hicache.cli"),  # the test kit does not need the CLI
+    ],
 )
-def test_nothing_below_the_cache_imports_the_hybrid_layer(below):
-    assert _offenders(below, "hicache.hybrid") == {}
+def test_the_table_keeps_these_apart(lower, higher):
+    assert (_layer_of(lower) or 0) < (_layer_of(higher) or 0)
 
 
 def test_config_imports_no_torch():

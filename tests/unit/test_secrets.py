@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from hicache import seal as seal_module
 from hicache.backends.keys import Namespace
 from hicache.backends.mooncake.spec import parse_spec as parse_mooncake_spec
 from hicache.backends.redis.spec import parse_redis_spec
 from hicache.backends.registry import open_backend
-from hicache.backends.sealing import seal as seal_module
 from hicache.config import CacheConfig, ConfigError
 from hicache.observability.events import plain
 from hicache.secrets import redact_url

@@ -63,7 +63,7 @@ def test_options():
 
 
 def test_salt_prior_is_hicaches_salt_seed():
-    from hicache.radix.structure import salt_seed
+    from hicache.radix.hashes import salt_seed
 
     assert salt_prior(None) is None and salt_prior("") is None
     assert salt_prior("t") == salt_seed(b"t")

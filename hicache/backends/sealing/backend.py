@@ -31,7 +31,7 @@ from hicache.backends.base import (
 from hicache.backends.batch import check_buffers
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.keys import Namespace
-from hicache.backends.sealing.seal import SEAL_SIZE, Seal, SealError
+from hicache.seal import SEAL_SIZE, Seal, SealError
 
 DEFAULT_THREADS = 2
 

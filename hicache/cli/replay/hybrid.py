@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from hicache.backends.keys import chain_page_hashes, check_kv_spec
+from hicache.backends.keys import check_kv_spec
 from hicache.backends.mooncake.spec import parse_size
 from hicache.cli.replay.step import Timer
 from hicache.cli.tally import Tally
@@ -34,6 +34,7 @@ from hicache.config import ConfigError
 from hicache.hybrid import FullAttention, HybridCache, HybridModel, Recurrent, SlidingWindow
 from hicache.hybrid.groups import LayerGroup
 from hicache.kernels.geometry import parse_geometry
+from hicache.radix.hashes import chain_page_hashes
 from hicache.results import CapacityError
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId

@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
-from hicache.backends.keys import chain_page_hashes
 from hicache.cache import HiCache
 from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest
+from hicache.radix.hashes import chain_page_hashes
 from hicache.results import PinLimitError
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId

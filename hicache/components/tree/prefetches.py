@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache.backends.keys import chain_page_hashes
 from hicache.components.prefetch_state import RUNNING, Phase, caller_state
 from hicache.components.tree.effects import CancelTimer, StartTimer
 from hicache.components.tree.pins import PinTable
@@ -33,7 +32,7 @@ from hicache.messages import (
     StopPrefetch,
     TimerFired,
 )
-from hicache.radix.structure import salt_seed
+from hicache.radix.hashes import chain_page_hashes, salt_seed
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 

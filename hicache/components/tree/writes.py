@@ -16,13 +16,13 @@ from typing import Final, Literal
 
 import numpy as np
 
-from hicache.backends.keys import chain_page_hashes
 from hicache.components.tree.progress import Section
 from hicache.components.tree.rows import UploadOp, WriteOp
 from hicache.components.tree.shared import Shared, Step, Wait
 from hicache.components.tree.storage import StorageSwitch
 from hicache.components.tree.tiers import Tiers
 from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
+from hicache.radix.hashes import chain_page_hashes
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
 HELD_BY_UPLOADS: Final = "l2_held_by_uploads"

@@ -111,7 +111,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> StorageOptions:
 def load_seal(options: StorageOptions) -> Any:
     """The `Seal` the options configure (None without a secret). ValueError naming the field
     (never the secret) for an unreadable or short secret, or encryption without one."""
-    from hicache.backends.sealing.seal import MIN_SECRET_BYTES, Seal, crypto_missing
+    from hicache.seal import MIN_SECRET_BYTES, Seal, crypto_missing
     from hicache.secrets import load_credential
 
     try:

@@ -26,7 +26,7 @@ workers keep the bytes"):
   the scheduler, which forgets the page.
 
 Pages are vLLM blocks (`page_size` = vLLM's `block_size`) named by hicache's chained SHA-256
-page hashes (`hicache.backends.keys.chain_page_hashes`), starting from hicache's salt seed for
+page hashes (`hicache.radix.hashes.chain_page_hashes`), starting from hicache's salt seed for
 a request's `cache_salt`, so L3 keys are the ones an embedded `HiCache` with the same salt
 would use for the same tokens and namespace.
 

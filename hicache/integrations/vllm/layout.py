@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.backends.keys import KV_DTYPES, Namespace
+from hicache.radix.hashes import salt_seed
 from hicache.types import PageHash
 
 NULL_BLOCK = 0
@@ -119,6 +120,4 @@ def salt_prior(salt: str | None) -> PageHash | None:
     those of an embedded HiCache matching the same tokens under the same salt."""
     if not salt:
         return None
-    from hicache.radix.structure import salt_seed
-
     return salt_seed(salt.encode())

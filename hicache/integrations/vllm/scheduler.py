@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.backends.keys import chain_page_hashes
 from hicache.integrations.vllm.compat import log
 from hicache.integrations.vllm.groups import Row, hole, hybrid_model, storable
 from hicache.integrations.vllm.layout import Geometry, salt_prior
@@ -14,6 +13,7 @@ from hicache.integrations.vllm.metrics import Counters, EventLog
 from hicache.integrations.vllm.options import ConnectorOptions
 from hicache.integrations.vllm.plan import HiCacheMetadata, HostIndex, LoadPlan
 from hicache.integrations.vllm.storage import Storage
+from hicache.radix.hashes import chain_page_hashes
 from hicache.types import PageHash
 
 SCHEDULER_METRICS = (

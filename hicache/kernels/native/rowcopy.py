@@ -280,3 +280,11 @@ def native_rows() -> NativeRows | None:
 def unavailable_reason() -> str | None:
     """Why `native_rows()` is None (compiler missing or failing, disabled...), else None."""
     return _native()[1]
+
+
+def u32_ids(ids: np.ndarray) -> np.ndarray | None:
+    """`NativeRows.u32_ids` of the compiled copier (built on first use), or None where it is
+    not built or an id is out of range: the radix tree's key codec takes it as its converter
+    and falls back to numpy on None."""
+    native = native_rows()
+    return None if native is None else native.u32_ids(ids)

@@ -12,7 +12,7 @@ A router built for vLLM's KV events (`vllm/distributed/kv_events.py`) consumes t
   with one `(sequence, payload)` message per buffered batch from there on, then the end marker
   `(-1 as 8 signed bytes, b"")`;
 - `medium` is `"GPU"` (L1), `"CPU"` (L2) or `"STORAGE"` (L3); block hashes are hicache's
-  chained SHA-256 page hashes (`hicache.backends.keys`), sent as vLLM sends its own by
+  chained SHA-256 page hashes (`hicache.radix.hashes`), sent as vLLM sends its own by
   default: the digest's last 8 bytes as an unsigned big-endian int (`block_hash="bytes"`: the
   whole 32-byte digest).
 

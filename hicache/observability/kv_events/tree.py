@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hicache.backends.keys import chain_page_hashes
 from hicache.observability.kv_events.publisher import KVEventPublisher
 from hicache.observability.kv_events.wire import (
     CPU,
@@ -21,6 +20,7 @@ from hicache.observability.kv_events.wire import (
     ExternalBlockHash,
     external_block_hash,
 )
+from hicache.radix.hashes import chain_page_hashes
 
 if TYPE_CHECKING:
     from hicache.config import CacheConfig

@@ -11,9 +11,9 @@ import redis
 from redis_helpers import Events
 
 from hicache.backends.framing import encode_header
-from hicache.backends.keys import chain_page_hashes
 from hicache.backends.registry import connect_backend
-from hicache.backends.sealing.seal import Seal
+from hicache.radix.hashes import chain_page_hashes
+from hicache.seal import Seal
 
 pytestmark = pytest.mark.anyio
 PASSWORD = "Plant3d-Redis-Passw0rd"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.backends.keys import Namespace, chain_page_hashes
+from hicache.backends.keys import Namespace
+from hicache.radix.hashes import chain_page_hashes
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from hicache.backends.keys import KEY_SCHEME_VERSION, Namespace, chain_page_hashes
-from hicache.backends.sealing.seal import Seal, SealError, hkdf_sha256
+from hicache.backends.keys import KEY_SCHEME_VERSION, Namespace
+from hicache.radix.hashes import chain_page_hashes
+from hicache.seal import Seal, SealError, hkdf_sha256
 
 SECRET = b"a-secret-of-at-least-16-bytes"
 OTHER = b"another-secret-of-16-bytes+"

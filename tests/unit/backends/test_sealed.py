@@ -11,7 +11,7 @@ import pytest
 from hicache.backends.framing import decode_header, encode_header
 from hicache.backends.registry import connect_backend, open_backend
 from hicache.backends.sealing.backend import SealedBackend, seal_backend
-from hicache.backends.sealing.seal import MODE_TAG, SEAL_MAGIC, SEAL_SIZE, Seal
+from hicache.seal import MODE_TAG, SEAL_MAGIC, SEAL_SIZE, Seal
 
 from .conftest import FakeHostPool, page_keys
 from .harness import Events, FileHarness, MemoryHarness

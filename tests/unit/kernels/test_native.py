@@ -14,8 +14,9 @@ import torch
 
 from hicache.kernels import DevicePool, HostPool, MHAGeometry, backup, load_layer
 from hicache.kernels.engines import CpuEngine
-from hicache.kernels.huge_pages import HUGE_PAGE, cpu_bytes
+from hicache.kernels.huge_pages import HUGE_PAGE
 from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
+from hicache.kernels.pinning import cpu_bytes
 from tests.unit.kernels.reference import randomize
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.kernels import huge_pages, pinning
+from hicache.kernels import pinning
 from hicache.kernels.huge_pages import (
     HUGE_PAGE,
     SMALL_PAGE,
@@ -172,7 +172,7 @@ def test_register_without_a_driver_says_why():
 
 
 def test_cpu_bytes_keeps_its_contract():
-    buffer = huge_pages.cpu_bytes(HUGE_PAGE + 1)
+    buffer = pinning.cpu_bytes(HUGE_PAGE + 1)
     assert buffer.numel() == HUGE_PAGE + 1 and not np.asarray(buffer.numpy()).any()
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hicache.radix.results import NodeState, TreeError
-from tests.unit.tree_helpers import SlotSource, make_tree
+from tests.unit.radix.tree_helpers import SlotSource, make_tree
 
 
 def chain(tree, src, *lengths):

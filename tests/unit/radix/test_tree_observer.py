@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from hicache.radix.results import NodeState
-from tests.unit.test_tree_stateful import SETTINGS, TreeMachine
-from tests.unit.tree_helpers import SlotSource, make_tree, toks
+from tests.unit.radix.test_tree_stateful import SETTINGS, TreeMachine
+from tests.unit.radix.tree_helpers import SlotSource, make_tree, toks
 
 
 class PageRecorder:

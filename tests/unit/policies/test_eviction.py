@@ -14,7 +14,7 @@ from hicache.policies.eviction import (
     evict_in_order,
     make_strategy,
 )
-from tests.unit.tree_helpers import SlotSource, make_tree, toks
+from tests.unit.radix.tree_helpers import SlotSource, make_tree, toks
 
 
 def four_leaves(strategy):

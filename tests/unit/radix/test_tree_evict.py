@@ -3,7 +3,7 @@
 import numpy as np
 
 from hicache.radix.results import NodeState
-from tests.unit.tree_helpers import SlotSource, make_tree
+from tests.unit.radix.tree_helpers import SlotSource, make_tree
 
 
 def backed_up(tree, src, key, now):

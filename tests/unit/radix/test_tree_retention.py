@@ -7,7 +7,7 @@ import pytest
 from hicache.policies.eviction import LFU, LRU, SLRU
 from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree
-from tests.unit.tree_helpers import SlotSource
+from tests.unit.radix.tree_helpers import SlotSource
 
 INF = float("inf")
 

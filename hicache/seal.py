@@ -1,13 +1,13 @@
 """What a secret adds to L3: keyed names, an authenticated seal on every value, encryption.
 
-With a `Seal` in its `Namespace` (keys.py), a cache's L3 keys are HMAC-SHA-256 under keys
+With a `Seal` in its `Namespace` (hicache/backends/keys.py), a cache's L3 keys are HMAC-SHA-256 under keys
 derived from the secret (HKDF-SHA-256): the namespace digest is
 `HMAC(k_names, "namespace" || fields)` and a page's key suffix
 `HMAC(k_names, "page" || digest || page hash)`, so someone who can list or read the store can
 neither test whether a prompt is cached nor compute the key to plant a value under. The tree's
-chained page hashes (keys.chain_page_hashes) are unchanged; only their names in the store are.
+chained page hashes (hicache/radix/hashes.py) are unchanged; only their names in the store are.
 
-Each value's payload then starts with a seal block (after the framing header, framing.py):
+Each value's payload then starts with a seal block (after the framing header, hicache/backends/framing.py):
 
     magic "HKS1" | mode u8 (1 tag, 2 AES-256-GCM) | 3 zero bytes | nonce 12 B | tag 32 B
 
@@ -16,7 +16,9 @@ length and the payload: mode 1 is HMAC-SHA-256 under `k_tags` over the plaintext
 encrypts the page with AES-256-GCM (the `cryptography` package, the `crypto` extra) under a key
 derived per namespace with HKDF from the secret, a random 96-bit nonce per value and the
 16-byte GCM tag (zero-padded). A value whose block or tag does not verify raises `SealError`,
-which the sealed backend (sealing/backend.py) turns into a miss and a `storage.corrupt` event.
+which the sealed backend (hicache/backends/sealing/backend.py) turns into a miss and a
+`storage.corrupt` event. A value object and pure functions (the configuration builds a `Seal`),
+so this module sits in the core, below the backends.
 """
 
 from __future__ import annotations

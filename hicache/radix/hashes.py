@@ -1,0 +1,89 @@
+"""Page hashes: the chained SHA-256 that names each whole page of a key, wherever it is stored.
+
+A page's hash encodes its whole prefix: `h_i = SHA256(h_{i-1} || tokens of page i)`, where
+`h_{-1}` is empty (or a given prior hash, as raw 32 bytes) and each token id is 4 bytes
+little-endian; for bigram (tuple) tokens each tuple contributes its ids in order. Equal tokens
+at different positions or after different prefixes therefore get different hashes. A salted
+key's chain starts from `salt_seed(salt)`.
+
+The tree keeps these per node (`TreeStructure.page_hashes`); a store's key for a page is its
+namespace plus the hash (hicache/backends/keys.py). Pure functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.types import PageHash
+
+__all__ = ["chain_page_hashes", "page_hash_bytes", "salt_seed"]
+
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def salt_seed(salt: bytes) -> PageHash:
+    """What a salt's page hash chain starts from (the empty salt starts from nothing, so its
+    L3 keys are those of a cache without salts): equal salts give equal keys on every
+    instance, so instances of one tenant share a store."""
+    return PageHash(hashlib.sha256(b"hicache salt\0" + salt).hexdigest())
+
+
+def chain_page_hashes(
+    tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+    page_size: int,
+    *,
+    prior: PageHash | None = None,
+) -> list[PageHash]:
+    """The chained hash of every whole page of `tokens` (a trailing partial page gets none).
+
+    `tokens` is a 1-D sequence of token ids, or for bigram keys a sequence of equal-length
+    tuples (a 2-D array). `prior` is the hash of the page just before `tokens[0]`. Pure.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    prior_bytes = b"" if prior is None else page_hash_bytes(prior, "prior")
+    ids = _as_token_array(tokens)
+    pages = ids.shape[0] // page_size
+    if pages == 0:
+        return []
+    # One conversion for the whole run; each page is then a zero-copy slice of it.
+    raw = np.ascontiguousarray(ids[: pages * page_size], dtype="<u4").data.cast("B")
+    stride = raw.nbytes // pages
+    out: list[PageHash] = []
+    prev = prior_bytes
+    for i in range(pages):
+        h = hashlib.sha256(prev)
+        h.update(raw[i * stride : (i + 1) * stride])
+        prev = h.digest()
+        out.append(PageHash(prev.hex()))
+    return out
+
+
+def page_hash_bytes(value: str, what: str) -> bytes:
+    """The 32 raw bytes of a page hash; ValueError naming `what` unless it is 64 lowercase hex."""
+    if not isinstance(value, str) or not _HASH_RE.fullmatch(value):
+        raise ValueError(f"{what} must be a 64-character lowercase hex SHA-256, got {value!r}")
+    return bytes.fromhex(value)
+
+
+def _as_token_array(tokens: object) -> np.ndarray:
+    try:
+        ids = np.asarray(tokens)
+    except ValueError as exc:  # ragged tuples
+        raise ValueError(f"tokens must be ids or equal-length tuples of ids: {exc}") from None
+    if ids.size == 0:
+        return ids.reshape(0)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    if ids.ndim not in (1, 2):
+        raise ValueError(f"tokens must be 1-D (ids) or 2-D (bigram tuples), got {ids.ndim}-D")
+    if ids.ndim == 2 and ids.shape[1] == 0:
+        raise ValueError("bigram tuples must not be empty")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > 0xFFFFFFFF:
+        raise ValueError(f"token ids must fit in 32 bits unsigned, got range [{lo}, {hi}]")
+    return ids
