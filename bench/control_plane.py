@@ -9,7 +9,7 @@ real bytes moved for every backup and load-back (a small KV geometry), in schedu
   the same policy (write_through, LRU), no messages.
 
 It prints microseconds per request for both (best of `--repeat` alternating runs) and their
-ratio (target <= 1.2, issue #13), plus hit rates as a check that both did the same work.
+ratio (target <= 1.2), plus hit rates as a check that both did the same work.
 
     python bench/control_plane.py [--limit N] [--batch B] [--page-size P] [--clock wall|cpu]
 """

@@ -1,5 +1,5 @@
 """Per-request hit parity between hicache and SGLang's HiCache, and between an exclusive
-L1 + L2 and one LRU tier of the same total size (issue #13's two hit-rate items).
+L1 + L2 and one LRU tier of the same total size (the two hit-rate targets).
 
 Every side writes one JSON line per request ({"i", "len", "l1", "l2"}: input tokens, L1 hit
 tokens, tokens loaded back from L2; with --batch > 1 one line per scheduler step):

@@ -1,4 +1,4 @@
-"""Prefill throughput of vLLM with and without a KV offloading connector (issue #17).
+"""Prefill throughput of vLLM with and without a KV offloading connector.
 
 A multi-turn workload whose working set overflows vLLM's own KV cache: CONVERSATIONS
 conversations take turns, one request at a time (round robin); each turn's prompt is the

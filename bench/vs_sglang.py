@@ -1,4 +1,4 @@
-"""hicache against SGLang's own HiCache, side by side in one run (issue #13's speed targets).
+"""hicache against SGLang's own HiCache, side by side in one run (the control-plane speed targets).
 
 Runs `../shared/peers/sglang_bench.py --cache hicache` (SGLang 0.5.23's radix tree + host tier,
 in the peer venv that `../shared/peers/setup-sglang.sh` builds) and the equivalent

@@ -124,7 +124,8 @@ class CacheConfig:
     kv_events_replay: str | None = None  # ROUTER endpoint answering replays (always binds)
     kv_events_topic: str = ""  # first frame of every message
     kv_events_buffer: int = 10_000  # batches kept for replay
-    kv_events_format: Literal["map", "array"] = "map"  # events as vLLM >= #42892, or positional
+    # events as vLLM sends them since vllm-project/vllm#42892 ("map"), or positional
+    kv_events_format: Literal["map", "array"] = "map"
 
     extra: dict[str, object] = field(default_factory=dict)  # backend options
 

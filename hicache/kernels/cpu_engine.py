@@ -52,8 +52,8 @@ class CpuEngine:
         True = required (RuntimeError naming why it is unavailable), False = numpy only.
         `threads`: copy threads per move of at least `parallel_bytes`. Default: two (one
         where the host has one core) with the compiled copier, whose scattered-row gathers
-        are latency-bound and gain 1.3-1.7x from a second thread; one with numpy, where a
-        second thread measured slower (docs/benchmarks.md "Transfers")."""
+        are latency-bound, so a second thread overlaps their misses; one with numpy, whose
+        copies hold the GIL between calls, so a second thread only adds hand-offs."""
         self.native = None if native is False else native_rows()
         if native and self.native is None:
             raise RuntimeError(f"native row copies unavailable: {unavailable_reason()}")

@@ -4,7 +4,7 @@ CUDA where it is usable (pinning.py).
 
 Why mappings: a layer load from a page-first host layout touches one short row in every few
 KiB of a buffer of GiBs; with 4 KiB pages nearly every row is a TLB miss (two-level walks in a
-VM). Huge pages measured 1.5-2x faster on those gathers here (docs/benchmarks.md "Transfers").
+VM); a 2 MiB page covers hundreds of those rows with one TLB entry.
 Why not torch's pinned allocator for pinned pools: it rounds a request up to a power of two
 (20.4 GiB became 32 GiB) and faults and locks the memory on one thread (2 GB/s on an H200 host,
 docs/benchmarks.md "Pinning"); a mapping of the exact size, faulted in by several threads and

@@ -184,7 +184,7 @@ def run_load_all(
     """Copy every layer of the planned pages host->device as one move; returns bytes moved. No
     validation. For loads whose layers all land before anyone waits (inline CPU copies): one
     pass over whole host pages instead of a strided pass per layer (page_first: 2 KiB of every
-    64 KiB per layer), measured 1.2-1.4x faster there (docs/benchmarks.md "Transfers")."""
+    64 KiB per layer)."""
     word = _word(host, device)
     words = engine.host_words(host)
     pairs = _pairs(

@@ -1,4 +1,4 @@
-"""Hybrid models through hicache, end to end (#19): a tiny random-weight model's prefill is
+"""Hybrid models through hicache, end to end: a tiny random-weight model's prefill is
 stored through `HybridCache` (K/V of every attention layer in the pool, recurrent snapshots
 as state chains), pushed down to L2, and to L3 where a second instance over the same file
 store reads it; the hit is loaded back and fed to the model as its cache, and the suffix's

@@ -1,5 +1,5 @@
-"""A step's backups travel as one message and one stream job (issue #13: a hop per step, not
-per backup), and each still ends as its own op: one `writer.backup_done` per op, and a failed
+"""A step's backups travel as one message and one stream job (a hop per step, not per
+backup), and each still ends as its own op: one `writer.backup_done` per op, and a failed
 job fails every op in it (never a host copy claimed that was not written)."""
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """hicache ships its annotations (PEP 561) and they say what the public API takes and gives, so
 an engine author's own type checker understands the cache: the README's embedding example,
 results built in an engine's tests and the test kit's scheduler type-check strictly
-(`tests/typing/engine_code.py`). Before #18 the results were declared through an aliased
-`dataclass` (no type checker saw their fields), `LoadBackOutcome.handle` was an `object`
-(so `lb.handle.wait(layer)` failed), `HiCache.backend` was always None to a checker, and no
-`py.typed` marker told checkers to read any of it."""
+(`tests/typing/engine_code.py`): the results' fields, `LoadBackOutcome.handle`'s methods,
+`HiCache.backend`, and the `py.typed` marker that tells checkers to read any of it."""
 
 from __future__ import annotations
 
