@@ -52,8 +52,7 @@ class CpuEngine:
         True = required (RuntimeError naming why it is unavailable), False = numpy only.
         `threads`: copy threads per move of at least `parallel_bytes`. Default: two (one
         where the host has one core) with the compiled copier, whose scattered-row gathers
-        are latency-bound, so a second thread overlaps their misses; one with numpy, whose
-        copies hold the GIL between calls, so a second thread only adds hand-offs."""
+        are latency-bound, so a second thread overlaps their misses; one with numpy."""
         self.native = None if native is False else native_rows()
         if native and self.native is None:
             raise RuntimeError(f"native row copies unavailable: {unavailable_reason()}")
