@@ -12,13 +12,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from hicache.components.controller.effects import SubmitLoad
+from hicache.components.controller.progress import Section
+from hicache.components.controller.rows import LoadOp, RequestState
+from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.tiers import Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
-from hicache.components.tree.effects import SubmitLoad
-from hicache.components.tree.progress import Section
-from hicache.components.tree.rows import LoadOp, RequestState
-from hicache.components.tree.shared import Shared, Step, Wait
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
 from hicache.messages import LoadDone
 from hicache.types import NodeId, OpId, RequestId
 

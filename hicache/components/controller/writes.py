@@ -17,11 +17,11 @@ from typing import Final, Literal
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.tree.progress import Section
-from hicache.components.tree.rows import UploadOp, WriteOp
-from hicache.components.tree.shared import Shared, Step, Wait
-from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.tiers import Tiers
+from hicache.components.controller.progress import Section
+from hicache.components.controller.rows import UploadOp, WriteOp
+from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.storage_switch import StorageSwitch
+from hicache.components.controller.tiers import Tiers
 from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 

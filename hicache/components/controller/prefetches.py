@@ -16,16 +16,16 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
+from hicache.components.controller.effects import CancelTimer, StartTimer
+from hicache.components.controller.pins import PinTable
+from hicache.components.controller.progress import Section
+from hicache.components.controller.requests import Requests
+from hicache.components.controller.rows import PrefetchOp, RequestState
+from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.storage_switch import StorageSwitch
+from hicache.components.controller.tiers import Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.components.prefetch_state import RUNNING, Phase, caller_state
-from hicache.components.tree.effects import CancelTimer, StartTimer
-from hicache.components.tree.pins import PinTable
-from hicache.components.tree.progress import Section
-from hicache.components.tree.requests import Requests
-from hicache.components.tree.rows import PrefetchOp, RequestState
-from hicache.components.tree.shared import Shared, Step, Wait
-from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
 from hicache.messages import (
     PrefetchProgress,
     ReadPrefetch,

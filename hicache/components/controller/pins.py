@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.shared import Shared, Step
+from hicache.components.controller.shared import Shared, Step
 from hicache.radix.results import TreeError
 from hicache.radix.structure import INF
 from hicache.results import InvalidRequest, PinLimitError, PinOutcome

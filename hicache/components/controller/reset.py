@@ -5,8 +5,8 @@ the end of time): pinned pages leave too, and come back pinned when cached or pr
 
 from __future__ import annotations
 
-from hicache.components.tree.shared import Shared, Step
-from hicache.components.tree.tiers import Tiers
+from hicache.components.controller.shared import Shared, Step
+from hicache.components.controller.tiers import Tiers
 from hicache.radix.structure import INF
 
 TIERS = ("device", "host", "storage")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hicache.components.tree.effects import Effects
+from hicache.components.controller.effects import Effects
 from hicache.config import CacheConfig
 from hicache.radix.tree import RadixTree
 from hicache.types import OpId

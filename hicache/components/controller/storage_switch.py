@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from hicache.components.tree.effects import SwitchStorage
-from hicache.components.tree.shared import Step
+from hicache.components.controller.effects import SwitchStorage
+from hicache.components.controller.shared import Step
 from hicache.messages import AttachStorage, DetachStorage
 
 

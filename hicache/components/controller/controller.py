@@ -19,18 +19,18 @@ from typing import Any
 
 from typing_extensions import assert_never
 
-from hicache.components.tree import reset, sync
-from hicache.components.tree.effects import ClearBackend, Drained, Effect, Effects, Fail
-from hicache.components.tree.loads import LoadFlows
-from hicache.components.tree.pins import PinTable
-from hicache.components.tree.prefetches import PrefetchFlows
-from hicache.components.tree.progress import Progress
-from hicache.components.tree.requests import Requests
-from hicache.components.tree.shared import Counters, Shared, Step, Wait
-from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.sync import Completion
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
+from hicache.components.controller import reset, sync
+from hicache.components.controller.effects import ClearBackend, Drained, Effect, Effects, Fail
+from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.pins import PinTable
+from hicache.components.controller.prefetches import PrefetchFlows
+from hicache.components.controller.progress import Progress
+from hicache.components.controller.requests import Requests
+from hicache.components.controller.shared import Counters, Shared, Step, Wait
+from hicache.components.controller.storage_switch import StorageSwitch
+from hicache.components.controller.sync import Completion
+from hicache.components.controller.tiers import Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
     AllocBatch,

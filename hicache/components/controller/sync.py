@@ -8,12 +8,12 @@ on its own: a hung one holds up no other) and each prefetch's next step.
 
 from __future__ import annotations
 
-from hicache.components.tree.loads import LoadFlows
-from hicache.components.tree.prefetches import PrefetchFlows
-from hicache.components.tree.progress import Progress
-from hicache.components.tree.requests import Requests
-from hicache.components.tree.shared import Step
-from hicache.components.tree.writes import WriteFlows
+from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.prefetches import PrefetchFlows
+from hicache.components.controller.progress import Progress
+from hicache.components.controller.requests import Requests
+from hicache.components.controller.shared import Step
+from hicache.components.controller.writes import WriteFlows
 from hicache.messages import (
     LoadDone,
     PrefetchProgress,

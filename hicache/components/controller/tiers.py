@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.components.allocator.ledger import SlotLedger
-from hicache.components.tree.shared import Shared, Step
+from hicache.components.controller.ledger import SlotLedger
+from hicache.components.controller.shared import Shared, Step
 from hicache.results import CacheStats, TierStats
 from hicache.types import NodeId
 

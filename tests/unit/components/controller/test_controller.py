@@ -23,10 +23,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache.components.loader.ticket import LoadTicket
-from hicache.components.topology import Topology
-from hicache.components.tree.controller import Controller
-from hicache.components.tree.effects import (
+from hicache.components.controller.controller import Controller
+from hicache.components.controller.effects import (
     Answer,
     CancelTimer,
     Drained,
@@ -36,6 +34,8 @@ from hicache.components.tree.effects import (
     StartTimer,
     SubmitLoad,
 )
+from hicache.components.loader.ticket import LoadTicket
+from hicache.components.topology import Topology
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import (

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.pins import PinTable
+from hicache.components.controller.rows import RequestState
+from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.tiers import Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
-from hicache.components.tree.loads import LoadFlows
-from hicache.components.tree.pins import PinTable
-from hicache.components.tree.rows import RequestState
-from hicache.components.tree.shared import Shared, Step, Wait
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
 from hicache.radix.results import TreeError, concat
