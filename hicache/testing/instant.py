@@ -215,8 +215,7 @@ class InstantCache:
             return
         controller = self.controller
         controller.record(report)
-        seen = controller.progress()
-        self._execute(controller.apply(seen, seen.mins, seen.maxes, self._now()))
+        self._execute(controller.apply_arrived(self._now()))
 
     def _prefetch(
         self, work: StartPrefetch | ReadPrefetch | StopPrefetch

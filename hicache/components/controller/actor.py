@@ -177,20 +177,14 @@ class TreeActor(Actor[TreeInbox]):
 
     async def _sync(self) -> None:
         """Agree with the other ranks how far every op has got, and apply that."""
-        seen = self.controller.progress()
-        if self._agreement.trivial:
-            if seen.mins or seen.maxes:
-                await self._execute(
-                    self.controller.apply(
-                        seen,
-                        seen.mins,
-                        seen.maxes,
-                        self._now(),
-                        events=self._recording,
-                        detail=self._recording,
-                    )
+        if self._agreement.trivial:  # no one to agree with: no vectors
+            await self._execute(
+                self.controller.apply_arrived(
+                    self._now(), events=self._recording, detail=self._recording
                 )
+            )
             return
+        seen = self.controller.progress()
         agreed, agreed_max = await self._agreement.agree(seen.mins, seen.maxes)
         await self._execute(
             self.controller.apply(

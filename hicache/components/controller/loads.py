@@ -8,19 +8,29 @@ eviction can hand those slots to another request under a copy still landing.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from hicache.components.controller.effects import SubmitLoad
 from hicache.components.controller.progress import Section
-from hicache.components.controller.rows import LoadOp, RequestState
+from hicache.components.controller.rows import LoadOp
 from hicache.components.controller.shared import Shared, Step, Wait
 from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
 from hicache.messages import LoadDone
 from hicache.types import NodeId, OpId, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStarted:
+    """A load-back issued for a request: the request table (`requests.py`) appends the slots
+    to the request's prefix and notes the load it now waits on."""
+
+    op: OpId
+    device_slots: np.ndarray
+    tokens: int
 
 
 class LoadFlows:
@@ -80,6 +90,20 @@ class LoadFlows:
                 failed.append(op)
         return failed
 
+    def apply_arrived(self, step: Step) -> list[OpId]:
+        """One rank: end the loads that arrived here, in issue order (as `apply` of this
+        rank's own progress, without building it). The loads that failed."""
+        arrived, failed = self._arrived, []
+        while arrived:
+            op = next(iter(self.loads))
+            if op not in arrived:
+                break
+            ok, error = arrived.pop(op)
+            self.finish(step, op, ok, error)
+            if not ok:
+                failed.append(op)
+        return failed
+
     def ended(self, op: OpId) -> bool:
         return op not in self.loads
 
@@ -117,19 +141,25 @@ class LoadFlows:
         return pending
 
     def load_back(
-        self, step: Step, rid: RequestId, state: RequestState, threshold: int | None = None
-    ) -> int | Wait:
-        """Load the request's L2-only stretch into L1 when it is worth it: the tokens loaded
-        (0 when below the threshold, out of credits or out of room), or the wait it needs.
-        `threshold`: the caller's own in place of `load_back_threshold`."""
+        self,
+        step: Step,
+        rid: RequestId,
+        last_node: NodeId | None,
+        host_len: int,
+        threshold: int | None = None,
+    ) -> LoadStarted | Wait | None:
+        """Load the L2-only stretch (`host_len` tokens down to `last_node`) of a request into
+        L1 when it is worth it: the load started, None when below the threshold, out of
+        credits or out of room, or the wait it needs. `threshold`: the caller's own in place
+        of `load_back_threshold`."""
         shared, tree = self._shared, self._shared.tree
         least = shared.cfg.load_back_threshold if threshold is None else threshold
-        if state.host_len < max(1, least) or state.last_node is None:
-            return 0
+        if host_len < max(1, least) or last_node is None:
+            return None
         if self.credits == 0:
-            step.out.warning("tree.load_deferred", rid=rid, tokens=state.host_len)
-            return 0
-        plan = tree.plan_load_back(state.last_node)
+            step.out.warning("tree.load_deferred", rid=rid, tokens=host_len)
+            return None
+        plan = tree.plan_load_back(last_node)
         anchor = tree.parent(plan.nodes[0])
         if self.under(anchor):
             # The pages above are still landing: if that load failed, pages loaded below them
@@ -138,7 +168,7 @@ class LoadFlows:
             step.out.warning(
                 "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="above_loading"
             )
-            return 0
+            return None
         device_slots = self.device(step, plan.num_tokens)
         if isinstance(device_slots, Wait):
             return device_slots
@@ -146,22 +176,18 @@ class LoadFlows:
             step.out.warning(
                 "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity"
             )
-            return 0
+            return None
         assert anchor is not None
-        tree.commit_load_back(plan, device_slots)
-        tree.lock(plan.nodes[-1])
+        self._tiers.commit_load_back(plan, device_slots)
         op = shared.op()
         self.credits -= 1
         ticket = LoadTicket(op)
         step.out.add(SubmitLoad(ticket, plan.host_slots, device_slots))
         self.loads[op] = LoadOp(ticket=ticket, plan=plan, lock=plan.nodes[-1], anchor=anchor)
-        state.loads.append(op)
-        state.prefix_slots = np.concatenate([state.prefix_slots, device_slots])
-        state.host_len = 0
         shared.counters.host_hit_tokens += plan.num_tokens
         shared.counters.h2d_bytes += plan.num_tokens * shared.bytes_per_token
         step.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
-        return plan.num_tokens
+        return LoadStarted(op, device_slots, plan.num_tokens)
 
     def _filled(self, op: LoadOp) -> tuple[NodeId, ...]:
         """The nodes between the load's anchor and its lock, root first."""
@@ -175,22 +201,17 @@ class LoadFlows:
     def finish(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
         the requests that counted on it)."""
-        shared, tree = self._shared, self._shared.tree
         op = self.loads.pop(op_id)
         self.credits += 1
-        tree.unlock(op.lock)
         # The nodes it filled now: a match or insert may have split them since the plan (a
         # split's upper piece is a new node), and every piece must go back or give up its copy.
         filled = replace(op.plan, nodes=self._filled(op))
+        freed, kept = self._tiers.end_load_back(step, op.lock, filled, ok=ok)
         if not ok:
-            freed, kept = tree.revert_load_back(filled)
-            self._tiers.free(step, "device", freed)
             step.out.error(
                 "tree.load_failed",
                 op=op_id,
                 error=error or None,
-                tokens=len(freed),
+                tokens=freed,
                 kept_nodes=list(kept),
             )
-        elif shared.cfg.exclusive:
-            self._tiers.free(step, "host", tree.drop_host(filled))

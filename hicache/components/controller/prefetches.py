@@ -13,6 +13,7 @@ take it alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
@@ -36,6 +37,15 @@ from hicache.messages import (
 from hicache.radix.structure import salt_seed
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A prefetch call's answer; `skipped`: refused at its start, an outcome the request
+    table keeps for later waits and polls (`Requests.prefetch_ended`)."""
+
+    outcome: PrefetchOutcome
+    skipped: bool
 
 
 class PrefetchFlows:
@@ -120,6 +130,24 @@ class PrefetchFlows:
         if host_freed and self.host_waiting:
             self.retry_reads(step)
 
+    def apply_arrived(self, step: Step, *, host_freed: bool) -> None:
+        """One rank: take the next step of each prefetch that has a report or a fired timer
+        here, in issue order (a prefetch with neither has no step to take)."""
+        reports, fired = self._reports, self._timers_fired
+        for op in sorted(reports.keys() | fired):
+            report = reports.get(op)
+            self.agreed(
+                step,
+                op,
+                hit=-1 if report is None else report.hit_pages,
+                done=0 if report is None else report.done_pages,
+                finished=report is not None and report.finished,
+                stopped=report is not None and report.stopped,
+                timed_out=op in fired,
+            )
+        if host_freed and self.host_waiting:
+            self.retry_reads(step)
+
     def start(
         self,
         step: Step,
@@ -127,15 +155,15 @@ class PrefetchFlows:
         rid: RequestId,
         tokens: Any,
         threshold: int | None = None,
-    ) -> PrefetchOutcome:
-        """Admit and start a prefetch of `tokens` past the request's match. `threshold`:
-        fewest tokens worth it for this request (None: the config's)."""
+    ) -> Admission:
+        """Admit and start a prefetch of `tokens` past the request's match (`state`, read
+        only). `threshold`: fewest tokens worth it for this request (None: the config's)."""
         shared, tree = self._shared, self._shared.tree
         cfg = shared.cfg
         if threshold is None:
             threshold = cfg.effective_prefetch_threshold
         if not self._storage.on or rid in self.by_rid:
-            return self.outcome(rid, self.by_rid.get(rid))
+            return Admission(self.outcome(rid, self.by_rid.get(rid)), False)
         page = cfg.page_size
         matched = len(state.prefix_slots) + state.host_len
         end = len(tokens) // page * page
@@ -149,8 +177,8 @@ class PrefetchFlows:
             reason = "rate_limited"
         if reason is not None:
             step.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
-            state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
-            return state.prefetch  # what a later wait or poll reports too
+            # what a later wait or poll reports too (kept by the request table)
+            return Admission(PrefetchOutcome(rid=rid, state="skipped", reason=reason), True)
         if anchor == tree.root:  # nothing matched: the salt's chain starts at its seed
             prior = salt_seed(state.salt) if state.salt else None
         else:
@@ -164,7 +192,7 @@ class PrefetchFlows:
         # The anchor stays in the tree until the op settles. Without an L2 copy (it is only on
         # L1: a hot prefix under write_back or selective) it gets one if storage has enough
         # below it (`_back_up_anchor`), so what lands outlives the anchor's stay in L1.
-        tree.protect_host(anchor, copy_complete=False)
+        self._tiers.protect_host(anchor, copy_complete=False)
         self.ops[op_id] = PrefetchOp(
             rid=rid,
             anchor=anchor,
@@ -181,7 +209,7 @@ class PrefetchFlows:
         self.tokens += length
         step.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
         step.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
-        return self.outcome(rid, op_id)
+        return Admission(self.outcome(rid, op_id), False)
 
     def _rate_limit(self) -> int:
         cfg = self._shared.cfg
@@ -202,6 +230,10 @@ class PrefetchFlows:
             done_tokens=op.done_pages * page,
             wanted_tokens=len(op.hashes) * page,
         )
+
+    def poll(self, rid: RequestId) -> PrefetchOutcome:
+        """Where the request's prefetch stands now."""
+        return self.outcome(rid, self.by_rid.get(rid))
 
     def wait(self, step: Step, rid: RequestId, reply: Any, *, poll: bool) -> None:
         """Answer now if the prefetch is over; else (best_effort) stop it and take what has
@@ -323,24 +355,23 @@ class PrefetchFlows:
         """Hand the request what has arrived: insert it as host-only nodes below the anchor,
         answer the waiters. The slots of those pages become the tree's; the rest stay the op's
         until it ends."""
-        shared, tree = self._shared, self._shared.tree
+        shared = self._shared
         op = self.ops[op_id]
         page = shared.cfg.page_size
         done = 0 if revoked else min(op.done_pages, len(op.host_slots) // page)
         op.done_pages = done
         used_tokens = done * page
         if done:
-            inserted = tree.insert_host(
+            self._tiers.insert_host(
+                step,
                 op.anchor,
                 op.tokens[:used_tokens],
                 op.host_slots[:used_tokens],
                 op.hashes[:done],
-                now=step.now,
-                salt=op.salt,
+                op.salt,
             )
-            self._tiers.free(step, "host", inserted.duplicate_slots)
             self._pins.after_insert(step, op.prefix, op.salt)  # pins hold for pages back from L3
-        tree.release_host(op.anchor)
+        self._tiers.release_host(op.anchor)
         op.to(op_id, Phase.REVOKED if revoked else Phase.DONE)
         step.out.info(
             "tree.prefetch_done",
@@ -351,15 +382,9 @@ class PrefetchFlows:
             read=used_tokens,
         )
         outcome = self.outcome(op.rid, op_id)
-        state = self._requests.get(op.rid)
-        if state is not None:
-            state.prefetch = outcome
-            if done:
-                shared.counters.storage_hit_tokens += used_tokens
-            # Lock what arrived for the request, unless it is past load_back (or allocated):
-            # then its prefix is fixed, and moving it would misalign what it holds.
-            if done and not state.loaded_back and not state.owned:
-                self._requests.rematch(step, state)
+        open_ = self._requests.prefetch_settled(step, op.rid, outcome, landed=bool(done))
+        if open_ and done:
+            shared.counters.storage_hit_tokens += used_tokens
         for reply in op.waiters:
             step.out.answer(reply, outcome)
         op.waiters.clear()
@@ -380,8 +405,11 @@ class PrefetchFlows:
         self.tokens -= len(op.hashes) * page
         self.credits += 1
 
-    def abandon(self, step: Step) -> None:
-        for op_id, op in list(self.ops.items()):
+    def abandon(self, step: Step) -> int:
+        """End every prefetch (close past its deadline); how many."""
+        ops = list(self.ops.items())
+        for op_id, op in ops:
             if op.phase in RUNNING:
                 self._settle(step, op_id, revoked=True)
             self._end(step, op_id)
+        return len(ops)

@@ -30,6 +30,7 @@ from hicache.results import (
     InvalidRequest,
     LoadBackOutcome,
     MatchOutcome,
+    PrefetchOutcome,
     UnknownRequest,
 )
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
@@ -85,16 +86,12 @@ class Requests:
         return encoded if encoded.dtype == np.uint32 else tokens
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
-        tree = self._shared.tree
-        if node is not None:
-            tree.lock(node)
-        if state.lock is not None:
-            tree.unlock(state.lock)
+        self._tiers.relock(node, state.lock)
         state.lock = node
 
     def _view(self, step: Step, state: RequestState, tokens: Any) -> None:
         """Point the request at the tree's current prefix for `tokens` (locked for it)."""
-        result = self._shared.tree.match(tokens, now=step.now, salt=state.salt)
+        result = self._tiers.match(step, tokens, state.salt)
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
@@ -108,6 +105,25 @@ class Requests:
 
     def release_all(self, step: Step) -> None:
         self.release_batch(step, tuple(self.table), reason="close")
+
+    def prefetch_ended(self, rid: RequestId, outcome: PrefetchOutcome) -> None:
+        """A prefetch of the request was skipped at its start: what a later wait or poll
+        reports."""
+        self.table[rid].prefetch = outcome
+
+    def prefetch_settled(
+        self, step: Step, rid: RequestId, outcome: PrefetchOutcome, *, landed: bool
+    ) -> bool:
+        """A prefetch of the request settled (`landed`: pages of it are in L2 now). Whether the
+        request is still open. What arrived is locked for it unless it is past load_back (or
+        allocated): then its prefix is fixed, and moving it would misalign what it holds."""
+        state = self.table.get(rid)
+        if state is None:
+            return False
+        state.prefetch = outcome
+        if landed and not state.loaded_back and not state.owned:
+            self.rematch(step, state)
+        return True
 
     def load_failed(self, op: OpId) -> None:
         """Requests that counted on this load may not cache what they hold: their prefix slots
@@ -131,7 +147,7 @@ class Requests:
             state.tokens = tokens
             state.retention = self._ranges(step, item.retention)
             if state.retention:  # the matched pages take the request's ranges now
-                self._shared.tree.retain(tokens, state.retention, now=step.now, salt=state.salt)
+                self._tiers.retain(step, tokens, state.retention, state.salt)
             state.failed_load = False
             state.loaded_back = False
             self._shared.counters.device_hit_tokens += len(state.prefix_slots)
@@ -200,10 +216,14 @@ class Requests:
                     # may have loaded or cached part of it since. Take the tree's prefix now.
                     self.rematch(step, state)
                 state.loaded_back = True
-                got = self._loads.load_back(step, rid, state, threshold)
+                got = self._loads.load_back(step, rid, state.last_node, state.host_len, threshold)
                 if isinstance(got, Wait):
                     return got
-                loaded = got
+                if got is not None:  # its prefix grows by what lands; it waits on the load
+                    state.loads.append(got.op)
+                    state.prefix_slots = np.concatenate([state.prefix_slots, got.device_slots])
+                    state.host_len = 0
+                    loaded = got.tokens
             tickets = self._loads.tickets(state.loads)
             done.append(
                 LoadBackOutcome(
@@ -323,21 +343,21 @@ class Requests:
     def _cache(
         self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
     ) -> CacheOutcome:
-        shared, tree = self._shared, self._shared.tree
+        shared = self._shared
         state = self.table[item.rid]
         aligned = len(tokens) // shared.cfg.page_size * shared.cfg.page_size
         own = len(state.prefix_slots)
-        result = tree.insert(
+        result = self._tiers.insert(
+            step,
             tokens[:aligned],
             slots[:aligned],
-            now=step.now,
             chunked=not item.finished,
             salt=state.salt,
             backup=item.backup,
         )
         if state.retention or self._pins.entries:
             if state.retention:
-                tree.retain(tokens[:aligned], state.retention, now=step.now, salt=state.salt)
+                self._tiers.retain(step, tokens[:aligned], state.retention, state.salt)
             self._pins.after_insert(step, tokens[:aligned], state.salt)
             candidates.extend(self._split_pieces(result.backup_candidates))
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
@@ -352,7 +372,7 @@ class Requests:
             del self.table[item.rid]
             prefix = slots[:aligned]
             if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
-                prefix = tree.match(tokens[:aligned], now=step.now, salt=state.salt).device_slots
+                prefix = self._tiers.match(step, tokens[:aligned], state.salt).device_slots
         else:
             self._view(step, state, tokens[:aligned])
             state.host_len = 0

@@ -63,3 +63,19 @@ def apply(
         requests.load_failed(op)
     uploaded = writes.apply_uploads(step, agreed.uploads)
     prefetches.apply(step, agreed.prefetches, host_freed=uploaded)
+
+
+def apply_arrived(
+    step: Step,
+    writes: WriteFlows,
+    loads: LoadFlows,
+    prefetches: PrefetchFlows,
+    requests: Requests,
+) -> None:
+    """One rank: apply what has arrived, in the order `apply` would, with no vectors (there
+    is no one to agree with)."""
+    writes.apply_arrived_backups(step)
+    for op in loads.apply_arrived(step):
+        requests.load_failed(op)
+    uploaded = writes.apply_arrived_uploads(step)
+    prefetches.apply_arrived(step, host_freed=uploaded)

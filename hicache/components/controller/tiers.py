@@ -1,6 +1,8 @@
-"""The controller's two tiers of slots: their ledgers, one per tier (L1 whole from the start;
-L2 as the allocator leases it, chunk by chunk while it prepares the host pool), allocation and
-eviction, L1 then L2.
+"""The tier owner: the radix tree and the two slot ledgers, one per tier (L1 whole from the
+start; L2 as the allocator leases it, chunk by chunk while it prepares the host pool). Every
+change to the tree goes through here, so that the slots a change frees go back to their ledger
+in the same call: insertion, locks and host protection, the copies of a backup or a load,
+eviction (L1 then L2), pin marks and `clear`.
 
 Eviction returns what it could not do alone as data: the L1 nodes that need an L2 copy before
 they may leave. The write flows (`writes.py`) start those backups and turn "nothing to evict
@@ -10,13 +12,19 @@ now" into a wait for an op in flight; nothing here knows of ops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hicache.components.controller.ledger import SlotLedger
 from hicache.components.controller.shared import Shared, Step
+from hicache.radix.results import InsertResult, LoadPlan, MatchResult
+from hicache.radix.structure import INF
+from hicache.radix.tree import Range
 from hicache.results import CacheStats, TierStats
-from hicache.types import NodeId
+from hicache.types import NodeId, PageHash
+
+TIERS = ("device", "host", "storage")  # what `clear` may name
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +150,142 @@ class Tiers:
             shared.counters.host_evictions += len(ev.freed)
             step.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
             self.free(step, "host", ev.freed)
+
+    # ------------------------------------------------------------------ requests
+    def match(self, step: Step, tokens: Any, salt: bytes) -> MatchResult:
+        """The cached prefix of `tokens` (stamped as used now)."""
+        return self._shared.tree.match(tokens, now=step.now, salt=salt)
+
+    def relock(self, new: NodeId | None, old: NodeId | None) -> None:
+        """Move a holder's lock from `old` to `new` (either may be None)."""
+        tree = self._shared.tree
+        if new is not None:
+            tree.lock(new)
+        if old is not None:
+            tree.unlock(old)
+
+    def retain(self, step: Step, tokens: Any, ranges: tuple[Range, ...], salt: bytes) -> None:
+        self._shared.tree.retain(tokens, ranges, now=step.now, salt=salt)
+
+    def insert(
+        self,
+        step: Step,
+        tokens: Any,
+        slots: np.ndarray,
+        *,
+        chunked: bool,
+        salt: bytes,
+        backup: bool,
+    ) -> InsertResult:
+        return self._shared.tree.insert(
+            tokens, slots, now=step.now, chunked=chunked, salt=salt, backup=backup
+        )
+
+    # ------------------------------------------------------------------ pins
+    def mark_pins(
+        self, step: Step, tokens: Any, *, device_until: float, host_until: float, salt: bytes
+    ) -> int:
+        return self._shared.tree.mark_pins(
+            tokens, device_until=device_until, host_until=host_until, now=step.now, salt=salt
+        )
+
+    def unmark_pins(self, step: Step, tokens: Any, salt: bytes) -> None:
+        self._shared.tree.unmark_pins(tokens, now=step.now, salt=salt)
+
+    # ------------------------------------------------------------------ copies
+    def protect_host(self, node: NodeId, *, copy_complete: bool = True) -> None:
+        """Keep node..root in the tree with their L2 copies while a transfer uses them."""
+        self._shared.tree.protect_host(node, copy_complete=copy_complete)
+
+    def release_host(self, node: NodeId) -> None:
+        self._shared.tree.release_host(node)
+
+    def begin_backup(self, node: NodeId, host: np.ndarray) -> None:
+        self._shared.tree.begin_backup(node, host)
+
+    def end_backup(self, step: Step, node: NodeId, *, ok: bool) -> None:
+        """A backup ended: on failure its host slots go back."""
+        self.free(step, "host", self._shared.tree.end_backup(node, ok=ok))
+
+    def set_page_hashes(self, node: NodeId, hashes: tuple[PageHash, ...]) -> None:
+        self._shared.tree.set_page_hashes(node, hashes)
+
+    def commit_load_back(self, plan: LoadPlan, device_slots: np.ndarray) -> None:
+        """The plan's nodes take their device slots; the deepest is locked until it lands."""
+        tree = self._shared.tree
+        tree.commit_load_back(plan, device_slots)
+        tree.lock(plan.nodes[-1])
+
+    def end_load_back(
+        self, step: Step, lock: NodeId, filled: LoadPlan, *, ok: bool
+    ) -> tuple[int, tuple[NodeId, ...]]:
+        """A load ended: its lock goes; on failure its nodes go back to L2 only (the device
+        tokens freed and the nodes that kept them are returned); in exclusive mode, on success,
+        they leave L2."""
+        tree = self._shared.tree
+        tree.unlock(lock)
+        if not ok:
+            freed, kept = tree.revert_load_back(filled)
+            self.free(step, "device", freed)
+            return len(freed), kept
+        if self._shared.cfg.exclusive:
+            self.free(step, "host", tree.drop_host(filled))
+        return 0, ()
+
+    def insert_host(
+        self,
+        step: Step,
+        anchor: NodeId,
+        tokens: Any,
+        host_slots: np.ndarray,
+        hashes: tuple[PageHash, ...],
+        salt: bytes,
+    ) -> None:
+        """Hang prefetched pages below `anchor`; slots of pages already there go back."""
+        inserted = self._shared.tree.insert_host(
+            anchor, tokens, host_slots, hashes, now=step.now, salt=salt
+        )
+        self.free(step, "host", inserted.duplicate_slots)
+
+    # ------------------------------------------------------------------ clear and drain
+    def clear_device(self, step: Step) -> int:
+        """Every unlocked L1 page: demoted where it has an L2 copy, else removed; pages the
+        write policy would back up first are dropped without a copy. Tokens freed. Run once
+        nothing is in flight, so no op still uses a page it drops; pins do not hold (eviction
+        runs as if at the end of time)."""
+        tree, dropped = self._shared.tree, 0
+        while tree.evictable_device_tokens():
+            ev = tree.evict_device(tree.evictable_device_tokens(), now=INF)
+            self.free(step, "device", ev.freed)
+            self.free(step, "host", ev.freed_host)
+            freed = len(ev.freed)
+            for node in ev.needs_backup:  # write_back: no copy wanted, the caller asked to drop
+                gone = tree.discard_device(node)
+                self.free(step, "device", gone.freed)
+                self.free(step, "host", gone.freed_host)
+                freed += len(gone.freed)
+            if not freed:
+                break  # what is left is protected (a backup or upload would still read it)
+            dropped += freed
+        return dropped
+
+    def clear_host(self, step: Step) -> int:
+        """Every unlocked, unprotected page's L2 copy (pages also on L1 stay there). Tokens
+        freed."""
+        tree = self._shared.tree
+        copies = tree.drop_host_copies()
+        self.free(step, "host", copies)
+        dropped = len(copies)
+        while tree.evictable_host_tokens():
+            ev = tree.evict_host(tree.evictable_host_tokens(), now=INF)
+            if not len(ev.freed):
+                break
+            self.free(step, "host", ev.freed)
+            dropped += len(ev.freed)
+        return dropped
+
+    def drain(self, step: Step) -> None:
+        """At close, every request released: every node but the root leaves, its slots back."""
+        freed = self._shared.tree.clear()
+        self.free(step, "device", freed.device)
+        self.free(step, "host", freed.host)

@@ -98,6 +98,17 @@ class WriteFlows:
                 break
             self.finish_write(step, op, bool(ok), self._arrived_writes.pop(op)[1])
 
+    def apply_arrived_backups(self, step: Step) -> None:
+        """One rank: end the backups that arrived here, in issue order (as `apply_backups`
+        of this rank's own progress, without building it)."""
+        arrived = self._arrived_writes
+        while arrived:
+            op = next(iter(self.writes))
+            if op not in arrived:
+                break
+            ok, error = arrived.pop(op)
+            self.finish_write(step, op, ok, error)
+
     def apply_uploads(self, step: Step, agreed: Section) -> bool:
         """End the uploads every rank has got, each on its own. Whether any ended (an
         upload's end may make host room)."""
@@ -108,6 +119,16 @@ class WriteFlows:
                 self.finish_upload(step, op, stored=stored, dropped=dropped)
                 ended = True
         return ended
+
+    def apply_arrived_uploads(self, step: Step) -> bool:
+        """One rank: end the uploads that arrived here, in issue order (op ids grow with
+        issue order). Whether any ended."""
+        arrived = self._arrived_uploads
+        ops = sorted(arrived)
+        for op in ops:
+            stored, dropped = arrived.pop(op)
+            self.finish_upload(step, op, stored=stored, dropped=dropped)
+        return bool(ops)
 
     # ------------------------------------------------------------------ waits (`Awaited`)
     def ended(self, op: OpId) -> bool:
@@ -262,7 +283,7 @@ class WriteFlows:
         self, step: Step, node: NodeId, host: np.ndarray, *, evicting: bool = False
     ) -> None:
         shared = self._shared
-        shared.tree.begin_backup(node, host)
+        self._tiers.begin_backup(node, host)
         op = shared.op()
         self.write_credits -= 1
         self.writes[op] = WriteOp(node=node, host_slots=host, evicting=evicting)
@@ -277,7 +298,7 @@ class WriteFlows:
         op = self.writes.pop(op_id)
         self.write_credits += 1
         pieces = shared.tree.backup_pieces(op.node)  # the node may have been split meanwhile
-        self._tiers.free(step, "host", shared.tree.end_backup(op.node, ok=ok))
+        self._tiers.end_backup(step, op.node, ok=ok)
         if not ok:
             step.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._storage.on:
@@ -321,7 +342,7 @@ class WriteFlows:
         host_slots = np.concatenate([tree.host_slots(p) for p in pieces])
         op = shared.op()
         self.upload_credits -= 1
-        tree.protect_host(node)
+        self._tiers.protect_host(node)
         self.uploads[op] = UploadOp(node=node, pages=len(hashes))
         ttl = tree.retained_for(pieces, now=step.now)  # a range's duration reaches storage
         step.out.send(
@@ -350,7 +371,7 @@ class WriteFlows:
         tree = self._shared.tree
         job = self.uploads.pop(op_id)
         self.upload_credits += 1
-        tree.release_host(job.node)
+        self._tiers.release_host(job.node)
         if stored < job.pages:
             self._shared.counters.dropped(step, dropped or "failed", job.pages - stored)
         while self.upload_backlog and self.upload_credits:
@@ -384,13 +405,18 @@ class WriteFlows:
             hashes = tuple(
                 chain_page_hashes(tree.key(node), self._shared.cfg.page_size, prior=prior)
             )
-            tree.set_page_hashes(node, hashes)
+            self._tiers.set_page_hashes(node, hashes)
         return hashes
 
     # ------------------------------------------------------------------ close
-    def abandon(self, step: Step) -> None:
+    def abandon(self, step: Step) -> dict[str, int]:
         """End every write and upload as failed (close past its deadline). With the backlogs
-        emptied first, nothing ending here starts new work (a failed write uploads nothing)."""
+        emptied first, nothing ending here starts new work (a failed write uploads nothing).
+        How many: writes, and uploads with those waiting for a credit."""
+        counts = {
+            "writes": len(self.writes),
+            "uploads": len(self.uploads) + len(self.upload_backlog),
+        }
         self.write_backlog.clear()
         self.upload_backlog.clear()
         for op_id in list(self.writes):
@@ -399,3 +425,4 @@ class WriteFlows:
         for op_id in list(self.uploads):
             self._arrived_uploads.pop(op_id, None)
             self.finish_upload(step, op_id)
+        return counts
