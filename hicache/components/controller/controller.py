@@ -18,9 +18,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from typing_extensions import assert_never
 
 from hicache.components.controller import sync
+from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.effects import ClearBackend, Drained, Effect, Effects, Fail
 from hicache.components.controller.loads import LoadFlows
 from hicache.components.controller.pins import PinTable
@@ -91,11 +93,19 @@ class Controller:
         self.tiers = Tiers(shared)
         self.storage = StorageSwitch(storage_on)  # attach / detach L3
         self.writes = WriteFlows(shared, self.tiers, self.storage, credits)
-        self.loads = LoadFlows(shared, self.tiers, self.writes, credits)
+        self.loads = LoadFlows(shared, self.tiers, credits)
+        self.alloc = Allocator(shared, self.tiers, self.storage, self.writes, self.loads)
         self.pins = PinTable(shared, self.tiers)
-        self.requests = Requests(shared, self.tiers, self.writes, self.loads, self.pins)
+        self.requests = Requests(shared, self.tiers, self.alloc, self.writes, self.loads, self.pins)
         self.prefetches = PrefetchFlows(
-            shared, self.tiers, self.writes, self.requests, self.pins, self.storage, credits
+            shared,
+            self.tiers,
+            self.alloc,
+            self.writes,
+            self.requests,
+            self.pins,
+            self.storage,
+            credits,
         )
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
@@ -171,10 +181,11 @@ class Controller:
                     return Parked(wait, done)
                 out.answer(reply, tuple(done))
             case AllocBatch(sizes=sizes, reply=reply):
-                slots = requests.alloc_batch(step, sizes)
-                if isinstance(slots, Wait):
-                    return Parked(slots)
-                out.answer(reply, slots)
+                slots: list[np.ndarray] = []
+                wait = requests.alloc_batch(step, sizes, slots)
+                if wait is not None:
+                    return Parked(wait)
+                out.answer(reply, tuple(slots))
             case CacheBatch(items=items, reply=reply):
                 out.answer(reply, requests.cache_batch(step, items))
             case ReleaseBatch(rids=rids, reply=reply):

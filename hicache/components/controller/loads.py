@@ -17,9 +17,9 @@ from hicache.components.controller.progress import Section
 from hicache.components.controller.rows import LoadOp
 from hicache.components.controller.shared import Shared, Step, Wait
 from hicache.components.controller.tiers import Tiers
-from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
 from hicache.messages import LoadDone
+from hicache.radix.results import LoadPlan
 from hicache.types import NodeId, OpId, RequestId
 
 
@@ -33,11 +33,22 @@ class LoadStarted:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class LoadPlanned:
+    """A load-back worth starting once it has device slots for its `plan`."""
+
+    plan: LoadPlan
+    anchor: NodeId  # the deepest node above the plan (the root if none)
+
+    @property
+    def tokens(self) -> int:
+        return self.plan.num_tokens
+
+
 class LoadFlows:
-    def __init__(self, shared: Shared, tiers: Tiers, writes: WriteFlows, credits: int) -> None:
+    def __init__(self, shared: Shared, tiers: Tiers, credits: int) -> None:
         self._shared = shared
         self._tiers = tiers
-        self._writes = writes
         self.loads: dict[OpId, LoadOp] = {}
         self.credits = credits
         self._arrived: dict[OpId, tuple[bool, str]] = {}  # not applied yet (sync points)
@@ -59,11 +70,6 @@ class LoadFlows:
         """A wait for the load in flight started first (its lock is the next to go)."""
         op = next(iter(self.loads), None)
         return None if op is None else Wait(self, op)
-
-    def device(self, step: Step, n: int) -> np.ndarray | Wait | None:
-        """Device slots, evicting (`WriteFlows.device`); with nothing else to wait for, the
-        oldest load in flight."""
-        return self._writes.device(step, n, self.oldest())
 
     # ------------------------------------------------------------------ completions
     def record(self, msg: LoadDone) -> None:
@@ -140,18 +146,18 @@ class LoadFlows:
                 y = tree.parent(y)
         return pending
 
-    def load_back(
+    def plan(
         self,
         step: Step,
         rid: RequestId,
         last_node: NodeId | None,
         host_len: int,
         threshold: int | None = None,
-    ) -> LoadStarted | Wait | None:
-        """Load the L2-only stretch (`host_len` tokens down to `last_node`) of a request into
-        L1 when it is worth it: the load started, None when below the threshold, out of
-        credits or out of room, or the wait it needs. `threshold`: the caller's own in place
-        of `load_back_threshold`."""
+    ) -> LoadPlanned | None:
+        """Whether loading the L2-only stretch of a request (`host_len` tokens down to
+        `last_node`) into L1 is worth it: None when below the threshold, out of credits or
+        below a load still landing. `threshold`: the caller's own in place of
+        `load_back_threshold`."""
         shared, tree = self._shared, self._shared.tree
         least = shared.cfg.load_back_threshold if threshold is None else threshold
         if host_len < max(1, least) or last_node is None:
@@ -169,15 +175,14 @@ class LoadFlows:
                 "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="above_loading"
             )
             return None
-        device_slots = self.device(step, plan.num_tokens)
-        if isinstance(device_slots, Wait):
-            return device_slots
-        if device_slots is None:
-            step.out.warning(
-                "tree.load_skipped", rid=rid, tokens=plan.num_tokens, reason="capacity"
-            )
-            return None
         assert anchor is not None
+        return LoadPlanned(plan, anchor)
+
+    def start(
+        self, step: Step, rid: RequestId, planned: LoadPlanned, device_slots: np.ndarray
+    ) -> LoadStarted:
+        """Start a planned load into the device slots allocated for it."""
+        shared, plan, anchor = self._shared, planned.plan, planned.anchor
         self._tiers.commit_load_back(plan, device_slots)
         op = shared.op()
         self.credits -= 1

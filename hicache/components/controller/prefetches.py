@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
+from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.effects import CancelTimer, StartTimer
 from hicache.components.controller.pins import PinTable
 from hicache.components.controller.progress import Section
 from hicache.components.controller.requests import Requests
 from hicache.components.controller.rows import PrefetchOp, RequestState
-from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.storage_switch import StorageSwitch
 from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
@@ -53,6 +54,7 @@ class PrefetchFlows:
         self,
         shared: Shared,
         tiers: Tiers,
+        alloc: Allocator,
         writes: WriteFlows,
         requests: Requests,
         pins: PinTable,
@@ -63,6 +65,7 @@ class PrefetchFlows:
         self._storage = storage
         self._pins = pins
         self._tiers = tiers
+        self._alloc = alloc
         self._writes = writes
         self._requests = requests
         self.ops: dict[OpId, PrefetchOp] = {}
@@ -333,10 +336,11 @@ class PrefetchFlows:
         op = self.ops[op_id]
         if op.phase is not Phase.WAITING_HOST:
             return
-        host = self._writes.host(step, op.hit_pages * shared.cfg.page_size)
-        if isinstance(host, Wait):
+        grant = self._alloc.host(step, op.hit_pages * shared.cfg.page_size)
+        if grant.wait is not None:
             self.host_waiting.append(op_id)
             return
+        host = grant.slots
         if host is None:
             step.out.info(
                 "tree.prefetch_skipped",

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.loads import LoadFlows
 from hicache.components.controller.pins import PinTable
 from hicache.components.controller.rows import RequestState
@@ -38,11 +39,18 @@ from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
 class Requests:
     def __init__(
-        self, shared: Shared, tiers: Tiers, writes: WriteFlows, loads: LoadFlows, pins: PinTable
+        self,
+        shared: Shared,
+        tiers: Tiers,
+        alloc: Allocator,
+        writes: WriteFlows,
+        loads: LoadFlows,
+        pins: PinTable,
     ) -> None:
         self._shared = shared
         self._pins = pins
         self._tiers = tiers
+        self._alloc = alloc
         self._writes = writes
         self._loads = loads
         self.table: dict[RequestId, RequestState] = {}
@@ -216,14 +224,21 @@ class Requests:
                     # may have loaded or cached part of it since. Take the tree's prefix now.
                     self.rematch(step, state)
                 state.loaded_back = True
-                got = self._loads.load_back(step, rid, state.last_node, state.host_len, threshold)
-                if isinstance(got, Wait):
-                    return got
-                if got is not None:  # its prefix grows by what lands; it waits on the load
-                    state.loads.append(got.op)
-                    state.prefix_slots = np.concatenate([state.prefix_slots, got.device_slots])
-                    state.host_len = 0
-                    loaded = got.tokens
+                planned = self._loads.plan(step, rid, state.last_node, state.host_len, threshold)
+                if planned is not None:
+                    grant = self._alloc.device(step, planned.tokens)
+                    if grant.wait is not None:
+                        return grant.wait
+                    if grant.slots is None:
+                        step.out.warning(
+                            "tree.load_skipped", rid=rid, tokens=planned.tokens, reason="capacity"
+                        )
+                    else:  # its prefix grows by what lands; it waits on the load
+                        got = self._loads.start(step, rid, planned, grant.slots)
+                        state.loads.append(got.op)
+                        state.prefix_slots = np.concatenate([state.prefix_slots, got.device_slots])
+                        state.host_len = 0
+                        loaded = got.tokens
             tickets = self._loads.tickets(state.loads)
             done.append(
                 LoadBackOutcome(
@@ -241,10 +256,11 @@ class Requests:
 
     # ------------------------------------------------------------------ allocation
     def alloc_batch(
-        self, step: Step, sizes: Sequence[tuple[RequestId, int]]
-    ) -> tuple[np.ndarray, ...] | Wait:
-        """Slots for every request of the step, or none (a CapacityError naming the first
-        request that does not fit)."""
+        self, step: Step, sizes: Sequence[tuple[RequestId, int]], out: list[np.ndarray]
+    ) -> Wait | None:
+        """Slots for every request of the step, appended to `out`, or none (a CapacityError
+        naming the first request that does not fit); a `Wait` parks the call, which is run
+        again whole once retried."""
         self.check_rids([rid for rid, _ in sizes], "allocate")
         for rid, n in sizes:
             self.state(rid, "allocate")
@@ -252,9 +268,10 @@ class Requests:
                 raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
         page = self._shared.cfg.page_size
         wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
-        pooled = self._loads.device(step, sum(wanted))  # one allocation, evicting, for the step
-        if isinstance(pooled, Wait):
-            return pooled
+        grant = self._alloc.device(step, sum(wanted))  # one allocation, evicting, for the step
+        if grant.wait is not None:
+            return grant.wait
+        pooled = grant.slots
         if pooled is None:
             available = self._tiers.ledgers["device"].available
             total = 0
@@ -263,7 +280,7 @@ class Requests:
                 if total > available:
                     raise CapacityError("device", n, available, rid=rid)
             raise AssertionError("the step fits, yet its allocation failed")
-        out, offset = [], 0
+        offset = 0
         for (rid, n), want in zip(sizes, wanted, strict=True):
             state = self.table[rid]
             before = state.padding
@@ -278,7 +295,7 @@ class Requests:
             slots = fresh[:rest] if not len(reuse) else concat([reuse, fresh[:rest]])
             state.owned.append(slots)
             out.append(slots)
-        return tuple(out)
+        return None
 
     # ------------------------------------------------------------------ insert
     def cache_batch(self, step: Step, items: Sequence[CacheItem]) -> tuple[CacheOutcome, ...]:

@@ -29,11 +29,12 @@ TIERS = ("device", "host", "storage")  # what `clear` may name
 
 @dataclass(frozen=True, slots=True)
 class DeviceRoom:
-    """What an L1 eviction made room for, as the controller sees it (the tree's own record,
-    `radix.results.DeviceEviction`, also names the slots)."""
+    """An L1 allocation: its slots, or what its eviction did, as the controller sees it (the
+    tree's own record, `radix.results.DeviceEviction`, also names the slots)."""
 
-    freed: int  # device tokens freed
-    needs_backup: tuple[NodeId, ...]  # left on L1 until copied to L2 (the caller's to start)
+    slots: np.ndarray | None = None  # given: there was room
+    freed: int = 0  # device tokens freed
+    needs_backup: tuple[NodeId, ...] = ()  # left on L1 until copied to L2 (the caller's to start)
 
 
 class Tiers:
@@ -98,6 +99,18 @@ class Tiers:
             inflight=inflight,
         )
 
+    def device(self, step: Step, n: int, *, landing: int, back_up: bool) -> DeviceRoom:
+        """Device slots for n tokens; without room, evict what is missing less `landing` (the
+        tokens eviction backups in flight free once they land: asking for all of n each time
+        round would back up, and keep in both tiers, more leaves)."""
+        slots = self.alloc(step, "device", n)
+        if slots is not None:
+            return DeviceRoom(slots)
+        short = n - self.ledgers["device"].available - landing
+        if short <= 0:
+            return DeviceRoom()
+        return self.evict_device(step, short, back_up=back_up)
+
     def evict_device(self, step: Step, n: int, *, back_up: bool) -> DeviceRoom:
         """Evict about n tokens from L1. The nodes the policy wants copied to L2 first
         (write_back, exclusive, `back_up`: L3 on) stay on L1 and are returned: the caller
@@ -114,7 +127,7 @@ class Tiers:
             step.out.info(
                 "tree.evict_device", tokens=freed, demoted=len(ev.demoted), removed=len(ev.removed)
             )
-        return DeviceRoom(freed, tuple(ev.needs_backup))
+        return DeviceRoom(None, freed, tuple(ev.needs_backup))
 
     def discard(self, step: Step, node: NodeId, reason: str) -> int:
         """Drop a device leaf without a copy (and what hangs below it); tokens freed."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Final, Literal
+from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 
@@ -26,8 +27,18 @@ from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDo
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
 HELD_BY_UPLOADS: Final = "l2_held_by_uploads"
-"""An eviction backup's answer when L2's only room is pages uploads are still reading: the
-L1 eviction drops the node instead of waiting for storage (`Tiers.discard`)."""
+"""Why an eviction backup dropped its node: L2's only room is pages uploads are still
+reading, and an L1 eviction does not wait for storage (`Tiers.discard`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackupStart:
+    """What starting a backup did: `started`; else, for an eviction's, the `wait` for a write
+    credit, or the device tokens `dropped` with the node (None: not dropped)."""
+
+    started: bool = False
+    wait: Wait | None = None
+    dropped: int | None = None
 
 
 class WriteFlows:
@@ -145,78 +156,20 @@ class WriteFlows:
         job = self.uploads.get(op)
         return job is not None and job.timed_out
 
-    def _oldest_write(self) -> Wait | None:
+    def oldest_write(self) -> Wait | None:
+        """A wait for the backup in flight started first (the next to free what it copies)."""
         op = next(iter(self.writes), None)
         return None if op is None else Wait(self, op)
 
-    # ------------------------------------------------------------------ allocation
-    def device(self, step: Step, n: int, load: Wait | None) -> np.ndarray | Wait | None:
-        """Device slots for n tokens, evicting L1 and starting the backups eviction asks for
-        first (write_back, exclusive, L3 on). A Wait for an op whose end frees slots: the
-        oldest backup, else `load` (a load in flight locks the pages it fills until it ends:
-        wait for it, rather than call L1 full while they are about to become evictable)."""
-        if n == 0:
-            return EMPTY_SLOTS
-        tiers = self._tiers
-        while True:
-            slots = tiers.alloc(step, "device", n)
-            if slots is not None:
-                return slots
-            # Evict what is missing, less what eviction backups in flight will free: asking for
-            # all of n each time round would back up (and keep in both tiers) more leaves.
-            evicting = sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
-            short = n - tiers.ledgers["device"].available - evicting
-            if short > 0:
-                freed = self._evict_device(step, short)
-                if freed is True:
-                    continue
-                if isinstance(freed, Wait):
-                    return freed
-            return self._oldest_write() or load
-
-    def _evict_device(self, step: Step, n: int) -> bool | Wait:
-        """Evict about n tokens from L1, then back up or drop what eviction left for a copy
-        first. True when a device slot was freed; else the first wait met (no write credit,
-        no host room)."""
-        shared, tree, tiers = self._shared, self._shared.tree, self._tiers
-        exclusive = shared.cfg.exclusive
-        # With L3 attached a page leaves L1 through L2 (and so reaches L3), whatever the policy.
-        back_up = self._storage.on and shared.cfg.evict_to_storage
-        eviction = tiers.evict_device(step, n, back_up=back_up)
-        freed = eviction.freed
-        wait: Wait | None = None
-        for node in eviction.needs_backup:  # write_back, exclusive, L3 on: copy, then evict
-            if exclusive and not tree.outranks_host(node, now=step.now):
-                # Older than everything L2 could give up: drop it rather than displace hotter
-                # pages, so the two tiers together evict like one LRU of their total size.
-                freed += tiers.discard(step, node, "older_than_l2")
-            elif wait is None:
-                started = self.start_backup(step, node, evicting=True)
-                if isinstance(started, Wait):
-                    wait = started  # the rest stay on L1, found again by the next eviction
-                elif started == HELD_BY_UPLOADS:
-                    # L2's only room is pages uploads are still reading: waiting would tie
-                    # this call to the store's pace. The node leaves L1 uncopied (counted).
-                    gone = tiers.discard(step, node, HELD_BY_UPLOADS)
-                    shared.counters.dropped(step, HELD_BY_UPLOADS, gone // shared.cfg.page_size)
-                    freed += gone
-                elif not started and back_up and tree.needs_backup(node):
-                    # No L2 room for its copy (what L2 holds is on L1 too, or in use): with
-                    # L3 attached it leaves L1 as without L3, rather than fail the allocation.
-                    freed += tiers.discard(step, node, "no_l2_room")
-        if freed:
-            return True
-        return wait if wait is not None else False
-
-    def host(self, step: Step, n: int) -> np.ndarray | Wait | None:
-        """Host slots for n tokens, evicting L2; when what is left is pinned by uploads, a
-        Wait for the oldest (never for one past its deadline). Only a prefetch's read and a
-        write-through backlog wait on it; an eviction's backup does not (`HELD_BY_UPLOADS`)."""
-        slots = self._tiers.host(step, n)
-        if slots is not None:
-            return slots
+    def oldest_upload(self) -> Wait | None:
+        """A wait for the oldest upload still waited for (never one past its deadline): its
+        end unprotects host pages."""
         upload = next((op for op, job in self.uploads.items() if not job.timed_out), None)
         return None if upload is None else Wait(self, upload)
+
+    def evicting_tokens(self) -> int:
+        """Device tokens the eviction backups in flight will free once they land."""
+        return sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
 
     def pending(self) -> bool:
         """What a flush waits for: uploads past their deadline no longer count."""
@@ -228,38 +181,41 @@ class WriteFlows:
         )
 
     # ------------------------------------------------------------------ L1 -> L2
-    def start_backup(
-        self, step: Step, node: NodeId, *, evicting: bool
-    ) -> bool | Wait | Literal["l2_held_by_uploads"]:
-        """Copy a device-only node to L2. True when started. A write-through backup with no
-        credit or no host room goes to the backlog (False); an eviction's returns the `Wait`
-        for a write credit, and `HELD_BY_UPLOADS` when only uploads hold the room it needs
-        (an eviction never waits on storage)."""
-        tree = self._shared.tree
+    def start_backup(self, step: Step, node: NodeId, *, evicting: bool) -> BackupStart:
+        """Copy a device-only node to L2. A write-through backup with no credit or no host
+        room goes to the backlog; an eviction's waits for a write credit, and is dropped from
+        L1 uncopied when only uploads hold the room it needs (an eviction never waits on
+        storage)."""
+        shared, tree = self._shared, self._shared.tree
         if self.write_credits == 0:
-            oldest = self._oldest_write()
+            oldest = self.oldest_write()
             if evicting and oldest is not None:
-                return oldest
+                return BackupStart(wait=oldest)
             self.write_backlog.append(node)
-            return False
+            return BackupStart()
         if not tree.needs_backup(node):
-            return False
+            return BackupStart()
         length = tree.num_tokens(node)
-        host = self.host(step, length)
-        if isinstance(host, Wait):  # only uploads hold what L2 could give up
+        host = self._tiers.host(step, length)
+        if host is None and self.oldest_upload() is not None:
+            # only uploads hold what L2 could give up
             if evicting:
-                return HELD_BY_UPLOADS
+                # Waiting would tie this call to the store's pace: the node leaves L1
+                # uncopied (counted).
+                gone = self._tiers.discard(step, node, HELD_BY_UPLOADS)
+                shared.counters.dropped(step, HELD_BY_UPLOADS, gone // shared.cfg.page_size)
+                return BackupStart(dropped=gone)
             self.write_backlog.append(node)
-            return False
+            return BackupStart()
         if host is None or not tree.needs_backup(node):
             self._tiers.free(step, "host", EMPTY_SLOTS if host is None else host)
             if host is None:
                 step.out.warning(
                     "tree.backup_skipped", node=node, tokens=length, reason="host_full"
                 )
-            return False
+            return BackupStart()
         self._issue_backup(step, node, host, evicting=evicting)
-        return True
+        return BackupStart(started=True)
 
     def start_backups(self, step: Step, nodes: Iterable[NodeId]) -> None:
         """Write-through backups for a whole step: one host allocation for all of them when
