@@ -25,6 +25,7 @@ from hicache.components.controller import sync
 from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.effects import ClearBackend, Drained, Effect, Effects, Fail
 from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.ops import OpTable
 from hicache.components.controller.pins import PinTable
 from hicache.components.controller.prefetches import PrefetchFlows
 from hicache.components.controller.progress import Progress
@@ -92,8 +93,9 @@ class Controller:
         self.shared = shared = Shared(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
         self.tiers = Tiers(shared)
         self.storage = StorageSwitch(storage_on)  # attach / detach L3
-        self.writes = WriteFlows(shared, self.tiers, self.storage, credits)
-        self.loads = LoadFlows(shared, self.tiers, credits)
+        self.ops = OpTable(credits)  # every op in flight, credits per kind
+        self.writes = WriteFlows(shared, self.tiers, self.storage, self.ops)
+        self.loads = LoadFlows(shared, self.tiers, self.ops)
         self.alloc = Allocator(shared, self.tiers, self.storage, self.writes, self.loads)
         self.pins = PinTable(shared, self.tiers)
         self.requests = Requests(shared, self.tiers, self.alloc, self.writes, self.loads, self.pins)
@@ -105,7 +107,7 @@ class Controller:
             self.requests,
             self.pins,
             self.storage,
-            credits,
+            self.ops,
         )
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
@@ -272,11 +274,11 @@ class Controller:
     # ------------------------------------------------------------------ completions
     def record(self, msg: Completion) -> None:
         """Note a completion; applied at the next sync point (`sync.py`)."""
-        sync.record(msg, self.writes, self.loads, self.prefetches)
+        sync.record(msg, self.ops, self.writes)
 
     def progress(self) -> Progress:
         """This rank's view of every op in flight, as the vectors the ranks agree on."""
-        return sync.progress(self.writes, self.loads, self.prefetches)
+        return self.ops.progress()
 
     def apply(
         self,
@@ -293,6 +295,7 @@ class Controller:
         sync.apply(
             step,
             seen.agreed(agreed, agreed_max),
+            self.ops,
             self.writes,
             self.loads,
             self.prefetches,
@@ -308,7 +311,9 @@ class Controller:
         progress would, without laying out vectors to agree on."""
         step = self._step(now, events, detail)
         if self._ops_in_flight():
-            sync.apply_arrived(step, self.writes, self.loads, self.prefetches, self.requests)
+            sync.apply(
+                step, None, self.ops, self.writes, self.loads, self.prefetches, self.requests
+            )
             self._settle(step)
         return step.out.take()
 

@@ -1,5 +1,5 @@
-"""The controller's load flow (L2 -> L1): every load in flight, its credits, and the
-completions not applied yet.
+"""The controller's load flow (L2 -> L1): what starting and finishing a load means (its ops
+are rows of the op table, `ops.py`).
 
 A load holds its own lock on the nodes it fills (and so on their device slots) from issue
 until it has landed or failed: whatever its request does meanwhile (release, match again), no
@@ -13,12 +13,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hicache.components.controller.effects import SubmitLoad
-from hicache.components.controller.progress import Section
+from hicache.components.controller.ops import OpTable
 from hicache.components.controller.rows import LoadOp
 from hicache.components.controller.shared import Shared, Step, Wait
 from hicache.components.controller.tiers import Tiers
 from hicache.components.loader.ticket import LoadTicket
-from hicache.messages import LoadDone
 from hicache.radix.results import LoadPlan
 from hicache.types import NodeId, OpId, RequestId
 
@@ -46,81 +45,43 @@ class LoadPlanned:
 
 
 class LoadFlows:
-    def __init__(self, shared: Shared, tiers: Tiers, credits: int) -> None:
+    def __init__(self, shared: Shared, tiers: Tiers, ops: OpTable) -> None:
         self._shared = shared
         self._tiers = tiers
-        self.loads: dict[OpId, LoadOp] = {}
-        self.credits = credits
-        self._arrived: dict[OpId, tuple[bool, str]] = {}  # not applied yet (sync points)
+        self._ops = ops  # loads in flight are rows of the op table
 
     def tables(self) -> dict[str, int]:
-        return {"loads": len(self.loads), "arrived_loads": len(self._arrived)}
+        return {
+            "loads": len(self._ops.of("load")),
+            "arrived_loads": self._ops.arrived_count("load"),
+        }
 
     def in_flight(self) -> dict[str, int]:
-        return {"loads": len(self.loads)}
+        return {"loads": len(self._ops.of("load"))}
 
     def tickets(self, ops: list[OpId]) -> tuple[LoadTicket, ...]:
         """The handles of those of `ops` still in flight, for an answer to carry."""
         if not ops:
             return ()
-        loads = self.loads
+        loads = self._ops.of("load")
         return tuple(loads[op].ticket for op in ops if op in loads)
 
     def oldest(self) -> Wait | None:
         """A wait for the load in flight started first (its lock is the next to go)."""
-        op = next(iter(self.loads), None)
+        op = self._ops.oldest("load")
         return None if op is None else Wait(self, op)
 
-    # ------------------------------------------------------------------ completions
-    def record(self, msg: LoadDone) -> None:
-        if msg.op in self.loads:  # else stale: the load was abandoned at close
-            self._arrived.setdefault(msg.op, (msg.ok, msg.error))
-
-    def progress(self) -> Section:
-        """Per load in flight, MIN of (arrived, succeeded so far)."""
-        rows = []
-        for op in self.loads:
-            got = self._arrived.get(op)
-            rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
-        return Section.of(rows, 2)
-
-    def apply(self, step: Step, agreed: Section) -> list[OpId]:
-        """End the loads every rank has got, in issue order. The loads that failed (the
-        caller marks the requests that counted on them)."""
-        failed = []
-        for op, (arrived, ok), _ in agreed.rows():
-            if not arrived:
-                break
-            self.finish(step, op, bool(ok), self._arrived.pop(op)[1])
-            if not ok:
-                failed.append(op)
-        return failed
-
-    def apply_arrived(self, step: Step) -> list[OpId]:
-        """One rank: end the loads that arrived here, in issue order (as `apply` of this
-        rank's own progress, without building it). The loads that failed."""
-        arrived, failed = self._arrived, []
-        while arrived:
-            op = next(iter(self.loads))
-            if op not in arrived:
-                break
-            ok, error = arrived.pop(op)
-            self.finish(step, op, ok, error)
-            if not ok:
-                failed.append(op)
-        return failed
-
+    # ------------------------------------------------------------------ waits (`Awaited`)
     def ended(self, op: OpId) -> bool:
-        return op not in self.loads
+        return op not in self._ops.of("load")
 
     def arrived(self, op: OpId) -> bool:
-        return op in self._arrived
+        return self._ops.arrived(op)
 
     def abandon(self, step: Step) -> list[OpId]:
         """End every load as failed (close past its deadline); the ops ended."""
-        ops = list(self.loads)
+        ops = list(self._ops.of("load"))
         for op in ops:
-            self._arrived.pop(op, None)
             self.finish(step, op, False, "abandoned at close")
         return ops
 
@@ -128,7 +89,8 @@ class LoadFlows:
         """The loads still landing on the path root..node (wait before reading). A load fills
         the nodes between its anchor and its lock, however a match or insert split them since
         (a split keeps the lower piece's id), so walk that stretch, not the plan's node ids."""
-        if not self.loads or node is None:
+        loads = self._ops.of("load")
+        if not loads or node is None:
             return []
         tree = self._shared.tree
         path = set()
@@ -137,7 +99,7 @@ class LoadFlows:
             path.add(x)
             x = tree.parent(x)
         pending = []
-        for op_id, op in self.loads.items():
+        for op_id, op in loads.items():
             y: NodeId | None = op.lock
             while y is not None and y != op.anchor:
                 if y in path:
@@ -162,7 +124,7 @@ class LoadFlows:
         least = shared.cfg.load_back_threshold if threshold is None else threshold
         if host_len < max(1, least) or last_node is None:
             return None
-        if self.credits == 0:
+        if self._ops.credit("load") == 0:
             step.out.warning("tree.load_deferred", rid=rid, tokens=host_len)
             return None
         plan = tree.plan_load_back(last_node)
@@ -183,12 +145,13 @@ class LoadFlows:
     ) -> LoadStarted:
         """Start a planned load into the device slots allocated for it."""
         shared, plan, anchor = self._shared, planned.plan, planned.anchor
-        self._tiers.commit_load_back(plan, device_slots)
+        self._tiers.start_load_back(plan, device_slots)
         op = shared.op()
-        self.credits -= 1
         ticket = LoadTicket(op)
         step.out.add(SubmitLoad(ticket, plan.host_slots, device_slots))
-        self.loads[op] = LoadOp(ticket=ticket, plan=plan, lock=plan.nodes[-1], anchor=anchor)
+        self._ops.start(
+            "load", op, LoadOp(ticket=ticket, plan=plan, lock=plan.nodes[-1], anchor=anchor)
+        )
         shared.counters.host_hit_tokens += plan.num_tokens
         shared.counters.h2d_bytes += plan.num_tokens * shared.bytes_per_token
         step.out.info("tree.load_started", rid=rid, op=op, tokens=plan.num_tokens)
@@ -206,12 +169,11 @@ class LoadFlows:
     def finish(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         """The load landed or failed. On failure its nodes go back to L2 only (the caller marks
         the requests that counted on it)."""
-        op = self.loads.pop(op_id)
-        self.credits += 1
+        op: LoadOp = self._ops.finish("load", op_id)
         # The nodes it filled now: a match or insert may have split them since the plan (a
         # split's upper piece is a new node), and every piece must go back or give up its copy.
         filled = replace(op.plan, nodes=self._filled(op))
-        freed, kept = self._tiers.end_load_back(step, op.lock, filled, ok=ok)
+        freed, kept = self._tiers.finish_load_back(step, op.lock, filled, ok=ok)
         if not ok:
             step.out.error(
                 "tree.load_failed",

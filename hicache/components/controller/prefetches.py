@@ -13,14 +13,15 @@ take it alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hicache.backends.keys import chain_page_hashes
 from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.effects import CancelTimer, StartTimer
+from hicache.components.controller.ops import OpTable
 from hicache.components.controller.pins import PinTable
-from hicache.components.controller.progress import Section
 from hicache.components.controller.requests import Requests
 from hicache.components.controller.rows import PrefetchOp, RequestState
 from hicache.components.controller.shared import Shared, Step
@@ -28,13 +29,7 @@ from hicache.components.controller.storage_switch import StorageSwitch
 from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
 from hicache.components.prefetch_state import RUNNING, Phase, caller_state
-from hicache.messages import (
-    PrefetchProgress,
-    ReadPrefetch,
-    StartPrefetch,
-    StopPrefetch,
-    TimerFired,
-)
+from hicache.messages import ReadPrefetch, StartPrefetch, StopPrefetch
 from hicache.radix.structure import salt_seed
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
@@ -59,7 +54,7 @@ class PrefetchFlows:
         requests: Requests,
         pins: PinTable,
         storage: StorageSwitch,
-        credits: int,
+        ops: OpTable,
     ) -> None:
         self._shared = shared
         self._storage = storage
@@ -68,87 +63,30 @@ class PrefetchFlows:
         self._alloc = alloc
         self._writes = writes
         self._requests = requests
-        self.ops: dict[OpId, PrefetchOp] = {}
+        self._ops = ops  # prefetches in flight are rows of the op table
         self.by_rid: dict[RequestId, OpId] = {}
-        self.credits = credits
         self.tokens = 0  # in flight, for the rate limit
-        self._reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
-        self._timers_fired: set[OpId] = set()
         self.host_waiting: list[OpId] = []  # probed, waiting for host room to read into
+
+    @property
+    def ops(self) -> Mapping[OpId, PrefetchOp]:
+        return self._ops.of("prefetch")
 
     def tables(self) -> dict[str, int]:
         return {
             "prefetches": len(self.ops),
             "prefetch_by_rid": len(self.by_rid),
-            "prefetch_reports": len(self._reports),
-            "timers_fired": len(self._timers_fired),
+            "prefetch_reports": self._ops.arrived_count("prefetch"),
+            "timers_fired": self._ops.fired_count(),
             "prefetch_host_waiting": len(self.host_waiting),
         }
 
     def in_flight(self) -> dict[str, int]:
         return {"prefetches": len(self.ops)}
 
-    # ------------------------------------------------------------------ completions
-    def record(self, msg: PrefetchProgress | TimerFired) -> None:
-        """Note a report (later ones supersede earlier ones) or a timer firing. One for an op
-        that already ended (a timer that fired as its prefetch ended) is stale and dropped."""
-        if msg.op not in self.ops:
-            return
-        if isinstance(msg, PrefetchProgress):
-            self._reports[msg.op] = msg
-        else:
-            self._timers_fired.add(msg.op)
-
-    def progress(self) -> Section:
-        """Per prefetch in flight, MIN of (hit pages, -1 before the probe; pages read;
-        finished; stopped) and MAX of (its timer fired)."""
-        rows = []
-        for op in self.ops:
-            report = self._reports.get(op)
-            if report is None:
-                mins: tuple[int, ...] = (-1, 0, 0, 0)
-            else:
-                mins = (
-                    report.hit_pages,
-                    report.done_pages,
-                    int(report.finished),
-                    int(report.stopped),
-                )
-            rows.append((op, mins, (int(op in self._timers_fired),)))
-        return Section.of(rows, 4, 1)
-
-    def apply(self, step: Step, agreed: Section, *, host_freed: bool) -> None:
-        """Take each prefetch's next step on what every rank agreed; then, when an upload's
-        end may have made host room (`host_freed`), retry the reads that waited for it."""
-        for op, (hit, done, finished, stopped), (timed_out,) in agreed.rows():
-            self.agreed(
-                step,
-                op,
-                hit=hit,
-                done=done,
-                finished=bool(finished),
-                stopped=bool(stopped),
-                timed_out=bool(timed_out),
-            )
-        if host_freed and self.host_waiting:
-            self.retry_reads(step)
-
-    def apply_arrived(self, step: Step, *, host_freed: bool) -> None:
-        """One rank: take the next step of each prefetch that has a report or a fired timer
-        here, in issue order (a prefetch with neither has no step to take)."""
-        reports, fired = self._reports, self._timers_fired
-        for op in sorted(reports.keys() | fired):
-            report = reports.get(op)
-            self.agreed(
-                step,
-                op,
-                hit=-1 if report is None else report.hit_pages,
-                done=0 if report is None else report.done_pages,
-                finished=report is not None and report.finished,
-                stopped=report is not None and report.stopped,
-                timed_out=op in fired,
-            )
-        if host_freed and self.host_waiting:
+    def host_freed(self, step: Step) -> None:
+        """An upload has ended, which may have made host room: retry the reads that waited."""
+        if self.host_waiting:
             self.retry_reads(step)
 
     def start(
@@ -176,7 +114,7 @@ class PrefetchFlows:
         reason = None
         if length < threshold:
             reason = "below_threshold"
-        elif self.tokens + length > self._rate_limit() or self.credits == 0:
+        elif self.tokens + length > self._rate_limit() or self._ops.credit("prefetch") == 0:
             reason = "rate_limited"
         if reason is not None:
             step.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
@@ -196,19 +134,22 @@ class PrefetchFlows:
         # L1: a hot prefix under write_back or selective) it gets one if storage has enough
         # below it (`_back_up_anchor`), so what lands outlives the anchor's stay in L1.
         self._tiers.protect_host(anchor, copy_complete=False)
-        self.ops[op_id] = PrefetchOp(
-            rid=rid,
-            anchor=anchor,
-            tokens=new_tokens,
-            prefix=tokens[:end],
-            hashes=hashes,
-            host_slots=EMPTY_SLOTS,
-            salt=state.salt,
-            timer=timed,
-            threshold=threshold,
+        self._ops.start(
+            "prefetch",
+            op_id,
+            PrefetchOp(
+                rid=rid,
+                anchor=anchor,
+                tokens=new_tokens,
+                prefix=tokens[:end],
+                hashes=hashes,
+                host_slots=EMPTY_SLOTS,
+                salt=state.salt,
+                timer=timed,
+                threshold=threshold,
+            ),
         )
         self.by_rid[rid] = op_id
-        self.credits -= 1
         self.tokens += length
         step.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
         step.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
@@ -299,7 +240,7 @@ class PrefetchFlows:
                 self._back_up_anchor(step, op)
                 self._read(step, op_id)
         if finished:
-            self._end(step, op_id)
+            self.finish(step, op_id)
 
     def _back_up_anchor(self, step: Step, op: PrefetchOp) -> None:
         """Storage holds enough below an anchor whose path is only on L1: give it the L2 copy
@@ -394,12 +335,10 @@ class PrefetchFlows:
         op.waiters.clear()
         del self.by_rid[op.rid]
 
-    def _end(self, step: Step, op_id: OpId) -> None:
+    def finish(self, step: Step, op_id: OpId) -> None:
         """The prefetcher is done with the op: free the slots the tree did not take."""
-        op = self.ops.pop(op_id)
+        op: PrefetchOp = self._ops.finish("prefetch", op_id)
         op.to(op_id, Phase.ENDED)
-        self._reports.pop(op_id, None)
-        self._timers_fired.discard(op_id)
         if op_id in self.host_waiting:
             self.host_waiting.remove(op_id)
         if op.timer:
@@ -407,7 +346,6 @@ class PrefetchFlows:
         page = self._shared.cfg.page_size
         self._tiers.free(step, "host", op.host_slots[op.done_pages * page :])
         self.tokens -= len(op.hashes) * page
-        self.credits += 1
 
     def abandon(self, step: Step) -> int:
         """End every prefetch (close past its deadline); how many."""
@@ -415,5 +353,5 @@ class PrefetchFlows:
         for op_id, op in ops:
             if op.phase in RUNNING:
                 self._settle(step, op_id, revoked=True)
-            self._end(step, op_id)
+            self.finish(step, op_id)
         return len(ops)

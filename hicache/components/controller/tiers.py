@@ -213,23 +213,23 @@ class Tiers:
     def release_host(self, node: NodeId) -> None:
         self._shared.tree.release_host(node)
 
-    def begin_backup(self, node: NodeId, host: np.ndarray) -> None:
+    def start_backup(self, node: NodeId, host: np.ndarray) -> None:
         self._shared.tree.begin_backup(node, host)
 
-    def end_backup(self, step: Step, node: NodeId, *, ok: bool) -> None:
+    def finish_backup(self, step: Step, node: NodeId, *, ok: bool) -> None:
         """A backup ended: on failure its host slots go back."""
         self.free(step, "host", self._shared.tree.end_backup(node, ok=ok))
 
     def set_page_hashes(self, node: NodeId, hashes: tuple[PageHash, ...]) -> None:
         self._shared.tree.set_page_hashes(node, hashes)
 
-    def commit_load_back(self, plan: LoadPlan, device_slots: np.ndarray) -> None:
+    def start_load_back(self, plan: LoadPlan, device_slots: np.ndarray) -> None:
         """The plan's nodes take their device slots; the deepest is locked until it lands."""
         tree = self._shared.tree
         tree.commit_load_back(plan, device_slots)
         tree.lock(plan.nodes[-1])
 
-    def end_load_back(
+    def finish_load_back(
         self, step: Step, lock: NodeId, filled: LoadPlan, *, ok: bool
     ) -> tuple[int, tuple[NodeId, ...]]:
         """A load ended: its lock goes; on failure its nodes go back to L2 only (the device

@@ -1,11 +1,10 @@
-"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to, and
-allocation that evicts (eviction may need backups first).
+"""The controller's write flows: L1 -> L2 backups and the L2 -> L3 uploads they lead to.
 
-Owns every write and upload in flight (issue order), their credits and backlogs, and the
-completions that arrived for them and are not applied yet. A write-through backup that finds
-no credit or no host room waits in the backlog, retried as writes and uploads end; an eviction
-backup cannot go on without its copy, so it returns a `Wait` for its caller to park on. A
-finished backup uploads every piece its node was split into meanwhile.
+Their ops are rows of the op table (`ops.py`: issue order, credits, completions recorded);
+this module owns the backlogs and what a start and a finish mean. A write-through backup that
+finds no credit or no host room waits in the backlog, retried as writes and uploads end; an
+eviction backup cannot go on without its copy, so its `BackupStart` carries the `Wait` its
+caller parks on. A finished backup uploads every piece its node was split into meanwhile.
 """
 
 from __future__ import annotations
@@ -18,12 +17,12 @@ from typing import Final
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.controller.progress import Section
+from hicache.components.controller.ops import OpTable
 from hicache.components.controller.rows import UploadOp, WriteOp
 from hicache.components.controller.shared import Shared, Step, Wait
 from hicache.components.controller.storage_switch import StorageSwitch
 from hicache.components.controller.tiers import Tiers
-from hicache.messages import Backup, Upload, UploadDone, UploadTimedOut, WriteDone
+from hicache.messages import Backup, Upload
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, PageHash
 
 HELD_BY_UPLOADS: Final = "l2_held_by_uploads"
@@ -42,142 +41,75 @@ class BackupStart:
 
 
 class WriteFlows:
-    def __init__(self, shared: Shared, tiers: Tiers, storage: StorageSwitch, credits: int) -> None:
+    def __init__(self, shared: Shared, tiers: Tiers, storage: StorageSwitch, ops: OpTable) -> None:
         self._shared = shared
         self._tiers = tiers
         self._storage = storage
-        self.writes: dict[OpId, WriteOp] = {}
-        self.uploads: dict[OpId, UploadOp] = {}
+        self._ops = ops  # backups and uploads in flight are rows of the op table
         self.write_backlog: deque[NodeId] = deque()  # waiting for a write credit or host room
         # waiting for an upload credit: a node's pieces, and their pages (counted if dropped)
         self.upload_backlog: deque[tuple[tuple[NodeId, ...], int]] = deque()
-        self.write_credits = self.upload_credits = credits
-        # completions that arrived and are not applied yet (applied at sync points)
-        self._arrived_writes: dict[OpId, tuple[bool, str]] = {}
-        self._arrived_uploads: dict[OpId, tuple[int, str]] = {}  # stored pages, why short
 
     def tables(self) -> dict[str, int]:
+        ops = self._ops
         return {
-            "writes": len(self.writes),
-            "uploads": len(self.uploads),
+            "writes": len(ops.of("backup")),
+            "uploads": len(ops.of("upload")),
             "write_backlog": len(self.write_backlog),
             "upload_backlog": len(self.upload_backlog),
-            "arrived_writes": len(self._arrived_writes),
-            "arrived_uploads": len(self._arrived_uploads),
+            "arrived_writes": ops.arrived_count("backup"),
+            "arrived_uploads": ops.arrived_count("upload"),
         }
 
     def in_flight(self) -> dict[str, int]:
-        return {"writes": len(self.writes), "uploads": len(self.uploads)}
+        return {"writes": len(self._ops.of("backup")), "uploads": len(self._ops.of("upload"))}
 
     def busy(self) -> bool:
         """Anything in flight or waiting for a credit (a drain or clear waits for none)."""
-        return bool(self.writes or self.write_backlog or self.uploads or self.upload_backlog)
-
-    # ------------------------------------------------------------------ completions
-    def record(self, msg: WriteDone | UploadDone | UploadTimedOut) -> None:
-        """Note a completion. One for an op that already ended (work abandoned at close) is
-        stale and dropped."""
-        match msg:
-            case WriteDone(ops=ops, ok=ok, error=error):
-                for op in ops:
-                    if op in self.writes:
-                        self._arrived_writes.setdefault(op, (ok, error))
-            case UploadDone(op=op, stored_pages=stored, dropped=dropped):
-                if op in self.uploads:
-                    self._arrived_uploads.setdefault(op, (stored, dropped))
-            case UploadTimedOut(op=op):
-                self.upload_timed_out(op)
-
-    def backup_progress(self) -> Section:
-        """Per backup in flight, MIN of (arrived, succeeded so far)."""
-        arrived = self._arrived_writes
-        rows = []
-        for op in self.writes:
-            got = arrived.get(op)
-            rows.append((op, (int(got is not None), int(got is None or got[0])), ()))
-        return Section.of(rows, 2)
-
-    def upload_progress(self) -> Section:
-        """Per upload in flight, MIN of (arrived)."""
-        return Section.of([(op, (int(op in self._arrived_uploads),), ()) for op in self.uploads], 1)
-
-    def apply_backups(self, step: Step, agreed: Section) -> None:
-        """End the backups every rank has got, in issue order: the first one some rank has
-        not got holds up the later ones."""
-        for op, (arrived, ok), _ in agreed.rows():
-            if not arrived:
-                break
-            self.finish_write(step, op, bool(ok), self._arrived_writes.pop(op)[1])
-
-    def apply_arrived_backups(self, step: Step) -> None:
-        """One rank: end the backups that arrived here, in issue order (as `apply_backups`
-        of this rank's own progress, without building it)."""
-        arrived = self._arrived_writes
-        while arrived:
-            op = next(iter(self.writes))
-            if op not in arrived:
-                break
-            ok, error = arrived.pop(op)
-            self.finish_write(step, op, ok, error)
-
-    def apply_uploads(self, step: Step, agreed: Section) -> bool:
-        """End the uploads every rank has got, each on its own. Whether any ended (an
-        upload's end may make host room)."""
-        ended = False
-        for op, (arrived,), _ in agreed.rows():
-            if arrived:
-                stored, dropped = self._arrived_uploads.pop(op)
-                self.finish_upload(step, op, stored=stored, dropped=dropped)
-                ended = True
-        return ended
-
-    def apply_arrived_uploads(self, step: Step) -> bool:
-        """One rank: end the uploads that arrived here, in issue order (op ids grow with
-        issue order). Whether any ended."""
-        arrived = self._arrived_uploads
-        ops = sorted(arrived)
-        for op in ops:
-            stored, dropped = arrived.pop(op)
-            self.finish_upload(step, op, stored=stored, dropped=dropped)
-        return bool(ops)
+        ops = self._ops
+        return bool(
+            ops.of("backup") or self.write_backlog or ops.of("upload") or self.upload_backlog
+        )
 
     # ------------------------------------------------------------------ waits (`Awaited`)
     def ended(self, op: OpId) -> bool:
         """A backup has ended; an upload has ended or passed its deadline (op ids are unique
         across flows, so one test serves both tables)."""
-        if op in self.writes:
+        if op in self._ops.of("backup"):
             return False
-        job = self.uploads.get(op)
+        job = self._ops.of("upload").get(op)
         return job is None or job.timed_out
 
     def arrived(self, op: OpId) -> bool:
-        if op in self._arrived_writes or op in self._arrived_uploads:
+        if self._ops.arrived(op):
             return True
-        job = self.uploads.get(op)
+        job = self._ops.of("upload").get(op)
         return job is not None and job.timed_out
 
     def oldest_write(self) -> Wait | None:
         """A wait for the backup in flight started first (the next to free what it copies)."""
-        op = next(iter(self.writes), None)
+        op = self._ops.oldest("backup")
         return None if op is None else Wait(self, op)
 
     def oldest_upload(self) -> Wait | None:
         """A wait for the oldest upload still waited for (never one past its deadline): its
         end unprotects host pages."""
-        upload = next((op for op, job in self.uploads.items() if not job.timed_out), None)
+        uploads = self._ops.of("upload")
+        upload = next((op for op, job in uploads.items() if not job.timed_out), None)
         return None if upload is None else Wait(self, upload)
 
     def evicting_tokens(self) -> int:
         """Device tokens the eviction backups in flight will free once they land."""
-        return sum(len(op.host_slots) for op in self.writes.values() if op.evicting)
+        return sum(len(op.host_slots) for op in self._ops.of("backup").values() if op.evicting)
 
     def pending(self) -> bool:
         """What a flush waits for: uploads past their deadline no longer count."""
+        ops = self._ops
         return bool(
-            self.writes
+            ops.of("backup")
             or self.write_backlog
             or self.upload_backlog
-            or any(not job.timed_out for job in self.uploads.values())
+            or any(not job.timed_out for job in ops.of("upload").values())
         )
 
     # ------------------------------------------------------------------ L1 -> L2
@@ -187,7 +119,7 @@ class WriteFlows:
         L1 uncopied when only uploads hold the room it needs (an eviction never waits on
         storage)."""
         shared, tree = self._shared, self._shared.tree
-        if self.write_credits == 0:
+        if self._ops.credit("backup") == 0:
             oldest = self.oldest_write()
             if evicting and oldest is not None:
                 return BackupStart(wait=oldest)
@@ -224,7 +156,7 @@ class WriteFlows:
         todo = [n for n in dict.fromkeys(nodes) if tree.needs_backup(n)]
         lengths = [tree.num_tokens(n) for n in todo]
         pooled = None
-        if 1 < len(todo) <= self.write_credits:
+        if 1 < len(todo) <= self._ops.credit("backup"):
             pooled = self._tiers.alloc(step, "host", sum(lengths))
         if pooled is None:
             for node in todo:
@@ -239,32 +171,30 @@ class WriteFlows:
         self, step: Step, node: NodeId, host: np.ndarray, *, evicting: bool = False
     ) -> None:
         shared = self._shared
-        self._tiers.begin_backup(node, host)
+        self._tiers.start_backup(node, host)
         op = shared.op()
-        self.write_credits -= 1
-        self.writes[op] = WriteOp(node=node, host_slots=host, evicting=evicting)
+        self._ops.start("backup", op, WriteOp(node=node, host_slots=host, evicting=evicting))
         device = shared.tree.device_slots(node)
         assert device is not None
         step.out.send("writer", Backup(op=op, device_slots=device, host_slots=host))
         shared.counters.d2h_bytes += len(host) * shared.bytes_per_token
         shared.counters.evict_backups += evicting
 
-    def finish_write(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
+    def finish_backup(self, step: Step, op_id: OpId, ok: bool, error: str) -> None:
         shared = self._shared
-        op = self.writes.pop(op_id)
-        self.write_credits += 1
+        op: WriteOp = self._ops.finish("backup", op_id)
         pieces = shared.tree.backup_pieces(op.node)  # the node may have been split meanwhile
-        self._tiers.end_backup(step, op.node, ok=ok)
+        self._tiers.finish_backup(step, op.node, ok=ok)
         if not ok:
             step.out.error("tree.backup_failed", op=op_id, node=op.node, error=error or None)
         elif self._storage.on:
-            self._upload(step, pieces)
+            self.start_upload(step, pieces)
         self.retry_backlog(step)
 
     def retry_backlog(self, step: Step) -> None:
         """Start what the write backlog holds while credits last; stop at the first that
         still finds no host room (it goes back in front)."""
-        while self.write_backlog and self.write_credits:
+        while self.write_backlog and self._ops.credit("backup"):
             node = self.write_backlog.popleft()
             before = len(self.write_backlog)
             self.start_backup(step, node, evicting=False)
@@ -273,14 +203,14 @@ class WriteFlows:
                 break
 
     # ------------------------------------------------------------------ L2 -> L3
-    def _upload(self, step: Step, pieces: tuple[NodeId, ...]) -> None:
+    def start_upload(self, step: Step, pieces: tuple[NodeId, ...]) -> None:
         """Send a freshly backed-up node's pages (all its split pieces, root first) to storage;
         their host pages stay protected until the upload is done."""
         shared, tree = self._shared, self._shared.tree
         node = pieces[-1]  # the deepest: protecting it protects the path above it
         if not tree.has_host_copy(node):
             return
-        if self.upload_credits == 0:
+        if self._ops.credit("upload") == 0:
             if len(self.upload_backlog) >= shared.cfg.max_upload_backlog:
                 # Storage is slower than the writes: skip rather than queue without bound.
                 shared.counters.skipped_uploads += 1
@@ -297,9 +227,8 @@ class WriteFlows:
         hashes = [h for p in pieces for h in self.node_hashes(p)]
         host_slots = np.concatenate([tree.host_slots(p) for p in pieces])
         op = shared.op()
-        self.upload_credits -= 1
         self._tiers.protect_host(node)
-        self.uploads[op] = UploadOp(node=node, pages=len(hashes))
+        self._ops.start("upload", op, UploadOp(node=node, pages=len(hashes)))
         ttl = tree.retained_for(pieces, now=step.now)  # a range's duration reaches storage
         step.out.send(
             "uploader", Upload(op=op, hashes=tuple(hashes), host_slots=host_slots, ttl=ttl)
@@ -316,7 +245,7 @@ class WriteFlows:
         return dropped
 
     def upload_timed_out(self, op_id: OpId) -> None:
-        job = self.uploads.get(op_id)
+        job = self._ops.of("upload").get(op_id)
         if job is not None and not job.timed_out:
             job.timed_out = True
             self._shared.counters.upload_timeouts += 1
@@ -325,15 +254,14 @@ class WriteFlows:
         self, step: Step, op_id: OpId, *, stored: int = 0, dropped: str = "abandoned"
     ) -> None:
         tree = self._shared.tree
-        job = self.uploads.pop(op_id)
-        self.upload_credits += 1
+        job: UploadOp = self._ops.finish("upload", op_id)
         self._tiers.release_host(job.node)
         if stored < job.pages:
             self._shared.counters.dropped(step, dropped or "failed", job.pages - stored)
-        while self.upload_backlog and self.upload_credits:
+        while self.upload_backlog and self._ops.credit("upload"):
             pieces, pages = self.upload_backlog.popleft()
             if all(tree.state(p).name in ("BOTH", "HOST_ONLY") for p in pieces):
-                self._upload(step, pieces)
+                self.start_upload(step, pieces)
             else:  # L2 evicted it while it waited (a backlog does not protect): never stored
                 self._shared.counters.skipped_uploads += 1
                 self._shared.counters.dropped(step, "evicted", pages)
@@ -370,15 +298,13 @@ class WriteFlows:
         emptied first, nothing ending here starts new work (a failed write uploads nothing).
         How many: writes, and uploads with those waiting for a credit."""
         counts = {
-            "writes": len(self.writes),
-            "uploads": len(self.uploads) + len(self.upload_backlog),
+            "writes": len(self._ops.of("backup")),
+            "uploads": len(self._ops.of("upload")) + len(self.upload_backlog),
         }
         self.write_backlog.clear()
         self.upload_backlog.clear()
-        for op_id in list(self.writes):
-            self._arrived_writes.pop(op_id, None)
-            self.finish_write(step, op_id, False, "abandoned at close")
-        for op_id in list(self.uploads):
-            self._arrived_uploads.pop(op_id, None)
+        for op_id in list(self._ops.of("backup")):
+            self.finish_backup(step, op_id, False, "abandoned at close")
+        for op_id in list(self._ops.of("upload")):
             self.finish_upload(step, op_id)
         return counts
