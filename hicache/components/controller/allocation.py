@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.components.controller.loads import LoadFlows
-from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.ops import Wait
+from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.storage_switch import StorageSwitch
 from hicache.components.controller.tiers import DeviceRoom, Tiers
 from hicache.components.controller.writes import WriteFlows

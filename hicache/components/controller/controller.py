@@ -25,12 +25,12 @@ from hicache.components.controller import sync
 from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.effects import ClearBackend, Drained, Effect, Effects, Fail
 from hicache.components.controller.loads import LoadFlows
-from hicache.components.controller.ops import OpTable
+from hicache.components.controller.ops import OpTable, Wait
 from hicache.components.controller.pins import PinTable
 from hicache.components.controller.prefetches import PrefetchFlows
 from hicache.components.controller.progress import Progress
 from hicache.components.controller.requests import Requests
-from hicache.components.controller.shared import Counters, Shared, Step, Wait
+from hicache.components.controller.shared import Counters, Shared, Step
 from hicache.components.controller.storage_switch import StorageSwitch
 from hicache.components.controller.sync import Completion
 from hicache.components.controller.tiers import TIERS, Tiers
@@ -348,7 +348,7 @@ class Controller:
     def _settle(self, step: Step) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
         # a detach waits for the uploads and prefetches in flight
-        self.storage.settle(step, self.writes, self.prefetches)
+        self.storage.settle(step, self.ops, self._stop_storage_work)
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
                 step.out.answer(reply, None)
@@ -361,6 +361,11 @@ class Controller:
             waiters, self._drain_waiters = self._drain_waiters, []
             self._drain(step, tuple(waiters))
 
+    def _stop_storage_work(self, step: Step) -> tuple[int, int]:
+        """Storage is off: the uploads waiting for a credit are dropped (counted as skipped)
+        and the running prefetches stopped; how many of each."""
+        return self.writes.drop_upload_backlog(step), self.prefetches.stop_all(step)
+
     def in_flight(self) -> bool:
         return bool(
             self.writes.busy()
@@ -372,7 +377,7 @@ class Controller:
         """Release every request and free every slot the tree holds; the driver answers with
         the ledgers and the bookkeeping tables (all empty now)."""
         # nothing in flight: a detach still queued goes through first
-        self.storage.settle(step, self.writes, self.prefetches)
+        self.storage.settle(step, self.ops, self._stop_storage_work)
         self.requests.release_all(step)
         self.pins.clear()
         self.tiers.drain(step)

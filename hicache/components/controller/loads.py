@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hicache.components.controller.effects import SubmitLoad
-from hicache.components.controller.ops import OpTable
+from hicache.components.controller.ops import OpTable, Wait
 from hicache.components.controller.rows import LoadOp
-from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.tiers import Tiers
 from hicache.components.loader.ticket import LoadTicket
 from hicache.radix.results import LoadPlan
@@ -68,15 +68,7 @@ class LoadFlows:
 
     def oldest(self) -> Wait | None:
         """A wait for the load in flight started first (its lock is the next to go)."""
-        op = self._ops.oldest("load")
-        return None if op is None else Wait(self, op)
-
-    # ------------------------------------------------------------------ waits (`Awaited`)
-    def ended(self, op: OpId) -> bool:
-        return op not in self._ops.of("load")
-
-    def arrived(self, op: OpId) -> bool:
-        return self._ops.arrived(op)
+        return self._ops.oldest("load")
 
     def abandon(self, step: Step) -> list[OpId]:
         """End every load as failed (close past its deadline); the ops ended."""

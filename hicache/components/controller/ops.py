@@ -27,6 +27,31 @@ Row = WriteOp | LoadOp | UploadOp | PrefetchOp
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    """An allocation that can go on only once this op has ended (its backup frees device
+    slots, its upload unprotects host pages, its load unlocks the pages it filled): the
+    caller parks, and is retried then."""
+
+    table: OpTable
+    kind: Kind
+    op: OpId
+
+    def ended(self) -> bool:
+        """The op no longer holds up a waiter: it ended, or it is an upload past its deadline
+        (no longer waited for)."""
+        row = self.table.of(self.kind).get(self.op)
+        return row is None or (self.kind == "upload" and row.timed_out)
+
+    def arrived(self) -> bool:
+        """Its completion has arrived here (not applied yet: the ranks agree first), or it
+        is an upload past its deadline."""
+        if self.table.arrived(self.op):
+            return True
+        row = self.table.of(self.kind).get(self.op)
+        return self.kind == "upload" and row is not None and row.timed_out
+
+
+@dataclass(frozen=True, slots=True)
 class End:
     """An op's next step, as agreed: a backup or load ends (`ok`, `error`), an upload ends
     (`stored` pages, why short), a prefetch takes its next step (`hit` pages in storage, -1
@@ -76,8 +101,13 @@ class OpTable:
     def credit(self, kind: Kind) -> int:
         return self._credits[kind]
 
-    def oldest(self, kind: Kind) -> OpId | None:
-        return next(iter(self._rows[kind]), None)
+    def wait(self, kind: Kind, op: OpId | None) -> Wait | None:
+        """A wait for `op` of `kind` (None for None)."""
+        return None if op is None else Wait(self, kind, op)
+
+    def oldest(self, kind: Kind) -> Wait | None:
+        """A wait for the op of `kind` started first."""
+        return self.wait(kind, next(iter(self._rows[kind]), None))
 
     def arrived_count(self, kind: Kind) -> int:
         if kind == "prefetch":

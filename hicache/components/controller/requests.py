@@ -15,9 +15,10 @@ import numpy as np
 
 from hicache.components.controller.allocation import Allocator
 from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.ops import Wait
 from hicache.components.controller.pins import PinTable
 from hicache.components.controller.rows import RequestState
-from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket

@@ -17,9 +17,9 @@ from typing import Final
 import numpy as np
 
 from hicache.backends.keys import chain_page_hashes
-from hicache.components.controller.ops import OpTable
+from hicache.components.controller.ops import OpTable, Wait
 from hicache.components.controller.rows import UploadOp, WriteOp
-from hicache.components.controller.shared import Shared, Step, Wait
+from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.storage_switch import StorageSwitch
 from hicache.components.controller.tiers import Tiers
 from hicache.messages import Backup, Upload
@@ -71,32 +71,17 @@ class WriteFlows:
             ops.of("backup") or self.write_backlog or ops.of("upload") or self.upload_backlog
         )
 
-    # ------------------------------------------------------------------ waits (`Awaited`)
-    def ended(self, op: OpId) -> bool:
-        """A backup has ended; an upload has ended or passed its deadline (op ids are unique
-        across flows, so one test serves both tables)."""
-        if op in self._ops.of("backup"):
-            return False
-        job = self._ops.of("upload").get(op)
-        return job is None or job.timed_out
-
-    def arrived(self, op: OpId) -> bool:
-        if self._ops.arrived(op):
-            return True
-        job = self._ops.of("upload").get(op)
-        return job is not None and job.timed_out
-
+    # ------------------------------------------------------------------ waits
     def oldest_write(self) -> Wait | None:
         """A wait for the backup in flight started first (the next to free what it copies)."""
-        op = self._ops.oldest("backup")
-        return None if op is None else Wait(self, op)
+        return self._ops.oldest("backup")
 
     def oldest_upload(self) -> Wait | None:
         """A wait for the oldest upload still waited for (never one past its deadline): its
         end unprotects host pages."""
         uploads = self._ops.of("upload")
         upload = next((op for op, job in uploads.items() if not job.timed_out), None)
-        return None if upload is None else Wait(self, upload)
+        return self._ops.wait("upload", upload)
 
     def evicting_tokens(self) -> int:
         """Device tokens the eviction backups in flight will free once they land."""
