@@ -1,4 +1,4 @@
-"""The tree controller: the cache's whole control plane as one synchronous core.
+"""The controller: the cache's whole control plane as one synchronous core.
 
 It takes one thing at a time (a frontend call, a completion, the values the TP ranks agreed
 on) and returns what to do as data (`effects.py`): commands for the workers, answers, events,

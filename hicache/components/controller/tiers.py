@@ -5,8 +5,8 @@ in the same call: insertion, locks and host protection, the copies of a backup o
 eviction (L1 then L2), pin marks and `clear`.
 
 Eviction returns what it could not do alone as data: the L1 nodes that need an L2 copy before
-they may leave. The write flows (`writes.py`) start those backups and turn "nothing to evict
-now" into a wait for an op in flight; nothing here knows of ops.
+they may leave. The allocator (`allocation.py`) has their backups started and turns "nothing
+to evict now" into a wait for an op in flight; nothing here knows of ops.
 """
 
 from __future__ import annotations
