@@ -111,7 +111,8 @@ def _apply_variants(names) -> None:
       host copy, also one with host-only children (drop_host keeps those today).
 
     Evicting only the shortfall (L1 and L2) and counting eviction backups in flight, once
-    variants here, are what the tree controller does now (`hicache/components/controller/space.py`).
+    variants here, are what the controller does now (`hicache/components/controller/tiers.py`,
+    `allocation.py`).
     """
     from hicache.radix.tree import RadixTree
 
