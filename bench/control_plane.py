@@ -25,7 +25,7 @@ import numpy as np
 
 from hicache import CacheConfig, HiCache
 from hicache.cli.trace import read_trace
-from hicache.components.allocator.ledger import SlotLedger
+from hicache.components.controller.ledger import SlotLedger
 from hicache.kernels import DevicePool, HostPool, parse_geometry, run_backup, run_load_layer
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.indices import plan_transfer

@@ -111,7 +111,8 @@ def _apply_variants(names) -> None:
       host copy, also one with host-only children (drop_host keeps those today).
 
     Evicting only the shortfall (L1 and L2) and counting eviction backups in flight, once
-    variants here, are what the tree controller does now (`hicache/components/tree/space.py`).
+    variants here, are what the controller does now (`hicache/components/controller/tiers.py`,
+    `allocation.py`).
     """
     from hicache.radix.tree import RadixTree
 
@@ -291,7 +292,7 @@ def run_single(args) -> None:
     import numpy as np
 
     from hicache.cli.trace import read_trace
-    from hicache.components.allocator.ledger import SlotLedger
+    from hicache.components.controller.ledger import SlotLedger
     from hicache.policies.eviction import make_strategy
     from hicache.policies.write import write_policy
     from hicache.radix.tree import RadixTree

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reference_radix import ReferenceRadixCache
 
-from hicache.components.allocator.ledger import SlotLedger
+from hicache.components.controller.ledger import SlotLedger
 from hicache.policies.eviction import LRU
 from hicache.policies.write import WRITE_THROUGH_SELECTIVE
 from hicache.radix.tree import RadixTree

@@ -27,11 +27,15 @@ from hicache.backends.keys import Namespace
 from hicache.backends.registry import connect_backend
 from hicache.backends.sealing.backend import seal_backend
 from hicache.components.allocator.actor import AllocatorActor
+from hicache.components.controller.actor import TreeActor
+from hicache.components.controller.agreement import (
+    RankAgreement,
+    SingleRank,
+    TorchDistributedAgreement,
+)
 from hicache.components.loader.actor import LoaderActor
 from hicache.components.prefetcher.actor import PrefetcherActor
 from hicache.components.topology import Topology
-from hicache.components.tree.actor import TreeActor
-from hicache.components.tree.agreement import RankAgreement, SingleRank, TorchDistributedAgreement
 from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite

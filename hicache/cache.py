@@ -20,7 +20,7 @@ from typing_extensions import Self
 
 from hicache.assembly import Parts, adopt_storage, assemble, open_storage
 from hicache.backends.base import StorageBackend
-from hicache.components.tree.agreement import RankAgreement, SingleRank
+from hicache.components.controller.agreement import RankAgreement, SingleRank
 from hicache.config import CacheConfig, ConfigError
 from hicache.kernels.pools import DevicePool
 from hicache.messages import (

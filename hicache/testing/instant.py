@@ -1,7 +1,7 @@
 """The tree controller with instant workers: the cache's control plane without bytes, actors
 or time (what `hicache sweep` replays, `hicache/cli/coremodel.py`).
 
-`InstantCache` drives the tree actor's own controller (`hicache/components/tree/controller.py`)
+`InstantCache` drives the tree actor's own controller (`hicache/components/controller/controller.py`)
 in one thread, as `actor.py` drives it, and carries out the effects it returns with workers
 that take no time and never fail: a backup or a load has landed as soon as it is asked for, an
 upload writes its pages to L3, a prefetch probes L3 and reads what it holds. No KV bytes
@@ -35,9 +35,8 @@ from typing import Any
 from hicache.assembly import storage_namespace
 from hicache.backends.batch import prefix_count
 from hicache.backends.framing import header_size
-from hicache.components.topology import Topology
-from hicache.components.tree.controller import Controller
-from hicache.components.tree.effects import (
+from hicache.components.controller.controller import Controller
+from hicache.components.controller.effects import (
     Answer,
     ClearBackend,
     Drained,
@@ -46,6 +45,7 @@ from hicache.components.tree.effects import (
     Send,
     SubmitLoad,
 )
+from hicache.components.topology import Topology
 from hicache.config import CacheConfig
 from hicache.kernels.geometry import parse_geometry
 from hicache.kernels.native.rowcopy import u32_ids
@@ -217,8 +217,7 @@ class InstantCache:
             return
         controller = self.controller
         controller.record(report)
-        seen = controller.progress()
-        self._execute(controller.apply(seen, seen.mins, seen.maxes, self._now()))
+        self._execute(controller.apply_arrived(self._now()))
 
     def _prefetch(
         self, work: StartPrefetch | ReadPrefetch | StopPrefetch

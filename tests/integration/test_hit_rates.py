@@ -13,7 +13,7 @@ from hicache import CacheConfig
 from hicache.cli.coremodel import replay_trace
 from hicache.cli.replay.command import replay
 from hicache.cli.trace import bound_hit_rate, read_trace
-from hicache.components.allocator.ledger import SlotLedger
+from hicache.components.controller.ledger import SlotLedger
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.radix.tree import RadixTree

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import anyio.to_thread
 
-from hicache.components.allocator.ledger import chunk_plan
+from hicache.components.allocator.chunks import chunk_plan
 from hicache.kernels.pools import HostPool
 from hicache.messages import AllocatorInbox, ChunkPrepared, HostSlotsReady, TreeInbox
 from hicache.runtime import Actor, ActorSystemClosed, Mailbox

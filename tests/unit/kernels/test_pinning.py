@@ -212,7 +212,7 @@ def lazy_pool(layout, *, pin=False, runtime=None, tokens=16384, page=16):
 
 
 def chunks_of(host, count):
-    from hicache.components.allocator.ledger import chunk_plan
+    from hicache.components.allocator.chunks import chunk_plan
 
     pages = host.size // host.page_size
     return chunk_plan(host.size, host.page_size, -(-pages // count))

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache.components.allocator.ledger import SlotLedger
+from hicache.components.controller.ledger import SlotLedger
 from hicache.policies.eviction import make_strategy
 from hicache.policies.write import write_policy
 from hicache.radix.results import NodeState

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.tree.shared import Shared, Step
+from hicache.components.controller.shared import Shared, Step
+from hicache.components.controller.tiers import Tiers
 from hicache.radix.results import TreeError
 from hicache.radix.structure import INF
 from hicache.results import InvalidRequest, PinLimitError, PinOutcome
@@ -44,8 +45,9 @@ Key = tuple[bytes, bytes]  # salt, the prefix's encoded bytes
 
 
 class PinTable:
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, tiers: Tiers) -> None:
         self._shared = shared
+        self._tiers = tiers  # the tree's marks are the tier owner's to change
         self.entries: dict[Key, PinEntry] = {}
         self._by_head: dict[Key, set[bytes]] = {}  # (salt, first page) -> prefixes pinned
         self._next_expiry = INF  # the earliest end of a pin in the table
@@ -92,7 +94,7 @@ class PinTable:
         self._next_expiry = min(self._next_expiry, max(entry.device_until, entry.host_until))
         self._by_head.setdefault(self._head(key), set()).add(key[1])
         if replaced is not None:  # a pin of the same prefix: its marks give way to this one
-            shared.tree.unmark_pins(replaced.tokens, now=step.now, salt=salt)
+            self._tiers.unmark_pins(step, replaced.tokens, salt)
             self._mark_around(step, key)
         cached = self._mark(step, key, entry)
         step.out.info("tree.pin", tokens=len(encoded), cached=cached, tiers=list(tiers), ttl=ttl)
@@ -101,14 +103,13 @@ class PinTable:
         )
 
     def unpin(self, step: Step, tokens: Any, salt: bytes) -> bool:
-        shared = self._shared
         tokens, encoded = self._aligned(tokens, "unpin")
         key = (salt, encoded.tobytes())
         entry = self.entries.get(key)
         if entry is None:
             return False
         self._drop(key)
-        shared.tree.unmark_pins(entry.tokens, now=step.now, salt=salt)
+        self._tiers.unmark_pins(step, entry.tokens, salt)
         self._mark_around(step, key)
         step.out.info("tree.unpin", tokens=len(encoded))
         return True
@@ -140,12 +141,11 @@ class PinTable:
         return key[0], key[1][: self._shared.tree.page_bytes]
 
     def _mark(self, step: Step, key: Key, entry: PinEntry) -> int:
-        shared = self._shared
-        return shared.tree.mark_pins(
+        return self._tiers.mark_pins(
+            step,
             entry.tokens,
             device_until=entry.device_until,
             host_until=entry.host_until,
-            now=step.now,
             salt=key[0],
         )
 

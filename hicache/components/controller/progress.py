@@ -1,6 +1,7 @@
-"""The vectors the TP ranks agree on at a sync point, as one layout: a section per flow, a row
-per op in flight, the same columns in every row of a section. Flows build their section from
-rows and read the agreed values back by row; only `Progress.agreed` knows the flat order."""
+"""The vectors the TP ranks agree on at a sync point, as one layout: a section per kind of op,
+a row per op in flight, the same columns in every row of a section. The op table (`ops.py`)
+builds the sections from rows and reads the agreed values back by row; only `Progress.agreed`
+knows the flat order."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Section:
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """What this rank has seen of every op in flight: the flows' sections, in apply order, and
+    """What this rank has seen of every op in flight: a section per kind, in apply order, and
     the flat vectors the ranks agree on (`of` builds them once)."""
 
     backups: Section

@@ -23,28 +23,17 @@ no L3 (`prefetch` answers state `none`, backups are not uploaded).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from hicache.components.tree.effects import SwitchStorage
-from hicache.components.tree.shared import Step
+from hicache.components.controller.effects import SwitchStorage
+from hicache.components.controller.ops import OpTable
+from hicache.components.controller.shared import Step
 from hicache.messages import AttachStorage, DetachStorage
 
-
-class Uploads(Protocol):
-    """What a detach asks of the write flows (`writes.py`, which ask this switch)."""
-
-    def drop_upload_backlog(self, step: Step) -> int: ...
-
-    def in_flight(self) -> dict[str, int]: ...
-
-
-class Prefetches(Protocol):
-    """What a detach asks of the prefetch flow (`prefetches.py`, which asks this switch)."""
-
-    def stop_all(self, step: Step) -> int: ...
-
-    def in_flight(self) -> dict[str, int]: ...
+Stop = Callable[[Step], tuple[int, int]]
+"""What a detach asks of the flows once storage is off: drop the uploads waiting for a credit
+and stop the running prefetches; how many of each (the controller's `_stop_storage_work`)."""
 
 
 @dataclass(slots=True)
@@ -69,8 +58,9 @@ class StorageSwitch:
     def accept(self, msg: AttachStorage | DetachStorage) -> None:
         self.calls.append(msg)
 
-    def settle(self, step: Step, writes: Uploads, prefetches: Prefetches) -> None:
-        """Apply the queued switches that can be applied now, in order."""
+    def settle(self, step: Step, ops: OpTable, stop: Stop) -> None:
+        """Apply the queued switches that can be applied now, in order; a detach waits until
+        no upload and no prefetch is in flight (`ops`)."""
         while self.calls:
             msg = self.calls[0]
             if isinstance(msg, AttachStorage):
@@ -86,8 +76,8 @@ class StorageSwitch:
                     self.calls.popleft()
                     step.out.answer(msg.reply, None)
                     continue
-                self._detaching = self._start_detach(step, writes, prefetches)
-            if writes.in_flight()["uploads"] or prefetches.in_flight()["prefetches"]:
+                self._detaching = self._start_detach(step, ops, stop)
+            if ops.of("upload") or ops.of("prefetch"):
                 return  # retried after every completion applied (`Controller._settle`)
             self.calls.popleft()
             done, self._detaching = self._detaching, None
@@ -104,14 +94,13 @@ class StorageSwitch:
                 )
             )
 
-    def _start_detach(self, step: Step, writes: Uploads, prefetches: Prefetches) -> _Detaching:
+    def _start_detach(self, step: Step, ops: OpTable, stop: Stop) -> _Detaching:
         """Storage off for new work; stop what would still start storage calls."""
         self.on = False
-        skipped = writes.drop_upload_backlog(step)
-        running = prefetches.stop_all(step)
+        skipped, running = stop(step)
         return _Detaching(
             started=step.now,
-            uploads=writes.in_flight()["uploads"],
+            uploads=len(ops.of("upload")),
             prefetches=running,
             skipped_uploads=skipped,
         )

@@ -23,10 +23,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache.components.loader.ticket import LoadTicket
-from hicache.components.topology import Topology
-from hicache.components.tree.controller import Controller
-from hicache.components.tree.effects import (
+from hicache.components.controller.controller import Controller
+from hicache.components.controller.effects import (
     Answer,
     CancelTimer,
     Drained,
@@ -36,6 +34,8 @@ from hicache.components.tree.effects import (
     StartTimer,
     SubmitLoad,
 )
+from hicache.components.loader.ticket import LoadTicket
+from hicache.components.topology import Topology
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import (
@@ -127,6 +127,8 @@ class ControllerMachine(RuleBasedStateMachine):
         storage=st.sampled_from([True, True, False]),
         eviction=st.sampled_from(["lru", "lfu", "fifo"]),
         evict_to_storage=st.booleans(),
+        # apply through the vectors TP ranks agree on, or what arrived directly (one rank)
+        vectors=st.booleans(),
     )
     def setup(
         self,
@@ -135,7 +137,9 @@ class ControllerMachine(RuleBasedStateMachine):
         storage: bool,
         eviction: str,
         evict_to_storage: bool = True,
+        vectors: bool = False,
     ) -> None:
+        self.vectors = vectors
         cfg, _ = CacheConfig(
             kv="mha:1:1:1:float16",
             page_size=PAGE,
@@ -229,9 +233,12 @@ class ControllerMachine(RuleBasedStateMachine):
 
     def complete(self, msg: Any) -> None:
         self.core.record(msg)
-        seen = self.core.progress()
         self.now += 1
-        self.execute(self.core.apply(seen, seen.mins, seen.maxes, self.now))
+        if self.vectors:
+            seen = self.core.progress()
+            self.execute(self.core.apply(seen, seen.mins, seen.maxes, self.now))
+        else:
+            self.execute(self.core.apply_arrived(self.now))
         self.pump()
 
     def step_worker(self, worker: str, ok: bool = True) -> bool:

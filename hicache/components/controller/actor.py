@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from hicache.components.topology import Topology
-from hicache.components.tree.agreement import RankAgreement, SingleRank
-from hicache.components.tree.controller import Controller
-from hicache.components.tree.effects import (
+from hicache.components.controller.agreement import RankAgreement, SingleRank
+from hicache.components.controller.controller import Controller
+from hicache.components.controller.effects import (
     Answer,
     CancelTimer,
     ClearBackend,
@@ -37,8 +36,9 @@ from hicache.components.tree.effects import (
     SubmitLoad,
     SwitchStorage,
 )
-from hicache.components.tree.shared import Counters
-from hicache.components.tree.sync import COMPLETIONS
+from hicache.components.controller.shared import Counters
+from hicache.components.controller.sync import COMPLETIONS
+from hicache.components.topology import Topology
 from hicache.config import CacheConfig
 from hicache.kernels.streams.base import LoadHandle
 from hicache.messages import (
@@ -177,20 +177,14 @@ class TreeActor(Actor[TreeInbox]):
 
     async def _sync(self) -> None:
         """Agree with the other ranks how far every op has got, and apply that."""
-        seen = self.controller.progress()
-        if self._agreement.trivial:
-            if seen.mins or seen.maxes:
-                await self._execute(
-                    self.controller.apply(
-                        seen,
-                        seen.mins,
-                        seen.maxes,
-                        self._now(),
-                        events=self._recording,
-                        detail=self._recording,
-                    )
+        if self._agreement.trivial:  # no one to agree with: no vectors
+            await self._execute(
+                self.controller.apply_arrived(
+                    self._now(), events=self._recording, detail=self._recording
                 )
+            )
             return
+        seen = self.controller.progress()
         agreed, agreed_max = await self._agreement.agree(seen.mins, seen.maxes)
         await self._execute(
             self.controller.apply(

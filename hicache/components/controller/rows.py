@@ -1,6 +1,6 @@
 """The rows of the controller's tables: one per running request (`RequestState`, in
-`requests.py`) and one per op in flight (`WriteOp`, `UploadOp` in `writes.py`, `LoadOp` in
-`loads.py`, `PrefetchOp` in `prefetches.py`). Other actors only ever see ids and slot arrays."""
+`requests.py`) and one per op in flight (`WriteOp`, `LoadOp`, `UploadOp`, `PrefetchOp`, in the
+op table, `ops.py`). Other actors only ever see ids and slot arrays."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hicache.components.allocator.ledger import LedgerError, SlotLedger
+from hicache.components.controller.ledger import LedgerError, SlotLedger
 
 
 def snapshot(ledger):
@@ -178,13 +178,3 @@ def test_integrity_check_catches_a_free_page_that_is_not_leased():
     ledger._num_free += 1
     with pytest.raises(AssertionError):
         ledger.check_integrity()
-
-
-def test_chunk_plan_covers_the_pool_in_whole_page_chunks():
-    from hicache.components.allocator.ledger import chunk_plan
-
-    assert chunk_plan(40, 4, 3) == [(0, 12), (12, 24), (24, 36), (36, 40)]
-    assert chunk_plan(8, 4, 5) == [(0, 8)]
-    assert chunk_plan(0, 4, 1) == []
-    with pytest.raises(ValueError, match="chunk_pages"):
-        chunk_plan(8, 4, 0)

@@ -1,5 +1,5 @@
-"""Slot ledgers: which token slots of one KV pool (device or host) are free, and how the
-allocator cuts the host pool into the chunks it prepares and leases.
+"""Slot ledgers: which token slots of one KV pool (device or host) are free. The controller's
+tier owner (`tiers.py`) holds the two of record, one per tier.
 
 A ledger knows nothing about what a slot holds; it only records ownership. Slots are ints in
 ``[0, capacity)``, handed out and taken back in whole pages (``page_size`` consecutive slots
@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from hicache.kernels.native.rowcopy import native_rows
 
-__all__ = ["LedgerError", "SlotLedger", "chunk_plan"]
+__all__ = ["LedgerError", "SlotLedger"]
 
 
 class LedgerError(ValueError):
@@ -241,16 +241,3 @@ class SlotLedger:
             f"SlotLedger(tier={self.tier!r}, size={self.size}, capacity={self.capacity}, "
             f"page_size={self.page_size}, used={self.used})"
         )
-
-
-def chunk_plan(size: int, page_size: int, chunk_pages: int) -> list[tuple[int, int]]:
-    """The slot ranges ``[start, stop)`` the allocator prepares and leases the host pool in, in
-    order: `chunk_pages` whole pages each (the last one what is left), covering ``[0, size)``.
-    Pure."""
-    if page_size < 1 or chunk_pages < 1 or size < 0 or size % page_size:
-        raise ValueError(
-            f"chunk_plan needs size a multiple of page_size >= 1 and chunk_pages >= 1, got "
-            f"size={size}, page_size={page_size}, chunk_pages={chunk_pages}"
-        )
-    step = chunk_pages * page_size
-    return [(start, min(size, start + step)) for start in range(0, size, step)]

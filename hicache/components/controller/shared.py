@@ -1,13 +1,12 @@
 """What the parts of the controller share: the configuration, the radix tree, the counters and
-the op ids (`Shared`, for the controller's life); the time and the effects of the step being
-taken (`Step`, made for each call and passed down); and what a parked call waits on (`Wait`)."""
+the op ids (`Shared`, for the controller's life); and the time and the effects of the step
+being taken (`Step`, made for each call and passed down)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from hicache.components.tree.effects import Effects
+from hicache.components.controller.effects import Effects
 from hicache.config import CacheConfig
 from hicache.radix.tree import RadixTree
 from hicache.types import OpId
@@ -56,31 +55,3 @@ class Step:
 
     now: float
     out: Effects
-
-
-class Awaited(Protocol):
-    """A flow whose ops a parked call can wait on."""
-
-    def ended(self, op: OpId) -> bool:
-        """The op no longer holds up a waiter (it ended, or it is no longer waited for)."""
-        ...
-
-    def arrived(self, op: OpId) -> bool:
-        """Its completion has arrived here (not applied yet: the ranks agree first)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """An allocation that can go on only once this op has ended (its backup frees device
-    slots, its upload unprotects host pages, its load unlocks the pages it filled): the
-    caller parks, and is retried then."""
-
-    flow: Awaited
-    op: OpId
-
-    def ended(self) -> bool:
-        return self.flow.ended(self.op)
-
-    def arrived(self) -> bool:
-        return self.flow.arrived(self.op)

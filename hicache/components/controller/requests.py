@@ -13,13 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from hicache.components.controller.allocation import Allocator
+from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.ops import Wait
+from hicache.components.controller.pins import PinTable
+from hicache.components.controller.rows import RequestState
+from hicache.components.controller.shared import Shared, Step
+from hicache.components.controller.tiers import Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
-from hicache.components.tree.loads import LoadFlows
-from hicache.components.tree.pins import PinTable
-from hicache.components.tree.rows import RequestState
-from hicache.components.tree.shared import Shared, Step, Wait
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
 from hicache.radix.results import TreeError, concat
@@ -30,6 +32,7 @@ from hicache.results import (
     InvalidRequest,
     LoadBackOutcome,
     MatchOutcome,
+    PrefetchOutcome,
     UnknownRequest,
 )
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
@@ -37,11 +40,18 @@ from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
 
 class Requests:
     def __init__(
-        self, shared: Shared, tiers: Tiers, writes: WriteFlows, loads: LoadFlows, pins: PinTable
+        self,
+        shared: Shared,
+        tiers: Tiers,
+        alloc: Allocator,
+        writes: WriteFlows,
+        loads: LoadFlows,
+        pins: PinTable,
     ) -> None:
         self._shared = shared
         self._pins = pins
         self._tiers = tiers
+        self._alloc = alloc
         self._writes = writes
         self._loads = loads
         self.table: dict[RequestId, RequestState] = {}
@@ -85,16 +95,12 @@ class Requests:
         return encoded if encoded.dtype == np.uint32 else tokens
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
-        tree = self._shared.tree
-        if node is not None:
-            tree.lock(node)
-        if state.lock is not None:
-            tree.unlock(state.lock)
+        self._tiers.relock(node, state.lock)
         state.lock = node
 
     def _view(self, step: Step, state: RequestState, tokens: Any) -> None:
         """Point the request at the tree's current prefix for `tokens` (locked for it)."""
-        result = self._shared.tree.match(tokens, now=step.now, salt=state.salt)
+        result = self._tiers.match(step, tokens, state.salt)
         self._relock(state, result.last_node)
         state.last_node = result.last_node
         state.prefix_slots = result.device_slots
@@ -108,6 +114,25 @@ class Requests:
 
     def release_all(self, step: Step) -> None:
         self.release_batch(step, tuple(self.table), reason="close")
+
+    def prefetch_ended(self, rid: RequestId, outcome: PrefetchOutcome) -> None:
+        """A prefetch of the request was skipped at its start: what a later wait or poll
+        reports."""
+        self.table[rid].prefetch = outcome
+
+    def prefetch_settled(
+        self, step: Step, rid: RequestId, outcome: PrefetchOutcome, *, landed: bool
+    ) -> bool:
+        """A prefetch of the request settled (`landed`: pages of it are in L2 now). Whether the
+        request is still open. What arrived is locked for it unless it is past load_back (or
+        allocated): then its prefix is fixed, and moving it would misalign what it holds."""
+        state = self.table.get(rid)
+        if state is None:
+            return False
+        state.prefetch = outcome
+        if landed and not state.loaded_back and not state.owned:
+            self.rematch(step, state)
+        return True
 
     def load_failed(self, op: OpId) -> None:
         """Requests that counted on this load may not cache what they hold: their prefix slots
@@ -131,7 +156,7 @@ class Requests:
             state.tokens = tokens
             state.retention = self._ranges(step, item.retention)
             if state.retention:  # the matched pages take the request's ranges now
-                self._shared.tree.retain(tokens, state.retention, now=step.now, salt=state.salt)
+                self._tiers.retain(step, tokens, state.retention, state.salt)
             state.failed_load = False
             state.loaded_back = False
             self._shared.counters.device_hit_tokens += len(state.prefix_slots)
@@ -200,10 +225,21 @@ class Requests:
                     # may have loaded or cached part of it since. Take the tree's prefix now.
                     self.rematch(step, state)
                 state.loaded_back = True
-                got = self._loads.load_back(step, rid, state, threshold)
-                if isinstance(got, Wait):
-                    return got
-                loaded = got
+                planned = self._loads.plan(step, rid, state.last_node, state.host_len, threshold)
+                if planned is not None:
+                    grant = self._alloc.device(step, planned.tokens)
+                    if grant.wait is not None:
+                        return grant.wait
+                    if grant.slots is None:
+                        step.out.warning(
+                            "tree.load_skipped", rid=rid, tokens=planned.tokens, reason="capacity"
+                        )
+                    else:  # its prefix grows by what lands; it waits on the load
+                        got = self._loads.start(step, rid, planned, grant.slots)
+                        state.loads.append(got.op)
+                        state.prefix_slots = np.concatenate([state.prefix_slots, got.device_slots])
+                        state.host_len = 0
+                        loaded = got.tokens
             tickets = self._loads.tickets(state.loads)
             done.append(
                 LoadBackOutcome(
@@ -221,10 +257,11 @@ class Requests:
 
     # ------------------------------------------------------------------ allocation
     def alloc_batch(
-        self, step: Step, sizes: Sequence[tuple[RequestId, int]]
-    ) -> tuple[np.ndarray, ...] | Wait:
-        """Slots for every request of the step, or none (a CapacityError naming the first
-        request that does not fit)."""
+        self, step: Step, sizes: Sequence[tuple[RequestId, int]], out: list[np.ndarray]
+    ) -> Wait | None:
+        """Slots for every request of the step, appended to `out`, or none (a CapacityError
+        naming the first request that does not fit); a `Wait` parks the call, which is run
+        again whole once retried."""
         self.check_rids([rid for rid, _ in sizes], "allocate")
         for rid, n in sizes:
             self.state(rid, "allocate")
@@ -232,9 +269,10 @@ class Requests:
                 raise InvalidRequest(f"cannot allocate {n} tokens for {rid!r}")
         page = self._shared.cfg.page_size
         wanted = [-(-max(0, n - len(self.table[rid].padding)) // page) * page for rid, n in sizes]
-        pooled = self._loads.device(step, sum(wanted))  # one allocation, evicting, for the step
-        if isinstance(pooled, Wait):
-            return pooled
+        grant = self._alloc.device(step, sum(wanted))  # one allocation, evicting, for the step
+        if grant.wait is not None:
+            return grant.wait
+        pooled = grant.slots
         if pooled is None:
             available = self._tiers.ledgers["device"].available
             total = 0
@@ -243,7 +281,7 @@ class Requests:
                 if total > available:
                     raise CapacityError("device", n, available, rid=rid)
             raise AssertionError("the step fits, yet its allocation failed")
-        out, offset = [], 0
+        offset = 0
         for (rid, n), want in zip(sizes, wanted, strict=True):
             state = self.table[rid]
             before = state.padding
@@ -253,12 +291,12 @@ class Requests:
             fresh = pooled[offset : offset + want] if rest else EMPTY_SLOTS
             offset += want
             # With rest > 0 the padding is used up; views of the step's (read-only) allocation
-            # where nothing needs joining: a copy per request was a third of this call.
+            # where nothing needs joining (a copy per request would cost more than the rest of it).
             state.padding = fresh[rest:] if rest else before[n:]
             slots = fresh[:rest] if not len(reuse) else concat([reuse, fresh[:rest]])
             state.owned.append(slots)
             out.append(slots)
-        return tuple(out)
+        return None
 
     # ------------------------------------------------------------------ insert
     def cache_batch(self, step: Step, items: Sequence[CacheItem]) -> tuple[CacheOutcome, ...]:
@@ -323,21 +361,21 @@ class Requests:
     def _cache(
         self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]
     ) -> CacheOutcome:
-        shared, tree = self._shared, self._shared.tree
+        shared = self._shared
         state = self.table[item.rid]
         aligned = len(tokens) // shared.cfg.page_size * shared.cfg.page_size
         own = len(state.prefix_slots)
-        result = tree.insert(
+        result = self._tiers.insert(
+            step,
             tokens[:aligned],
             slots[:aligned],
-            now=step.now,
             chunked=not item.finished,
             salt=state.salt,
             backup=item.backup,
         )
         if state.retention or self._pins.entries:
             if state.retention:
-                tree.retain(tokens[:aligned], state.retention, now=step.now, salt=state.salt)
+                self._tiers.retain(step, tokens[:aligned], state.retention, state.salt)
             self._pins.after_insert(step, tokens[:aligned], state.salt)
             candidates.extend(self._split_pieces(result.backup_candidates))
         # The request's own prefix slots are the tree's; passed slots for tokens someone else
@@ -352,7 +390,7 @@ class Requests:
             del self.table[item.rid]
             prefix = slots[:aligned]
             if result.prefix_len > own:  # some of its slots were duplicates: the tree's own
-                prefix = tree.match(tokens[:aligned], now=step.now, salt=state.salt).device_slots
+                prefix = self._tiers.match(step, tokens[:aligned], state.salt).device_slots
         else:
             self._view(step, state, tokens[:aligned])
             state.host_len = 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hicache.components.tree.progress import Progress, Section
+from hicache.components.controller.progress import Progress, Section
 from hicache.types import OpId
 
 

@@ -13,28 +13,34 @@ take it alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from hicache.components.controller.allocation import Allocator
+from hicache.components.controller.effects import CancelTimer, StartTimer
+from hicache.components.controller.ops import OpTable
+from hicache.components.controller.pins import PinTable
+from hicache.components.controller.requests import Requests
+from hicache.components.controller.rows import PrefetchOp, RequestState
+from hicache.components.controller.shared import Shared, Step
+from hicache.components.controller.storage_switch import StorageSwitch
+from hicache.components.controller.tiers import Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.components.prefetch_state import RUNNING, Phase, caller_state
-from hicache.components.tree.effects import CancelTimer, StartTimer
-from hicache.components.tree.pins import PinTable
-from hicache.components.tree.progress import Section
-from hicache.components.tree.requests import Requests
-from hicache.components.tree.rows import PrefetchOp, RequestState
-from hicache.components.tree.shared import Shared, Step, Wait
-from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
-from hicache.messages import (
-    PrefetchProgress,
-    ReadPrefetch,
-    StartPrefetch,
-    StopPrefetch,
-    TimerFired,
-)
+from hicache.messages import ReadPrefetch, StartPrefetch, StopPrefetch
 from hicache.radix.hashes import chain_page_hashes, salt_seed
 from hicache.results import PrefetchOutcome
 from hicache.types import EMPTY_SLOTS, NodeId, OpId, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A prefetch call's answer; `skipped`: refused at its start, an outcome the request
+    table keeps for later waits and polls (`Requests.prefetch_ended`)."""
+
+    outcome: PrefetchOutcome
+    skipped: bool
 
 
 class PrefetchFlows:
@@ -42,81 +48,44 @@ class PrefetchFlows:
         self,
         shared: Shared,
         tiers: Tiers,
+        alloc: Allocator,
         writes: WriteFlows,
         requests: Requests,
         pins: PinTable,
         storage: StorageSwitch,
-        credits: int,
+        ops: OpTable,
     ) -> None:
         self._shared = shared
         self._storage = storage
         self._pins = pins
         self._tiers = tiers
+        self._alloc = alloc
         self._writes = writes
         self._requests = requests
-        self.ops: dict[OpId, PrefetchOp] = {}
+        self._ops = ops  # prefetches in flight are rows of the op table
         self.by_rid: dict[RequestId, OpId] = {}
-        self.credits = credits
         self.tokens = 0  # in flight, for the rate limit
-        self._reports: dict[OpId, PrefetchProgress] = {}  # the latest, not applied yet
-        self._timers_fired: set[OpId] = set()
         self.host_waiting: list[OpId] = []  # probed, waiting for host room to read into
+
+    @property
+    def ops(self) -> Mapping[OpId, PrefetchOp]:
+        return self._ops.of("prefetch")
 
     def tables(self) -> dict[str, int]:
         return {
             "prefetches": len(self.ops),
             "prefetch_by_rid": len(self.by_rid),
-            "prefetch_reports": len(self._reports),
-            "timers_fired": len(self._timers_fired),
+            "prefetch_reports": self._ops.arrived_count("prefetch"),
+            "timers_fired": self._ops.fired_count(),
             "prefetch_host_waiting": len(self.host_waiting),
         }
 
     def in_flight(self) -> dict[str, int]:
         return {"prefetches": len(self.ops)}
 
-    # ------------------------------------------------------------------ completions
-    def record(self, msg: PrefetchProgress | TimerFired) -> None:
-        """Note a report (later ones supersede earlier ones) or a timer firing. One for an op
-        that already ended (a timer that fired as its prefetch ended) is stale and dropped."""
-        if msg.op not in self.ops:
-            return
-        if isinstance(msg, PrefetchProgress):
-            self._reports[msg.op] = msg
-        else:
-            self._timers_fired.add(msg.op)
-
-    def progress(self) -> Section:
-        """Per prefetch in flight, MIN of (hit pages, -1 before the probe; pages read;
-        finished; stopped) and MAX of (its timer fired)."""
-        rows = []
-        for op in self.ops:
-            report = self._reports.get(op)
-            if report is None:
-                mins: tuple[int, ...] = (-1, 0, 0, 0)
-            else:
-                mins = (
-                    report.hit_pages,
-                    report.done_pages,
-                    int(report.finished),
-                    int(report.stopped),
-                )
-            rows.append((op, mins, (int(op in self._timers_fired),)))
-        return Section.of(rows, 4, 1)
-
-    def apply(self, step: Step, agreed: Section, *, host_freed: bool) -> None:
-        """Take each prefetch's next step on what every rank agreed; then, when an upload's
-        end may have made host room (`host_freed`), retry the reads that waited for it."""
-        for op, (hit, done, finished, stopped), (timed_out,) in agreed.rows():
-            self.agreed(
-                step,
-                op,
-                hit=hit,
-                done=done,
-                finished=bool(finished),
-                stopped=bool(stopped),
-                timed_out=bool(timed_out),
-            )
-        if host_freed and self.host_waiting:
+    def host_freed(self, step: Step) -> None:
+        """An upload has ended, which may have made host room: retry the reads that waited."""
+        if self.host_waiting:
             self.retry_reads(step)
 
     def start(
@@ -126,15 +95,15 @@ class PrefetchFlows:
         rid: RequestId,
         tokens: Any,
         threshold: int | None = None,
-    ) -> PrefetchOutcome:
-        """Admit and start a prefetch of `tokens` past the request's match. `threshold`:
-        fewest tokens worth it for this request (None: the config's)."""
+    ) -> Admission:
+        """Admit and start a prefetch of `tokens` past the request's match (`state`, read
+        only). `threshold`: fewest tokens worth it for this request (None: the config's)."""
         shared, tree = self._shared, self._shared.tree
         cfg = shared.cfg
         if threshold is None:
             threshold = cfg.effective_prefetch_threshold
         if not self._storage.on or rid in self.by_rid:
-            return self.outcome(rid, self.by_rid.get(rid))
+            return Admission(self.outcome(rid, self.by_rid.get(rid)), False)
         page = cfg.page_size
         matched = len(state.prefix_slots) + state.host_len
         end = len(tokens) // page * page
@@ -144,12 +113,12 @@ class PrefetchFlows:
         reason = None
         if length < threshold:
             reason = "below_threshold"
-        elif self.tokens + length > self._rate_limit() or self.credits == 0:
+        elif self.tokens + length > self._rate_limit() or self._ops.credit("prefetch") == 0:
             reason = "rate_limited"
         if reason is not None:
             step.out.info("tree.prefetch_skipped", rid=rid, tokens=max(length, 0), reason=reason)
-            state.prefetch = PrefetchOutcome(rid=rid, state="skipped", reason=reason)
-            return state.prefetch  # what a later wait or poll reports too
+            # what a later wait or poll reports too (kept by the request table)
+            return Admission(PrefetchOutcome(rid=rid, state="skipped", reason=reason), True)
         if anchor == tree.root:  # nothing matched: the salt's chain starts at its seed
             prior = salt_seed(state.salt) if state.salt else None
         else:
@@ -163,24 +132,27 @@ class PrefetchFlows:
         # The anchor stays in the tree until the op settles. Without an L2 copy (it is only on
         # L1: a hot prefix under write_back or selective) it gets one if storage has enough
         # below it (`_back_up_anchor`), so what lands outlives the anchor's stay in L1.
-        tree.protect_host(anchor, copy_complete=False)
-        self.ops[op_id] = PrefetchOp(
-            rid=rid,
-            anchor=anchor,
-            tokens=new_tokens,
-            prefix=tokens[:end],
-            hashes=hashes,
-            host_slots=EMPTY_SLOTS,
-            salt=state.salt,
-            timer=timed,
-            threshold=threshold,
+        self._tiers.protect_host(anchor, copy_complete=False)
+        self._ops.start(
+            "prefetch",
+            op_id,
+            PrefetchOp(
+                rid=rid,
+                anchor=anchor,
+                tokens=new_tokens,
+                prefix=tokens[:end],
+                hashes=hashes,
+                host_slots=EMPTY_SLOTS,
+                salt=state.salt,
+                timer=timed,
+                threshold=threshold,
+            ),
         )
         self.by_rid[rid] = op_id
-        self.credits -= 1
         self.tokens += length
         step.out.send("prefetcher", StartPrefetch(op=op_id, hashes=hashes))
         step.out.info("tree.prefetch_started", rid=rid, op=op_id, tokens=length)
-        return self.outcome(rid, op_id)
+        return Admission(self.outcome(rid, op_id), False)
 
     def _rate_limit(self) -> int:
         cfg = self._shared.cfg
@@ -201,6 +173,10 @@ class PrefetchFlows:
             done_tokens=op.done_pages * page,
             wanted_tokens=len(op.hashes) * page,
         )
+
+    def poll(self, rid: RequestId) -> PrefetchOutcome:
+        """Where the request's prefetch stands now."""
+        return self.outcome(rid, self.by_rid.get(rid))
 
     def wait(self, step: Step, rid: RequestId, reply: Any, *, poll: bool) -> None:
         """Answer now if the prefetch is over; else (best_effort) stop it and take what has
@@ -263,7 +239,7 @@ class PrefetchFlows:
                 self._back_up_anchor(step, op)
                 self._read(step, op_id)
         if finished:
-            self._end(step, op_id)
+            self.finish(step, op_id)
 
     def _back_up_anchor(self, step: Step, op: PrefetchOp) -> None:
         """Storage holds enough below an anchor whose path is only on L1: give it the L2 copy
@@ -300,10 +276,11 @@ class PrefetchFlows:
         op = self.ops[op_id]
         if op.phase is not Phase.WAITING_HOST:
             return
-        host = self._writes.host(step, op.hit_pages * shared.cfg.page_size)
-        if isinstance(host, Wait):
+        grant = self._alloc.host(step, op.hit_pages * shared.cfg.page_size)
+        if grant.wait is not None:
             self.host_waiting.append(op_id)
             return
+        host = grant.slots
         if host is None:
             step.out.info(
                 "tree.prefetch_skipped",
@@ -322,24 +299,23 @@ class PrefetchFlows:
         """Hand the request what has arrived: insert it as host-only nodes below the anchor,
         answer the waiters. The slots of those pages become the tree's; the rest stay the op's
         until it ends."""
-        shared, tree = self._shared, self._shared.tree
+        shared = self._shared
         op = self.ops[op_id]
         page = shared.cfg.page_size
         done = 0 if revoked else min(op.done_pages, len(op.host_slots) // page)
         op.done_pages = done
         used_tokens = done * page
         if done:
-            inserted = tree.insert_host(
+            self._tiers.insert_host(
+                step,
                 op.anchor,
                 op.tokens[:used_tokens],
                 op.host_slots[:used_tokens],
                 op.hashes[:done],
-                now=step.now,
-                salt=op.salt,
+                op.salt,
             )
-            self._tiers.free(step, "host", inserted.duplicate_slots)
             self._pins.after_insert(step, op.prefix, op.salt)  # pins hold for pages back from L3
-        tree.release_host(op.anchor)
+        self._tiers.release_host(op.anchor)
         op.to(op_id, Phase.REVOKED if revoked else Phase.DONE)
         step.out.info(
             "tree.prefetch_done",
@@ -350,26 +326,18 @@ class PrefetchFlows:
             read=used_tokens,
         )
         outcome = self.outcome(op.rid, op_id)
-        state = self._requests.get(op.rid)
-        if state is not None:
-            state.prefetch = outcome
-            if done:
-                shared.counters.storage_hit_tokens += used_tokens
-            # Lock what arrived for the request, unless it is past load_back (or allocated):
-            # then its prefix is fixed, and moving it would misalign what it holds.
-            if done and not state.loaded_back and not state.owned:
-                self._requests.rematch(step, state)
+        open_ = self._requests.prefetch_settled(step, op.rid, outcome, landed=bool(done))
+        if open_ and done:
+            shared.counters.storage_hit_tokens += used_tokens
         for reply in op.waiters:
             step.out.answer(reply, outcome)
         op.waiters.clear()
         del self.by_rid[op.rid]
 
-    def _end(self, step: Step, op_id: OpId) -> None:
+    def finish(self, step: Step, op_id: OpId) -> None:
         """The prefetcher is done with the op: free the slots the tree did not take."""
-        op = self.ops.pop(op_id)
+        op: PrefetchOp = self._ops.finish("prefetch", op_id)
         op.to(op_id, Phase.ENDED)
-        self._reports.pop(op_id, None)
-        self._timers_fired.discard(op_id)
         if op_id in self.host_waiting:
             self.host_waiting.remove(op_id)
         if op.timer:
@@ -377,10 +345,12 @@ class PrefetchFlows:
         page = self._shared.cfg.page_size
         self._tiers.free(step, "host", op.host_slots[op.done_pages * page :])
         self.tokens -= len(op.hashes) * page
-        self.credits += 1
 
-    def abandon(self, step: Step) -> None:
-        for op_id, op in list(self.ops.items()):
+    def abandon(self, step: Step) -> int:
+        """End every prefetch (close past its deadline); how many."""
+        ops = list(self.ops.items())
+        for op_id, op in ops:
             if op.phase in RUNNING:
                 self._settle(step, op_id, revoked=True)
-            self._end(step, op_id)
+            self.finish(step, op_id)
+        return len(ops)

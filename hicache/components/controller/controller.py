@@ -1,4 +1,4 @@
-"""The tree controller: the cache's whole control plane as one synchronous core.
+"""The controller: the cache's whole control plane as one synchronous core.
 
 It takes one thing at a time (a frontend call, a completion, the values the TP ranks agreed
 on) and returns what to do as data (`effects.py`): commands for the workers, answers, events,
@@ -8,7 +8,8 @@ Frontend calls run in arrival order. A call that needs an op in flight to end fi
 allocation waiting for an eviction backup or an upload) *parks*: the calls after it wait,
 completions keep being taken, and the parked call is run again, from where it stopped, once
 that op has ended. Completions are recorded as they arrive and applied at *sync points*, as
-far as every TP rank has got (one rank agrees with itself: `progress` then `apply`).
+far as every TP rank has got (`progress`, then `apply` of what the ranks agreed); one rank
+has no one to agree with and applies what has arrived at once (`apply_arrived`).
 """
 
 from __future__ import annotations
@@ -17,20 +18,23 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from typing_extensions import assert_never
 
-from hicache.components.tree import reset, sync
-from hicache.components.tree.effects import ClearBackend, Drained, Effect, Effects, Fail
-from hicache.components.tree.loads import LoadFlows
-from hicache.components.tree.pins import PinTable
-from hicache.components.tree.prefetches import PrefetchFlows
-from hicache.components.tree.progress import Progress
-from hicache.components.tree.requests import Requests
-from hicache.components.tree.shared import Counters, Shared, Step, Wait
-from hicache.components.tree.storage import StorageSwitch
-from hicache.components.tree.sync import Completion
-from hicache.components.tree.tiers import Tiers
-from hicache.components.tree.writes import WriteFlows
+from hicache.components.controller import sync
+from hicache.components.controller.allocation import Allocator
+from hicache.components.controller.effects import ClearBackend, Drained, Effect, Effects, Fail
+from hicache.components.controller.loads import LoadFlows
+from hicache.components.controller.ops import OpTable, Wait
+from hicache.components.controller.pins import PinTable
+from hicache.components.controller.prefetches import PrefetchFlows
+from hicache.components.controller.progress import Progress
+from hicache.components.controller.requests import Requests
+from hicache.components.controller.shared import Counters, Shared, Step
+from hicache.components.controller.storage_switch import StorageSwitch
+from hicache.components.controller.sync import Completion
+from hicache.components.controller.tiers import TIERS, Tiers
+from hicache.components.controller.writes import WriteFlows
 from hicache.config import CacheConfig
 from hicache.messages import (
     AllocBatch,
@@ -89,12 +93,21 @@ class Controller:
         self.shared = shared = Shared(cfg=config, tree=tree, bytes_per_token=bytes_per_token)
         self.tiers = Tiers(shared)
         self.storage = StorageSwitch(storage_on)  # attach / detach L3
-        self.writes = WriteFlows(shared, self.tiers, self.storage, credits)
-        self.loads = LoadFlows(shared, self.tiers, self.writes, credits)
-        self.pins = PinTable(shared)
-        self.requests = Requests(shared, self.tiers, self.writes, self.loads, self.pins)
+        self.ops = OpTable(credits)  # every op in flight, credits per kind
+        self.writes = WriteFlows(shared, self.tiers, self.storage, self.ops)
+        self.loads = LoadFlows(shared, self.tiers, self.ops)
+        self.alloc = Allocator(shared, self.tiers, self.storage, self.writes, self.loads)
+        self.pins = PinTable(shared, self.tiers)
+        self.requests = Requests(shared, self.tiers, self.alloc, self.writes, self.loads, self.pins)
         self.prefetches = PrefetchFlows(
-            shared, self.tiers, self.writes, self.requests, self.pins, self.storage, credits
+            shared,
+            self.tiers,
+            self.alloc,
+            self.writes,
+            self.requests,
+            self.pins,
+            self.storage,
+            self.ops,
         )
         self._calls: deque[TreeInbox] = deque()  # frontend calls not yet run, in order
         self._parked: Parked | None = None  # the head call, waiting for an op to end
@@ -170,10 +183,11 @@ class Controller:
                     return Parked(wait, done)
                 out.answer(reply, tuple(done))
             case AllocBatch(sizes=sizes, reply=reply):
-                slots = requests.alloc_batch(step, sizes)
-                if isinstance(slots, Wait):
-                    return Parked(slots)
-                out.answer(reply, slots)
+                slots: list[np.ndarray] = []
+                wait = requests.alloc_batch(step, sizes, slots)
+                if wait is not None:
+                    return Parked(wait)
+                out.answer(reply, tuple(slots))
             case CacheBatch(items=items, reply=reply):
                 out.answer(reply, requests.cache_batch(step, items))
             case ReleaseBatch(rids=rids, reply=reply):
@@ -209,29 +223,22 @@ class Controller:
                             f"prefetch: request {item.rid!r} names another salt than its match"
                         )
                     keys.append(requests.check_tokens(item.tokens))
-                out.answer(
-                    reply,
-                    tuple(
-                        prefetches.start(
-                            step,
-                            requests.state(item.rid, "prefetch"),
-                            item.rid,
-                            key,
-                            item.threshold,
-                        )
-                        for item, key in zip(items, keys, strict=True)
-                    ),
-                )
+                outcomes = []
+                for item, key in zip(items, keys, strict=True):
+                    state = requests.state(item.rid, "prefetch")
+                    admitted = prefetches.start(step, state, item.rid, key, item.threshold)
+                    if admitted.skipped:
+                        requests.prefetch_ended(item.rid, admitted.outcome)
+                    outcomes.append(admitted.outcome)
+                out.answer(reply, tuple(outcomes))
             case PrefetchWait(rid=rid, reply=reply, poll=poll):
                 prefetches.wait(step, rid, reply, poll=poll)
             case PrefetchPoll(rid=rid, reply=reply):
-                out.answer(reply, prefetches.outcome(rid, prefetches.by_rid.get(rid)))
+                out.answer(reply, prefetches.poll(rid))
             case Clear(tiers=tiers, reply=reply, poll=poll):
-                bad = [t for t in tiers if t not in reset.TIERS]
+                bad = [t for t in tiers if t not in TIERS]
                 if bad or not tiers:
-                    raise InvalidRequest(
-                        f"clear: tiers must be some of {reset.TIERS}, got {tiers!r}"
-                    )
+                    raise InvalidRequest(f"clear: tiers must be some of {TIERS}, got {tiers!r}")
                 if not self.in_flight():
                     self._clear(step, msg)
                 elif poll:
@@ -267,11 +274,11 @@ class Controller:
     # ------------------------------------------------------------------ completions
     def record(self, msg: Completion) -> None:
         """Note a completion; applied at the next sync point (`sync.py`)."""
-        sync.record(msg, self.writes, self.loads, self.prefetches)
+        sync.record(msg, self.ops, self.writes)
 
     def progress(self) -> Progress:
         """This rank's view of every op in flight, as the vectors the ranks agree on."""
-        return sync.progress(self.writes, self.loads, self.prefetches)
+        return self.ops.progress()
 
     def apply(
         self,
@@ -288,6 +295,7 @@ class Controller:
         sync.apply(
             step,
             seen.agreed(agreed, agreed_max),
+            self.ops,
             self.writes,
             self.loads,
             self.prefetches,
@@ -295,6 +303,27 @@ class Controller:
         )
         self._settle(step)
         return step.out.take()
+
+    def apply_arrived(
+        self, now: float, *, events: bool = True, detail: bool = False
+    ) -> list[Effect]:
+        """One rank: apply every completion that has arrived, as `apply` of this rank's own
+        progress would, without laying out vectors to agree on."""
+        step = self._step(now, events, detail)
+        if self._ops_in_flight():
+            sync.apply(
+                step, None, self.ops, self.writes, self.loads, self.prefetches, self.requests
+            )
+            self._settle(step)
+        return step.out.take()
+
+    def _ops_in_flight(self) -> bool:
+        """Any op a completion can arrive for (what `progress` has a row for)."""
+        return bool(
+            any(self.writes.in_flight().values())
+            or self.loads.in_flight()["loads"]
+            or self.prefetches.in_flight()["prefetches"]
+        )
 
     def _step(self, now: float, events: bool, detail: bool) -> Step:
         """A fresh step, starting with what `accept` had to say between steps."""
@@ -307,9 +336,8 @@ class Controller:
     # ------------------------------------------------------------------ flush, close, stats
     def _clear(self, step: Step, msg: Clear) -> None:
         """Drop every unlocked page of the tiers asked (nothing is in flight now)."""
-        shared = self.shared
-        device = reset.drop_device(step, shared, self.tiers) if "device" in msg.tiers else 0
-        host = reset.drop_host(step, shared, self.tiers) if "host" in msg.tiers else 0
+        device = self.tiers.clear_device(step) if "device" in msg.tiers else 0
+        host = self.tiers.clear_host(step) if "host" in msg.tiers else 0
         outcome = ClearOutcome(device_tokens=device, host_tokens=host)
         step.out.info("tree.cleared", tiers=list(msg.tiers), device=device, host=host)
         if "storage" in msg.tiers and self.storage.on:
@@ -320,7 +348,7 @@ class Controller:
     def _settle(self, step: Step) -> None:
         """Answer flushes once no write is pending, and drains once nothing is in flight."""
         # a detach waits for the uploads and prefetches in flight
-        self.storage.settle(step, self.writes, self.prefetches)
+        self.storage.settle(step, self.ops, self._stop_storage_work)
         if self._flush_waiters and not self.writes.pending():
             for reply in self._flush_waiters:
                 step.out.answer(reply, None)
@@ -333,6 +361,11 @@ class Controller:
             waiters, self._drain_waiters = self._drain_waiters, []
             self._drain(step, tuple(waiters))
 
+    def _stop_storage_work(self, step: Step) -> tuple[int, int]:
+        """Storage is off: the uploads waiting for a credit are dropped (counted as skipped)
+        and the running prefetches stopped; how many of each."""
+        return self.writes.drop_upload_backlog(step), self.prefetches.stop_all(step)
+
     def in_flight(self) -> bool:
         return bool(
             self.writes.busy()
@@ -344,28 +377,26 @@ class Controller:
         """Release every request and free every slot the tree holds; the driver answers with
         the ledgers and the bookkeeping tables (all empty now)."""
         # nothing in flight: a detach still queued goes through first
-        self.storage.settle(step, self.writes, self.prefetches)
+        self.storage.settle(step, self.ops, self._stop_storage_work)
         self.requests.release_all(step)
         self.pins.clear()
-        freed = self.shared.tree.clear()
-        self.tiers.free(step, "device", freed.device)
-        self.tiers.free(step, "host", freed.host)
+        self.tiers.drain(step)
         step.out.add(Drained(replies, self.bookkeeping()))
 
     def _abandon_in_flight(self, step: Step) -> None:
         """Close's last resort past its deadline: end every op still in flight as if it had
         failed, so its slots go back. Its worker may still be inside a storage call; the
         actor system stops right after, and nothing reuses the slots."""
-        counts = {
-            "writes": self.writes.in_flight()["writes"],
-            "loads": self.loads.in_flight()["loads"],
-            "uploads": self.writes.in_flight()["uploads"] + len(self.writes.upload_backlog),
-            "prefetches": self.prefetches.in_flight()["prefetches"],
-        }
-        self.writes.abandon(step)
-        for op in self.loads.abandon(step):
+        counts = self.writes.abandon(step)
+        loads = self.loads.abandon(step)
+        for op in loads:
             self.requests.load_failed(op)
-        self.prefetches.abandon(step)
+        counts = {
+            "writes": counts["writes"],
+            "loads": len(loads),
+            "uploads": counts["uploads"],
+            "prefetches": self.prefetches.abandon(step),
+        }
         self.shared.counters.abandoned_ops += sum(counts.values())
         step.out.warning("tree.abandoned", **counts)
 
@@ -389,6 +420,6 @@ class Controller:
             **self.writes.in_flight(),
             **self.loads.in_flight(),
             **self.prefetches.in_flight(),
-            "requests": len(self.requests.table),
+            **self.requests.tables(),
         }
         return self.tiers.stats(inflight)
