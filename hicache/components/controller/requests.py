@@ -291,7 +291,7 @@ class Requests:
             fresh = pooled[offset : offset + want] if rest else EMPTY_SLOTS
             offset += want
             # With rest > 0 the padding is used up; views of the step's (read-only) allocation
-            # where nothing needs joining (a copy per request would cost more than the rest of it).
+            # where nothing needs joining, not a copy per request.
             state.padding = fresh[rest:] if rest else before[n:]
             slots = fresh[:rest] if not len(reuse) else concat([reuse, fresh[:rest]])
             state.owned.append(slots)
