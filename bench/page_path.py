@@ -10,8 +10,8 @@ Stages: the chained page hash of a request's tokens; the storage keys and the fi
 host pool's page views; the batch checks; the CRC-32 of a page, one page per call and a batch
 in one native call; the value's header; the file store's index (a batch written, a batch
 probed); the file system calls of a value written (open, writev, utime, close, rename) and
-read (open, fstat, read, close, checksum) in one native call per batch; a worker-thread hop
-per batch.
+read (open, fstat, read, utime, close, checksum) in one native call per batch; a worker-thread
+hop per batch.
 
 Run: python bench/page_path.py [--pages N] [--repeats R] [--dir DIR]
 """
@@ -155,7 +155,7 @@ def main() -> None:
                         [(k, path, v, now, now_ns) for k, path, v in zip(keys[p], paths[p], out[p])]
                     )
 
-            stage("files read and checked (open, fstat, read, close, CRC)", read_files)
+            stage("files read and checked (open, fstat, read, utime, close, CRC)", read_files)
         runner = BlockingRunner(2)
 
         async def hops() -> None:
