@@ -11,7 +11,8 @@ host pool's page views; the batch checks; the CRC-32 of a page, one page per cal
 in one native call; the value's header; the file store's index (a batch written, a batch
 probed); the file system calls of a value written (open, writev, utime, close, rename) and
 read (open, fstat, read, utime, close, checksum) in one native call per batch; a worker-thread
-hop per batch.
+hop per batch. Last, a probe of the layout: plain system calls for a file per page against one
+file per request's pages, written and read back.
 
 Run: python bench/page_path.py [--pages N] [--repeats R] [--dir DIR]
 """
@@ -59,6 +60,59 @@ def best_of(repeats: int, fn: Callable[[], object]) -> float:
 
 def batches(n: int) -> list[slice]:
     return [slice(s, min(s + SMALL_BATCH, n)) for s in range(0, n, SMALL_BATCH)]
+
+
+def layout_probe(root: str, page_bytes: int, rounds: int = 20) -> list[tuple[str, float]]:
+    """Plain system calls, no framing or checks: a file per page (open, writev, close, rename)
+    against one file for a request's pages (the same calls once), and reads of each (open,
+    read, close a page; one open segment, a pread a page): what a layout with several pages
+    per file would save in the kernel."""
+    buf = np.random.default_rng(1).integers(0, 256, page_bytes * SMALL_BATCH, dtype=np.uint8)
+    pages = [memoryview(buf[i * page_bytes : (i + 1) * page_bytes]) for i in range(SMALL_BATCH)]
+    out = memoryview(np.empty(page_bytes, dtype=np.uint8))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+
+    def write_files(r: int) -> None:
+        for i, page in enumerate(pages):
+            temp = f"{root}/p{r}.{i}.tmp"
+            fd = os.open(temp, flags, 0o600)
+            os.writev(fd, [page])
+            os.close(fd)
+            os.rename(temp, f"{root}/p{r}.{i}")
+
+    def write_segment(r: int) -> None:
+        temp = f"{root}/s{r}.tmp"
+        fd = os.open(temp, flags, 0o600)
+        os.writev(fd, pages)
+        os.close(fd)
+        os.rename(temp, f"{root}/s{r}")
+
+    def read_files(r: int) -> None:
+        for i in range(SMALL_BATCH):
+            fd = os.open(f"{root}/p{r}.{i}", os.O_RDONLY)
+            os.readv(fd, [out])
+            os.close(fd)
+
+    def read_segment(r: int) -> None:
+        fd = os.open(f"{root}/s{r}", os.O_RDONLY)
+        for i in range(SMALL_BATCH):
+            os.preadv(fd, [out], i * page_bytes)
+        os.close(fd)
+
+    rows = []
+    for name, fn in (
+        ("write: a file per page", write_files),
+        (f"write: a file per {SMALL_BATCH} pages", write_segment),
+        ("read: a file per page", read_files),
+        ("read: a pread per page from one segment", read_segment),
+    ):
+        took = []
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            fn(r)
+            took.append(time.perf_counter() - t0)
+        rows.append((name, min(took) / SMALL_BATCH * 1e6))
+    return rows
 
 
 def main() -> None:
@@ -181,6 +235,8 @@ def main() -> None:
                 for op, s in took.items():
                     best[op] = min(best.get(op, s), s)
             whole += [(f"{name} {op}", s * 1e6) for op, s in best.items()]
+        probe_dir = tempfile.mkdtemp(prefix="layout-", dir=root)
+        layouts = layout_probe(probe_dir, page_bytes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -188,15 +244,18 @@ def main() -> None:
         f"page {page_bytes // 1024} KiB, {pages} pages in batches of {SMALL_BATCH}, best of "
         f"{args.repeats}; memcpy of a page {memcpy_us:.2f} us"
     )
-    print(f"{'stage':<58}{'us/page':>9}")
+    print(f"{'stage':<62}{'us/page':>9}")
     for name, us in rows:
-        print(f"{name:<58}{us:>9.2f}")
+        print(f"{name:<62}{us:>9.2f}")
     print(
-        f"{'whole call (bench/storage.py --backends small)':<58}{'us/page':>9}{'beyond bytes':>14}"
+        f"{'whole call (bench/storage.py --backends small)':<62}{'us/page':>9}{'beyond bytes':>14}"
     )
     for name, us in whole:
         beyond = us - (0 if name.endswith("exists") else memcpy_us)
-        print(f"{name:<58}{us:>9.2f}{beyond:>14.2f}")
+        print(f"{name:<62}{us:>9.2f}{beyond:>14.2f}")
+    print(f"{'layout probe (plain system calls)':<62}{'us/page':>9}")
+    for name, us in layouts:
+        print(f"{name:<62}{us:>9.2f}")
 
 
 if __name__ == "__main__":
