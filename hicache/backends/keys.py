@@ -13,6 +13,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from hicache.radix.hashes import page_hash_bytes
 from hicache.seal import Seal
@@ -166,6 +167,15 @@ class Namespace:
             return [self.key(h) for h in page_hashes]  # sealed, or a bad hash to name
         prefix = self.prefix
         return [prefix + h for h in page_hashes]
+
+    def page_hashes_of(self, keys: Sequence[str]) -> list[PageHash]:
+        """`page_hash_of` of each key (keys already known to be in this namespace), checked in
+        one pass over the whole batch; a bad suffix is named as `page_hash_of` names it."""
+        start = len(self.prefix)
+        rest = [key[start:] for key in keys]
+        if not (all(len(h) == 64 for h in rest) and _HEX_RE.fullmatch("".join(rest))):
+            return [self.page_hash_of(key) for key in keys]
+        return cast(list[PageHash], rest)
 
     def page_hash_of(self, key: str) -> PageHash:
         """The page hash of a key in this namespace (with a seal: its keyed name, which is

@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +85,7 @@ from hicache.backends.framing import CorruptValue, header_size
 from hicache.backends.fullness import WriteGate, is_full_error
 from hicache.backends.keys import Namespace
 from hicache.policies.storage import DEFAULT_STORE_POLICY
+from hicache.types import PageHash
 
 _LOW_WATER = 0.9  # eviction goes down to this share of the cap; 1 - it is the rescan period
 _OPTIONS = {
@@ -221,7 +221,7 @@ class FileBackend:
 
     async def exists(self, keys: Sequence[str]) -> int:
         check_keys(self.namespace, keys)
-        hashes = self._hashes(keys)
+        hashes = self.namespace.page_hashes_of(keys)
         self._counters.exists_calls += 1
         now = self._clock()
         if self._writers.changed() and self._recount():
@@ -608,21 +608,10 @@ class FileBackend:
     def _path(self, key: str) -> str:
         return value_path(self.root, self.namespace.digest, self.namespace.page_hash_of(key))
 
-    def _hashes(self, keys: Sequence[str]) -> list[str]:
-        """The page hash of each key (keys already checked to be in the namespace), checked
-        for the whole batch at once; a suffix that is not a page hash raises ValueError
-        (through `page_hash_of`, which names the key)."""
-        start = len(self.namespace.prefix)
-        hashes = [key[start:] for key in keys]
-        if not (all(len(h) == 64 for h in hashes) and _HEX_RUN.fullmatch("".join(hashes))):
-            for key in keys:
-                self.namespace.page_hash_of(key)
-        return hashes
-
-    def _locate(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+    def _locate(self, keys: Sequence[str]) -> tuple[list[PageHash], list[str]]:
         """The page hash and `_path` of each key, the path built by concatenation
         (`value_path`'s result)."""
-        hashes = self._hashes(keys)
+        hashes = self.namespace.page_hashes_of(keys)
         return hashes, self._paths(hashes)
 
     def _paths(self, hashes: Sequence[str]) -> list[str]:
@@ -661,7 +650,6 @@ class FileBackend:
         self._failed_writes = 0
 
 
-_HEX_RUN = re.compile("[0-9a-f]*")  # page hashes, joined (keys.py)
 _STRIPE_BYTES = 128 * 16384
 """Fewest page bytes per worker-thread call of a batch: 128 pages of 16 KiB (a prefetch's batch
 at the replay's geometry) are one call, 512 or more go out as `threads` calls; a batch of

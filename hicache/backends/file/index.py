@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hicache.backends.deadlines import Deadlines
 from hicache.policies.storage import DEFAULT_STORE_POLICY, make_store_policy
@@ -239,7 +239,7 @@ class FileIndex:
         with self._lock:
             self._drop(page_hash)
 
-    def reserve(self, page_hashes: list[str], nbytes: int) -> None:
+    def reserve(self, page_hashes: Sequence[str], nbytes: int) -> None:
         """Count a batch's bytes before it is written (its values are put when written)."""
         with self._lock:
             self.reserved += nbytes
@@ -247,7 +247,7 @@ class FileIndex:
             for page_hash in page_hashes:
                 self._in_flight[page_hash] = self._in_flight.get(page_hash, 0) + 1
 
-    def release(self, page_hashes: list[str], nbytes: int) -> None:
+    def release(self, page_hashes: Sequence[str], nbytes: int) -> None:
         with self._lock:
             self.reserved -= nbytes
             for page_hash in page_hashes:

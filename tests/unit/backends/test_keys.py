@@ -112,3 +112,12 @@ def test_mha_keys_carry_tp_size_mla_keys_do_not():
 def test_namespace_rejects_bad_tp_size(fields, match):
     with pytest.raises(ValueError, match=match):
         Namespace(**{**BASE, **fields})
+
+
+def test_page_hashes_of_a_batch_match_one_key_at_a_time_and_name_a_bad_suffix():
+    ns = Namespace(model="m", kv="mha:1:1:4:float16", page_size=4)
+    keys = ns.keys(chain_page_hashes(list(range(12)), 4))
+    assert ns.page_hashes_of(keys) == [ns.page_hash_of(k) for k in keys]
+    bad = ns.prefix + "Z" * 64
+    with pytest.raises(ValueError, match="Z" * 64):
+        ns.page_hashes_of([keys[0], bad])
