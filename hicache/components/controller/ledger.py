@@ -118,16 +118,17 @@ class SlotLedger:
         if num_pages > self._num_free:
             return None
         top = self._num_free
+        native = native_rows()
+        if native is not None:  # pop, mark and expand in one compiled pass
+            out = native.ledger_alloc(self._free_pages, top, num_pages, ps, self._held)
+            self._num_free = top - num_pages
+            out.flags.writeable = False
+            return out
         pages = self._free_pages[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
         self._held[pages] = True
-        native = native_rows()
         slots: np.ndarray = (
-            pages
-            if ps == 1
-            else native.page_slots(pages, ps)
-            if native is not None
-            else (pages[:, None] * ps + self._page_offsets).reshape(-1)
+            pages if ps == 1 else (pages[:, None] * ps + self._page_offsets).reshape(-1)
         )
         slots.flags.writeable = False
         return slots
@@ -139,8 +140,24 @@ class SlotLedger:
         not a run of consecutive slots starting at a page boundary, a slot is outside ``[0, size)``,
         a page appears twice, or a page is not currently held (double free).
         """
-        arr = np.asarray(slots)
         ps = self.page_size
+        native = native_rows()
+        if (
+            native is not None
+            and type(slots) is np.ndarray
+            and slots.dtype == np.int64
+            and slots.ndim == 1
+            and slots.flags.c_contiguous
+        ):
+            # Checks, held marks and the push in one compiled pass; a call it refuses goes on
+            # below, where the checks name the problem.
+            top = native.ledger_free(
+                slots, ps, self.capacity, self._held, self._free_pages, self._num_free
+            )
+            if top >= 0:
+                self._num_free = top
+                return
+        arr = np.asarray(slots)
         if arr.ndim != 1:
             raise LedgerError(
                 f"{self.tier} ledger: slots must be one-dimensional, got shape {arr.shape}"
@@ -154,13 +171,7 @@ class SlotLedger:
                 f"{self.tier} ledger: free of {arr.size} slots is not a multiple of page_size={ps}"
             )
         arr = arr.astype(np.int64, copy=False)
-        native = native_rows()
-        # Range, whole aligned pages and no page twice, in one compiled pass (the numpy checks
-        # below make a temporary as large as the slots per check); only a failing call goes
-        # on to them, to name the problem.
-        pages = native.slot_pages(np.ascontiguousarray(arr), ps, self.capacity) if native else None
-        if pages is None:
-            pages = self._checked_pages(arr)
+        pages = self._checked_pages(arr)
         held = self._held[pages]
         if not held.all():
             bad_page = int(pages[np.argmin(held)])

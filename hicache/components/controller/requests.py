@@ -22,6 +22,7 @@ from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
+from hicache.kernels.native.addresses import same_values
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
 from hicache.radix.results import TreeError, concat
@@ -335,7 +336,7 @@ class Requests:
         own = len(state.prefix_slots)
         # The prefix's KV belongs to the tokens it was matched for: caching it under other
         # tokens would serve one request's KV to another. One comparison of the prefix.
-        if len(tokens) < own or not np.array_equal(
+        if len(tokens) < own or not same_values(
             np.asarray(tokens[:own]), np.asarray(state.tokens[:own])
         ):
             raise InvalidRequest(
@@ -344,19 +345,21 @@ class Requests:
             )
         # The slots must be the request's prefix, then exactly the slots allocated to it: any
         # other slot would hand the tree pages it does not own.
-        if not np.array_equal(slots[:own], state.prefix_slots):
+        if not same_values(slots[:own], state.prefix_slots):
             raise InvalidRequest(
                 f"request {rid!r}: the first {own} device slots must be the "
                 "prefix slots the cache gave it (match / load_back / cache_unfinished)"
             )
         allocated = concat(state.owned)
-        if not np.array_equal(slots[own:], allocated):
+        if not same_values(slots[own:], allocated):
             raise InvalidRequest(
                 f"request {rid!r}: after its {own}-token prefix, the device slots "
                 f"must be the {len(allocated)} slots allocated to it, in order; got "
                 f"{len(slots) - own}"
             )
-        return tokens, slots
+        # The same slots from the cache's own read-only arrays: the tree keeps them as they
+        # are, where the caller's (writeable) array would be copied.
+        return tokens, allocated if not own else concat([state.prefix_slots, allocated])
 
     def _cache(
         self, step: Step, item: CacheItem, tokens: Any, slots: np.ndarray, candidates: list[NodeId]

@@ -55,3 +55,29 @@ def int64_address(rows: np.ndarray, n: int) -> int:
     if rows.dtype != np.int64 or rows.ndim != 1 or rows.size < n or not rows.flags.c_contiguous:
         raise ValueError(f"row table must be 1-D contiguous int64 with at least {n} entries")
     return data_address(rows)
+
+
+_LIBC = ctypes.CDLL(None)
+_MEMCMP = _LIBC.memcmp
+_MEMCMP.restype = ctypes.c_int
+_MEMCMP.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """`np.array_equal(a, b)` for two arrays; where both are 1-D, C-contiguous and of one
+    dtype, one `memcmp` of their bytes (no temporary as large as the arrays, which the slot
+    checks of every insert would otherwise make)."""
+    if (
+        type(a) is np.ndarray
+        and type(b) is np.ndarray
+        and a.dtype == b.dtype
+        and a.ndim == 1
+        and b.ndim == 1
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+        and _DATA_OFFSET is not None
+    ):
+        if a.size != b.size:
+            return False
+        return a.size == 0 or _MEMCMP(data_address(a), data_address(b), a.nbytes) == 0
+    return bool(np.array_equal(a, b))

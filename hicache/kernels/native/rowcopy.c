@@ -15,7 +15,7 @@
 #include <emmintrin.h>
 #endif
 
-int64_t hicache_rowcopy_abi(void) { return 3; }
+int64_t hicache_rowcopy_abi(void) { return 4; }
 
 static inline void copy_row(char *d, const char *s, int64_t n, int streaming) {
     int64_t j = 0;
@@ -168,15 +168,6 @@ int64_t hicache_slot_pages(const int64_t *slots, int64_t n, int64_t page_size, i
     return bad;
 }
 
-/* Slots of whole pages: out[i * page_size + j] = pages[i] * page_size + j. */
-void hicache_page_slots(const int64_t *pages, int64_t count, int64_t page_size, int64_t *out) {
-    for (int64_t i = 0; i < count; i++) {
-        int64_t first = pages[i] * page_size;
-        int64_t *o = out + i * page_size;
-        for (int64_t j = 0; j < page_size; j++) o[j] = first + j;
-    }
-}
-
 /* Token ids as uint32: dst[i] = src[i] for n int64 ids, all of which must be in [0, 2**32).
  * Returns -1, or the index of the first id out of range (dst is then partly written). One pass
  * where numpy takes three (min, max, astype). */
@@ -190,4 +181,46 @@ int64_t hicache_u32_ids(const int64_t *src, int64_t n, uint32_t *dst) {
     for (int64_t i = 0; i < n; i++)
         if ((uint64_t)src[i] >> 32) return i;
     return -1;
+}
+
+/* A slot ledger's free: `slots` (n, whole aligned pages inside [0, size)) go back on the free
+ * stack `free_pages` above `top`, reversed (the next alloc hands them back in order), and
+ * their pages stop being held. Every page must be held (1 in `held`) and listed once. Returns
+ * the new top, or -1 with nothing changed (the caller finds and names the problem). */
+int64_t hicache_ledger_free(const int64_t *slots, int64_t n, int64_t page_size, int64_t size,
+                            unsigned char *held, int64_t *free_pages, int64_t top) {
+    if (page_size <= 0 || n % page_size) return -1;
+    int64_t count = n / page_size, done = 0, bad = 0;
+    for (; done < count; done++) {
+        const int64_t *run = slots + done * page_size;
+        int64_t first = run[0], diff = 0;
+        if (first < 0 || first % page_size || first > size - page_size) { bad = 1; break; }
+        for (int64_t j = 1; j < page_size; j++) diff |= run[j] ^ (first + j); /* vectorizes */
+        int64_t page = first / page_size;
+        if (diff || held[page] != 1) { bad = 1; break; }
+        held[page] = 2; /* taken by this call: listed again, it fails the check above */
+    }
+    if (bad) {
+        for (int64_t i = 0; i < done; i++) held[slots[i * page_size] / page_size] = 1;
+        return -1;
+    }
+    for (int64_t i = 0; i < count; i++) {
+        int64_t page = slots[i * page_size] / page_size;
+        held[page] = 0;
+        free_pages[top + count - 1 - i] = page;
+    }
+    return top + count;
+}
+
+/* A slot ledger's alloc: the `count` pages below `top` of the free stack, top first, become
+ * held and their slots are written to `out` (count * page_size). The caller checked count. */
+void hicache_ledger_alloc(const int64_t *free_pages, int64_t top, int64_t count,
+                          int64_t page_size, unsigned char *held, int64_t *out) {
+    for (int64_t i = 0; i < count; i++) {
+        int64_t page = free_pages[top - 1 - i];
+        held[page] = 1;
+        int64_t first = page * page_size;
+        int64_t *o = out + i * page_size;
+        for (int64_t j = 0; j < page_size; j++) o[j] = first + j;
+    }
 }

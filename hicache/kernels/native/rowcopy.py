@@ -31,7 +31,7 @@ from hicache.kernels.native.build import (
 )
 
 SOURCE = Path(__file__).with_name("rowcopy.c")
-ABI = 3
+ABI = 4
 _FLAGS = ["-O3", "-shared", "-fPIC"]
 
 
@@ -43,8 +43,9 @@ class NativeRows:
     _copy: Callable[..., int]  # ctypes foreign functions, their argtypes set by `_load`
     _copy_pages: Callable[..., int]
     _slot_pages: Callable[..., int]
-    _page_slots: Callable[..., None]
     _u32_ids: Callable[..., int]
+    _ledger_free: Callable[..., int]
+    _ledger_alloc: Callable[..., None]
 
     def copy(
         self,
@@ -162,14 +163,6 @@ class NativeRows:
         )
         return None if bad else pages
 
-    def page_slots(self, pages: np.ndarray, page_size: int) -> np.ndarray:
-        """The slots of `pages` (1-D int64), page by page: what the ledgers hand out. One pass
-        (numpy's broadcast of pages x offsets runs a short inner loop per page)."""
-        n = int(pages.size)
-        out = np.empty(n * page_size, dtype=np.int64)
-        self._page_slots(int64_address(pages, n), n, page_size, data_address(out))
-        return out
-
     def u32_ids(self, ids: np.ndarray) -> np.ndarray | None:
         """Token ids (1-D C-contiguous int64) as a new uint32 array, or None if one is outside
         [0, 2**32) (the caller names it)."""
@@ -177,6 +170,43 @@ class NativeRows:
         out = np.empty(n, dtype=np.uint32)
         bad = self._u32_ids(int64_address(ids, n), n, data_address(out))
         return out if bad < 0 else None
+
+    def ledger_free(
+        self,
+        slots: np.ndarray,
+        page_size: int,
+        size: int,
+        held: np.ndarray,
+        free_pages: np.ndarray,
+        top: int,
+    ) -> int:
+        """A slot ledger's free in one pass: `slots` (1-D C-contiguous int64, whole aligned
+        pages in [0, size), each page held (`held`: bool per page) and listed once) pushed on
+        the stack `free_pages` above `top`, reversed, their pages no longer held. The new top,
+        or -1 with nothing changed (the caller names the problem)."""
+        n = int(slots.size)
+        return int(
+            self._ledger_free(
+                int64_address(slots, n),
+                n,
+                page_size,
+                size,
+                data_address(held),
+                data_address(free_pages),
+                top,
+            )
+        )
+
+    def ledger_alloc(
+        self, free_pages: np.ndarray, top: int, count: int, page_size: int, held: np.ndarray
+    ) -> np.ndarray:
+        """A slot ledger's alloc in one pass: the slots of the `count` pages below `top` of
+        the stack `free_pages` (top first), marked held. The caller checked `count <= top`."""
+        out = np.empty(count * page_size, dtype=np.int64)
+        self._ledger_alloc(
+            data_address(free_pages), top, count, page_size, data_address(held), data_address(out)
+        )
+        return out
 
 
 class PageRuns:
@@ -249,9 +279,10 @@ def _load(path: Path) -> NativeRows:
         ctypes.c_int,
     )  # fmt: skip
     check = _bind(lib, "hicache_slot_pages", i64, ptr, i64, i64, i64, ptr, ptr)
-    expand = _bind(lib, "hicache_page_slots", None, ptr, i64, i64, ptr)
     ids = _bind(lib, "hicache_u32_ids", i64, ptr, i64, ptr)
-    return NativeRows(path, copy, pages, check, expand, ids)
+    free = _bind(lib, "hicache_ledger_free", i64, ptr, i64, i64, i64, ptr, ptr, i64)
+    alloc = _bind(lib, "hicache_ledger_alloc", None, ptr, i64, i64, i64, ptr, ptr)
+    return NativeRows(path, copy, pages, check, ids, free, alloc)
 
 
 @functools.cache

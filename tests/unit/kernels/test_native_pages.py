@@ -1,5 +1,5 @@
 """The compiled copier's page loop and slot checks (rowcopy.c: `hicache_copy_pages`,
-`hicache_slot_pages`, `hicache_page_slots`) against plain numpy."""
+`hicache_slot_pages`) against plain numpy."""
 
 from __future__ import annotations
 
@@ -110,10 +110,15 @@ def test_slot_pages_accepts_whole_pages_only(ps):
 
 
 @needs_native
-def test_page_slots_and_addresses():
+def test_ledger_alloc_pops_expands_and_marks_and_addresses():
     nat = native_rows()
-    pages = np.array([5, 0, 2], dtype=np.int64)
-    assert np.array_equal(nat.page_slots(pages, 4), _slots(pages, 4))
+    stack = np.array([9, 2, 0, 5], dtype=np.int64)
+    held = np.zeros(10, dtype=bool)
+    slots = nat.ledger_alloc(stack, 4, 3, 4, held)  # the top three: 5, 0, 2
+    assert np.array_equal(slots, _slots(np.array([5, 0, 2]), 4))
+    assert np.flatnonzero(held).tolist() == [0, 2, 5]
+    assert nat.ledger_free(slots, 4, 40, held, stack, 1) == 4
+    assert stack.tolist() == [9, 2, 0, 5] and not held.any()
     base = np.arange(40, dtype=np.int64)
     for a in (base, base[3:], base[::2], base.reshape(4, 10)[1], np.zeros(0)):
         assert data_address(a) == a.ctypes.data
