@@ -40,7 +40,9 @@ class _Waiter:
 
 
 class Mailbox(Generic[M]):
-    """A typed, bounded mailbox over an anyio memory object stream.
+    """A typed, bounded mailbox: a deque, and an anyio event the receiver parks on while it is
+    empty (a memory object stream costs several times as much per message, and an actor
+    exchanges several messages per cache call).
 
     Ownership: the buffer belongs to the receiving actor; senders only append.
     Invariants: FIFO; ordinary senders are admitted only while `used < capacity` and strictly in
@@ -60,7 +62,8 @@ class Mailbox(Generic[M]):
         self.name = name
         self.capacity = capacity
         self.reserve = reserve
-        self._send_end, self._receive_end = anyio.create_memory_object_stream[M](capacity + reserve)
+        self._buffer: deque[M] = deque()
+        self._ready: anyio.Event | None = None  # the receiver's, while it waits on an empty box
         self._waiters: deque[_Waiter] = deque()
         self._used = 0
         self._closed = False
@@ -140,7 +143,11 @@ class Mailbox(Generic[M]):
         self._wake_next()
 
     def _put(self, msg: M) -> None:
-        self._send_end.send_nowait(msg)
+        self._buffer.append(msg)
+        ready = self._ready
+        if ready is not None:
+            self._ready = None
+            ready.set()
         self._used += 1
         self._delivered += 1
         if self._used > self._high_water:
@@ -157,10 +164,13 @@ class Mailbox(Generic[M]):
 
         Raises `anyio.EndOfStream` once the mailbox is closed and drained.
         """
-        try:
-            msg = self._receive_end.receive_nowait()
-        except anyio.WouldBlock:
-            msg = await self._receive_end.receive()
+        buffer = self._buffer
+        while not buffer:  # a cancelled wait leaves every message where it was
+            if self._closed:
+                raise anyio.EndOfStream
+            ready = self._ready = anyio.Event()
+            await ready.wait()
+        msg = buffer.popleft()
         self._used -= 1
         if self._waiters and self._used < self.capacity:
             self._waiters[0].event.set()
@@ -171,7 +181,9 @@ class Mailbox(Generic[M]):
         if self._closed:
             return
         self._closed = True
-        self._send_end.close()
+        if self._ready is not None:  # the receiver drains what is left, then ends
+            self._ready.set()
+            self._ready = None
         for waiter in self._waiters:
             waiter.event.set()
 
@@ -179,7 +191,8 @@ class Mailbox(Generic[M]):
         """The owner is gone (crash or cancel): release the buffer. Only the actor system calls
         this."""
         self.close()
-        self._receive_end.close()
+        self._buffer.clear()
+        self._used = 0
 
     # -- inspection --------------------------------------------------------------------------
 

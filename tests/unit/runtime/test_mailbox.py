@@ -168,3 +168,50 @@ async def test_threadsafe_sender_delivers_from_a_worker_thread():
     assert await drain(box, 2) == [1, 2]
     deliver(4)  # the loop thread itself may call it too
     assert await box.receive() == 4
+
+
+@pytest.mark.anyio
+async def test_a_waiting_receiver_is_woken_by_a_send_and_by_close():
+    box: Mailbox[int] = Mailbox("m", 2)
+    got: list[object] = []
+
+    async def receiver() -> None:
+        got.append(await box.receive())
+        try:
+            await box.receive()
+        except anyio.EndOfStream as exc:
+            got.append(type(exc))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(receiver)
+        await anyio.wait_all_tasks_blocked()
+        box.send_nowait(7)
+        await anyio.wait_all_tasks_blocked()
+        assert got == [7]
+        box.close()
+    assert got == [7, anyio.EndOfStream]
+    assert box.empty()
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_receive_loses_no_message():
+    box: Mailbox[int] = Mailbox("m", 2)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(box.receive)  # nothing there: it waits, and is cancelled waiting
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    box.send_nowait(1)
+    box.send_nowait(2)
+    assert await drain(box, 2) == [1, 2]
+    assert box.statistics().used == 0
+
+
+@pytest.mark.anyio
+async def test_a_discarded_receiver_releases_what_was_buffered():
+    box: Mailbox[int] = Mailbox("m", 3)
+    box.send_nowait(1)
+    box.send_nowait(2)
+    box.discard_receiver()
+    assert box.closed and box.empty()
+    with pytest.raises(anyio.EndOfStream):
+        await box.receive()
