@@ -29,7 +29,7 @@ from hicache.runtime.actor import Actor
 from hicache.runtime.clock import Clock, MonotonicClock, TimerHandle
 from hicache.runtime.deterministic import deterministic_seed, on_trio
 from hicache.runtime.errors import ActorFailed, ActorSystemClosed, ReplyTimeout
-from hicache.runtime.mailbox import Mailbox
+from hicache.runtime.mailbox import LoopWakeup, Mailbox
 from hicache.runtime.reply import Reply
 from hicache.runtime.sequencer import TURN_KEY, Sequencer
 
@@ -151,6 +151,9 @@ class ActorSystem:
                 self._loop = asyncio.get_running_loop()
             except RuntimeError:
                 self._loop = None
+            else:
+                for actor in self._actors.values():
+                    actor.inbox.new_event = LoopWakeup
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._state = _RUNNING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,24 @@ class MailboxStatistics:
     delivered: int  # messages accepted since creation
     blocked_sends: int  # sends that had to wait for room (backpressure events)
     high_water: int  # the largest `used` ever seen
+
+
+class LoopWakeup:
+    """What a mailbox's one receiver parks on while it is empty, on an asyncio loop: a bare
+    future (an `asyncio.Event` builds a waiter list and a future per wait). One waiter only: a
+    cancelled wait cancels the future, and the next wait makes a new one."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future = asyncio.get_running_loop().create_future()
+
+    def set(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    async def wait(self) -> None:
+        await self._future
 
 
 class _Waiter:
@@ -63,7 +82,10 @@ class Mailbox(Generic[M]):
         self.capacity = capacity
         self.reserve = reserve
         self._buffer: deque[M] = deque()
-        self._ready: anyio.Event | None = None  # the receiver's, while it waits on an empty box
+        self._ready: anyio.Event | LoopWakeup | None = None  # the receiver's, while it waits
+        # What the receiver waits on: the actor system swaps in `LoopWakeup` on an asyncio loop
+        # without its sequencer (anyio's event finds the backend on every creation).
+        self.new_event: Callable[[], anyio.Event | LoopWakeup] = anyio.Event
         self._waiters: deque[_Waiter] = deque()
         self._used = 0
         self._closed = False
@@ -168,7 +190,7 @@ class Mailbox(Generic[M]):
         while not buffer:  # a cancelled wait leaves every message where it was
             if self._closed:
                 raise anyio.EndOfStream
-            ready = self._ready = anyio.Event()
+            ready = self._ready = self.new_event()
             await ready.wait()
         msg = buffer.popleft()
         self._used -= 1
