@@ -117,7 +117,7 @@ class EvictingTree(TreeStructure):
         key = self._ranking(now)
         evict_in_order(candidates, key=key, ident=_ident, evict=evict, target=num_tokens)
         return DeviceEviction(
-            freed=concat(freed),
+            freed_parts=tuple(freed),
             demoted=tuple(demoted),
             removed=tuple(removed),
             needs_backup=tuple(needs_backup),
@@ -157,7 +157,7 @@ class EvictingTree(TreeStructure):
         key = self._ranking(now)
         candidates = self._host_candidates(now)
         evict_in_order(candidates, key=key, ident=_ident, evict=evict, target=num_tokens)
-        return HostEviction(freed=concat(freed), removed=tuple(removed))
+        return HostEviction(freed_parts=tuple(freed), removed=tuple(removed))
 
     def outranks_host(self, node: NodeId, *, now: float) -> bool:
         """Exclusive mode: whether a device leaf about to leave L1 should take an L2 place, i.e. the
@@ -181,7 +181,7 @@ class EvictingTree(TreeStructure):
             raise TreeError(f"discard_device of node {node}: locked, in flight or not a leaf")
         if _protected_below(x):
             return DeviceEviction(
-                freed=EMPTY_SLOTS, demoted=(), removed=(), needs_backup=(), freed_host=EMPTY_SLOTS
+                freed_parts=(), demoted=(), removed=(), needs_backup=(), freed_host=EMPTY_SLOTS
             )
         freed = x.device
         freed_host: list[np.ndarray] = []
@@ -189,7 +189,7 @@ class EvictingTree(TreeStructure):
         self._set_device(x, None)
         self._remove_subtree(x, freed_host, removed)
         return DeviceEviction(
-            freed=freed,
+            freed_parts=(freed,),
             demoted=(),
             removed=tuple(removed),
             needs_backup=(),

@@ -89,8 +89,8 @@ class LoadPlan:
 
 @dataclass(frozen=True, slots=True)
 class DeviceEviction:
-    freed: np.ndarray
-    """Device slots the caller now frees."""
+    freed_parts: tuple[np.ndarray, ...]
+    """Device slots the caller now frees, one array per node (joined only if asked: `freed`)."""
     demoted: tuple[NodeId, ...]
     """Nodes that kept their host copy and became HOST_ONLY."""
     removed: tuple[NodeId, ...]
@@ -101,12 +101,30 @@ class DeviceEviction:
     freed_host: np.ndarray
     """Host slots of host-only descendants removed together with a removed node."""
 
+    @property
+    def freed(self) -> np.ndarray:
+        """The device slots freed, end to end."""
+        return concat(list(self.freed_parts))
+
+    @property
+    def freed_tokens(self) -> int:
+        return sum(len(part) for part in self.freed_parts)
+
 
 @dataclass(frozen=True, slots=True)
 class HostEviction:
-    freed: np.ndarray
-    """Host slots the caller now frees."""
+    freed_parts: tuple[np.ndarray, ...]
+    """Host slots the caller now frees, one array per node (joined only if asked: `freed`)."""
     removed: tuple[NodeId, ...]
+
+    @property
+    def freed(self) -> np.ndarray:
+        """The host slots freed, end to end."""
+        return concat(list(self.freed_parts))
+
+    @property
+    def freed_tokens(self) -> int:
+        return sum(len(part) for part in self.freed_parts)
 
 
 @dataclass(frozen=True, slots=True)

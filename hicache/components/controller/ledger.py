@@ -10,6 +10,8 @@ held by a caller, never both: ``available + used == size`` (the leased slots) at
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -183,6 +185,32 @@ class SlotLedger:
         # Pushed reversed so the next alloc hands the same pages back in the same order.
         self._free_pages[top : top + pages.size] = pages[::-1]
         self._num_free = top + pages.size
+
+    def free_parts(self, parts: Sequence[np.ndarray]) -> None:
+        """`free` of several slot arrays as one call (an eviction's victims, without joining
+        them first): all of them, or on a LedgerError none."""
+        if len(parts) == 1:
+            self.free(parts[0])
+            return
+        native = native_rows()
+        if native is not None and all(
+            type(p) is np.ndarray and p.dtype == np.int64 and p.ndim == 1 and p.flags.c_contiguous
+            for p in parts
+        ):
+            start = top = self._num_free
+            for part in reversed(parts):  # the stack ends as `free` of the parts joined leaves it
+                pushed = native.ledger_free(
+                    part, self.page_size, self.capacity, self._held, self._free_pages, top
+                )
+                if pushed < 0:  # hold again what this call pushed; the join below names why
+                    self._held[self._free_pages[start:top]] = True
+                    break
+                top = pushed
+            else:
+                self._num_free = top
+                return
+        if parts:
+            self.free(np.concatenate(parts))
 
     def _checked_pages(self, arr: np.ndarray) -> np.ndarray:
         """The pages of int64 `arr` (a whole number of pages long), or the LedgerError naming

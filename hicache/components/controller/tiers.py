@@ -18,7 +18,7 @@ import numpy as np
 
 from hicache.components.controller.ledger import SlotLedger
 from hicache.components.controller.shared import Shared, Step
-from hicache.radix.results import InsertResult, LoadPlan, MatchResult
+from hicache.radix.results import InsertResult, LoadPlan, MatchResult, concat
 from hicache.radix.structure import INF
 from hicache.radix.tree import Range
 from hicache.results import CacheStats, TierStats
@@ -65,6 +65,13 @@ class Tiers:
             self.ledgers[tier].free(slots)
             if step.out.detail:
                 step.out.info("tree.slots", tier=tier, op="free", slots=slots)
+
+    def free_parts(self, step: Step, tier: str, parts: tuple[np.ndarray, ...]) -> None:
+        """`free` of an eviction's victims, one array per node, without joining them."""
+        if step.out.detail:
+            self.free(step, tier, concat(list(parts)))
+        elif parts:
+            self.ledgers[tier].free_parts(parts)
 
     def view(self) -> dict[str, dict[str, int]]:
         """Each tier's size, used and available tokens."""
@@ -119,9 +126,9 @@ class Tiers:
         ev = tree.evict_device(
             n, now=step.now, require_host_copy=shared.cfg.exclusive, back_up=back_up
         )
-        self.free(step, "device", ev.freed)
+        self.free_parts(step, "device", ev.freed_parts)
         self.free(step, "host", ev.freed_host)
-        freed = len(ev.freed)
+        freed = ev.freed_tokens
         if freed:
             shared.counters.device_evictions += freed
             step.out.info(
@@ -133,17 +140,17 @@ class Tiers:
         """Drop a device leaf without a copy (and what hangs below it); tokens freed."""
         shared = self._shared
         gone = shared.tree.discard_device(node)
-        self.free(step, "device", gone.freed)
+        self.free_parts(step, "device", gone.freed_parts)
         self.free(step, "host", gone.freed_host)
-        shared.counters.device_evictions += len(gone.freed)
+        shared.counters.device_evictions += gone.freed_tokens
         step.out.info(
             "tree.evict_device",
-            tokens=len(gone.freed),
+            tokens=gone.freed_tokens,
             demoted=0,
             removed=len(gone.removed),
             reason=reason,
         )
-        return len(gone.freed)
+        return gone.freed_tokens
 
     def host(self, step: Step, n: int) -> np.ndarray | None:
         """Host slots for n tokens, evicting L2; None when what is left is protected (by an
@@ -158,11 +165,11 @@ class Tiers:
                 now=step.now,
                 by_pages=shared.cfg.exclusive,
             )
-            if not len(ev.freed):
+            if not ev.freed_tokens:
                 return None
-            shared.counters.host_evictions += len(ev.freed)
-            step.out.info("tree.evict_host", tokens=len(ev.freed), removed=len(ev.removed))
-            self.free(step, "host", ev.freed)
+            shared.counters.host_evictions += ev.freed_tokens
+            step.out.info("tree.evict_host", tokens=ev.freed_tokens, removed=len(ev.removed))
+            self.free_parts(step, "host", ev.freed_parts)
 
     # ------------------------------------------------------------------ requests
     def match(self, step: Step, tokens: Any, salt: bytes) -> MatchResult:
@@ -269,14 +276,14 @@ class Tiers:
         tree, dropped = self._shared.tree, 0
         while tree.evictable_device_tokens():
             ev = tree.evict_device(tree.evictable_device_tokens(), now=INF)
-            self.free(step, "device", ev.freed)
+            self.free_parts(step, "device", ev.freed_parts)
             self.free(step, "host", ev.freed_host)
-            freed = len(ev.freed)
+            freed = ev.freed_tokens
             for node in ev.needs_backup:  # write_back: no copy wanted, the caller asked to drop
                 gone = tree.discard_device(node)
-                self.free(step, "device", gone.freed)
+                self.free_parts(step, "device", gone.freed_parts)
                 self.free(step, "host", gone.freed_host)
-                freed += len(gone.freed)
+                freed += gone.freed_tokens
             if not freed:
                 break  # what is left is protected (a backup or upload would still read it)
             dropped += freed
@@ -291,10 +298,10 @@ class Tiers:
         dropped = len(copies)
         while tree.evictable_host_tokens():
             ev = tree.evict_host(tree.evictable_host_tokens(), now=INF)
-            if not len(ev.freed):
+            if not ev.freed_tokens:
                 break
-            self.free(step, "host", ev.freed)
-            dropped += len(ev.freed)
+            self.free_parts(step, "host", ev.freed_parts)
+            dropped += ev.freed_tokens
         return dropped
 
     def drain(self, step: Step) -> None:

@@ -237,3 +237,30 @@ def test_compiled_and_numpy_ledgers_agree(seed, monkeypatch):
         outcomes[name] = (results, snapshot(ledger))
     assert outcomes["plain"] == outcomes["compiled"]
     assert snapshot(compiled) == outcomes["compiled"][1]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_free_parts_frees_all_or_nothing(native, monkeypatch):
+    import hicache.components.controller.ledger as ledger_module
+
+    if not native:
+        monkeypatch.setattr(ledger_module, "native_rows", lambda: None)
+    ledger = SlotLedger(size=16, page_size=2, tier="host")
+    a, b = ledger.alloc(4), ledger.alloc(4)
+    for bad, message in (
+        ((a, np.array([12, 13])), "not held"),  # the second part was never allocated
+        ((a, b[:2], a[2:]), "twice|not held"),  # a page in two parts
+        ((b, np.array([1, 2])), "misaligned|not held"),
+    ):
+        before = snapshot(ledger)
+        with pytest.raises(LedgerError, match=message):
+            ledger.free_parts(bad)
+        assert snapshot(ledger) == before
+        ledger.check_integrity()
+    joined = SlotLedger(size=16, page_size=2, tier="host")
+    joined.alloc(8)
+    joined.free(np.concatenate([b, a]))
+    ledger.free_parts((b, a))
+    assert snapshot(ledger) == snapshot(joined)
+    ledger.free_parts(())
+    assert snapshot(ledger) == snapshot(joined)
