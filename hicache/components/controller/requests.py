@@ -23,6 +23,7 @@ from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
 from hicache.kernels.native.addresses import same_values
+from hicache.kernels.native.rowcopy import native_rows
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
 from hicache.radix.results import TreeError, concat
@@ -94,6 +95,27 @@ class Requests:
         except TreeError as exc:
             raise InvalidRequest(str(exc)) from None
         return encoded if encoded.dtype == np.uint32 else tokens
+
+    @staticmethod
+    def _matched_tokens(given: Any, matched: Any) -> np.ndarray | None:
+        """`matched` (the tokens as the match converted them) when `given` are the same ids
+        as int64 (a cache call of a request's matched tokens): one comparison instead of a
+        conversion. None otherwise."""
+        native = native_rows()
+        if (
+            native is not None
+            and type(given) is np.ndarray
+            and given.dtype == np.int64
+            and given.ndim == 1
+            and given.flags.c_contiguous
+            and type(matched) is np.ndarray
+            and matched.dtype == np.uint32
+            and matched.size == given.size
+            and matched.flags.c_contiguous
+            and native.u32_same(given, matched)
+        ):
+            return matched
+        return None
 
     def _relock(self, state: RequestState, node: NodeId | None) -> None:
         self._tiers.relock(node, state.lock)
@@ -317,7 +339,9 @@ class Requests:
         """A cache_* item's mistakes, found before anything changes; returns its tokens (in
         the tree's encoding) and slots."""
         state = self.state(item.rid, "cache")
-        tokens = self.check_tokens(item.tokens)
+        tokens = self._matched_tokens(item.tokens, state.tokens)
+        if tokens is None:
+            tokens = self.check_tokens(item.tokens)
         slots = np.asarray(item.device_slots, dtype=np.int64)
         rid = item.rid
         if len(slots) != len(tokens):
@@ -336,8 +360,9 @@ class Requests:
         own = len(state.prefix_slots)
         # The prefix's KV belongs to the tokens it was matched for: caching it under other
         # tokens would serve one request's KV to another. One comparison of the prefix.
-        if len(tokens) < own or not same_values(
-            np.asarray(tokens[:own]), np.asarray(state.tokens[:own])
+        if len(tokens) < own or (
+            tokens is not state.tokens
+            and not same_values(np.asarray(tokens[:own]), np.asarray(state.tokens[:own]))
         ):
             raise InvalidRequest(
                 f"request {rid!r}: the first {own} tokens differ from the "

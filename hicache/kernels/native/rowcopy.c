@@ -15,7 +15,7 @@
 #include <emmintrin.h>
 #endif
 
-int64_t hicache_rowcopy_abi(void) { return 4; }
+int64_t hicache_rowcopy_abi(void) { return 5; }
 
 static inline void copy_row(char *d, const char *s, int64_t n, int streaming) {
     int64_t j = 0;
@@ -181,6 +181,14 @@ int64_t hicache_u32_ids(const int64_t *src, int64_t n, uint32_t *dst) {
     for (int64_t i = 0; i < n; i++)
         if ((uint64_t)src[i] >> 32) return i;
     return -1;
+}
+
+/* Whether int64 token ids equal uint32 ones, id by id (an id outside [0, 2**32) never does):
+ * a cache call given the tokens its match converted reuses that conversion. */
+int64_t hicache_u32_same(const int64_t *src, int64_t n, const uint32_t *have) {
+    uint64_t diff = 0;
+    for (int64_t i = 0; i < n; i++) diff |= (uint64_t)src[i] ^ (uint64_t)have[i]; /* vectorizes */
+    return diff == 0;
 }
 
 /* A slot ledger's free: `slots` (n, whole aligned pages inside [0, size)) go back on the free

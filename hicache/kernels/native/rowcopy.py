@@ -31,7 +31,7 @@ from hicache.kernels.native.build import (
 )
 
 SOURCE = Path(__file__).with_name("rowcopy.c")
-ABI = 4
+ABI = 5
 _FLAGS = ["-O3", "-shared", "-fPIC"]
 
 
@@ -44,6 +44,7 @@ class NativeRows:
     _copy_pages: Callable[..., int]
     _slot_pages: Callable[..., int]
     _u32_ids: Callable[..., int]
+    _u32_same: Callable[..., int]
     _ledger_free: Callable[..., int]
     _ledger_alloc: Callable[..., None]
 
@@ -171,6 +172,14 @@ class NativeRows:
         bad = self._u32_ids(int64_address(ids, n), n, data_address(out))
         return out if bad < 0 else None
 
+    def u32_same(self, ids: np.ndarray, have: np.ndarray) -> bool:
+        """Whether token ids (1-D C-contiguous int64) equal `have` (1-D C-contiguous uint32 of
+        the same length) id by id, without converting them."""
+        n = int(ids.size)
+        if have.dtype != np.uint32 or have.size != n or not have.flags.c_contiguous:
+            raise ValueError("u32_same: `have` must be C-contiguous uint32 of the ids' length")
+        return bool(self._u32_same(int64_address(ids, n), n, data_address(have)))
+
     def ledger_free(
         self,
         slots: np.ndarray,
@@ -280,9 +289,10 @@ def _load(path: Path) -> NativeRows:
     )  # fmt: skip
     check = _bind(lib, "hicache_slot_pages", i64, ptr, i64, i64, i64, ptr, ptr)
     ids = _bind(lib, "hicache_u32_ids", i64, ptr, i64, ptr)
+    same = _bind(lib, "hicache_u32_same", i64, ptr, i64, ptr)
     free = _bind(lib, "hicache_ledger_free", i64, ptr, i64, i64, i64, ptr, ptr, i64)
     alloc = _bind(lib, "hicache_ledger_alloc", None, ptr, i64, i64, i64, ptr, ptr)
-    return NativeRows(path, copy, pages, check, ids, free, alloc)
+    return NativeRows(path, copy, pages, check, ids, same, free, alloc)
 
 
 @functools.cache

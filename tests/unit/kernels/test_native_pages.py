@@ -133,3 +133,16 @@ def test_u32_ids_converts_or_refuses():
     assert nat.u32_ids(np.array([1, -1, 3], dtype=np.int64)) is None
     assert nat.u32_ids(np.array([1, 2**32], dtype=np.int64)) is None
     assert nat.u32_ids(np.empty(0, dtype=np.int64)).size == 0
+
+
+@needs_native
+def test_u32_same_compares_ids_without_converting():
+    nat = native_rows()
+    ids = np.array([0, 7, 2**32 - 1, 12345], dtype=np.int64)
+    assert nat.u32_same(ids, ids.astype(np.uint32))
+    assert not nat.u32_same(ids, np.array([0, 7, 2**32 - 1, 12346], dtype=np.uint32))
+    wrapped = np.array([2**32 + 5], dtype=np.int64)  # would equal 5 once truncated
+    assert not nat.u32_same(wrapped, np.array([5], dtype=np.uint32))
+    assert not nat.u32_same(np.array([-1], dtype=np.int64), np.array([2**32 - 1], dtype=np.uint32))
+    with pytest.raises(ValueError, match="uint32"):
+        nat.u32_same(ids, ids)
