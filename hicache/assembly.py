@@ -40,6 +40,7 @@ from hicache.components.uploader.actor import UploaderActor
 from hicache.components.writer.actor import WriterActor
 from hicache.config import CacheConfig, ConfigError, Rewrite
 from hicache.kernels.geometry import parse_geometry
+from hicache.kernels.native.pagehash import install as install_page_hasher
 from hicache.kernels.native.rowcopy import native_rows, u32_ids, unavailable_reason
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.streams import FaultHook, TransferStreams, cuda_driver_status, make_streams
@@ -123,6 +124,7 @@ async def _assemble(
     topo = Topology.for_capacity(cfg.channel_capacity)
     edges = topo.edges()  # every inbox's bounds, declared in one place
     bpt = geometry.bytes_per_token
+    install_page_hasher()  # page hashes in one compiled call where it builds
     tree = RadixTree(
         page_size=cfg.page_size,
         eviction=make_strategy(cfg.eviction),

@@ -7,14 +7,16 @@ at different positions or after different prefixes therefore get different hashe
 key's chain starts from `salt_seed(salt)`.
 
 The tree keeps these per node (`TreeStructure.page_hashes`); a store's key for a page is its
-namespace plus the hash (hicache/backends/keys.py). Pure functions only.
+namespace plus the hash (hicache/backends/keys.py). Pure functions only; the digest loop may be
+handed a compiled one (`use_digest_loop`, hicache/kernels/native/pagehash.py: the same
+digests from the same libcrypto, without a Python call per page).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -24,6 +26,32 @@ from hicache.types import PageHash
 __all__ = ["chain_page_hashes", "page_hash_bytes", "salt_seed"]
 
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+DigestLoop = Callable[[bytes, bytes, int, int], bytes]
+"""(prior digest or b"", the pages' bytes, bytes per page, pages) -> the chained digests."""
+
+_DIGEST_LOOP: list[DigestLoop | None] = [None]  # the process's, set by `use_digest_loop`
+
+
+def use_digest_loop(loop: DigestLoop | None) -> None:
+    """Chain digests with `loop` from now on in this process (None: the Python loop). It must
+    give hashlib's SHA-256 chain byte for byte; an OSError from it falls back per call."""
+    _DIGEST_LOOP[0] = loop
+
+
+def digest_loop() -> DigestLoop | None:
+    """The digest loop in use (None: the Python loop)."""
+    return _DIGEST_LOOP[0]
+
+
+def _python_digests(prior: bytes, raw: bytes, stride: int, pages: int) -> bytes:
+    sha256 = hashlib.sha256
+    digests: list[bytes] = []
+    prev = prior
+    for start in range(0, pages * stride, stride):
+        prev = sha256(prev + raw[start : start + stride]).digest()
+        digests.append(prev)
+    return b"".join(digests)
 
 
 def salt_seed(salt: bytes) -> PageHash:
@@ -56,13 +84,16 @@ def chain_page_hashes(
     # is what bounds this loop, not the hashing.
     raw = np.ascontiguousarray(ids[: pages * page_size], dtype="<u4").tobytes()
     stride = len(raw) // pages
-    sha256 = hashlib.sha256
-    digests: list[bytes] = []
-    prev = prior_bytes
-    for start in range(0, pages * stride, stride):
-        prev = sha256(prev + raw[start : start + stride]).digest()
-        digests.append(prev)
-    hexed = b"".join(digests).hex()
+    loop = _DIGEST_LOOP[0]
+    digests = b""
+    if loop is not None:
+        try:
+            digests = loop(prior_bytes, raw, stride, pages)
+        except OSError:
+            digests = b""
+    if not digests:
+        digests = _python_digests(prior_bytes, raw, stride, pages)
+    hexed = digests.hex()
     return cast(list[PageHash], [hexed[i : i + 64] for i in range(0, 64 * pages, 64)])
 
 
