@@ -19,7 +19,23 @@ from hicache.radix.hashes import page_hash_bytes
 from hicache.seal import Seal
 from hicache.types import PageHash
 
-_HEX_RE = re.compile(r"[0-9a-f]*")
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+def _all_page_hashes(values: Sequence[object]) -> bool:
+    """Whether every value is a page hash (a str of 64 lowercase hex digits): a few passes in
+    C over the whole batch (a regular expression over it cost 5x as much, per page)."""
+    if not values:
+        return True
+    try:
+        if set(map(len, values)) != {64}:  # type: ignore[arg-type]
+            return False
+        joined = "".join(values)  # type: ignore[arg-type]
+        return not joined.encode("ascii").translate(None, _HEX_DIGITS)
+    except (TypeError, UnicodeEncodeError):  # a value without a length, not a str, not ASCII
+        return False
+
+
 KEY_SCHEME_VERSION = 2  # 2: MHA namespaces carry tp_size
 
 KV_DTYPES = {
@@ -160,10 +176,7 @@ class Namespace:
     def keys(self, page_hashes: Sequence[PageHash | str]) -> list[str]:
         """`key` of each hash, in order. Every hash is checked as `key` checks it, in one pass
         over the whole batch (one match, not one per page)."""
-        if self.seal is not None or not (
-            all(isinstance(h, str) and len(h) == 64 for h in page_hashes)
-            and _HEX_RE.fullmatch("".join(page_hashes))
-        ):
+        if self.seal is not None or not _all_page_hashes(page_hashes):
             return [self.key(h) for h in page_hashes]  # sealed, or a bad hash to name
         prefix = self.prefix
         return [prefix + h for h in page_hashes]
@@ -173,7 +186,7 @@ class Namespace:
         one pass over the whole batch; a bad suffix is named as `page_hash_of` names it."""
         start = len(self.prefix)
         rest = [key[start:] for key in keys]
-        if not (all(len(h) == 64 for h in rest) and _HEX_RE.fullmatch("".join(rest))):
+        if not _all_page_hashes(rest):
             return [self.page_hash_of(key) for key in keys]
         return cast(list[PageHash], rest)
 

@@ -121,3 +121,23 @@ def test_page_hashes_of_a_batch_match_one_key_at_a_time_and_name_a_bad_suffix():
     bad = ns.prefix + "Z" * 64
     with pytest.raises(ValueError, match="Z" * 64):
         ns.page_hashes_of([keys[0], bad])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["a" * 63, "a" * 65],  # the right total, wrong lengths
+        ["A" * 64],  # upper case
+        ["g" * 64],
+        ["é" * 64],
+        [b"a" * 64],  # bytes, not str
+        ["a" * 64, None],
+    ],
+)
+def test_a_batch_with_one_bad_hash_is_refused_and_named(bad):
+    ns = Namespace(model="m", page_size=4, kv="mha:1:1:8:float16")
+    with pytest.raises((ValueError, TypeError)):
+        ns.keys(bad)
+    good = "0123456789abcdef" * 4
+    assert ns.keys([good, good]) == [ns.prefix + good] * 2
+    assert ns.page_hashes_of(ns.keys([good])) == [good]
