@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hicache.kernels.native.build import build_library, cached_library, disabled
+from hicache.kernels.native.build import disabled, load_library
 
 ISSUERS = ("batch", "batch-python", "loop", "python")
 """What `HICACHE_DIRECT_COPIES` may name ("python": run-by-run copies from Python)."""
@@ -281,14 +281,7 @@ def copy_loop_library() -> tuple[ctypes.CDLL | None, str | None]:
     if disabled():
         return None, "disabled by HICACHE_NATIVE"
     try:
-        path = cached_library("cudacopy", SOURCE, _FLAGS)
-        if not path.exists():
-            build_library(SOURCE, path, _FLAGS)
-        lib = ctypes.CDLL(str(path))
-        abi = lib.hicache_cudacopy_abi
-        abi.restype = ctypes.c_int64
-        if abi() != ABI:
-            raise OSError(f"{path} has ABI {abi()}, expected {ABI}")
+        lib = load_library("cudacopy", SOURCE, _FLAGS, ABI)
         loop = lib.hicache_copy_loop
         loop.restype = ctypes.c_int64
         p = ctypes.c_void_p

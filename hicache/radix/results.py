@@ -87,8 +87,24 @@ class LoadPlan:
     num_tokens: int
 
 
+class _Freed:
+    """What an eviction's `freed_parts` (one slot array per node) add up to."""
+
+    __slots__ = ()
+    freed_parts: tuple[np.ndarray, ...]
+
+    @property
+    def freed(self) -> np.ndarray:
+        """The slots freed, end to end."""
+        return concat(list(self.freed_parts))
+
+    @property
+    def freed_tokens(self) -> int:
+        return sum(len(part) for part in self.freed_parts)
+
+
 @dataclass(frozen=True, slots=True)
-class DeviceEviction:
+class DeviceEviction(_Freed):
     freed_parts: tuple[np.ndarray, ...]
     """Device slots the caller now frees, one array per node (joined only if asked: `freed`)."""
     demoted: tuple[NodeId, ...]
@@ -101,30 +117,12 @@ class DeviceEviction:
     freed_host: np.ndarray
     """Host slots of host-only descendants removed together with a removed node."""
 
-    @property
-    def freed(self) -> np.ndarray:
-        """The device slots freed, end to end."""
-        return concat(list(self.freed_parts))
-
-    @property
-    def freed_tokens(self) -> int:
-        return sum(len(part) for part in self.freed_parts)
-
 
 @dataclass(frozen=True, slots=True)
-class HostEviction:
+class HostEviction(_Freed):
     freed_parts: tuple[np.ndarray, ...]
     """Host slots the caller now frees, one array per node (joined only if asked: `freed`)."""
     removed: tuple[NodeId, ...]
-
-    @property
-    def freed(self) -> np.ndarray:
-        """The host slots freed, end to end."""
-        return concat(list(self.freed_parts))
-
-    @property
-    def freed_tokens(self) -> int:
-        return sum(len(part) for part in self.freed_parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from hicache.kernels.native.addresses import flat
 from hicache.kernels.native.rowcopy import native_rows
 
 __all__ = ["LedgerError", "SlotLedger"]
@@ -144,13 +145,7 @@ class SlotLedger:
         """
         ps = self.page_size
         native = native_rows()
-        if (
-            native is not None
-            and type(slots) is np.ndarray
-            and slots.dtype == np.int64
-            and slots.ndim == 1
-            and slots.flags.c_contiguous
-        ):
+        if native is not None and flat(slots, np.int64):
             # Checks, held marks and the push in one compiled pass; a call it refuses goes on
             # below, where the checks name the problem.
             top = native.ledger_free(
@@ -193,10 +188,7 @@ class SlotLedger:
             self.free(parts[0])
             return
         native = native_rows()
-        if native is not None and all(
-            type(p) is np.ndarray and p.dtype == np.int64 and p.ndim == 1 and p.flags.c_contiguous
-            for p in parts
-        ):
+        if native is not None and all(flat(part, np.int64) for part in parts):
             start = top = self._num_free
             for part in reversed(parts):  # the stack ends as `free` of the parts joined leaves it
                 pushed = native.ledger_free(

@@ -22,7 +22,7 @@ from hicache.components.controller.shared import Shared, Step
 from hicache.components.controller.tiers import Tiers
 from hicache.components.controller.writes import WriteFlows
 from hicache.components.loader.ticket import LoadTicket
-from hicache.kernels.native.addresses import same_values
+from hicache.kernels.native.addresses import flat, same_values
 from hicache.kernels.native.rowcopy import native_rows
 from hicache.kernels.streams.base import AllLoads
 from hicache.messages import CacheItem, MatchItem
@@ -104,14 +104,9 @@ class Requests:
         native = native_rows()
         if (
             native is not None
-            and type(given) is np.ndarray
-            and given.dtype == np.int64
-            and given.ndim == 1
-            and given.flags.c_contiguous
-            and type(matched) is np.ndarray
-            and matched.dtype == np.uint32
+            and flat(given, np.int64)
+            and flat(matched, np.uint32)
             and matched.size == given.size
-            and matched.flags.c_contiguous
             and native.u32_same(given, matched)
         ):
             return matched

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -61,6 +61,17 @@ _LIBC = ctypes.CDLL(None)
 _MEMCMP = _LIBC.memcmp
 _MEMCMP.restype = ctypes.c_int
 _MEMCMP.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def flat(array: object, dtype: type[np.generic]) -> TypeGuard[np.ndarray]:
+    """Whether `array` is a plain 1-D C-contiguous numpy array of `dtype`: what the compiled
+    calls take as they are (anything else goes the checked numpy way)."""
+    return (
+        type(array) is np.ndarray
+        and array.dtype == dtype
+        and array.ndim == 1
+        and array.flags.c_contiguous
+    )
 
 
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:

@@ -11,6 +11,7 @@ Environment:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -76,3 +77,19 @@ def build_library(source: Path, target: Path, flags: list[str]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def load_library(stem: str, source: Path, flags: list[str], abi: int) -> ctypes.CDLL:
+    """The build of `source` (made first if missing), loaded as a CDLL (its calls release the
+    GIL), after checking that its `hicache_<stem>_abi()` returns `abi`. OSError or
+    SubprocessError where it cannot be built or is another ABI."""
+    path = cached_library(stem, source, flags)
+    if not path.exists():
+        build_library(source, path, flags)
+    lib = ctypes.CDLL(str(path))
+    check = getattr(lib, f"hicache_{stem}_abi")
+    check.restype = ctypes.c_int64
+    found = check()
+    if found != abi:
+        raise OSError(f"{path} has ABI {found}, expected {abi}")
+    return lib

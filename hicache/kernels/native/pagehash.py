@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from hicache.kernels.native.build import build_library, cached_library, disabled
+from hicache.kernels.native.build import disabled, load_library
 from hicache.radix import hashes
 
 SOURCE = Path(__file__).with_name("pagehash.c")
@@ -71,15 +71,7 @@ def page_hasher() -> PageHasher | None:
             ctypes.cast(getattr(crypto, name), ctypes.c_void_p).value or 0
             for name in ("SHA256_Init", "SHA256_Update", "SHA256_Final")
         )
-        path = cached_library("pagehash", SOURCE, _FLAGS)
-        if not path.exists():
-            build_library(SOURCE, path, _FLAGS)
-        lib = ctypes.CDLL(str(path))  # CDLL: calls release the GIL
-        abi = lib.hicache_pagehash_abi
-        abi.restype = ctypes.c_int64
-        if abi() != ABI:
-            raise OSError(f"{path} has another ABI")
-        chain = lib.hicache_chain_sha256
+        chain = load_library("pagehash", SOURCE, _FLAGS, ABI).hicache_chain_sha256
         chain.restype = ctypes.c_int64
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         chain.argtypes = [ptr, ptr, ptr, ctypes.c_char_p, i64, ctypes.c_char_p, i64, i64, ptr]

@@ -146,6 +146,15 @@ int64_t hicache_copy_pages(char *dst, int64_t dst_limit, const char *src, int64_
     return skipped;
 }
 
+/* The page of one page's run of slots (page_size consecutive slots from a multiple of
+ * page_size, inside [0, size)), or -1. */
+static inline int64_t run_page(const int64_t *run, int64_t page_size, int64_t size) {
+    int64_t first = run[0], diff = 0;
+    if (first < 0 || first % page_size || first > size - page_size) return -1;
+    for (int64_t j = 1; j < page_size; j++) diff |= run[j] ^ (first + j); /* vectorizes */
+    return diff ? -1 : first / page_size;
+}
+
 /* The page numbers of a slot array, or an error: slots must be whole pages (`page_size`
  * consecutive slots from a multiple of `page_size`), inside [0, size), no page twice. `seen`
  * is zeroed scratch of size / page_size bytes, left zeroed. Returns 0 with `pages` filled, or
@@ -155,12 +164,8 @@ int64_t hicache_slot_pages(const int64_t *slots, int64_t n, int64_t page_size, i
     if (page_size <= 0 || n % page_size) return 1;
     int64_t count = n / page_size, done = 0, bad = 0;
     for (; done < count; done++) {
-        const int64_t *run = slots + done * page_size;
-        int64_t first = run[0], diff = 0;
-        if (first < 0 || first % page_size || first > size - page_size) { bad = 1; break; }
-        for (int64_t j = 1; j < page_size; j++) diff |= run[j] ^ (first + j); /* vectorizes */
-        int64_t page = first / page_size;
-        if (diff || seen[page]) { bad = 1; break; }
+        int64_t page = run_page(slots + done * page_size, page_size, size);
+        if (page < 0 || seen[page]) { bad = 1; break; }
         seen[page] = 1;
         pages[done] = page;
     }
@@ -200,12 +205,8 @@ int64_t hicache_ledger_free(const int64_t *slots, int64_t n, int64_t page_size, 
     if (page_size <= 0 || n % page_size) return -1;
     int64_t count = n / page_size, done = 0, bad = 0;
     for (; done < count; done++) {
-        const int64_t *run = slots + done * page_size;
-        int64_t first = run[0], diff = 0;
-        if (first < 0 || first % page_size || first > size - page_size) { bad = 1; break; }
-        for (int64_t j = 1; j < page_size; j++) diff |= run[j] ^ (first + j); /* vectorizes */
-        int64_t page = first / page_size;
-        if (diff || held[page] != 1) { bad = 1; break; }
+        int64_t page = run_page(slots + done * page_size, page_size, size);
+        if (page < 0 || held[page] != 1) { bad = 1; break; }
         held[page] = 2; /* taken by this call: listed again, it fails the check above */
     }
     if (bad) {
