@@ -24,7 +24,7 @@
 #define O_NOATIME 0
 #endif
 
-#define ABI 3
+#define ABI 4
 #define FIXED 24 /* "<4sHHQII": magic, version, key length, payload length, crc32, reserved */
 #define VERSION 1
 #define MARK_NS 424242LL
@@ -204,6 +204,7 @@ typedef struct {
     int npieces;
     int fsync;
     int64_t atime_ns, mtime_ns;
+    int set_times; /* 0: the kernel's own (a fresh file's atime is at most its mtime) */
     /* results */
     int64_t size, payload;
     int err;       /* 0, or the errno */
@@ -261,7 +262,7 @@ static void write_one(wjob_t *w, struct iovec *iov) {
             }
         }
     }
-    if (!failed) {
+    if (!failed && w->set_times) {
         struct timespec times[2];
         times[0].tv_sec = w->atime_ns / 1000000000LL;
         times[0].tv_nsec = w->atime_ns % 1000000000LL;
@@ -315,11 +316,12 @@ typedef struct {
     piece_t *pieces;
     int npieces;
     int64_t now_ns;
+    int64_t touch_before_ns; /* mtime is touched only when older than this */
     /* results */
     int code;
     int err;
     int64_t a, b;  /* R_READ: payload, file size; R_EXPIRED: file size; else detail numbers */
-    int64_t atime_ns;
+    int64_t atime_ns, mtime_ns;
     unsigned char *head;  /* R_HEADER: the header bytes read (hlen of them) */
     int64_t hlen;
 } rjob_t;
@@ -329,10 +331,11 @@ static int64_t mod_ns(int64_t t) {
     return m < 0 ? m + 1000000LL : m;
 }
 
-/* An atime with the expiry mark whose deadline (atime - MARK_NS ns) is at most `expire_le`
-   ns: expired (native.py computes `expire_le` from `now` exactly as Python compares). */
-static int expired(int64_t atime, int64_t expire_le) {
-    return mod_ns(atime) == MARK_NS && atime - MARK_NS <= expire_le;
+/* An atime with the expiry mark, later than mtime (index.py), whose deadline (atime - MARK_NS
+   ns) is at most `expire_le` ns: expired (native.py computes `expire_le` from `now` exactly as
+   Python compares). */
+static int expired(int64_t atime, int64_t mtime, int64_t expire_le) {
+    return mod_ns(atime) == MARK_NS && atime > mtime && atime - MARK_NS <= expire_le;
 }
 
 static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
@@ -355,8 +358,10 @@ static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
         return;
     }
     int64_t atime = (int64_t)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec;
+    int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
     r->atime_ns = atime;
-    if (expired(atime, expire_le)) {
+    r->mtime_ns = mtime;
+    if (expired(atime, mtime, expire_le)) {
         unlink(r->path);
         r->code = R_EXPIRED;
         r->a = (int64_t)st.st_size;
@@ -436,7 +441,7 @@ static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
         corrupt = 1;
         goto done;
     }
-    {
+    if (mtime < r->touch_before_ns) {
         struct timespec times[2];  /* recency for every process sharing the directory */
         times[0] = st.st_atim;
         times[1].tv_sec = r->now_ns / 1000000000LL;
@@ -567,9 +572,12 @@ static PyObject *write_values(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "key of %zd bytes is longer than 65535", wj->klen);
             goto cleanup;
         }
-        if (!PyArg_ParseTuple(times, "LL", &at, &mt)) goto cleanup;
-        wj->atime_ns = at;
-        wj->mtime_ns = mt;
+        if (times != Py_None) {
+            if (!PyArg_ParseTuple(times, "LL", &at, &mt)) goto cleanup;
+            wj->atime_ns = at;
+            wj->mtime_ns = mt;
+            wj->set_times = 1;
+        }
         wj->fsync = PyObject_IsTrue(fsync);
         if (wj->fsync < 0) goto cleanup;
         if (get_pieces(pieces, 0, &views[ready], &nviews[ready], &wj->pieces, &wj->npieces) != 0) {
@@ -624,8 +632,8 @@ static PyObject *read_values(PyObject *self, PyObject *args) {
     if (failed) goto cleanup;
     for (; ready < n; ready++) {
         PyObject *job = PyList_GET_ITEM(jobs, ready);
-        if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 5) {
-            PyErr_SetString(PyExc_TypeError, "a read job is a 5-tuple");
+        if (!PyTuple_Check(job) || (PyTuple_GET_SIZE(job) != 5 && PyTuple_GET_SIZE(job) != 6)) {
+            PyErr_SetString(PyExc_TypeError, "a read job is a 5- or 6-tuple");
             goto cleanup;
         }
         rjob_t *rj = &r[ready];
@@ -636,6 +644,12 @@ static PyObject *read_values(PyObject *self, PyObject *args) {
         now_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(job, 4));
         if (now_ns == -1 && PyErr_Occurred()) goto cleanup;
         rj->now_ns = now_ns;
+        rj->touch_before_ns = INT64_MAX;
+        if (PyTuple_GET_SIZE(job) == 6) {
+            long long before = PyLong_AsLongLong(PyTuple_GET_ITEM(job, 5));
+            if (before == -1 && PyErr_Occurred()) goto cleanup;
+            rj->touch_before_ns = before;
+        }
         if (get_pieces(PyTuple_GET_ITEM(job, 2), 1, &views[ready], &nviews[ready], &rj->pieces,
                        &rj->npieces) != 0) {
             ready++;
@@ -670,8 +684,8 @@ static PyObject *read_values(PyObject *self, PyObject *args) {
             item = Py_BuildValue("(iiL)", rj->code, rj->err, (long long)rj->a);
             break;
         default:
-            item = Py_BuildValue("(iLLL)", rj->code, (long long)rj->a, (long long)rj->b,
-                                 (long long)rj->atime_ns);
+            item = Py_BuildValue("(iLLLL)", rj->code, (long long)rj->a, (long long)rj->b,
+                                 (long long)rj->atime_ns, (long long)rj->mtime_ns);
         }
         if (!item) {
             Py_CLEAR(out);
@@ -708,7 +722,8 @@ static PyObject *count_present(PyObject *self, PyObject *args) {
         struct stat st;
         if (stat(p[count], &st) != 0) break;
         int64_t atime = (int64_t)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec;
-        if (expired(atime, (int64_t)expire_le)) break;
+        int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+        if (expired(atime, mtime, (int64_t)expire_le)) break;
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(p);

@@ -56,7 +56,7 @@ from hicache.backends.framing import (
 from hicache.kernels.native.build import build_library, cached_library, disabled
 
 _NAME = "_hicache_file_io"
-_ABI = 3
+_ABI = 4
 _FLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]
 _COMPILE_SECONDS = 120
 
@@ -201,7 +201,7 @@ def _read_result(job: tuple[Any, ...], result: Any) -> Any:
     key = job[0]
     code = result[0]
     if code == _READ:
-        return Read(result[1], result[2], atime_ns_to_expiry(result[3]))
+        return Read(result[1], result[2], atime_ns_to_expiry(result[3], result[4]))
     if code == _EXPIRED:
         return Expired(result[1])
     if code == _ERROR:
