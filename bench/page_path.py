@@ -8,9 +8,13 @@ of the memory and the file store over the same pages, for the sum to be checked 
 
 Stages: the chained page hash of a request's tokens; the storage keys and the file paths; the
 host pool's page views; the batch checks; the CRC-32 of a page, one page per call and a batch
-in one native call; the value's header; the file store's index (a batch written, a batch
-probed); the file system calls of a value written (open, writev, utime, close, rename) and
-read (open, fstat, read, utime, close, checksum) in one native call per batch; a worker-thread
+in one native call; the value's header; the memory store's framing of a batch into new
+values (header, copy, CRC-32 in one native call) and its unframing into the pages, its dict
+and policy (a batch put, a batch got), and what a new value's memory costs alone (taken and
+zeroed: the kernel's first touch of its pages, which the framing's copy pays for new values);
+the file store's index (a batch written, a batch probed); the file system calls of a value written without a ttl (open, writev, close, rename)
+and read by a store alone in its directory (open, fstat, read, close, checksum; no mtime touch
+for a value written less than a second ago) in one native call per batch; a worker-thread
 hop per batch. Last, a probe of the layout: plain system calls for a file per page against one
 file per request's pages, written and read back.
 
@@ -36,14 +40,15 @@ if __package__ in (None, ""):
 
 from storage import SMALL_BATCH, SMALL_KV, memcpy_seconds_per_byte, small_case
 
-from hicache.backends.batch import check_buffers
+from hicache.backends.batch import Counters, check_buffers
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import FileBackend
-from hicache.backends.file.index import TMP_DIR, FileIndex, plain_atime_ns
+from hicache.backends.file.index import TMP_DIR, TOUCH_AFTER_S, FileIndex
 from hicache.backends.file.native import native_file_io
 from hicache.backends.framing import checksum, pack_header
 from hicache.backends.keys import Namespace
-from hicache.backends.memory import MemoryBackend
+from hicache.backends.memory import MemoryBackend, MemoryStore
+from hicache.backends.simple import frame_values, unframe_values
 from hicache.radix.hashes import chain_page_hashes
 
 PAGE_TOKENS = 64
@@ -146,6 +151,16 @@ def main() -> None:
     def stage(name: str, fn: Callable[[], object]) -> None:
         rows.append((name, best_of(args.repeats, fn) / pages * 1e6))
 
+    def stage_kept(name: str, make: Callable[[], object]) -> None:
+        """A stage whose result is kept, as a store keeps its values: freed after the clock."""
+        took = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            made = make()
+            took.append(time.perf_counter() - t0)
+            del made
+        rows.append((name, min(took) / pages * 1e6))
+
     try:
         store = FileBackend(root, namespace=namespace, threads=0)
         parts = batches(pages)
@@ -172,6 +187,37 @@ def main() -> None:
                 lambda: [native.checksums(views[p]) for p in parts],
             )
         stage("header", lambda: [pack_header(k, page_bytes, 0) for k in keys])
+        framed = [frame_values(keys[p], views[p]) for p in parts]
+
+        stage_kept(
+            "memory: a batch framed, new values (one native call)",
+            lambda: [frame_values(keys[p], views[p]) for p in parts],
+        )
+        back = host.page_buffers(slots + pages * PAGE_TOKENS)
+        stage(
+            "memory: a batch unframed into its pages (one native call)",
+            lambda: [
+                unframe_values(keys[p], f, back[p], Counters(), lambda *a, **k: None)
+                for p, f in zip(parts, framed)
+            ],
+        )
+
+        def memory_puts() -> MemoryStore:
+            memory = MemoryStore(None)
+            for p, f in zip(parts, framed):
+                memory.put_many(keys[p], f)
+            return memory
+
+        stage("memory: dict and policy, a batch put", memory_puts)
+        memory = memory_puts()
+        stage(
+            "memory: dict and policy, a batch got",
+            lambda: [memory.get_many(keys[p]) for p in parts],
+        )
+        stage_kept(
+            "memory: a new value's memory taken and zeroed (no copy)",
+            lambda: [bytearray(page_bytes + 110) for _ in range(pages)],
+        )
         entries = [(h, page_bytes + 4096, None) for h in hashes]
 
         def index_writes() -> None:
@@ -186,7 +232,6 @@ def main() -> None:
         if native is not None:
             _, paths = store._locate(keys)
             now_ns = time.time_ns()
-            times = (plain_atime_ns(now_ns), now_ns)
             tmp = os.path.join(store._dir, TMP_DIR)
             seq = iter(range(10**9))
 
@@ -194,22 +239,27 @@ def main() -> None:
                 for p in parts:
                     native.write_values(
                         [
-                            (k, path, f"{tmp}/{k[-64:]}.{next(seq)}.tmp", v, False, times)
+                            (k, path, f"{tmp}/{k[-64:]}.{next(seq)}.tmp", v, False, None)
                             for k, path, v in zip(keys[p], paths[p], views[p])
                         ]
                     )
 
-            stage("files written (open, writev, utime, close, rename)", write_files)
+            stage("files written (open, writev, close, rename)", write_files)
             out = host.page_buffers(slots + pages * PAGE_TOKENS)
             now = time.time()
+            now_ns = time.time_ns()
+            before = now_ns - int(TOUCH_AFTER_S * 1e9)
 
             def read_files() -> None:
                 for p in parts:
                     native.read_values(
-                        [(k, path, v, now, now_ns) for k, path, v in zip(keys[p], paths[p], out[p])]
+                        [
+                            (k, path, v, now, now_ns, before)
+                            for k, path, v in zip(keys[p], paths[p], out[p])
+                        ]
                     )
 
-            stage("files read and checked (open, fstat, read, utime, close, CRC)", read_files)
+            stage("files read and checked (open, fstat, read, close, CRC)", read_files)
         runner = BlockingRunner(2)
 
         async def hops() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hicache.backends.base import EventSink
@@ -91,39 +91,98 @@ class MemoryStore:
                 self._drop(key)
             return self._book.probe(key)
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`get` of each key, under one hold of the lock."""
+        with self._lock:
+            if len(self._deadlines):
+                now = self._clock()
+                for key in keys:
+                    if self._expired(key, now):
+                        self._drop(key)
+            read = self._book.read
+            values = self._values
+            out = []
+            for key in keys:
+                read(key)
+                out.append(values.get(key))
+            return out
+
     def put(self, key: str, value: bytes, ttl: float | None = None) -> bool:
         """Store `value` (expiring `ttl` seconds from now, if given; a ttl <= 0 only removes
         the old value); False when it alone exceeds the capacity (nothing changes then). A
         value the policy does not admit is not kept (`refused` counts it) but the put is not
         a failure: True. Costs O(values evicted), amortised."""
+        with self._lock:
+            return self._put(key, value, ttl)
+
+    def put_many(
+        self, keys: Sequence[str], values: Sequence[bytes], ttl: float | None = None
+    ) -> list[bool]:
+        """`put` of each key and value, in order, under one hold of the lock."""
+        with self._lock:
+            if (ttl is None or ttl > 0) and self._book.fits(sum(map(len, values))):
+                return self._put_fitting(keys, values, ttl)
+            put = self._put
+            return [put(key, value, ttl) for key, value in zip(keys, values)]
+
+    def _put_fitting(
+        self, keys: Sequence[str], values: Sequence[bytes], ttl: float | None
+    ) -> list[bool]:
+        """`_put` of each, for a batch that fits whole beside what is held: what
+        `StoreBook.write` does when nothing needs to go (no admission, no eviction)."""
+        policy = self._book.policy
+        store = self._values
+        deadlines = self._deadlines
+        deadline = None if ttl is None else self._clock() + ttl
+        held = peak = policy.held_bytes
+        for key, value in zip(keys, values):
+            if key in policy:
+                held -= policy.remove(key)
+            size = len(value)
+            policy.insert(key, size)
+            held += size
+            if held > peak:
+                peak = held
+            store[key] = value if type(value) is bytes else bytes(value)
+            if deadline is not None:
+                deadlines.set(key, deadline)
+            elif len(deadlines):
+                deadlines.drop(key)
+        if peak > self.peak_bytes:
+            self.peak_bytes = peak
+        return [True] * len(keys)
+
+    def _put(self, key: str, value: bytes, ttl: float | None) -> bool:
         size = len(value)
         book = self._book
-        with self._lock:
-            if self.capacity_bytes is not None and size > self.capacity_bytes:
-                return False
-            if ttl is not None and ttl <= 0:
-                self._drop(key)
-                return True
-            old = self._values.get(key)
-            growth = size - (len(old) if old is not None else 0)
-            if not book.fits(growth):
-                self._drop_expired(self._clock())
-            evicted = book.write(key, size)
-            if evicted is None:
-                # Not admitted: a decision, not a failure. Dropped like a value evicted at
-                # once (an uploader retries a failed set, which would undo the decision).
-                self._drop(key)
-                return True
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            return False
+        if ttl is not None and ttl <= 0:
+            self._drop(key)
+            return True
+        old = self._values.get(key)
+        growth = size - (len(old) if old is not None else 0)
+        if not book.fits(growth):
+            self._drop_expired(self._clock())
+        evicted = book.write(key, size)
+        if evicted is None:
+            # Not admitted: a decision, not a failure. Dropped like a value evicted at
+            # once (an uploader retries a failed set, which would undo the decision).
+            self._drop(key)
+            return True
+        if evicted:
             for victim in evicted:
                 self._forget(victim)
             self.evictions += len(evicted)
-            self._values[key] = bytes(value)
-            if ttl is None:
-                self._deadlines.drop(key)
-            else:
-                self._deadlines.set(key, self._clock() + ttl)
-            self.peak_bytes = max(self.peak_bytes, book.held_bytes)
-            return True
+        self._values[key] = value if type(value) is bytes else bytes(value)
+        if ttl is None:
+            self._deadlines.drop(key)
+        else:
+            self._deadlines.set(key, self._clock() + ttl)
+        held = book.held_bytes
+        if held > self.peak_bytes:
+            self.peak_bytes = held
+        return True
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -3,12 +3,16 @@
 An out-of-tree store needs just `get(key) -> bytes | None` and `put(key, value)` (returning
 False when it did not store the value);
 `delete(key)`, `contains(key) -> bool` and `scan(prefix) -> Iterable[str]` are used when
-present (`clear` needs `delete` and `scan`). A store whose `put` takes `ttl=` (seconds) and
+present (`clear` needs `delete` and `scan`), and so are the batch forms `get_many(keys) ->
+list[value | None]` and `put_many(keys, values) -> list[bool]` (a batch in one call, e.g. under
+one lock). A store whose `put` (and `put_many`) takes `ttl=` (seconds) and
 that says so with a true `enforces_ttl` gets the ttl of `set_from(..., ttl=)`; for any other
 store the ttl is dropped. The adapter frames every value with
 `framing.py`'s header, so a torn or foreign value is a miss, a `storage.corrupt` event and a
 deletion, never KV. Unlike zero-copy backends it joins a page's pieces into one bytes object
-on write and copies out of the returned bytes on read.
+on write and copies out of the returned bytes on read: a batch's headers, copies and
+checksums in one call of the file store's compiled module where it builds (file/native.py),
+page by page in Python otherwise (the same values and results).
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ from typing import Protocol, runtime_checkable
 from hicache.backends.base import EventSink, PageBuffer, check_ttl, no_events
 from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_count
 from hicache.backends.blocking import BlockingRunner
-from hicache.backends.framing import CorruptValue, decode_header, encode_header, verify_payload
+from hicache.backends.file.native import native_file_io
+from hicache.backends.framing import (
+    CorruptValue,
+    decode_header,
+    encode_header,
+    header_size,
+    verify_payload,
+)
 from hicache.backends.keys import Namespace
 
 
@@ -79,7 +90,10 @@ class SimpleStoreBackend:
     async def get_into(self, keys: Sequence[str], targets: Sequence[PageBuffer]) -> int:
         pages = check_buffers(self.namespace, keys, targets, writable=True)
         self._counters.gets += len(keys)
-        values = await self._reader.map(self._fetch, list(keys))
+        if callable(getattr(self.store, "get_many", None)):
+            values = await self._reader.run(self._fetch_many, list(keys))
+        else:
+            values = await self._reader.map(self._fetch, list(keys))
         for key, value in zip(keys, values):
             if isinstance(value, Exception):
                 self._error("get", key, value)
@@ -99,20 +113,25 @@ class SimpleStoreBackend:
         pages = check_buffers(self.namespace, keys, sources, writable=False)
         check_ttl(ttl)
         self._counters.sets += len(keys)
-        framed = [_frame(k, p) for k, p in zip(keys, pages)]
+        framed = frame_values(keys, pages)
         expiry = ttl if self.enforces_ttl else None
-        results = await self._runner.map(
-            self._store_one, [(k, v, expiry) for k, v in zip(keys, framed)]
-        )
+        if callable(getattr(self.store, "put_many", None)):
+            results = await self._runner.run(self._store_many, list(keys), framed, expiry)
+        else:
+            results = await self._runner.map(
+                self._store_one, [(k, v, expiry) for k, v in zip(keys, framed)]
+            )
         oks = []
-        for key, pieces, result in zip(keys, pages, results):
+        written = 0
+        for key, value, result in zip(keys, framed, results):
             if isinstance(result, Exception):
                 self._error("set", key, result)
             ok = result is True
             if ok:
-                self._counters.set_ok += 1
-                self._counters.bytes_written += sum(p.nbytes for p in pieces)
+                written += len(value) - header_size(key)
             oks.append(ok)
+        self._counters.set_ok += oks.count(True)
+        self._counters.bytes_written += written
         return prefix_count(oks)
 
     async def delete(self, keys: Sequence[str]) -> None:
@@ -159,6 +178,28 @@ class SimpleStoreBackend:
         except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
             return exc
 
+    def _fetch_many(
+        self, keys: list[str]
+    ) -> list[bytes | bytearray | memoryview | Exception | None]:
+        try:
+            values = list(self.store.get_many(keys))  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
+            return [exc] * len(keys)
+        if len(values) != len(keys):
+            wrong = ValueError(f"get_many gave {len(values)} values for {len(keys)} keys")
+            return [wrong] * len(keys)
+        return values
+
+    def _store_many(
+        self, keys: list[str], values: list[bytes], ttl: float | None
+    ) -> list[bool | Exception]:
+        put_many: Callable[..., Sequence[bool | None]] = self.store.put_many  # type: ignore[attr-defined]
+        try:
+            results = put_many(keys, values) if ttl is None else put_many(keys, values, ttl=ttl)
+        except Exception as exc:  # noqa: BLE001 - a failed store is reported, not raised
+            return [exc] * len(keys)
+        return [r is not False for r in results]
+
     def _store_one(self, item: tuple[str, bytes, float | None]) -> bool | Exception:
         key, value, ttl = item
         try:
@@ -195,6 +236,14 @@ def _frame(key: str, pieces: list[memoryview]) -> bytes:
     return b"".join([encode_header(key, pieces), *pieces])
 
 
+def frame_values(keys: Sequence[str], pages: Sequence[list[memoryview]]) -> list[bytes]:
+    """Each page's stored value: framing.py's header, then its pieces joined."""
+    native = native_file_io()
+    if native is not None:
+        return native.frame_values(keys, pages)
+    return [_frame(k, p) for k, p in zip(keys, pages)]
+
+
 def unframe_values(
     keys: Sequence[str],
     values: Sequence[bytes | bytearray | memoryview | None],
@@ -205,21 +254,42 @@ def unframe_values(
     """Each value read (None: a miss) verified and copied into its page: (whether each
     landed, the keys whose value was corrupt, for the caller to delete). Counts the bytes
     read and the corrupt values, and emits `storage.corrupt` for each of those."""
+    native = native_file_io()
+    results: list[int | CorruptValue | None] | None = None
+    if native is not None:
+        try:
+            results = native.unframe_values(keys, values, pages)
+        except UnicodeEncodeError:  # a key UTF-8 cannot hold: no value can be framed as it
+            results = None
+    if results is None:
+        results = [_unframe_result(k, v, p) for k, v, p in zip(keys, values, pages)]
     oks: list[bool] = []
     corrupt: list[str] = []
-    for key, value, pieces in zip(keys, values, pages):
-        if value is None:
+    read = 0
+    for key, result in zip(keys, results):
+        if result is None:
             oks.append(False)
-            continue
-        try:
-            counters.bytes_read += _unframe_into(key, value, pieces)
-            oks.append(True)
-        except CorruptValue as exc:
+        elif isinstance(result, CorruptValue):
             counters.corrupt += 1
-            emit("storage.corrupt", key=key, reason=exc.reason)
+            emit("storage.corrupt", key=key, reason=result.reason)
             corrupt.append(key)
             oks.append(False)
+        else:
+            read += result
+            oks.append(True)
+    counters.bytes_read += read
     return oks, corrupt
+
+
+def _unframe_result(
+    key: str, value: bytes | bytearray | memoryview | None, pieces: list[memoryview]
+) -> int | CorruptValue | None:
+    if value is None:
+        return None
+    try:
+        return _unframe_into(key, value, pieces)
+    except CorruptValue as exc:
+        return exc
 
 
 def _unframe_into(key: str, value: bytes | bytearray | memoryview, pieces: list[memoryview]) -> int:

@@ -15,7 +15,8 @@ progress. Values are created 0600, directories 0700. Guarantees:
   filesystem can hold for it. Sizes count whole filesystem blocks. Opening scans the directory
   into an index ordered by the store's policy (policies/storage.py; mtime order at open, so a
   restart keeps what was there); reads and writes update it, and touch the file's mtime so
-  other processes see the recency. Room is reserved before a batch is written: when it would
+  other processes see the recency (alone in the directory, a read touches an mtime only once
+  it is `TOUCH_AFTER_S`, 1 s, old: a restart's order is right to within that). Room is reserved before a batch is written: when it would
   take the total over the cap, the policy's victims leave the index and their files are
   unlinked, down to 0.9 x the cap: O(values removed), never a scan (batches wait for a running
   eviction, or for writes in flight to land when those alone fill the cap).
@@ -58,6 +59,7 @@ from hicache.backends.batch import Counters, check_buffers, check_keys, prefix_c
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file.index import (
     TMP_DIR,
+    TOUCH_AFTER_S,
     FileIndex,
     check_options,
     default_cap,
@@ -143,6 +145,9 @@ class FileBackend:
         self.fsync = bool(fsync)
         self._emit = emit or no_events
         self._clock = clock
+        # On the kernel's own clock a value without a ttl keeps the times the kernel gives a
+        # new file (mtime: the write; atime: no later), saving a system call per write.
+        self._kernel_times = clock is time.time
         self._runner = BlockingRunner(threads)  # writes, removals, scans
         # Reads have threads of their own: a prefetch (a request waiting) never queues
         # behind uploads (background work) for a thread.
@@ -238,7 +243,16 @@ class FileBackend:
         now = self._clock()
         now_ns = seconds_to_ns(now)
         hashes, paths = self._locate(keys)
-        jobs = [(k, path, p, now, now_ns) for k, path, p in zip(keys, paths, pages)]
+        if self._writers.changed() and self._recount():
+            self._start_rescan(left=True)
+        jobs: list[_Job]
+        if self._peers == 1:
+            # Alone: recency to within TOUCH_AFTER_S is enough for a restart's order, and
+            # nobody else reads mtimes meanwhile.
+            before = now_ns - seconds_to_ns(TOUCH_AFTER_S)
+            jobs = [(k, path, p, now, now_ns, before) for k, path, p in zip(keys, paths, pages)]
+        else:
+            jobs = [(k, path, p, now, now_ns) for k, path, p in zip(keys, paths, pages)]
         self._counters.gets += len(jobs)
         results = await self._map(_read_all, jobs, _nbytes(pages[0]) if pages else 0, self._reader)
         oks = []
@@ -315,10 +329,12 @@ class FileBackend:
         await self._make_room(need)
         expiry = None if ttl is None else now + ttl
         now_ns = seconds_to_ns(now)
-        times = (
+        times: tuple[int, int] | None = (
             expiry_to_atime_ns(expiry) if expiry is not None else plain_atime_ns(now_ns),
             now_ns,
         )
+        if expiry is None and self._kernel_times:
+            times = None
         chosen = [i for i in range(fit) if wanted[i]]
         hashes_w = [hashes[i] for i in chosen]
         temps = self._temp_paths(hashes_w)

@@ -24,7 +24,7 @@
 #define O_NOATIME 0
 #endif
 
-#define ABI 2
+#define ABI 4
 #define FIXED 24 /* "<4sHHQII": magic, version, key length, payload length, crc32, reserved */
 #define VERSION 1
 #define MARK_NS 424242LL
@@ -204,6 +204,7 @@ typedef struct {
     int npieces;
     int fsync;
     int64_t atime_ns, mtime_ns;
+    int set_times; /* 0: the kernel's own (a fresh file's atime is at most its mtime) */
     /* results */
     int64_t size, payload;
     int err;       /* 0, or the errno */
@@ -261,7 +262,7 @@ static void write_one(wjob_t *w, struct iovec *iov) {
             }
         }
     }
-    if (!failed) {
+    if (!failed && w->set_times) {
         struct timespec times[2];
         times[0].tv_sec = w->atime_ns / 1000000000LL;
         times[0].tv_nsec = w->atime_ns % 1000000000LL;
@@ -315,11 +316,12 @@ typedef struct {
     piece_t *pieces;
     int npieces;
     int64_t now_ns;
+    int64_t touch_before_ns; /* mtime is touched only when older than this */
     /* results */
     int code;
     int err;
     int64_t a, b;  /* R_READ: payload, file size; R_EXPIRED: file size; else detail numbers */
-    int64_t atime_ns;
+    int64_t atime_ns, mtime_ns;
     unsigned char *head;  /* R_HEADER: the header bytes read (hlen of them) */
     int64_t hlen;
 } rjob_t;
@@ -329,10 +331,11 @@ static int64_t mod_ns(int64_t t) {
     return m < 0 ? m + 1000000LL : m;
 }
 
-/* An atime with the expiry mark whose deadline (atime - MARK_NS ns) is at most `expire_le`
-   ns: expired (native.py computes `expire_le` from `now` exactly as Python compares). */
-static int expired(int64_t atime, int64_t expire_le) {
-    return mod_ns(atime) == MARK_NS && atime - MARK_NS <= expire_le;
+/* An atime with the expiry mark, later than mtime (index.py), whose deadline (atime - MARK_NS
+   ns) is at most `expire_le` ns: expired (native.py computes `expire_le` from `now` exactly as
+   Python compares). */
+static int expired(int64_t atime, int64_t mtime, int64_t expire_le) {
+    return mod_ns(atime) == MARK_NS && atime > mtime && atime - MARK_NS <= expire_le;
 }
 
 static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
@@ -355,8 +358,10 @@ static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
         return;
     }
     int64_t atime = (int64_t)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec;
+    int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
     r->atime_ns = atime;
-    if (expired(atime, expire_le)) {
+    r->mtime_ns = mtime;
+    if (expired(atime, mtime, expire_le)) {
         unlink(r->path);
         r->code = R_EXPIRED;
         r->a = (int64_t)st.st_size;
@@ -436,7 +441,7 @@ static void read_one(rjob_t *r, struct iovec *iov, int64_t expire_le) {
         corrupt = 1;
         goto done;
     }
-    {
+    if (mtime < r->touch_before_ns) {
         struct timespec times[2];  /* recency for every process sharing the directory */
         times[0] = st.st_atim;
         times[1].tv_sec = r->now_ns / 1000000000LL;
@@ -567,9 +572,12 @@ static PyObject *write_values(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "key of %zd bytes is longer than 65535", wj->klen);
             goto cleanup;
         }
-        if (!PyArg_ParseTuple(times, "LL", &at, &mt)) goto cleanup;
-        wj->atime_ns = at;
-        wj->mtime_ns = mt;
+        if (times != Py_None) {
+            if (!PyArg_ParseTuple(times, "LL", &at, &mt)) goto cleanup;
+            wj->atime_ns = at;
+            wj->mtime_ns = mt;
+            wj->set_times = 1;
+        }
         wj->fsync = PyObject_IsTrue(fsync);
         if (wj->fsync < 0) goto cleanup;
         if (get_pieces(pieces, 0, &views[ready], &nviews[ready], &wj->pieces, &wj->npieces) != 0) {
@@ -624,8 +632,8 @@ static PyObject *read_values(PyObject *self, PyObject *args) {
     if (failed) goto cleanup;
     for (; ready < n; ready++) {
         PyObject *job = PyList_GET_ITEM(jobs, ready);
-        if (!PyTuple_Check(job) || PyTuple_GET_SIZE(job) != 5) {
-            PyErr_SetString(PyExc_TypeError, "a read job is a 5-tuple");
+        if (!PyTuple_Check(job) || (PyTuple_GET_SIZE(job) != 5 && PyTuple_GET_SIZE(job) != 6)) {
+            PyErr_SetString(PyExc_TypeError, "a read job is a 5- or 6-tuple");
             goto cleanup;
         }
         rjob_t *rj = &r[ready];
@@ -636,6 +644,12 @@ static PyObject *read_values(PyObject *self, PyObject *args) {
         now_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(job, 4));
         if (now_ns == -1 && PyErr_Occurred()) goto cleanup;
         rj->now_ns = now_ns;
+        rj->touch_before_ns = INT64_MAX;
+        if (PyTuple_GET_SIZE(job) == 6) {
+            long long before = PyLong_AsLongLong(PyTuple_GET_ITEM(job, 5));
+            if (before == -1 && PyErr_Occurred()) goto cleanup;
+            rj->touch_before_ns = before;
+        }
         if (get_pieces(PyTuple_GET_ITEM(job, 2), 1, &views[ready], &nviews[ready], &rj->pieces,
                        &rj->npieces) != 0) {
             ready++;
@@ -670,8 +684,8 @@ static PyObject *read_values(PyObject *self, PyObject *args) {
             item = Py_BuildValue("(iiL)", rj->code, rj->err, (long long)rj->a);
             break;
         default:
-            item = Py_BuildValue("(iLLL)", rj->code, (long long)rj->a, (long long)rj->b,
-                                 (long long)rj->atime_ns);
+            item = Py_BuildValue("(iLLLL)", rj->code, (long long)rj->a, (long long)rj->b,
+                                 (long long)rj->atime_ns, (long long)rj->mtime_ns);
         }
         if (!item) {
             Py_CLEAR(out);
@@ -708,11 +722,209 @@ static PyObject *count_present(PyObject *self, PyObject *args) {
         struct stat st;
         if (stat(p[count], &st) != 0) break;
         int64_t atime = (int64_t)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec;
-        if (expired(atime, (int64_t)expire_le)) break;
+        int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+        if (expired(atime, mtime, (int64_t)expire_le)) break;
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(p);
     return PyLong_FromSsize_t(count);
+}
+
+/* ------------------------------------------------------------------ framing in memory */
+
+#define FRAME_STEP (64 * 1024) /* copy then checksum a step at a time, while it is in cache */
+
+/* Copy `len` bytes from `src` to `dst` a step at a time, each step checksummed from `dst`
+   right after its copy. */
+static uint32_t copy_crc(char *dst, const char *src, int64_t len, uint32_t crc) {
+    for (int64_t at = 0; at < len; at += FRAME_STEP) {
+        int64_t take = len - at < FRAME_STEP ? len - at : FRAME_STEP;
+        memcpy(dst + at, src + at, (size_t)take);
+        crc = crc32_of(crc, (const unsigned char *)dst + at, (uint64_t)take);
+    }
+    return crc;
+}
+
+typedef struct {
+    const char *key;
+    Py_ssize_t klen;
+    piece_t *pieces;
+    int npieces;
+    int64_t want; /* payload bytes: the pieces' total */
+    char *out;    /* frame_values: the value's bytes (header, key, payload) */
+    /* unframe_values */
+    Py_buffer value;
+    int has_value;
+    int code;
+    int64_t a, b;
+} fjob_t;
+
+static void frame_one(fjob_t *f) {
+    char *at = f->out + FIXED + f->klen;
+    uint32_t crc = 0;
+    for (int j = 0; j < f->npieces; j++) {
+        crc = copy_crc(at, f->pieces[j].ptr, f->pieces[j].len, crc);
+        at += f->pieces[j].len;
+    }
+    pack_header((unsigned char *)f->out, f->key, f->klen, (uint64_t)f->want, crc);
+}
+
+/* frame_values(keys, pages) -> one bytes object per page: framing.py's header (key, payload
+   length, CRC-32) then the page's pieces, copied and checksummed with the GIL released. */
+static PyObject *frame_values(PyObject *self, PyObject *args) {
+    PyObject *keys, *pages;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &keys, &PyList_Type, &pages)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(pages) != n) {
+        PyErr_SetString(PyExc_ValueError, "as many keys as pages are needed");
+        return NULL;
+    }
+    batch_t batch = {0};
+    PyObject *out = NULL;
+    Py_ssize_t ready = 0;
+    int failed = batch_alloc(&batch, n, sizeof(fjob_t));
+    fjob_t *f = batch.jobs;
+    if (failed) goto cleanup;
+    out = PyList_New(n);
+    if (!out) goto cleanup;
+    for (; ready < n; ready++) {
+        fjob_t *fj = &f[ready];
+        if (!(fj->key = utf8(PyList_GET_ITEM(keys, ready), &fj->klen))) goto fail;
+        if (fj->klen > 0xFFFF) {
+            PyErr_Format(PyExc_ValueError, "key of %zd bytes is longer than 65535", fj->klen);
+            goto fail;
+        }
+        if (get_pieces(PyList_GET_ITEM(pages, ready), 0, &batch.views[ready],
+                       &batch.nviews[ready], &fj->pieces, &fj->npieces) != 0) {
+            ready++;
+            goto fail;
+        }
+        for (int j = 0; j < fj->npieces; j++) fj->want += fj->pieces[j].len;
+        PyObject *value = PyBytes_FromStringAndSize(NULL, FIXED + fj->klen + fj->want);
+        if (!value) {
+            ready++;
+            goto fail;
+        }
+        fj->out = PyBytes_AS_STRING(value);
+        PyList_SET_ITEM(out, ready, value);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) frame_one(&f[i]);
+    Py_END_ALLOW_THREADS
+    goto cleanup;
+fail:
+    Py_CLEAR(out);
+cleanup:
+    if (!failed) {
+        for (Py_ssize_t i = 0; i < ready; i++)
+            free_pieces(batch.views[i], batch.nviews[i], f[i].pieces);
+    }
+    batch_free(&batch);
+    return out;
+}
+
+static void unframe_one(fjob_t *u) {
+    const unsigned char *v = u->value.buf;
+    int64_t len = u->value.len;
+    int64_t hsize = FIXED + u->klen;
+    int64_t avail = len < hsize ? len : hsize;
+    if (avail < FIXED || memcmp(v, "HKV\0", 4) != 0 || get_le(v + 4, 2) != VERSION ||
+        avail < FIXED + (int64_t)get_le(v + 6, 2) || (int64_t)get_le(v + 6, 2) != u->klen ||
+        memcmp(v + FIXED, u->key, (size_t)u->klen) != 0) {
+        u->code = R_HEADER; /* framing.decode_header says which */
+        return;
+    }
+    int64_t payload_len = (int64_t)get_le(v + 8, 8);
+    uint32_t want_crc = (uint32_t)get_le(v + 16, 4);
+    if (len - hsize != payload_len) {
+        u->code = R_TRUNC_SIZE;
+        u->a = len - hsize;
+        u->b = payload_len;
+        return;
+    }
+    if (payload_len != u->want) {
+        u->code = R_LENGTH;
+        u->a = payload_len;
+        u->b = u->want;
+        return;
+    }
+    const char *at = (const char *)v + hsize;
+    uint32_t crc = 0;
+    for (int j = 0; j < u->npieces; j++) {
+        crc = copy_crc(u->pieces[j].ptr, at, u->pieces[j].len, crc);
+        at += u->pieces[j].len;
+    }
+    u->code = crc == want_crc ? R_READ : R_CHECKSUM;
+    u->a = u->want;
+}
+
+/* unframe_values(keys, values, pages) -> per page None (its value is None), (R_READ, payload)
+   or a code saying why the value is not that page's (R_HEADER: framing.decode_header of the
+   value says which; R_TRUNC_SIZE and R_LENGTH with their two numbers; R_CHECKSUM). Each value
+   is copied into its page's pieces and checksummed there, the GIL released; a page whose
+   value fails may hold part of it. */
+static PyObject *unframe_values(PyObject *self, PyObject *args) {
+    PyObject *keys, *values, *pages;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &keys, &PyList_Type, &values,
+                          &PyList_Type, &pages))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(values) != n || PyList_GET_SIZE(pages) != n) {
+        PyErr_SetString(PyExc_ValueError, "as many keys as values and pages are needed");
+        return NULL;
+    }
+    batch_t batch = {0};
+    PyObject *out = NULL;
+    Py_ssize_t ready = 0;
+    int failed = batch_alloc(&batch, n, sizeof(fjob_t));
+    fjob_t *u = batch.jobs;
+    if (failed) goto cleanup;
+    for (; ready < n; ready++) {
+        fjob_t *uj = &u[ready];
+        PyObject *value = PyList_GET_ITEM(values, ready);
+        if (!(uj->key = utf8(PyList_GET_ITEM(keys, ready), &uj->klen))) goto cleanup;
+        if (get_pieces(PyList_GET_ITEM(pages, ready), 1, &batch.views[ready],
+                       &batch.nviews[ready], &uj->pieces, &uj->npieces) != 0) {
+            ready++;
+            goto cleanup;
+        }
+        for (int j = 0; j < uj->npieces; j++) uj->want += uj->pieces[j].len;
+        if (value == Py_None) {
+            uj->code = R_ABSENT;
+            continue;
+        }
+        if (PyObject_GetBuffer(value, &uj->value, PyBUF_SIMPLE) != 0) {
+            ready++;
+            goto cleanup;
+        }
+        uj->has_value = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (u[i].has_value) unframe_one(&u[i]);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (!out) goto cleanup;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = u[i].code == R_ABSENT
+                             ? Py_NewRef(Py_None)
+                             : Py_BuildValue("(iLL)", u[i].code, (long long)u[i].a, (long long)u[i].b);
+        if (!item) {
+            Py_CLEAR(out);
+            goto cleanup;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+cleanup:
+    if (!failed) {
+        for (Py_ssize_t i = 0; i < ready; i++) {
+            if (u[i].has_value) PyBuffer_Release(&u[i].value);
+            free_pieces(batch.views[i], batch.nviews[i], u[i].pieces);
+        }
+    }
+    batch_free(&batch);
+    return out;
 }
 
 /* ------------------------------------------------------------------ batch checksums */
@@ -900,6 +1112,8 @@ static PyMethodDef methods[] = {
     {"read_values", read_values, METH_VARARGS, NULL},
     {"count_present", count_present, METH_VARARGS, NULL},
     {"crc32_values", crc32_values, METH_O, NULL},
+    {"frame_values", frame_values, METH_VARARGS, NULL},
+    {"unframe_values", unframe_values, METH_VARARGS, NULL},
     {"crc32_start", crc32_start, METH_O, NULL},
     {"crc32_finish", crc32_finish, METH_O, NULL},
     {"set_crc", set_crc, METH_VARARGS, NULL},

@@ -2,12 +2,16 @@
 
 Recency and expiry live in each value file's timestamps, so they survive a restart and are
 seen by every process sharing the directory, with no sidecar files:
-- mtime is the last read or write (on the store's clock): writes set it, reads touch it. A
-  rescan orders values by it, so least-recently-used is global across processes as of the scan.
-- atime holds the expiry deadline, marked by a fixed sub-millisecond tail (`_MARK_NS`): an
-  atime without the mark (a value written without a ttl, or one some other program read on a
-  `strictatime` mount) means no expiry. The store reads with O_NOATIME, so its own reads never
-  move atime; with `relatime` (Linux's default) the kernel leaves a future atime alone.
+- mtime is the last read or write (on the store's clock): writes set it, reads touch it (an
+  instance alone in the directory only once its mtime is `TOUCH_AFTER_S` old). A rescan
+  orders values by it, so least-recently-used is global across processes as of the scan.
+- atime holds the expiry deadline, marked by a fixed sub-millisecond tail (`_MARK_NS`) and
+  later than mtime: an atime without the mark, or at or before mtime (a value written without
+  a ttl keeps the kernel's times, and a fresh file's atime is at most its mtime; one some
+  other program read on a `strictatime` mount), means no expiry. A deadline is always later
+  than the write and the reads that touch mtime before it passes. The store reads with
+  O_NOATIME, so its own reads never move atime; with `relatime` (Linux's default) the kernel
+  leaves a future atime alone.
 
 `FileIndex` is one instance's in-memory view: page hash -> (file size, expiry) in LRU order
 (reads and writes move a value to the end), the byte total, the bytes of writes in flight
@@ -30,6 +34,10 @@ TMP_DIR = "tmp"
 WRITERS_DIR = "writers"  # writers.py: one lock file per open instance
 _MARK_NS = 424_242  # atime's tail within its millisecond when atime is an expiry deadline
 _NS = 1_000_000_000
+TOUCH_AFTER_S = 1.0
+"""Alone in its directory, a store touches a value's mtime on a read only once the mtime is
+this old: recency to within a second for a restart, a system call saved per read of a value
+used that recently. Beside other instances every read touches (their rescans compare mtimes)."""
 
 Entry = tuple[int, float | None]  # file size, expiry deadline (None: never)
 
@@ -39,9 +47,10 @@ def expiry_to_atime_ns(deadline: float) -> int:
     return math.ceil(deadline * 1000) * 1_000_000 + _MARK_NS
 
 
-def atime_ns_to_expiry(atime_ns: int) -> float | None:
-    """The deadline an atime records, or None when it carries no mark."""
-    if atime_ns % 1_000_000 != _MARK_NS:
+def atime_ns_to_expiry(atime_ns: int, mtime_ns: int) -> float | None:
+    """The deadline a file's atime records, or None when it carries no mark or is not later
+    than its mtime."""
+    if atime_ns % 1_000_000 != _MARK_NS or atime_ns <= mtime_ns:
         return None
     return (atime_ns - _MARK_NS) / _NS
 
@@ -127,10 +136,12 @@ def scan(directory: str, block: int = 1) -> list[tuple[int, str, int, float | No
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                atime = st.st_atime_ns  # atime_ns_to_expiry, inlined: a scan stats every value
-                expiry = (atime - _MARK_NS) / _NS if atime % 1_000_000 == _MARK_NS else None
+                # atime_ns_to_expiry, inlined: a scan stats every value
+                atime, mtime = st.st_atime_ns, st.st_mtime_ns
+                marked = atime % 1_000_000 == _MARK_NS and atime > mtime
+                expiry = (atime - _MARK_NS) / _NS if marked else None
                 size = -(-st.st_size // block) * block  # whole blocks, as allocated
-                append((st.st_mtime_ns, entry.name, size, expiry))
+                append((mtime, entry.name, size, expiry))
     found.sort()
     return found
 

@@ -5,8 +5,9 @@ the reference they are tested against, and the fallback.
 
 Reads open with O_NOATIME (the atime is the value's expiry mark, index.py), check the
 expiry against the caller's `now`, read and verify the value into its pieces, then touch its
-mtime (recency). Writes go to a temporary file created 0600 that gets its timestamps (recency
-and expiry) before the rename. Directories are created 0700.
+mtime (recency) when older than the job says. Writes go to a temporary file created 0600 that
+gets its timestamps (recency and expiry) before the rename, where the job gives them: a value
+without a ttl written on the kernel's clock keeps the kernel's. Directories are created 0700.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def count_present(paths: list[str], now: float) -> int:
 
     def alive(path: str) -> bool:
         try:
-            expiry = atime_ns_to_expiry(os.stat(path).st_atime_ns)
+            st = os.stat(path)
+            expiry = atime_ns_to_expiry(st.st_atime_ns, st.st_mtime_ns)
         except OSError:
             return False
         return expiry is None or expiry > now
@@ -117,15 +119,17 @@ def _open_for_read(path: str) -> int:
 
 
 def read_value(
-    job: tuple[str, str, list[memoryview], float, int],
+    job: tuple[str, str, list[memoryview], float, int]
+    | tuple[str, str, list[memoryview], float, int, int],
 ) -> Read | Expired | CorruptValue | OSError | None:
     """Read and verify one value into its pieces: a Read, None (absent), Expired, the
     CorruptValue (file already deleted), or the OSError. The header and the first chunk of
     the payload come in one `readv` (a page of at most one chunk: the whole value), the rest a
     chunk at a time; each chunk is checksummed right after it is read, so the checksum reads
     bytes still in the CPU cache. `job` is (key, path, pieces, now in seconds, now in ns for
-    the mtime touch)."""
-    key, path, pieces, now, now_ns = job
+    the mtime touch[, touch only an mtime older than this, in ns])."""
+    key, path, pieces, now, now_ns = job[:5]
+    touch_before_ns = job[5] if len(job) > 5 else None
     try:
         fd = _open_for_read(path)
     except FileNotFoundError:
@@ -134,7 +138,7 @@ def read_value(
         return exc
     try:
         st = os.fstat(fd)
-        expiry = atime_ns_to_expiry(st.st_atime_ns)
+        expiry = atime_ns_to_expiry(st.st_atime_ns, st.st_mtime_ns)
         if expiry is not None and expiry <= now:
             _unlink_quietly(path)
             return Expired(st.st_size)
@@ -159,10 +163,11 @@ def read_value(
             raise CorruptValue("truncated", f"read {got - header.size} of {want} payload bytes")
         if crc != header.crc32:
             raise CorruptValue("checksum", f"checksum mismatch for {key!r}")
-        try:  # recency for every process sharing the directory; atime (expiry) kept
-            os.utime(fd, ns=(st.st_atime_ns, now_ns))
-        except OSError:
-            pass  # a read-only store still serves reads
+        if touch_before_ns is None or st.st_mtime_ns < touch_before_ns:
+            try:  # recency for every process sharing the directory; atime (expiry) kept
+                os.utime(fd, ns=(st.st_atime_ns, now_ns))
+            except OSError:
+                pass  # a read-only store still serves reads
         return Read(want, st.st_size, expiry)
     except CorruptValue as exc:
         _unlink_quietly(path)
@@ -174,13 +179,14 @@ def read_value(
 
 
 def write_value(
-    job: tuple[str, str, str, list[memoryview], bool, tuple[int, int]],
+    job: tuple[str, str, str, list[memoryview], bool, tuple[int, int] | None],
 ) -> tuple[int, int] | OSError:
     """Write one value through a temporary file and rename: (file size, payload) or the
     OSError (the temporary file then removed). A value of at most one chunk is checksummed,
     then written with one `writev` (header, then its pieces); a larger one goes payload first,
     a chunk at a time right after checksumming it, and the header, which needs the checksum,
-    last. Then the timestamps `times_ns` = (atime: expiry mark or plain, mtime: recency)."""
+    last. Then the timestamps `times_ns` = (atime: expiry mark or plain, mtime: recency),
+    unless None (the kernel's: atime at most mtime, no expiry)."""
     key, path, temp, pieces, fsync, times_ns = job
     hsize = header_size(key)
     try:
@@ -205,7 +211,8 @@ def write_value(
                     crc = checksum(chunk, crc)
                     payload += _writev_all(fd, chunk)
                 os.pwrite(fd, pack_header(key, payload, crc), 0)
-            os.utime(fd, ns=times_ns)  # after the last write, which would move mtime
+            if times_ns is not None:
+                os.utime(fd, ns=times_ns)  # after the last write, which would move mtime
             if fsync:
                 os.fsync(fd)
         finally:

@@ -19,7 +19,10 @@ the same CRC as framing.py's) and checks itself against framing.py at load.
 It also checksums a batch of values (`checksums`, framing.py's batch form, which uses it): the
 per-piece CRC-32 calls each need the GIL between pieces, so beside a thread that holds the GIL
 for long stretches (NIXL's Python binding holds it while its plugin copies) they barely ran;
-one call per batch needs it only to take the buffers and to hand back the results.
+one call per batch needs it only to take the buffers and to hand back the results. For the
+same reason it frames and unframes a batch of values in memory (`frame_values`,
+`unframe_values`: header, copy and CRC-32, for simple.py's stores), the copies and checksums
+made without the GIL, each step checksummed right after its copy, while in cache.
 """
 
 from __future__ import annotations
@@ -43,11 +46,17 @@ from typing import Any
 
 from hicache.backends.file.index import atime_ns_to_expiry
 from hicache.backends.file.io import Expired, Read, read_value, write_value
-from hicache.backends.framing import FIXED_HEADER_SIZE, CorruptValue, checksum, decode_header
+from hicache.backends.framing import (
+    FIXED_HEADER_SIZE,
+    CorruptValue,
+    checksum,
+    decode_header,
+    encode_header,
+)
 from hicache.kernels.native.build import build_library, cached_library, disabled
 
 _NAME = "_hicache_file_io"
-_ABI = 2
+_ABI = 4
 _FLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]
 _COMPILE_SECONDS = 120
 
@@ -117,6 +126,44 @@ class NativeFileIO:
         crcs: list[int] = self.module.crc32_values(values)
         return crcs
 
+    def frame_values(
+        self, keys: Sequence[str], pages: Sequence[Sequence[memoryview | bytes]]
+    ) -> list[bytes]:
+        """framing.py's value of each page (header, then the pieces joined): one call per
+        batch, the copies and checksums made with the GIL released."""
+        values: list[bytes] = self.module.frame_values(list(keys), list(pages))
+        return values
+
+    def unframe_values(
+        self,
+        keys: Sequence[str],
+        values: Sequence[bytes | bytearray | memoryview | None],
+        pages: Sequence[Sequence[memoryview]],
+    ) -> list[int | CorruptValue | None]:
+        """Each value (None: a miss) checked as its key's and copied into its page: the
+        payload bytes, None for a miss, or the CorruptValue framing.py's checks raise (the
+        page may then hold part of the value). One call per batch, the GIL released."""
+        out: list[int | CorruptValue | None] = []
+        results = self.module.unframe_values(list(keys), list(values), list(pages))
+        for key, value, result in zip(keys, values, results):
+            if result is None:
+                out.append(None)
+                continue
+            code, a, b = result
+            if code == _READ:
+                out.append(a)
+            elif code == _HEADER:
+                out.append(_header_fault(memoryview(value).cast("B"), key))  # type: ignore[arg-type]
+            elif code == _TRUNC_SIZE:
+                out.append(CorruptValue("truncated", f"{a} payload bytes, header says {b}"))
+            elif code == _LENGTH:
+                out.append(CorruptValue("length", f"value holds {a} bytes, page has {b}"))
+            elif code == _CHECKSUM:
+                out.append(CorruptValue("checksum", f"checksum mismatch for {key!r}"))
+            else:
+                raise RuntimeError(f"unknown result code {code}")
+        return out
+
     def checksums_started(self, values: Sequence[Sequence[memoryview | bytes]]) -> StartedChecksums:
         """`checksums` computed on a thread of the module's own (one that never takes the GIL),
         returned at once; `result` computes the values the thread has not started yet (so a
@@ -139,13 +186,22 @@ class StartedChecksums:
         return crcs
 
 
+def _header_fault(value: memoryview | bytes, key: str) -> CorruptValue:
+    """Why framing.decode_header refuses `value` as `key`'s (the compiled check agreed it does)."""
+    try:
+        decode_header(value, key)
+    except CorruptValue as exc:
+        return exc
+    return CorruptValue("truncated", "header unreadable")  # not reached: C agreed
+
+
 def _read_result(job: tuple[Any, ...], result: Any) -> Any:
     if result is None:
         return None
     key = job[0]
     code = result[0]
     if code == _READ:
-        return Read(result[1], result[2], atime_ns_to_expiry(result[3]))
+        return Read(result[1], result[2], atime_ns_to_expiry(result[3], result[4]))
     if code == _EXPIRED:
         return Expired(result[1])
     if code == _ERROR:
@@ -153,11 +209,7 @@ def _read_result(job: tuple[Any, ...], result: Any) -> Any:
             return OSError(result[1], os.strerror(result[1]), job[1])
         return OSError(result[1], os.strerror(result[1]))
     if code == _HEADER:
-        try:
-            decode_header(result[1], key)
-        except CorruptValue as exc:
-            return exc
-        return CorruptValue("truncated", "header unreadable")  # not reached: C agreed
+        return _header_fault(result[1], key)
     if code == _TRUNC_SIZE:
         return CorruptValue("truncated", f"{result[1]} payload bytes, header says {result[2]}")
     if code == _LENGTH:
@@ -229,6 +281,16 @@ def _self_test(native: NativeFileIO) -> None:
         or native.checksums_started(values).result() != expected
     ):
         raise OSError("compiled batch checksum disagrees with framing.py")
+    keys = [f"hicache:self-test:{i}" for i in range(len(values))]
+    framed = native.frame_values(keys, values)
+    if framed != [encode_header(k, v) + b"".join(v) for k, v in zip(keys, values)]:
+        raise OSError("compiled framing disagrees with framing.py")
+    pages = [[memoryview(bytearray(len(b"".join(v))))] for v in values]
+    unframed = native.unframe_values(keys, framed, pages)
+    if unframed != [len(b"".join(v)) for v in values] or [bytes(p[0]) for p in pages] != [
+        b"".join(v) for v in values
+    ]:
+        raise OSError("compiled unframing disagrees with framing.py")
     with tempfile.TemporaryDirectory(prefix="hicache-fileio-") as d:
         key = "hicache:self-test:" + "0" * 64
         times = (1_000_000_000, 2_000_000_000)

@@ -26,6 +26,7 @@ native = native_file_io()
 needs_native = pytest.mark.skipif(native is None, reason=f"not built: {unavailable_reason()}")
 
 KEY = "hicache:0123456789abcdef0123:" + "ab" * 32
+NS = 1_000_000_000
 TIMES = (1_700_000_000_123_456_789, 1_700_000_001_000_000_000)
 
 
@@ -112,11 +113,11 @@ def test_write_failures_and_healing_match(tmp_path, damage):
     assert snapshot(str(tmp_path / "py")).keys() == snapshot(str(tmp_path / "c")).keys()
 
 
-def write_raw(path: str, blob: bytes, atime_ns: int = TIMES[0]) -> None:
+def write_raw(path: str, blob: bytes, atime_ns: int = TIMES[0], mtime_ns: int = TIMES[1]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         f.write(blob)
-    os.utime(path, ns=(atime_ns, TIMES[1]))
+    os.utime(path, ns=(atime_ns, mtime_ns))
 
 
 def value(payload: bytes, key: str = KEY) -> bytes:
@@ -220,11 +221,12 @@ def test_expiry_is_decided_alike(tmp_path, deadline, now):
     results = []
     for way in ("py", "c"):
         path = str(tmp_path / way / "v")
-        write_raw(path, value(PAYLOAD), atime_ns=expiry_to_atime_ns(deadline))
+        write_raw(path, value(PAYLOAD), atime_ns=expiry_to_atime_ns(deadline), mtime_ns=NS)
         job = (KEY, path, [memoryview(bytearray(len(PAYLOAD)))], now, 6_000_000_000)
         results.append(file_io.read_value(job) if way == "py" else native.read_values([job])[0])
         assert file_io.count_present([path], now) == native.count_present([path], now)
     assert same(results[0], results[1])
+    assert isinstance(results[0], file_io.Expired) == (deadline <= now)
     assert snapshot(str(tmp_path / "py")).keys() == snapshot(str(tmp_path / "c")).keys()
 
 
@@ -234,9 +236,9 @@ def test_count_present_stops_at_the_first_absent_or_expired(tmp_path):
     for i, path in enumerate(paths):
         if i != 4:
             atime = expiry_to_atime_ns(5.0) if i == 3 else TIMES[0]
-            write_raw(path, b"x", atime_ns=atime)
-    for now in (1.0, 5.0, 6.0):
-        assert native.count_present(paths, now) == file_io.count_present(paths, now)
+            write_raw(path, b"x", atime_ns=atime, mtime_ns=NS if i == 3 else TIMES[1])
+    for now, present in ((1.0, 4), (5.0, 3), (6.0, 3)):
+        assert native.count_present(paths, now) == file_io.count_present(paths, now) == present
 
 
 def test_expire_le_is_the_boundary_python_uses():
@@ -360,3 +362,59 @@ def test_started_batch_checksums_hold_the_buffers_until_done():
     with pytest.raises(TypeError):
         native.checksums_started([[held], [object()]])
     held.extend(b"z")  # a failed start let go of what it had taken
+
+
+@needs_native
+@pytest.mark.parametrize("marked", [False, True])
+@pytest.mark.parametrize("later", [False, True])
+def test_a_mark_is_a_deadline_only_after_mtime_alike(tmp_path, marked, later):
+    """An atime on the mark at or before mtime (the kernel's times for a value written without
+    a ttl) is no deadline; one after mtime is."""
+    mtime = 100 * NS
+    atime = expiry_to_atime_ns(50.0) + (200 * NS if later else 0)
+    if not marked:
+        atime += 1
+    results = []
+    for way in ("py", "c"):
+        path = str(tmp_path / way / "v")
+        write_raw(path, value(PAYLOAD), atime_ns=atime, mtime_ns=mtime)
+        assert file_io.count_present([path], 1e9) == native.count_present([path], 1e9)
+        job = (KEY, path, [memoryview(bytearray(len(PAYLOAD)))], 1e9, 6_000_000_000)
+        results.append(file_io.read_value(job) if way == "py" else native.read_values([job])[0])
+    assert same(results[0], results[1])
+    assert isinstance(results[0], file_io.Expired) == (marked and later)
+
+
+@needs_native
+@pytest.mark.parametrize("touch_before", [TIMES[1], TIMES[1] + 1, None])
+def test_a_read_touches_mtime_only_when_older_than_asked_alike(tmp_path, touch_before):
+    results = []
+    for way in ("py", "c"):
+        path = str(tmp_path / way / "v")
+        write_raw(path, value(PAYLOAD))
+        job: tuple[object, ...] = (KEY, path, [memoryview(bytearray(len(PAYLOAD)))], 5.0, 6 * NS)
+        if touch_before is not None:
+            job = (*job, touch_before)
+        results.append(file_io.read_value(job) if way == "py" else native.read_values([job])[0])
+        touched = os.stat(path).st_mtime_ns == 6 * NS
+        assert touched == (touch_before is None or TIMES[1] < touch_before)
+        assert os.stat(path).st_atime_ns == TIMES[0]
+    assert same(results[0], results[1])
+    assert snapshot(str(tmp_path / "py")) == snapshot(str(tmp_path / "c"))
+
+
+@needs_native
+def test_a_write_without_times_keeps_the_kernels_alike(tmp_path):
+    results = []
+    for way in ("py", "c"):
+        path = str(tmp_path / way / "v")
+        os.makedirs(os.path.dirname(path))
+        job = (KEY, path, path + ".tmp", [memoryview(PAYLOAD)], False, None)
+        before = time.time_ns()
+        results.append(file_io.write_value(job) if way == "py" else native.write_values([job])[0])
+        st = os.stat(path)
+        assert st.st_atime_ns <= st.st_mtime_ns  # so never a deadline, whatever its tail
+        assert abs(st.st_mtime_ns - before) < 10 * NS
+        with open(path, "rb") as f:
+            assert f.read() == value(PAYLOAD)
+    assert results[0] == results[1]

@@ -236,3 +236,92 @@ def test_the_store_is_its_book_under_any_calls(policy, ops):
         else:
             now[0] += size / 10
         store.check_integrity()
+
+
+class Batched(GetPutOnly):
+    """A store with the batch forms too; counts their calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_calls = 0
+        self.short = False
+
+    def get_many(self, keys):
+        self.batch_calls += 1
+        if self.fail:
+            raise ConnectionError("store down")
+        values = [self.values.get(k) for k in keys]
+        return values[:-1] if self.short else values
+
+    def put_many(self, keys, values):
+        self.batch_calls += 1
+        if self.fail:
+            raise ConnectionError("store down")
+        self.values.update(zip(keys, values))
+        return [True] * len(keys)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_simple_store_adapter_uses_the_batch_forms(ns, pool, threads):
+    events = Events()
+    store = Batched()
+    backend = SimpleStoreBackend(store, namespace=ns, emit=events, threads=threads)
+    keys = page_keys(ns, 3)
+    for i in range(3):
+        pool.fill(i, seed=i)
+    assert await backend.set_from(keys, [pool.page_buffer(i) for i in range(3)]) == 3
+    out = FakeHostPool(pages=3)
+    assert await backend.get_into(keys, [out.page_buffer(i) for i in range(3)]) == 3
+    assert store.batch_calls == 2  # one call a batch each way
+    assert [out.page_bytes(i) for i in range(3)] == [pool.page_bytes(i) for i in range(3)]
+    assert (
+        backend.stats()["bytes_written"]
+        == backend.stats()["bytes_read"]
+        == 3 * len(pool.page_bytes(0))
+    )
+    store.short = True  # a store that answers for fewer keys than asked: every page a miss
+    assert await backend.get_into(keys, [out.page_buffer(i) for i in range(3)]) == 0
+    store.short, store.fail = False, True
+    assert await backend.get_into(keys, [out.page_buffer(i) for i in range(3)]) == 0
+    assert await backend.set_from(keys, [pool.page_buffer(i) for i in range(3)]) == 0
+    assert len(events.named("storage.error")) == 9
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "second-hit", "tinylfu"])
+@settings(max_examples=40, deadline=None)
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "put_ttl", "get", "tick"]),
+            st.lists(st.tuples(st.integers(0, 12), st.integers(1, 40)), max_size=8),
+            st.sampled_from([None, 0.0, 3.0]),
+        ),
+        max_size=40,
+    )
+)
+def test_batch_calls_are_the_calls_one_by_one(policy, batches):
+    """put_many and get_many leave a store as the same puts and gets one at a time would:
+    the same values, totals, peak, evictions, refusals and answers."""
+    now = [0.0]
+    one = MemoryStore(160, policy=policy, clock=lambda: now[0])
+    many = MemoryStore(160, policy=policy, clock=lambda: now[0])
+    for op, items, ttl_given in batches:
+        keys = [f"k{n}" for n, _ in items]
+        if op in ("put", "put_ttl"):
+            values = [bytes([n]) * size for n, size in items]
+            ttl = ttl_given if op == "put_ttl" else None
+            expect = [one.put(k, v, ttl=ttl) for k, v in zip(keys, values)]
+            assert many.put_many(keys, values, ttl=ttl) == expect
+        elif op == "get":
+            assert many.get_many(keys) == [one.get(k) for k in keys]
+        else:
+            now[0] += len(items)
+        for store in (one, many):
+            store.check_integrity()
+        assert dict(many._values) == dict(one._values)
+        assert (many.nbytes, many.peak_bytes, many.evictions, many.refused) == (
+            one.nbytes,
+            one.peak_bytes,
+            one.evictions,
+            one.refused,
+        )
