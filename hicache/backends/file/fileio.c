@@ -769,6 +769,19 @@ static void frame_one(fjob_t *f) {
     pack_header((unsigned char *)f->out, f->key, f->klen, (uint64_t)f->want, crc);
 }
 
+/* A framing job's key and its page's pieces (`writable`: a page read into), their total in
+   `want`. 0; -1 (an exception set, nothing held) or -2 (an exception set, the pieces held:
+   the caller releases them with the job's). */
+static int job_page(batch_t *batch, fjob_t *job, Py_ssize_t i, PyObject *key, PyObject *page,
+                    int writable) {
+    if (!(job->key = utf8(key, &job->klen))) return -1;
+    if (get_pieces(page, writable, &batch->views[i], &batch->nviews[i], &job->pieces,
+                   &job->npieces) != 0)
+        return -2;
+    for (int j = 0; j < job->npieces; j++) job->want += job->pieces[j].len;
+    return 0;
+}
+
 /* frame_values(keys, pages) -> one bytes object per page: framing.py's header (key, payload
    length, CRC-32) then the page's pieces, copied and checksummed with the GIL released. */
 static PyObject *frame_values(PyObject *self, PyObject *args) {
@@ -789,17 +802,17 @@ static PyObject *frame_values(PyObject *self, PyObject *args) {
     if (!out) goto cleanup;
     for (; ready < n; ready++) {
         fjob_t *fj = &f[ready];
-        if (!(fj->key = utf8(PyList_GET_ITEM(keys, ready), &fj->klen))) goto fail;
-        if (fj->klen > 0xFFFF) {
-            PyErr_Format(PyExc_ValueError, "key of %zd bytes is longer than 65535", fj->klen);
+        int got = job_page(&batch, fj, ready, PyList_GET_ITEM(keys, ready),
+                           PyList_GET_ITEM(pages, ready), 0);
+        if (got < 0) {
+            ready += got == -2; /* its pieces are held: released below */
             goto fail;
         }
-        if (get_pieces(PyList_GET_ITEM(pages, ready), 0, &batch.views[ready],
-                       &batch.nviews[ready], &fj->pieces, &fj->npieces) != 0) {
+        if (fj->klen > 0xFFFF) {
+            PyErr_Format(PyExc_ValueError, "key of %zd bytes is longer than 65535", fj->klen);
             ready++;
             goto fail;
         }
-        for (int j = 0; j < fj->npieces; j++) fj->want += fj->pieces[j].len;
         PyObject *value = PyBytes_FromStringAndSize(NULL, FIXED + fj->klen + fj->want);
         if (!value) {
             ready++;
@@ -882,13 +895,12 @@ static PyObject *unframe_values(PyObject *self, PyObject *args) {
     for (; ready < n; ready++) {
         fjob_t *uj = &u[ready];
         PyObject *value = PyList_GET_ITEM(values, ready);
-        if (!(uj->key = utf8(PyList_GET_ITEM(keys, ready), &uj->klen))) goto cleanup;
-        if (get_pieces(PyList_GET_ITEM(pages, ready), 1, &batch.views[ready],
-                       &batch.nviews[ready], &uj->pieces, &uj->npieces) != 0) {
-            ready++;
+        int got = job_page(&batch, uj, ready, PyList_GET_ITEM(keys, ready),
+                           PyList_GET_ITEM(pages, ready), 1);
+        if (got < 0) {
+            ready += got == -2; /* its pieces are held: released below */
             goto cleanup;
         }
-        for (int j = 0; j < uj->npieces; j++) uj->want += uj->pieces[j].len;
         if (value == Py_None) {
             uj->code = R_ABSENT;
             continue;
