@@ -128,21 +128,12 @@ class MemoryStore:
     def _put_fitting(
         self, keys: Sequence[str], values: Sequence[bytes], ttl: float | None
     ) -> list[bool]:
-        """`_put` of each, for a batch that fits whole beside what is held: what
-        `StoreBook.write` does when nothing needs to go (no admission, no eviction)."""
-        policy = self._book.policy
-        store = self._values
-        deadlines = self._deadlines
+        """`_put` of each, for a batch that fits whole beside what is held (no admission, no
+        eviction: `StoreBook.write_fitting`)."""
+        peak = self._book.write_fitting(zip(keys, map(len, values)))
+        store, deadlines = self._values, self._deadlines
         deadline = None if ttl is None else self._clock() + ttl
-        held = peak = policy.held_bytes
         for key, value in zip(keys, values):
-            if key in policy:
-                held -= policy.remove(key)
-            size = len(value)
-            policy.insert(key, size)
-            held += size
-            if held > peak:
-                peak = held
             store[key] = value if type(value) is bytes else bytes(value)
             if deadline is not None:
                 deadlines.set(key, deadline)

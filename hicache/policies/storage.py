@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
@@ -507,6 +507,21 @@ class StoreBook:
             self.evictions += len(evicted)
         policy.insert(key, size)
         return evicted
+
+    def write_fitting(self, entries: Iterable[tuple[str, int]]) -> int:
+        """`write` of each (key, size), in order, for a batch whose sizes together fit beside
+        what is held (the caller checked `fits`): nothing is offered or evicted, so each write
+        is a replace and an insert. The most bytes held on the way."""
+        policy = self.policy
+        held = peak = policy.held_bytes
+        for key, size in entries:
+            if key in policy:
+                held -= policy.remove(key)
+            policy.insert(key, size)
+            held += size
+            if held > peak:
+                peak = held
+        return peak
 
     def read(self, key: str) -> bool:
         """A read of `key`: whether it is held (touched if so, missed if not)."""

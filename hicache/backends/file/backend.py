@@ -16,10 +16,11 @@ progress. Values are created 0600, directories 0700. Guarantees:
   into an index ordered by the store's policy (policies/storage.py; mtime order at open, so a
   restart keeps what was there); reads and writes update it, and touch the file's mtime so
   other processes see the recency (alone in the directory, a read touches an mtime only once
-  it is `TOUCH_AFTER_S`, 1 s, old: a restart's order is right to within that). Room is reserved before a batch is written: when it would
-  take the total over the cap, the policy's victims leave the index and their files are
-  unlinked, down to 0.9 x the cap: O(values removed), never a scan (batches wait for a running
-  eviction, or for writes in flight to land when those alone fill the cap).
+  it is `TOUCH_AFTER_S`, 1 s, old: a restart's order is right to within that). Room is
+  reserved before a batch is written: when it would take the total over the cap, the
+  policy's victims leave the index and their files are unlinked, down to 0.9 x the cap:
+  O(values removed), never a scan (batches wait for a running eviction, or for writes in
+  flight to land when those alone fill the cap).
 - Shared directories: P open instances (writers.py counts them) each keep at most cap / P of
   what they wrote; beside others an instance rescans once per 0.1 x its share written, in a
   thread the writes never wait for, and a departed instance's values are adopted by the next
