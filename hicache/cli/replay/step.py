@@ -11,7 +11,7 @@ from hicache.cache import HiCache
 from hicache.cli.tally import Tally
 from hicache.cli.trace import TraceRequest
 from hicache.radix.hashes import chain_page_hashes
-from hicache.results import PinLimitError
+from hicache.results import LoadBackOutcome, MatchOutcome, PinLimitError
 from hicache.testing.kvfill import count_bad_pages, fill, page_seeds
 from hicache.types import RequestId
 
@@ -78,8 +78,13 @@ async def run_step(
             await cache.prefetch_many((rid, t, salt[rid]) for rid, t in toks.items())
             for rid in toks:
                 await cache.prefetch_wait(rid)
+    # Load back what L2 holds, as a scheduler does: only for requests whose match left some
+    # of it in L2 or has a load landing on it. Without L3 nothing can add to L2 since the
+    # match; with L3 the prefetch may have, so every request asks.
+    asks = [m.rid for m in matches if storage_on or m.host_len or m.pending]
     with timer("load_back"):
-        loads = await cache.load_back_many(toks)
+        asked = iter(await cache.load_back_many(asks) if asks else ())
+    loads = [next(asked) if m.rid in asks else _no_load(m) for m in matches]
     tally.loaded += sum(lb.loaded_tokens for lb in loads)
     bad = verified = 0
     for lb in loads:
@@ -115,6 +120,11 @@ async def run_step(
     tally.verified_pages += verified
     tally.requests += len(step)
     tally.input_tokens += sum(len(t) for t in toks.values())
+
+
+def _no_load(match: MatchOutcome) -> LoadBackOutcome:
+    """What load_back would answer for a request whose match left nothing in L2."""
+    return LoadBackOutcome(rid=match.rid, device_slots=match.device_slots, loaded_tokens=0)
 
 
 async def _pin_first_blocks(
