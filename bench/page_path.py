@@ -4,7 +4,9 @@ Each stage runs alone over the same pages, in batches of one request's pages (th
 uploader and the prefetcher hand a store), and prints its cost per page: what the store's
 calls are made of, so that the per-page work beyond the bytes can be set against memcpy of the
 same bytes (one large numpy copy, same run). Then the whole calls (set_from, exists, get_into)
-of the memory and the file store over the same pages, for the sum to be checked against.
+of the memory and the file store over the same pages, for the sum to be checked against, and
+of a memory store at its cap (LRU, full of other pages, so that every set evicts: a store's
+steady state, where new values reuse the memory of evicted ones).
 
 Stages: the chained page hash of a request's tokens (a Python call per page, and the one
 compiled call per batch an open cache uses); the storage keys and the file paths; the
@@ -41,6 +43,7 @@ if __package__ in (None, ""):
 
 from storage import SMALL_BATCH, SMALL_KV, memcpy_seconds_per_byte, small_case
 
+from hicache.backends.base import StorageBackend
 from hicache.backends.batch import Counters, check_buffers
 from hicache.backends.blocking import BlockingRunner
 from hicache.backends.file import FileBackend
@@ -278,16 +281,26 @@ def main() -> None:
         anyio.run(store.clear)
         anyio.run(store.aclose)  # the stores below are then alone in the directory
         whole: list[tuple[str, float]] = []
-        for name in ("memory", "file"):
+        at_cap = "memory at its cap (lru)"
+
+        def open_store(name: str) -> StorageBackend:
+            if name == "memory":
+                return MemoryBackend(namespace=namespace, capacity_bytes=None)
+            if name == at_cap:  # room for one pass of pages, with the headers and keys
+                cap = pages * (page_bytes + 256)
+                return MemoryBackend(namespace=namespace, capacity_bytes=cap, policy="lru")
+            return FileBackend(root, namespace=namespace)
+
+        for name in ("memory", at_cap, "file"):
             best: dict[str, float] = {}
             for r in range(args.repeats):
-                backend = (
-                    MemoryBackend(namespace=namespace, capacity_bytes=None)
-                    if name == "memory"
-                    else FileBackend(root, namespace=namespace)
-                )
+                backend = open_store(name)
                 try:
+                    if name == at_cap:  # full of other pages first: every set then evicts
+                        anyio.run(small_case, backend, host, namespace, pages, r + args.repeats)
                     took = anyio.run(small_case, backend, host, namespace, pages, r)
+                    if name == at_cap and not backend.stats().get("evictions"):
+                        raise RuntimeError("the store at its cap evicted nothing")
                 finally:
                     anyio.run(backend.clear)
                 for op, s in took.items():
