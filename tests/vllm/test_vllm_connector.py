@@ -24,6 +24,7 @@ from vllm_helpers import (
     prompts,
     run,
     same,
+    value_files,
 )
 
 pytestmark = VLLM_MARKS
@@ -74,7 +75,7 @@ def test_second_process_reads_the_prefixes_from_l3(work, spec, baseline, first, 
 def test_corrupt_stored_values_are_recomputed(work, spec, baseline, first, store):
     bad = work / "store-corrupt"
     shutil.copytree(store, bad)
-    values = [p for p in bad.rglob("*") if p.is_file() and "tmp" not in p.relative_to(bad).parts]
+    values = value_files(bad)
     assert values, "the first run stored nothing in L3"
     for path in values:  # flip the last payload byte: the CRC-32 no longer matches
         data = bytearray(path.read_bytes())

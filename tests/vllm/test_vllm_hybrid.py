@@ -30,9 +30,8 @@ from vllm_helpers import (
     prompts,
     run,
     same,
+    value_files,
 )
-
-from hicache.backends.file.index import TMP_DIR, WRITERS_DIR
 
 pytestmark = VLLM_MARKS
 
@@ -98,13 +97,7 @@ def test_hybrid_second_process_reads_the_prefixes_from_l3(hybrid, hspec, hbaseli
 def test_hybrid_corrupt_store_is_recomputed_per_request(hybrid, hspec, hbaseline, hfirst):
     bad = hybrid / "store-corrupt"
     shutil.copytree(hybrid / "store", bad)
-    # Values only: not writes in progress, nor an instance's lock file (left by a process
-    # that exited without closing its store).
-    values = [
-        p
-        for p in bad.rglob("*")
-        if p.is_file() and not {TMP_DIR, WRITERS_DIR} & set(p.relative_to(bad).parts)
-    ]
+    values = value_files(bad)
     assert values, "the first run stored nothing in L3"
     for path in values:
         data = bytearray(path.read_bytes())

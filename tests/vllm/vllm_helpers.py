@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from hicache.backends.file.index import TMP_DIR, WRITERS_DIR
+
 HERE = Path(__file__).parent
 DRIVER = HERE / "vllm_driver.py"
 BLOCK = 32
@@ -36,6 +38,16 @@ VLLM_MARKS = [
     ),
     pytest.mark.timeout(900),
 ]
+
+
+def value_files(store: Path) -> list[Path]:
+    """The value files of a file store's directory: not writes in progress (`tmp/`), nor an
+    instance's lock file (`writers/`, left empty by a process that exited without closing its
+    store)."""
+    skip = {TMP_DIR, WRITERS_DIR}
+    return [
+        p for p in store.rglob("*") if p.is_file() and not skip & set(p.relative_to(store).parts)
+    ]
 
 
 def prompts() -> list[list[int]]:
