@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
 from hicache.kernels.cpu_plans import CpuPlans, PageSetup, Pairs, pair_row
+from hicache.kernels.native.copier import PageCopier, PendingCopy
 from hicache.kernels.native.rowcopy import native_rows, unavailable_reason
 from hicache.kernels.pools import HostPool
 from hicache.kernels.rows import SCRATCH_BYTES, copy_rows, require_host_memory, split_rows
@@ -68,6 +70,7 @@ class CpuEngine:
         self._helper_count = 0
         self._plans = CpuPlans(pairs_plans=self.native is not None)
         self.pair_cache: dict[Any, Any] = {}
+        self._defer: tuple[PageCopier, list[PendingCopy]] | None = None  # see `deferring`
 
     @property
     def threads(self) -> int:
@@ -157,9 +160,26 @@ class CpuEngine:
         row_bytes = dst_grid.array.shape[1] * dst_grid.array.itemsize
         n = int(dst_np.size)
         nbytes = n * runs.rows * row_bytes
+        streaming = nbytes >= _STREAMING_BYTES
+        if self._defer is not None:  # on the copy thread, whole
+            copier, queued = self._defer
+            pending = copier.submit(
+                dst_grid.array,
+                src_grid.array,
+                dst_np,
+                dst_grid.page_rows,
+                src_np,
+                src_grid.page_rows,
+                runs,
+                streaming=streaming,
+                dst_address=dst_grid.address or None,
+                src_address=src_grid.address or None,
+            )
+            if pending is not None:
+                queued.append(pending)
+                return
         parts = max(1, min(self._threads, n, nbytes // self._parallel_bytes))
         bounds = [n * i // parts for i in range(parts + 1)]
-        streaming = nbytes >= _STREAMING_BYTES
 
         def copy(part: int) -> None:
             lo, hi = bounds[part], bounds[part + 1]
@@ -177,6 +197,18 @@ class CpuEngine:
             )
 
         self._in_parts(parts, copy)
+
+    @contextmanager
+    def deferring(self, copier: PageCopier) -> Iterator[list[PendingCopy]]:
+        """Within the block, copies by the compiled page loop are queued on `copier` instead of
+        run here; the list fills with their pending jobs (every other copy still runs here,
+        and a job the copier cannot take too). Not reentrant."""
+        queued: list[PendingCopy] = []
+        self._defer = (copier, queued)
+        try:
+            yield queued
+        finally:
+            self._defer = None
 
     def _in_parts(self, parts: int, copy: Callable[[int], None]) -> None:
         """`copy(part)` for each part: part 0 on this thread, the others on helper threads

@@ -9,13 +9,15 @@
  * stores: a large transfer's destination is not read back soon, and skipping the
  * read-for-ownership is what lets a gather keep up with a plain memcpy of the same bytes.
  */
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
-int64_t hicache_rowcopy_abi(void) { return 5; }
+int64_t hicache_rowcopy_abi(void) { return 6; }
 
 static inline void copy_row(char *d, const char *s, int64_t n, int streaming) {
     int64_t j = 0;
@@ -232,4 +234,122 @@ void hicache_ledger_alloc(const int64_t *free_pages, int64_t top, int64_t count,
         int64_t *o = out + i * page_size;
         for (int64_t j = 0; j < page_size; j++) o[j] = first + j;
     }
+}
+
+/* A copy thread: `hicache_copy_pages` jobs run in submission order on a thread of their own,
+ * beside the caller (the event loop), as a GPU's copy engine runs beside the host. A job's
+ * `result` is two int64: the rows it skipped, then 1 once done (stored with release order;
+ * `hicache_copy_done` reads it with acquire order). The caller keeps every array a job reads
+ * or writes alive until the job is done; `hicache_copier_stop` runs what is queued, then
+ * joins the thread, so nothing is touched after it returns. */
+typedef struct {
+    char *dst;
+    int64_t dst_limit;
+    const char *src;
+    int64_t src_limit;
+    const int64_t *dst_pages, *src_pages, *run_dst, *run_src, *run_len, *prefetch;
+    int64_t dst_page_rows, src_page_rows, npages, nruns, row_bytes, nprefetch;
+    int streaming;
+    int64_t *result;
+} page_job;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    pthread_t thread;
+    page_job *ring;
+    int64_t cap, head, count; /* jobs waiting: ring[head], ... (count of them) */
+    int stop;
+} copier;
+
+static void *copier_main(void *arg) {
+    copier *c = (copier *)arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->count && !c->stop) pthread_cond_wait(&c->wake, &c->mu);
+        if (!c->count) break; /* stopping, and nothing left to run */
+        page_job job = c->ring[c->head];
+        pthread_mutex_unlock(&c->mu);
+        int64_t skipped = hicache_copy_pages(
+            job.dst, job.dst_limit, job.src, job.src_limit, job.dst_pages, job.dst_page_rows,
+            job.src_pages, job.src_page_rows, job.npages, job.run_dst, job.run_src, job.run_len,
+            job.nruns, job.row_bytes, job.prefetch, job.nprefetch, job.streaming);
+        job.result[0] = skipped;
+        __atomic_store_n(&job.result[1], 1, __ATOMIC_RELEASE);
+        pthread_mutex_lock(&c->mu);
+        c->head = (c->head + 1) % c->cap;
+        c->count--;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* A started copy thread with room for `cap` waiting jobs, or NULL (out of memory, no thread). */
+void *hicache_copier_start(int64_t cap) {
+    if (cap < 1) return NULL;
+    copier *c = (copier *)calloc(1, sizeof(copier));
+    if (!c) return NULL;
+    c->ring = (page_job *)calloc((size_t)cap, sizeof(page_job));
+    c->cap = cap;
+    if (!c->ring || pthread_mutex_init(&c->mu, NULL)) goto fail;
+    if (pthread_cond_init(&c->wake, NULL)) goto fail_mu;
+    if (pthread_create(&c->thread, NULL, copier_main, c)) goto fail_cond;
+    return c;
+fail_cond:
+    pthread_cond_destroy(&c->wake);
+fail_mu:
+    pthread_mutex_destroy(&c->mu);
+fail:
+    free(c->ring);
+    free(c);
+    return NULL;
+}
+
+/* Queue a `hicache_copy_pages` job (same arguments, then `result`); 0, or -1 when the ring is
+ * full or the thread stopping (nothing queued: the caller copies itself). */
+int64_t hicache_copier_submit(void *handle, char *dst, int64_t dst_limit, const char *src,
+                              int64_t src_limit, const int64_t *dst_pages, int64_t dst_page_rows,
+                              const int64_t *src_pages, int64_t src_page_rows, int64_t npages,
+                              const int64_t *run_dst, const int64_t *run_src,
+                              const int64_t *run_len, int64_t nruns, int64_t row_bytes,
+                              const int64_t *prefetch, int64_t nprefetch, int streaming,
+                              int64_t *result) {
+    copier *c = (copier *)handle;
+    pthread_mutex_lock(&c->mu);
+    if (c->stop || c->count == c->cap) {
+        pthread_mutex_unlock(&c->mu);
+        return -1;
+    }
+    page_job *job = &c->ring[(c->head + c->count) % c->cap];
+    job->dst = dst, job->dst_limit = dst_limit, job->src = src, job->src_limit = src_limit;
+    job->dst_pages = dst_pages, job->dst_page_rows = dst_page_rows;
+    job->src_pages = src_pages, job->src_page_rows = src_page_rows, job->npages = npages;
+    job->run_dst = run_dst, job->run_src = run_src, job->run_len = run_len, job->nruns = nruns;
+    job->row_bytes = row_bytes, job->prefetch = prefetch, job->nprefetch = nprefetch;
+    job->streaming = streaming, job->result = result;
+    result[0] = 0;
+    result[1] = 0;
+    c->count++;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+}
+
+/* A job's skipped rows once it is done, else -1. */
+int64_t hicache_copy_done(const int64_t *result) {
+    return __atomic_load_n(&result[1], __ATOMIC_ACQUIRE) ? result[0] : -1;
+}
+
+/* Run what is queued, stop the thread, free the copier. */
+void hicache_copier_stop(void *handle) {
+    copier *c = (copier *)handle;
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    pthread_cond_signal(&c->wake);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->thread, NULL);
+    pthread_cond_destroy(&c->wake);
+    pthread_mutex_destroy(&c->mu);
+    free(c->ring);
+    free(c);
 }

@@ -31,8 +31,8 @@ from hicache.kernels.native.build import (
 )
 
 SOURCE = Path(__file__).with_name("rowcopy.c")
-ABI = 5
-_FLAGS = ["-O3", "-shared", "-fPIC"]
+ABI = 6
+_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,10 @@ class NativeRows:
     _u32_same: Callable[..., int]
     _ledger_free: Callable[..., int]
     _ledger_alloc: Callable[..., None]
+    _copier_start: Callable[..., int | None]
+    _copier_submit: Callable[..., int]
+    _copy_done: Callable[..., int]
+    _copier_stop: Callable[..., None]
 
     def copy(
         self,
@@ -292,7 +296,15 @@ def _load(path: Path) -> NativeRows:
     same = _bind(lib, "hicache_u32_same", i64, ptr, i64, ptr)
     free = _bind(lib, "hicache_ledger_free", i64, ptr, i64, i64, i64, ptr, ptr, i64)
     alloc = _bind(lib, "hicache_ledger_alloc", None, ptr, i64, i64, i64, ptr, ptr)
-    return NativeRows(path, copy, pages, check, ids, same, free, alloc)
+    start = _bind(lib, "hicache_copier_start", ptr, i64)
+    submit = _bind(
+        lib, "hicache_copier_submit", i64,
+        ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64,
+        ctypes.c_int, ptr,
+    )  # fmt: skip
+    done = _bind(lib, "hicache_copy_done", i64, ptr)
+    stop = _bind(lib, "hicache_copier_stop", None, ptr)
+    return NativeRows(path, copy, pages, check, ids, same, free, alloc, start, submit, done, stop)
 
 
 @functools.cache

@@ -392,6 +392,10 @@ class CudaInlineCopies:
             lambda engine: run_backup(plan, self.device_pool, self.host_pool, self.io, engine)
         )
 
+    def backup_later(self, plan: PagePlan) -> None:
+        """`backup`: a GPU's copies are waited for here (nothing lands later)."""
+        self.backup(plan)
+
     def close(self) -> None:
         """Release the stream (every copy on it was waited for already). Idempotent."""
         if self._stream is not None:

@@ -15,6 +15,7 @@ from typing import Protocol
 from hicache.kernels.engines import CpuEngine
 from hicache.kernels.indices import PagePlan
 from hicache.kernels.names import DEFAULT_TRANSFER_SMS
+from hicache.kernels.native.copier import PageCopier, PendingCopy
 from hicache.kernels.pools import DevicePool, HostPool
 from hicache.kernels.rows import UnreachableMemory
 from hicache.kernels.transfer import run_backup, run_load_all, run_load_layer
@@ -37,17 +38,42 @@ class InlineCopies(Protocol):
         """Every layer of the planned pages device->host; bytes in place on return."""
         ...
 
+    def backup_later(self, plan: PagePlan) -> Landing | None:
+        """`backup`, its copies queued beside the caller where they can be: what is still
+        landing, or None when the bytes are in place on return."""
+        ...
+
     def close(self) -> None: ...
 
 
+class Landing:
+    """The copies of one transfer still running on a copy thread."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: list[PendingCopy]) -> None:
+        self._jobs = jobs
+
+    def landed(self) -> bool:
+        return all(job.done() for job in self._jobs)
+
+    def error(self) -> IndexError | None:
+        """Once landed: the first copy's error, if any failed."""
+        return next((e for e in (job.error() for job in self._jobs) if e is not None), None)
+
+
 class CpuInlineCopies:
-    """Inline copies for a device pool in host memory: the CPU engine on the calling thread."""
+    """Inline copies for a device pool in host memory: the CPU engine on the calling thread;
+    backups through the compiled page loop may instead run on a copy thread of their own
+    (`backup_later`, started on first use)."""
 
     kind = "cpu"
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io: str) -> None:
         self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
         self._engine = CpuEngine()
+        self._copier: PageCopier | None = None
+        self._closed = False
 
     def load_all(self, plan: PagePlan) -> None:
         run_load_all(plan, self.host_pool, self.device_pool, self.io, self._engine)
@@ -58,8 +84,26 @@ class CpuInlineCopies:
     def backup(self, plan: PagePlan) -> None:
         run_backup(plan, self.device_pool, self.host_pool, self.io, self._engine)
 
+    def backup_later(self, plan: PagePlan) -> Landing | None:
+        copier = self._copier
+        native = self._engine.native
+        if copier is None and native is not None and not self._closed:
+            try:
+                copier = self._copier = PageCopier(native)
+            except OSError:  # no thread to be had: copy here
+                self._closed = True  # and do not ask again
+        if copier is None:
+            self.backup(plan)
+            return None
+        with self._engine.deferring(copier) as jobs:
+            run_backup(plan, self.device_pool, self.host_pool, self.io, self._engine)
+        return Landing(jobs) if jobs else None
+
     def close(self) -> None:
-        """Nothing held: CPU copies are done when they return."""
+        """Run the backups still queued on the copy thread, then stop it. Idempotent."""
+        self._closed = True
+        if self._copier is not None:
+            self._copier.stop()
 
 
 Maker = Callable[[DevicePool, HostPool, str, int], InlineCopies]

@@ -65,12 +65,13 @@ def make_streams(
             bandwidth=float("inf"),
             fault=fault,
             transfer_sms=transfer_sms,
+            defer_backups=True,
         )
         return streams, StreamSelection(
             "inline",
             prefer,
-            f"{streams.copies.kind.upper()} copies on the event loop at submit "
-            "(cpu_transfers='inline')",
+            f"{streams.copies.kind.upper()} copies on the event loop at submit, backups "
+            "on a copy thread beside it where the compiled copier runs (cpu_transfers='inline')",
         )
     if prefer == "virtual":
         if schedule is None or bandwidth is None:

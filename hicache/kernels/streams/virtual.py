@@ -6,13 +6,17 @@ completion is *reported* at virtual times from a bandwidth model: within one dir
 `bytes_per_layer / bandwidth` after layer `i-1` (a backup lands once, after all its bytes).
 Timing goes through `schedule(delay_seconds, callback)`, supplied by the runtime; callbacks run
 on the event loop, so `on_done` is called on the loop (from a scheduled callback, never from
-inside `submit_*`)."""
+inside `submit_*`).
+
+With `defer_backups` (inline streams, no modelled time) a backup's bytes move on a copy thread
+beside the loop where the copier can take them (streams/inline.py, `backup_later`): its
+completion is then reported once they have landed, looked for every `POLL_S` seconds."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -28,11 +32,15 @@ from hicache.kernels.streams.base import (
     TransferFailed,
     check_layer,
 )
-from hicache.kernels.streams.inline import InlineCopies, inline_copies
+from hicache.kernels.streams.inline import InlineCopies, Landing, inline_copies
 from hicache.kernels.transfer import check_io
 
-Step = tuple[float, Callable[[], bool]]
-"""(delay, action): an action returns True when the rest of its job is to be skipped."""
+Step = tuple[float, Callable[[], bool | float]]
+"""(delay, action): an action returns True when the rest of its job is to be skipped, or a
+float: not yet, run me again after that many seconds."""
+
+POLL_S = 20e-6
+"""How often a deferred backup's completion looks whether its bytes have landed."""
 
 
 class VirtualLoadHandle:
@@ -96,10 +104,10 @@ class _Lane:
 
     def __init__(self, schedule: Schedule) -> None:
         self._schedule = schedule
-        self._jobs: deque[list[Step]] = deque()
+        self._jobs: deque[Sequence[Step]] = deque()
         self._busy = False
 
-    def push(self, steps: list[Step]) -> None:
+    def push(self, steps: Sequence[Step]) -> None:
         self._jobs.append(steps)
         if not self._busy:
             self._next()
@@ -111,11 +119,14 @@ class _Lane:
         self._busy = True
         self._step(self._jobs.popleft(), 0)
 
-    def _step(self, steps: list[Step], index: int) -> None:
+    def _step(self, steps: Sequence[Step], index: int) -> None:
         delay, action = steps[index]
 
         def fire() -> None:
             stop = action()
+            if type(stop) is float:  # not yet: the same step again
+                self._schedule(stop, fire)
+                return
             if stop or index + 1 == len(steps):
                 self._next()
             else:
@@ -140,10 +151,12 @@ class VirtualStreams:
         fault: FaultHook | None = None,
         copies: InlineCopies | None = None,
         transfer_sms: int = DEFAULT_TRANSFER_SMS,
+        defer_backups: bool = False,
     ) -> None:
         """`copies`: what moves the bytes (default: `inline_copies` for the device pool's
         device, its CUDA copy kernel on at most `transfer_sms` SMs; raises `UnreachableMemory`
-        for a device no engine moves)."""
+        for a device no engine moves). `defer_backups`: backups' bytes move beside the loop
+        where the copies can (module docstring); for streams without modelled time only."""
         check_io(io)
         if not bandwidth or bandwidth <= 0:
             raise ValueError(
@@ -158,6 +171,7 @@ class VirtualStreams:
             else inline_copies(device_pool, host_pool, io, transfer_sms=transfer_sms)
         )
         self._loads, self._backups = _Lane(schedule), _Lane(schedule)
+        self._defer_backups = defer_backups
         self._load_jobs = 0
         self._backup_jobs = 0
         self._closed = False
@@ -239,15 +253,24 @@ class VirtualStreams:
         job = self._backup_jobs
         self._backup_jobs += 1
         extra, error = self._extra(FaultPoint("backup", job, None))
+        landing: Landing | None = None
         if error is None:
             try:
-                self.copies.backup(plan)
+                if self._defer_backups:
+                    landing = self.copies.backup_later(plan)
+                else:
+                    self.copies.backup(plan)
             except Exception as exc:  # noqa: BLE001 - reported through on_done
                 error = exc
         nbytes = plan.tokens * self.device_pool.geometry.bytes_per_token
 
-        def action() -> bool:
-            on_done(error)
+        def action() -> bool | float:
+            if landing is None:
+                on_done(error)
+            elif landing.landed():
+                on_done(landing.error())
+            else:
+                return POLL_S
             return True
 
         self._backups.push([(nbytes / self.bandwidth + extra, action)])

@@ -3,6 +3,7 @@ events, failures), selection."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import anyio
@@ -21,7 +22,7 @@ from hicache.kernels import (
     TransferFailed,
     make_streams,
 )
-from tests.unit.kernels.reference import randomize
+from tests.unit.kernels.reference import naive_backup, randomize
 
 G = MHAGeometry(layers=4, heads=2, head_dim=8, dtype=torch.float16)
 LAYER_BYTES = 8 * G.bytes_per_token // G.layers  # 8 tokens per load in these tests
@@ -218,3 +219,41 @@ def test_auto_selection_reports_why_not_cuda():
         make_streams(d, h, io="kernel", prefer="virtual")
     with pytest.raises(ValueError, match="unknown stream preference"):
         make_streams(d, h, io="kernel", prefer="gpu")
+
+
+def test_inline_backups_land_beside_the_loop_before_they_are_reported():
+    """Inline streams queue a backup's bytes on the copy thread: its completion comes only
+    once they have landed (its page then holds what a plain backup writes), in order."""
+    expected_device, expected_host = pools()
+    naive_backup(expected_device, expected_host, np.arange(16), np.arange(16, 32))
+
+    def page(pool, i):  # the bytes of host page 4 + i (slots 16 + 4i ...)
+        return [bytes(piece) for piece in pool.page_buffers(np.arange(16 + 4 * i, 20 + 4 * i))[0]]
+
+    async def main():
+        d, h = pools()
+        done = []
+        streams, selection = make_streams(
+            d,
+            h,
+            io="kernel",
+            prefer="inline",
+            schedule=lambda delay, cb: asyncio.get_running_loop().call_later(delay, cb),
+        )
+        assert selection.kind == "inline" and "copy thread" in selection.reason
+
+        def record(i):
+            def on_done(error):  # the bytes are there when the completion says so
+                done.append((i, error, page(h, i) == page(expected_host, i)))
+
+            return on_done
+
+        for i in range(4):  # four backups of one page each, in order
+            slots = np.arange(4 * i, 4 * i + 4)
+            streams.submit_backup(slots, slots + 16, on_done=record(i))
+        while len(done) < 4:
+            await asyncio.sleep(0)
+        streams.close()
+        return done
+
+    assert asyncio.run(main()) == [(i, None, True) for i in range(4)]

@@ -1,0 +1,150 @@
+"""A copy thread for the compiled page loop (rowcopy.c, `hicache_copier_*`): page copies run in
+submission order on a thread of their own, beside the event loop that queued them, as a
+GPU's copy engine runs beside the host. Inline CPU streams copy their backups this way: the
+loop goes on with the next call while the bytes move on the other core.
+
+A job reads and writes the arrays it was given until it is done: `PendingCopy` keeps them
+alive, and `PageCopier.stop` runs what is queued and joins the thread before it returns, so
+no array is released under a running copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import numpy as np
+
+from hicache.kernels.native.addresses import data_address, int64_address
+from hicache.kernels.native.rowcopy import NativeRows, PageRuns
+
+CAPACITY = 64
+"""Jobs that may wait at once; a submit past it returns None and the caller copies itself."""
+
+
+class PendingCopy:
+    """One queued page copy: `done()` once the thread has run it, then `error()` says whether
+    rows fell out of range (skipped, as the synchronous call raises for)."""
+
+    __slots__ = ("_result", "_address", "_keep", "_native", "_rows", "_dst_rows", "_src_rows")
+
+    def __init__(
+        self, native: NativeRows, keep: tuple[object, ...], rows: int, limits: tuple[int, int]
+    ) -> None:
+        self._result = np.zeros(2, dtype=np.int64)  # skipped rows, then 1 once done
+        self._address = data_address(self._result)
+        self._keep: tuple[object, ...] | None = keep  # what the job reads and writes
+        self._native = native
+        self._rows = rows
+        self._dst_rows, self._src_rows = limits
+
+    def done(self) -> bool:
+        if self._keep is None:
+            return True
+        if self._native._copy_done(self._address) < 0:
+            return False
+        self._keep = None  # the thread is done with them
+        return True
+
+    def error(self) -> IndexError | None:
+        """Once done: the out-of-range rows as the synchronous copy would raise them."""
+        skipped = int(self._result[0])
+        if not skipped:
+            return None
+        return IndexError(
+            f"{skipped} of {self._rows} row pairs out of range (dst rows {self._dst_rows}, "
+            f"src rows {self._src_rows})"
+        )
+
+
+class PageCopier:
+    """A started copy thread. Owned by one inline-copies object; `stop` before its pools go."""
+
+    def __init__(self, native: NativeRows, capacity: int = CAPACITY) -> None:
+        handle = native._copier_start(capacity)
+        if not handle:
+            raise OSError("the copy thread could not be started")
+        self._native = native
+        self._handle: int | None = handle
+        self._pid = os.getpid()  # a forked child has no copy thread to stop
+        self._queued: deque[PendingCopy] = deque()  # submitted, not yet seen done
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet seen done."""
+        queued = self._queued
+        while queued and queued[0].done():  # the thread runs them in order
+            queued.popleft()
+        return len(queued)
+
+    def submit(
+        self,
+        dst: np.ndarray,
+        src: np.ndarray,
+        dst_pages: np.ndarray,
+        dst_page_rows: int,
+        src_pages: np.ndarray,
+        src_page_rows: int,
+        runs: PageRuns,
+        *,
+        streaming: bool,
+        dst_address: int | None = None,
+        src_address: int | None = None,
+    ) -> PendingCopy | None:
+        """`NativeRows.copy_pages` with the same arguments, queued: the pending job, or None
+        (the ring full or the thread stopped) when the caller must copy itself."""
+        if self._handle is None:
+            return None
+        row_bytes = dst.shape[1] * dst.itemsize
+        if row_bytes != src.shape[1] * src.itemsize:
+            raise ValueError(
+                f"row lengths differ: {row_bytes} and {src.shape[1] * src.itemsize} bytes"
+            )
+        n = int(dst_pages.size)
+        if src_pages.size != n:
+            raise ValueError(f"{n} destination pages but {src_pages.size} source pages")
+        self.in_flight  # noqa: B018 - drops what has finished, so the table stays short
+        pending = PendingCopy(
+            self._native,
+            (dst, src, dst_pages, src_pages, runs),
+            n * runs.rows,
+            (dst.shape[0], src.shape[0]),
+        )
+        run_dst, run_src, run_len, prefetch = runs._addresses
+        queued = self._native._copier_submit(
+            self._handle,
+            data_address(dst) if dst_address is None else dst_address,
+            dst.shape[0],
+            data_address(src) if src_address is None else src_address,
+            src.shape[0],
+            int64_address(dst_pages, n),
+            dst_page_rows,
+            int64_address(src_pages, n),
+            src_page_rows,
+            n,
+            run_dst,
+            run_src,
+            run_len,
+            runs.count,
+            row_bytes,
+            prefetch,
+            int(runs.prefetch.size),
+            int(streaming),
+            pending._address,
+        )
+        if queued < 0:
+            return None
+        self._queued.append(pending)
+        return pending
+
+    def stop(self) -> None:
+        """Run what is queued, then stop the thread. Idempotent."""
+        handle, self._handle = self._handle, None
+        if handle is not None and os.getpid() == self._pid:
+            self._native._copier_stop(handle)
+            for pending in self._queued:
+                pending.done()
+        self._queued.clear()
+
+    def __del__(self) -> None:
+        self.stop()
