@@ -15,8 +15,8 @@ from collections import deque
 
 import numpy as np
 
-from hicache.kernels.native.addresses import data_address, int64_address
-from hicache.kernels.native.rowcopy import NativeRows, PageRuns
+from hicache.kernels.native.addresses import data_address
+from hicache.kernels.native.rowcopy import NativeRows, PageRuns, page_args, page_error
 
 CAPACITY = 64
 """Jobs that may wait at once; a submit past it returns None and the caller copies itself."""
@@ -51,10 +51,7 @@ class PendingCopy:
         skipped = int(self._result[0])
         if not skipped:
             return None
-        return IndexError(
-            f"{skipped} of {self._rows} row pairs out of range (dst rows {self._dst_rows}, "
-            f"src rows {self._src_rows})"
-        )
+        return page_error(skipped, self._rows, self._dst_rows, self._src_rows)
 
 
 class PageCopier:
@@ -72,10 +69,13 @@ class PageCopier:
     @property
     def in_flight(self) -> int:
         """Jobs submitted and not yet seen done."""
+        self._forget_landed()
+        return len(self._queued)
+
+    def _forget_landed(self) -> None:
         queued = self._queued
         while queued and queued[0].done():  # the thread runs them in order
             queued.popleft()
-        return len(queued)
 
     def submit(
         self,
@@ -95,43 +95,18 @@ class PageCopier:
         (the ring full or the thread stopped) when the caller must copy itself."""
         if self._handle is None:
             return None
-        row_bytes = dst.shape[1] * dst.itemsize
-        if row_bytes != src.shape[1] * src.itemsize:
-            raise ValueError(
-                f"row lengths differ: {row_bytes} and {src.shape[1] * src.itemsize} bytes"
-            )
-        n = int(dst_pages.size)
-        if src_pages.size != n:
-            raise ValueError(f"{n} destination pages but {src_pages.size} source pages")
-        self.in_flight  # noqa: B018 - drops what has finished, so the table stays short
+        args = page_args(
+            dst, src, dst_pages, dst_page_rows, src_pages, src_page_rows, runs, streaming,
+            dst_address, src_address,
+        )  # fmt: skip
+        self._forget_landed()  # so the table stays as short as what is in flight
         pending = PendingCopy(
             self._native,
             (dst, src, dst_pages, src_pages, runs),
-            n * runs.rows,
+            int(dst_pages.size) * runs.rows,
             (dst.shape[0], src.shape[0]),
         )
-        run_dst, run_src, run_len, prefetch = runs._addresses
-        queued = self._native._copier_submit(
-            self._handle,
-            data_address(dst) if dst_address is None else dst_address,
-            dst.shape[0],
-            data_address(src) if src_address is None else src_address,
-            src.shape[0],
-            int64_address(dst_pages, n),
-            dst_page_rows,
-            int64_address(src_pages, n),
-            src_page_rows,
-            n,
-            run_dst,
-            run_src,
-            run_len,
-            runs.count,
-            row_bytes,
-            prefetch,
-            int(runs.prefetch.size),
-            int(streaming),
-            pending._address,
-        )
+        queued = self._native._copier_submit(self._handle, *args, pending._address)
         if queued < 0:
             return None
         self._queued.append(pending)

@@ -115,39 +115,14 @@ class NativeRows:
         IndexError (after copying every page in range) if a page's rows fall out of range.
         `dst_address` / `src_address`: the arrays' data addresses where the caller keeps them
         (taking one costs about as much as copying a page)."""
-        row_bytes = dst.shape[1] * dst.itemsize
-        if row_bytes != src.shape[1] * src.itemsize:
-            raise ValueError(
-                f"row lengths differ: {row_bytes} and {src.shape[1] * src.itemsize} bytes"
-            )
-        n = int(dst_pages.size)
-        if src_pages.size != n:
-            raise ValueError(f"{n} destination pages but {src_pages.size} source pages")
-        run_dst, run_src, run_len, prefetch = runs._addresses
-        skipped = self._copy_pages(
-            data_address(dst) if dst_address is None else dst_address,
-            dst.shape[0],
-            data_address(src) if src_address is None else src_address,
-            src.shape[0],
-            int64_address(dst_pages, n),
-            dst_page_rows,
-            int64_address(src_pages, n),
-            src_page_rows,
-            n,
-            run_dst,
-            run_src,
-            run_len,
-            runs.count,
-            row_bytes,
-            prefetch,
-            int(runs.prefetch.size),
-            int(streaming),
-        )
+        args = page_args(
+            dst, src, dst_pages, dst_page_rows, src_pages, src_page_rows, runs, streaming,
+            dst_address, src_address,
+        )  # fmt: skip
+        skipped = self._copy_pages(*args)
         if skipped:
-            raise IndexError(
-                f"{skipped} of {n * runs.rows} row pairs out of range (dst rows {dst.shape[0]}, "
-                f"src rows {src.shape[0]})"
-            )
+            rows = int(dst_pages.size) * runs.rows
+            raise page_error(skipped, rows, dst.shape[0], src.shape[0])
 
     def slot_pages(self, slots: np.ndarray, page_size: int, size: int) -> np.ndarray | None:
         """The page numbers of `slots` (1-D C-contiguous int64) when they are whole aligned
@@ -220,6 +195,56 @@ class NativeRows:
             data_address(free_pages), top, count, page_size, data_address(held), data_address(out)
         )
         return out
+
+
+def page_args(
+    dst: np.ndarray,
+    src: np.ndarray,
+    dst_pages: np.ndarray,
+    dst_page_rows: int,
+    src_pages: np.ndarray,
+    src_page_rows: int,
+    runs: PageRuns,
+    streaming: bool,
+    dst_address: int | None,
+    src_address: int | None,
+) -> tuple[int, ...]:
+    """`hicache_copy_pages`'s arguments for `NativeRows.copy_pages` (which says what they
+    mean), checked: ValueError for rows of two lengths or page arrays of two."""
+    row_bytes = dst.shape[1] * dst.itemsize
+    if row_bytes != src.shape[1] * src.itemsize:
+        raise ValueError(f"row lengths differ: {row_bytes} and {src.shape[1] * src.itemsize} bytes")
+    n = int(dst_pages.size)
+    if src_pages.size != n:
+        raise ValueError(f"{n} destination pages but {src_pages.size} source pages")
+    run_dst, run_src, run_len, prefetch = runs._addresses
+    return (
+        data_address(dst) if dst_address is None else dst_address,
+        dst.shape[0],
+        data_address(src) if src_address is None else src_address,
+        src.shape[0],
+        int64_address(dst_pages, n),
+        dst_page_rows,
+        int64_address(src_pages, n),
+        src_page_rows,
+        n,
+        run_dst,
+        run_src,
+        run_len,
+        runs.count,
+        row_bytes,
+        prefetch,
+        int(runs.prefetch.size),
+        int(streaming),
+    )
+
+
+def page_error(skipped: int, rows: int, dst_rows: int, src_rows: int) -> IndexError:
+    """What a page copy that skipped `skipped` of its `rows` row pairs raises (the grids
+    having `dst_rows` and `src_rows` rows)."""
+    return IndexError(
+        f"{skipped} of {rows} row pairs out of range (dst rows {dst_rows}, src rows {src_rows})"
+    )
 
 
 class PageRuns:
