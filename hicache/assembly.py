@@ -255,8 +255,8 @@ async def _streams(
         # The compiled row copier is built (once per machine, by `cc`) off the event loop.
         await anyio.to_thread.run_sync(native_rows)
     inline = cfg.cpu_transfers == "inline" and device.device.type == "cpu"
-    # Inline CPU copies: bytes move at submit, completion is reported on the next turn of the
-    # loop (the virtual streams' machinery, with no modelled time).
+    # Inline CPU copies: a load's bytes move at submit and a backup's on the copy thread;
+    # completions come on the loop's turns (the virtual streams' machinery, no modelled time).
     streams, selection = make_streams(
         device,
         host,

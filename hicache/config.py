@@ -57,8 +57,9 @@ class CacheConfig:
     host_chunk_bytes: int = 256 << 20
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] = "page_first"
-    # Without CUDA: copy on the event loop at submit ("inline": no thread hand-offs, every
-    # layer has landed when the load is answered) or on a worker thread per direction
+    # Without CUDA: loads copied on the event loop at submit and backups on one compiled copy
+    # thread beside it ("inline": every layer has landed when the load is answered, no Python
+    # thread hand-offs) or on a worker thread per direction
     # ("thread": overlaps compute running in other threads; on 2 cores the hand-offs cost more
     # than they buy, see docs/benchmarks.md "Control plane").
     cpu_transfers: Literal["thread", "inline"] = "inline"

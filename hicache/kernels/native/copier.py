@@ -63,7 +63,10 @@ class PageCopier:
             raise OSError("the copy thread could not be started")
         self._native = native
         self._handle: int | None = handle
-        self._pid = os.getpid()  # a forked child has no copy thread to stop
+        # A forked child has no copy thread to stop. `getpid` kept here: a copier collected as
+        # the interpreter shuts down may find the `os` module already torn down.
+        self._getpid = os.getpid
+        self._pid = self._getpid()
         self._queued: deque[PendingCopy] = deque()  # submitted, not yet seen done
 
     @property
@@ -115,7 +118,7 @@ class PageCopier:
     def stop(self) -> None:
         """Run what is queued, then stop the thread. Idempotent."""
         handle, self._handle = self._handle, None
-        if handle is not None and os.getpid() == self._pid:
+        if handle is not None and self._getpid() == self._pid:
             self._native._copier_stop(handle)
             for pending in self._queued:
                 pending.done()

@@ -1,4 +1,5 @@
-"""Copies that are complete when the call returns: how virtual (and inline) streams move bytes.
+"""Copies that are complete when the call returns (and, for inline streams' backups, copies
+queued on a copy thread: `backup_later`): how virtual and inline streams move bytes.
 
 Virtual streams model *when* a transfer lands; the bytes themselves move at submit, with the
 engine a real stream of the pools' device uses: the CPU row copier for host pools, the CUDA

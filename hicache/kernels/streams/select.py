@@ -41,10 +41,10 @@ def make_streams(
 ) -> tuple[TransferStreams, StreamSelection]:
     """Build transfer streams for these pools.
 
-    prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "inline" (copies
-    on the event loop at submit: the virtual streams' machinery with no modelled time;
-    needs `schedule`); both move bytes with the engine of the device pool's device
-    (streams/inline.py). "cuda" or "auto"
+    prefer: "virtual" (needs `schedule` and `bandwidth`; deterministic mode), "inline" (loads
+    copied on the event loop at submit, backups on a copy thread beside it where the compiled
+    copier runs: the virtual streams' machinery with no modelled time; needs `schedule`); both
+    move bytes with the engine of the device pool's device (streams/inline.py). "cuda" or "auto"
     (CUDA when the device pool is on a CUDA device and the driver answers, else CPU with the
     reason), "cpu". `transfer_sms`: the SMs a CUDA stream's copy kernel may occupy. Raises
     ValueError for an unknown preference or missing virtual arguments."""
