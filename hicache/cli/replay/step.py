@@ -83,8 +83,8 @@ async def run_step(
     # match; with L3 the prefetch may have, so every request asks.
     asks = [m.rid for m in matches if storage_on or m.host_len or m.pending]
     with timer("load_back"):
-        asked = iter(await cache.load_back_many(asks) if asks else ())
-    loads = [next(asked) if m.rid in asks else _no_load(m) for m in matches]
+        loaded = {lb.rid: lb for lb in (await cache.load_back_many(asks) if asks else ())}
+    loads = [loaded.get(m.rid) or _no_load(m) for m in matches]
     tally.loaded += sum(lb.loaded_tokens for lb in loads)
     bad = verified = 0
     for lb in loads:

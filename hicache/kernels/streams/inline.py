@@ -74,7 +74,7 @@ class CpuInlineCopies:
         self.device_pool, self.host_pool, self.io = device_pool, host_pool, io
         self._engine = CpuEngine()
         self._copier: PageCopier | None = None
-        self._closed = False
+        self._no_thread = False  # the copy thread could not be started: back up here
 
     def load_all(self, plan: PagePlan) -> None:
         run_load_all(plan, self.host_pool, self.device_pool, self.io, self._engine)
@@ -88,11 +88,11 @@ class CpuInlineCopies:
     def backup_later(self, plan: PagePlan) -> Landing | None:
         copier = self._copier
         native = self._engine.native
-        if copier is None and native is not None and not self._closed:
+        if copier is None and native is not None and not self._no_thread:
             try:
                 copier = self._copier = PageCopier(native)
-            except OSError:  # no thread to be had: copy here
-                self._closed = True  # and do not ask again
+            except OSError:  # no thread to be had: copy here, and do not ask again
+                self._no_thread = True
         if copier is None:
             self.backup(plan)
             return None
@@ -101,8 +101,8 @@ class CpuInlineCopies:
         return Landing(jobs) if jobs else None
 
     def close(self) -> None:
-        """Run the backups still queued on the copy thread, then stop it. Idempotent."""
-        self._closed = True
+        """Run the backups still queued on the copy thread, then stop it (a backup after this
+        is copied here). Idempotent."""
         if self._copier is not None:
             self._copier.stop()
 
