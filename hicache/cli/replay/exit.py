@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -141,7 +143,32 @@ def owned_scratch(parent: str | None) -> Iterator[str]:
         finally:
             os.close(fd)  # releases the lock
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    """`shutil.rmtree(path, ignore_errors=True)`, with the subtrees two levels down (a file
+    store's shard directories) removed by a few threads at once: removing a store is a system
+    call per file, some 330,000 for the whole trace, and two cores do that in about two thirds
+    of the time one takes. Symbolic links are removed, never followed."""
+    subtrees: list[str] = []
+    try:
+        with os.scandir(path) as tops:
+            dirs = [e.path for e in tops if e.is_dir(follow_symlinks=False)]
+        for top in dirs:
+            with os.scandir(top) as subs:
+                subtrees += [e.path for e in subs if e.is_dir(follow_symlinks=False)]
+    except OSError:  # gone, or unreadable: rmtree below does what can be done
+        pass
+    threads = min(_REMOVE_THREADS, len(subtrees))
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="hicache-remove") as pool:
+            for _ in pool.map(functools.partial(shutil.rmtree, ignore_errors=True), subtrees):
+                pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_REMOVE_THREADS = min(4, os.cpu_count() or 1)
 
 
 def sweep_stale(parent: str | None) -> list[tuple[str, int]]:
@@ -166,7 +193,7 @@ def sweep_stale(parent: str | None) -> list[tuple[str, int]]:
             except OSError:
                 continue  # a live replay holds it
             size = _tree_bytes(path)
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
             if not path.exists():
                 removed.append((str(path), size))
         finally:
