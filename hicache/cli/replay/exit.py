@@ -147,27 +147,34 @@ def owned_scratch(parent: str | None) -> Iterator[str]:
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
-    """`shutil.rmtree(path, ignore_errors=True)`, with the subtrees two levels down (a file
-    store's shard directories) removed by a few threads at once: removing a store is a system
-    call per file, some 330,000 for the whole trace, and two cores do that in about two thirds
-    of the time one takes. Symbolic links are removed, never followed."""
-    subtrees: list[str] = []
-    try:
-        with os.scandir(path) as tops:
-            dirs = [e.path for e in tops if e.is_dir(follow_symlinks=False)]
-        for top in dirs:
-            with os.scandir(top) as subs:
-                subtrees += [e.path for e in subs if e.is_dir(follow_symlinks=False)]
-    except OSError:  # gone, or unreadable: rmtree below does what can be done
-        pass
-    threads = min(_REMOVE_THREADS, len(subtrees))
+    """`shutil.rmtree(path, ignore_errors=True)`, with the first level of directories that has
+    enough of them (a file store's shard directories, at most `_SPLIT_DEPTH` down) removed by
+    a few threads at once: removing a store is a system call per file, some 330,000 for the
+    whole trace, and two cores do that in about two thirds of the time one takes. Symbolic
+    links are removed, never followed."""
+    level = [os.fspath(path)]
+    for _ in range(_SPLIT_DEPTH):
+        below: list[str] = []
+        for directory in level:
+            try:
+                with os.scandir(directory) as entries:
+                    below += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+            except OSError:  # gone, or unreadable: rmtree below does what can be done
+                pass
+        if not below:
+            break
+        level = below
+        if len(level) >= 4 * _REMOVE_THREADS:
+            break
+    threads = min(_REMOVE_THREADS, len(level))
     if threads > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="hicache-remove") as pool:
-            for _ in pool.map(functools.partial(shutil.rmtree, ignore_errors=True), subtrees):
+            for _ in pool.map(functools.partial(shutil.rmtree, ignore_errors=True), level):
                 pass
     shutil.rmtree(path, ignore_errors=True)
 
 
+_SPLIT_DEPTH = 4
 _REMOVE_THREADS = min(4, os.cpu_count() or 1)
 
 

@@ -11,15 +11,16 @@ from hicache.cli.replay.exit import remove_tree
 
 
 def make_store(root: Path, shards: int = 12, files: int = 5) -> int:
-    """A file store's shape: root/<namespace>/<shard>/<leaf>/<value>, plus loose files."""
+    """A replay's scratch directory: root/store/<namespace>/<shard>/<leaf>/<value>, plus an
+    owner file and the store's temporary directory."""
     made = 0
     for s in range(shards):
-        leaf = root / "ns" / f"{s:02x}" / "a"
+        leaf = root / "store" / "ns" / f"{s:02x}" / "a"
         leaf.mkdir(parents=True)
         for f in range(files):
             (leaf / f"v{f}").write_bytes(b"x" * 64)
             made += 1
-    (root / "ns" / "tmp").mkdir()
+    (root / "store" / "ns" / "tmp").mkdir()
     (root / ".owner").write_text("1\n")
     return made + 1
 
@@ -36,7 +37,7 @@ def test_everything_under_the_store_goes(tmp_path, monkeypatch):
     monkeypatch.setattr(replay_exit.shutil, "rmtree", counting)
     store = tmp_path / "store"
     assert make_store(store) == 61
-    shards = sorted(str(p) for p in (store / "ns").iterdir())
+    shards = sorted(str(p) for p in (store / "store" / "ns").iterdir())
     assert len(shards) == 13
     remove_tree(store)
     assert not store.exists()
@@ -51,7 +52,7 @@ def test_links_are_removed_not_followed(tmp_path):
     (outside / "deep" / "keep").write_bytes(b"k")
     store = tmp_path / "store"
     make_store(store, shards=3)
-    (store / "ns" / "link").symlink_to(outside, target_is_directory=True)
+    (store / "store" / "ns" / "link").symlink_to(outside, target_is_directory=True)
     (store / "top-link").symlink_to(outside / "deep", target_is_directory=True)
     remove_tree(store)
     assert not store.exists()
